@@ -1,0 +1,64 @@
+"""bunsan (分散, "distributed"): train and run large language models across many processes and GPUs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from . import models
+from .comm import Comm, CommError
+from .config import Config, ConfigError
+from .distributed import Mesh, init_distributed
+from .engine import Engine
+from .transforms import apply_activation_checkpointing, apply_compile
+
+__version__ = "0.1.0"
+__all__ = ["initialize", "init_distributed", "Config", "ConfigError", "Engine", "Mesh", "CommError", "models"]
+
+
+def initialize(model: nn.Module | None = None, config=None, optimizer: torch.optim.Optimizer | None = None,
+               loss_fn=None, **deepspeed_kwargs) -> Engine:
+    """Wrap a plain model for distributed training; `config` is a dict, a file path or a Config.
+
+    Works whether torch.distributed was initialised by the user, by torchrun's environment,
+    or not at all (then this process is a world of one). DeepSpeed's keyword form
+    `initialize(model=..., optimizer=..., config=...)` is accepted; so are its
+    `model_parameters` (ignored: bunsan trains the parameters with requires_grad) and
+    `config_params` (an alias of config).
+    """
+    if model is None:
+        raise TypeError("bunsan.initialize needs a model: initialize(model, config)")
+    if config is None:
+        config = deepspeed_kwargs.pop("config_params", None)
+    deepspeed_kwargs.pop("model_parameters", None)
+    if deepspeed_kwargs:
+        raise TypeError(f"bunsan.initialize got unexpected arguments {sorted(deepspeed_kwargs)}; it takes "
+                        "model, config, optimizer, loss_fn")
+    cfg = Config.load(config)
+    missing = cfg.unimplemented()
+    if missing:
+        raise ConfigError("\n".join(missing))
+    device = init_distributed(timeout_s=cfg.train.timeout_s)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.train.tf32
+    mesh = Mesh.create(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size)
+    comm = Comm(timeout_s=cfg.train.timeout_s)
+    if any(p.is_meta for p in model.parameters()):
+        _materialize(model, device, cfg.train.seed)
+    if cfg.activation_checkpointing.enabled:
+        apply_activation_checkpointing(model)
+    if cfg.train.compile:
+        apply_compile(model)
+    return Engine(model, cfg, mesh, device, comm, optimizer=optimizer, loss_fn=loss_fn)
+
+
+def _materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate a model built on the meta device and initialise it with its own init_weights."""
+    init = getattr(model, "init_weights", None)
+    if init is None:
+        raise ValueError(f"{type(model).__name__} was built on the meta device but has no init_weights(); "
+                         "build it on a real device or give it an init_weights method")
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    init()

@@ -1,0 +1,164 @@
+"""The `bunsan` command: run | train | generate.
+
+Process management is torchrun's (`torch.distributed.run`): `bunsan run` hands it
+the script, `bunsan train --nproc N` hands it `python -m bunsan.cli train ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+# Flags of `bunsan train` that map onto config keys.
+TRAIN_FLAGS = {
+    "preset": ("model.preset", str, "model preset (tiny, small, 135m, 1b, 7b, ...)"),
+    "steps": ("train.steps", int, "optimizer steps"),
+    "zero": ("zero_optimization.stage", int, "ZeRO stage"),
+    "micro_batch": ("train_micro_batch_size_per_gpu", int, "micro-batch per data-parallel rank"),
+    "grad_accum": ("gradient_accumulation_steps", int, "gradient accumulation steps"),
+    "train_batch_size": ("train_batch_size", int, "global batch (samples)"),
+    "seq_len": ("data.seq_len", int, "tokens per sample"),
+    "lr": ("optimizer.params.lr", float, "learning rate"),
+    "seed": ("train.seed", int, "random seed"),
+    "output": ("train.output_dir", str, "output directory (metrics, final weights)"),
+    "tokenizer": ("data.tokenizer", str, "Hugging Face tokenizer.json (default: bytes)"),
+    "timeout": ("train.timeout_s", float, "collective timeout in seconds"),
+}
+TRAIN_SWITCHES = {"fp16": "fp16.enabled", "bf16": "bf16.enabled", "compile": "train.compile",
+                  "checkpointing": "activation_checkpointing.enabled"}
+
+
+def _parse_set(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise SystemExit(f"bunsan: --set expects KEY=VALUE (e.g. --set train.steps=50), got {item!r}")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v
+    return out
+
+
+def train_config(args):
+    from .config import Config
+    cfg = Config.load(args.config)
+    updates = {TRAIN_FLAGS[k][0]: v for k in TRAIN_FLAGS if (v := getattr(args, k)) is not None}
+    updates.update({key: True for flag, key in TRAIN_SWITCHES.items() if getattr(args, flag)})
+    if args.data:
+        updates["data.paths"] = args.data
+    updates.update(_parse_set(args.set or []))
+    return cfg.override(updates) if updates else cfg
+
+
+def cmd_train(args) -> int:
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    if args.nproc > 1 and not under_torchrun:
+        train_config(args)  # fail fast on a bad config, before starting processes
+        from torch.distributed.run import main as torchrun
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        try:
+            torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "--module", "bunsan.cli", *args.argv])
+        except ChildFailedError as e:
+            print(f"bunsan: training failed on {len(e.failures)} process(es); see their errors above",
+                  file=sys.stderr)
+            return 1
+        return 0
+    from .train import run_training
+    run_training(train_config(args))
+    return 0
+
+
+def cmd_run(args, rest: list[str]) -> int:
+    from torch.distributed.run import main as torchrun
+    if not rest:
+        raise SystemExit("bunsan run: give the script to launch, e.g. bunsan run --nproc-per-node 2 train.py")
+    multi_node = any(a.startswith(("--nnodes", "--rdzv-endpoint", "--rdzv_endpoint")) for a in rest)
+    torchrun((["--standalone"] if not multi_node else []) + rest)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+    from safetensors.torch import load_file
+
+    from .config import Config
+    from .data import load_tokenizer
+    from .models import Llama, LlamaConfig, generate
+
+    ckpt = Path(args.checkpoint)
+    if (ckpt / "final").is_dir():
+        ckpt = ckpt / "final"
+    weights, meta_path = ckpt / "model.safetensors", ckpt / "config.json"
+    if not weights.is_file() or not meta_path.is_file():
+        raise SystemExit(f"bunsan generate: {ckpt} has no model.safetensors + config.json; point --checkpoint at "
+                         "the output directory of `bunsan train` (or its final/ folder)")
+    meta = json.loads(meta_path.read_text())
+    cfg = Config.load(meta.get("bunsan_config", {}))
+    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer)
+    model = Llama(LlamaConfig.from_hf(meta["model"]))
+    model.load_state_dict(load_file(str(weights)), strict=False)
+    model.eval()
+    ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
+    if ids.numel() == 0:
+        raise SystemExit("bunsan generate: --prompt is empty; give some text to continue")
+    g = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():
+        out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       eos_token_id=tokenizer.eos_token_id, generator=g)
+    print(tokenizer.decode(out[0].tolist()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bunsan", description="Distributed training and inference of LLMs.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    r = sub.add_parser("run", help="launch a script on N processes / M nodes (torchrun)", add_help=False)
+    r.add_argument("-h", "--help", action="store_true")
+
+    t = sub.add_parser("train", help="train the reference Llama (default: small preset, 2 CPU processes)")
+    t.add_argument("config", nargs="?", help="config file (JSON/YAML/TOML, DeepSpeed keys accepted)")
+    t.add_argument("--nproc", type=int, default=2, help="processes on this machine (default 2)")
+    for name, (key, typ, hlp) in TRAIN_FLAGS.items():
+        t.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, help=f"{hlp} ({key})")
+    for flag, key in TRAIN_SWITCHES.items():
+        t.add_argument("--" + flag, action="store_true", help=f"set {key}")
+    t.add_argument("--data", nargs="+", help="text files, directories or globs (default: Python's stdlib source)")
+    t.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config key, e.g. --set fp16.hysteresis=4")
+
+    g = sub.add_parser("generate", help="sample text from a trained checkpoint")
+    g.add_argument("--checkpoint", required=True, help="output dir of `bunsan train` (or its final/ folder)")
+    g.add_argument("--prompt", default="def ")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tokenizer", default=None, help="override the tokenizer recorded in the checkpoint")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] == "run":  # everything after `run` belongs to torchrun
+        if len(argv) == 1 or argv[1] in ("-h", "--help"):
+            from torch.distributed.run import get_args_parser
+            get_args_parser().print_help()
+            return 0
+        return cmd_run(None, argv[1:])
+    args = parser.parse_args(argv)
+    args.argv = argv
+    from .config import ConfigError
+    try:
+        if args.cmd == "train":
+            return cmd_train(args)
+        return cmd_generate(args)
+    except ConfigError as e:
+        print(f"bunsan: config error:\n{e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The only door to the other ranks.
+
+Every collective and point-to-point call in bunsan goes through this module so
+that (1) each one runs with a timeout and fails with a message that names the
+rank, the op and the group, and (2) the traffic is accounted per step: op,
+group, calls and *logical* bytes, i.e. what a ring algorithm moves per rank:
+
+    all-reduce                      2 (N-1)/N * S
+    reduce-scatter / all-gather       (N-1)/N * S     (S = the full, unsharded size)
+    broadcast                                   S
+    send / recv                                 S
+
+Logical bytes, not timings: gloo implements reduce-scatter as an all-reduce
+underneath, so wall time would not show what the algorithm is asked to move.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+class CommError(RuntimeError):
+    """A collective failed or timed out; the message names rank, op and group."""
+
+
+@dataclass
+class Group:
+    """A process group with a name (for accounting) and its size and our rank in it."""
+
+    name: str
+    pg: object | None  # torch ProcessGroup; None for a group of one (no communication)
+    size: int
+    rank: int
+    ranks: tuple[int, ...] = ()
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class CommStats:
+    """Per-(op, group) counters for the current step and since the start."""
+
+    step: dict = field(default_factory=lambda: defaultdict(OpStats))
+    total: dict = field(default_factory=lambda: defaultdict(OpStats))
+
+    def record(self, op: str, group: Group, nbytes: int) -> None:
+        key = (op, group.name)
+        for table in (self.step, self.total):
+            table[key].calls += 1
+            table[key].bytes += int(nbytes)
+
+    def new_step(self) -> None:
+        self.step = defaultdict(OpStats)
+
+    @staticmethod
+    def _as_dict(table) -> dict:
+        return {f"{op}/{g}": {"calls": s.calls, "bytes": s.bytes} for (op, g), s in sorted(table.items())}
+
+    def summary(self) -> dict:
+        return {"step": self._as_dict(self.step), "total": self._as_dict(self.total),
+                "step_bytes": sum(s.bytes for s in self.step.values())}
+
+
+def logical_bytes(op: str, nbytes: int, n: int) -> int:
+    """Bytes a ring algorithm moves per rank for `op` over `n` ranks on a tensor of `nbytes`."""
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * nbytes // n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) * nbytes // n
+    return nbytes  # broadcast, send, recv
+
+
+class _Handle:
+    """Wraps an async work object so that waiting has a timeout and a clear error."""
+
+    def __init__(self, comm: "Comm", work, op: str, group: Group):
+        self._comm, self._work, self._op, self._group = comm, work, op, group
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        try:
+            ok = self._work.wait(datetime.timedelta(seconds=self._comm.timeout_s))
+        except RuntimeError as e:  # gloo raises on timeout or a dead peer
+            raise self._comm.error(self._op, self._group, e) from e
+        if ok is False:
+            raise self._comm.error(self._op, self._group, "timed out")
+        self._work = None
+
+
+class Comm:
+    """Collectives with accounting and timeouts. One per engine (groups are passed, not global)."""
+
+    def __init__(self, timeout_s: float = 120.0):
+        self.timeout_s = float(timeout_s)
+        self.stats = CommStats()
+        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def error(self, op: str, group: Group, cause) -> CommError:
+        return CommError(
+            f"rank {self.global_rank}: {op} on group '{group.name}' (ranks {list(group.ranks)}) failed: {cause}. "
+            f"Another rank probably died, hung or skipped this {op}; the collective timeout is "
+            f"{self.timeout_s:g}s (train.timeout_s)."
+        )
+
+    def _run(self, op: str, group: Group, nbytes: int, fn, async_op: bool):
+        self.stats.record(op, group, logical_bytes(op, nbytes, group.size))
+        try:
+            work = fn()
+        except RuntimeError as e:
+            raise self.error(op, group, e) from e
+        handle = _Handle(self, work, op, group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    # -- collectives ---------------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, group: Group, async_op: bool = False):
+        """In-place SUM all-reduce (gloo has no AVG: callers divide themselves)."""
+        if group.size == 1:
+            return _Handle(self, None, "all_reduce", group) if async_op else None
+        return self._run("all_reduce", group, t.numel() * t.element_size(),
+                         lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group.pg, async_op=True),
+                         async_op)
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
+        """Gather equal shards into `out` (size N x shard)."""
+        if group.size == 1:
+            out.copy_(shard.view_as(out))
+            return _Handle(self, None, "all_gather", group) if async_op else None
+        return self._run("all_gather", group, out.numel() * out.element_size(),
+                         lambda: dist.all_gather_into_tensor(out, shard, group=group.pg, async_op=True),
+                         async_op)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: Group, async_op: bool = False):
+        """SUM-reduce `full` across ranks and keep this rank's 1/N shard in `out`."""
+        if group.size == 1:
+            out.copy_(full.view_as(out))
+            return _Handle(self, None, "reduce_scatter", group) if async_op else None
+        return self._run("reduce_scatter", group, full.numel() * full.element_size(),
+                         lambda: dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM,
+                                                            group=group.pg, async_op=True),
+                         async_op)
+
+    def broadcast(self, t: torch.Tensor, src_rank: int, group: Group, async_op: bool = False):
+        """Broadcast from group-local rank `src_rank`."""
+        if group.size == 1:
+            return _Handle(self, None, "broadcast", group) if async_op else None
+        src = group.ranks[src_rank]
+        return self._run("broadcast", group, t.numel() * t.element_size(),
+                         lambda: dist.broadcast(t, src=src, group=group.pg, async_op=True), async_op)
+
+    def all_reduce_scalars(self, values: list[float], group: Group) -> list[float]:
+        """SUM a few float64 scalars across the group (token counts, losses)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        self.all_reduce(t, group)
+        return t.tolist()
+
+    def barrier(self, group: Group) -> None:
+        if group.size == 1:
+            return
+        self.all_reduce(torch.zeros(1), group)
+
+    # -- point to point ------------------------------------------------------------------------
+    def isend(self, t: torch.Tensor, dst: int, group: Group):
+        return self._run("send", group, t.numel() * t.element_size(),
+                         lambda: dist.isend(t, dst=dst, group=group.pg), True)
+
+    def irecv(self, t: torch.Tensor, src: int, group: Group):
+        return self._run("recv", group, t.numel() * t.element_size(),
+                         lambda: dist.irecv(t, src=src, group=group.pg), True)

@@ -1,0 +1,110 @@
+"""Process start-up, device choice and the (pp, dp, tp) mesh of process groups.
+
+`init_distributed` reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT); without it bunsan runs as a world of one, backed by an
+in-memory store, so that the same code paths run everywhere. The device is chosen
+once: CUDA + NCCL when a GPU is present, else CPU + gloo.
+
+The mesh lays ranks out as world = pp x dp x tp with tp innermost, so that
+tensor-parallel peers are neighbouring ranks (the fast links inside a node):
+
+    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import Group
+
+
+def pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 120.0) -> torch.device:
+    """Initialise torch.distributed once (reusing a group the user already made) and return the device."""
+    device = pick_device()
+    if dist.is_initialized():
+        return device
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        # A world of one: no launcher, no ports, same code paths.
+        store = dist.HashStore()
+        dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout)
+    return device
+
+
+@dataclass
+class Mesh:
+    """The groups a rank belongs to. Build with `Mesh.create(pp, tp)`; dp is what is left."""
+
+    pp: int
+    dp: int
+    tp: int
+    rank: int
+    world: Group
+    dp_group: Group
+    tp_group: Group
+    pp_group: Group
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp_group.rank
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_group.rank
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_group.rank
+
+    @staticmethod
+    def coords(rank: int, pp: int, dp: int, tp: int) -> tuple[int, int, int]:
+        return rank // (dp * tp), (rank // tp) % dp, rank % tp
+
+    @classmethod
+    def create(cls, pp: int = 1, tp: int = 1) -> "Mesh":
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        if pp < 1 or tp < 1 or world_size % (pp * tp):
+            raise ValueError(
+                f"world size {world_size} is not divisible by pipeline stages {pp} x tensor-parallel size {tp} "
+                f"(= {pp * tp}); launch a multiple of {pp * tp} processes or change pipeline.stages / "
+                "tensor_parallel.size")
+        dp = world_size // (pp * tp)
+        ranks = list(range(world_size))
+        world = Group("world", dist.group.WORLD if world_size > 1 else None, world_size, rank, tuple(ranks))
+        mine = {}
+        # Every rank must call new_group for every group, in the same order.
+        for name, members in (("tp", cls._groups(pp, dp, tp, "tp")), ("dp", cls._groups(pp, dp, tp, "dp")),
+                              ("pp", cls._groups(pp, dp, tp, "pp"))):
+            for ranks_in in members:
+                pg = dist.new_group(ranks_in) if len(ranks_in) > 1 and len(ranks_in) < world_size else None
+                if len(ranks_in) == world_size and world_size > 1:
+                    pg = dist.group.WORLD
+                if rank in ranks_in:
+                    mine[name] = Group(name, pg, len(ranks_in), ranks_in.index(rank), tuple(ranks_in))
+        return cls(pp, dp, tp, rank, world, mine["dp"], mine["tp"], mine["pp"])
+
+    @classmethod
+    def _groups(cls, pp: int, dp: int, tp: int, axis: str) -> list[list[int]]:
+        """All rank lists along one axis of the mesh."""
+        out: dict[tuple, list[int]] = {}
+        for r in range(pp * dp * tp):
+            p, d, t = cls.coords(r, pp, dp, tp)
+            key = {"tp": (p, d), "dp": (p, t), "pp": (d, t)}[axis]
+            out.setdefault(key, []).append(r)
+        return list(out.values())

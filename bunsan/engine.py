@@ -1,0 +1,247 @@
+"""The training engine: data parallelism (ZeRO stage 0) and the precision/accumulation toolbox.
+
+One optimizer step = `gradient_accumulation_steps` micro-batches per data-parallel
+rank. Two ways to drive it:
+
+    loss = engine.train_batch(batch)          # the whole step; returns the global mean loss
+    out = engine(x); engine.backward(loss); engine.step()   # DeepSpeed-style, once per micro-batch
+
+Gradients live in one flat buffer (see grad_sync.py). With fp16/bf16 the model
+holds 16-bit weights and the optimizer steps fp32 master copies; the fp32
+gradients for that step exist only during `step()`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .comm import Comm
+from .distributed import Mesh
+from .grad_sync import FlatParams, GradSync
+from .memory import measured_memory
+from .optim import LRSchedule, build_optimizer, rebuild_over
+from .precision import LossScaler, model_dtype
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in fp32 (labels already shifted; -100 ignored)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
+                           ignore_index=-100, reduction="sum")
+
+
+class Engine:
+    def __init__(self, model: nn.Module, cfg, mesh: Mesh, device: torch.device, comm: Comm,
+                 optimizer: torch.optim.Optimizer | None = None, loss_fn=None):
+        self.cfg, self.mesh, self.device, self.comm = cfg, mesh, device, comm
+        self.module = model
+        self.loss_fn = loss_fn
+        bs = cfg.batch_sizes(mesh.dp)
+        self.train_batch_size, self.micro_batch, self.grad_accum = bs.train_batch_size, bs.micro_batch, bs.grad_accum
+        self.dtype = model_dtype(cfg)
+        if self.dtype != torch.float32 and optimizer is not None and \
+                any(p.dtype != torch.float32 for g in optimizer.param_groups for p in g["params"]):
+            raise ValueError("with fp16/bf16 bunsan keeps fp32 master weights itself: build the optimizer over "
+                             "the fp32 model and let bunsan cast the model")
+        model.to(device=device, dtype=self.dtype)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError("the model has no parameters with requires_grad=True; nothing to train")
+        zero = cfg.zero_optimization
+        self.flat = FlatParams(trainable, bucket_elems=int(zero.reduce_bucket_size))
+        # Every data-parallel replica starts from dp rank 0's weights (as torch DDP does).
+        comm.broadcast(self.flat.data, 0, mesh.dp_group)
+        self.sync = GradSync(self.flat, comm, mesh.dp_group, overlap=zero.overlap_comm)
+
+        # fp32 master weights for a 16-bit model: one flat buffer, one view per parameter.
+        self.master, self.masters = None, []
+        if self.dtype != torch.float32:
+            self.master = self.flat.data.float()
+            self.masters = [self.flat.view(self.master, i) for i in range(len(self.flat.params))]
+            to_master = dict(zip(self.flat.params, self.masters))
+        if optimizer is None:
+            targets = [to_master[p] for p in trainable] if self.master is not None else trainable
+            optimizer = build_optimizer(targets, cfg.optimizer, device)
+        elif self.master is not None:
+            optimizer = rebuild_over(optimizer, to_master)
+        self.optimizer = optimizer
+        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self.schedule = LRSchedule(cfg.scheduler, total_steps=cfg.train.steps)
+        self.scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
+
+        self.global_step = 0
+        self.micro_steps = 0        # micro-batches seen in the current optimizer step (DeepSpeed path)
+        self.skipped_steps = 0
+        self.last_grad_norm = float("nan")
+        self._post_scale = 1.0      # multiplies the all-reduced gradients before the step
+        self._last_comm = comm.stats.summary()
+        self._set_lr()
+
+    # -- attributes users expect -----------------------------------------------------------------
+    dp_rank = property(lambda self: self.mesh.dp_rank)
+    dp_size = property(lambda self: self.mesh.dp)
+    tp_rank = property(lambda self: self.mesh.tp_rank)
+    tp_size = property(lambda self: self.mesh.tp)
+    pp_rank = property(lambda self: self.mesh.pp_rank)
+    pp_size = property(lambda self: self.mesh.pp)
+    loss_scale = property(lambda self: self.scaler.scale if self.scaler else 1.0)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _set_lr(self) -> None:
+        for g, base in zip(self.optimizer.param_groups, self.base_lrs):
+            g["lr"] = self.schedule(self.global_step - self.skipped_steps, base)
+
+    # -- DeepSpeed-style loop --------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    forward = __call__
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.grad_accum == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's mean loss; the gradients of the step average over micro-batches and ranks."""
+        self._backward(loss / self.grad_accum, sync=self.is_gradient_accumulation_boundary())
+        self._post_scale = 1.0 / self.mesh.dp
+
+    def step(self) -> None:
+        """Call once per micro-batch; the optimizer steps on the accumulation boundary."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if boundary:
+            self._optimizer_step()
+            self.micro_steps = 0
+
+    def _backward(self, loss: torch.Tensor, sync: bool) -> None:
+        if not self.flat.grads_attached():  # someone called zero_grad(set_to_none=True) on the model
+            self.flat.attach()
+        if sync:
+            self.sync.begin()
+        self.sync.sync_now = sync
+        scale = self.scaler.scale if self.scaler else 1.0
+        (loss * scale if scale != 1.0 else loss).backward()
+        if sync:
+            self.sync.finish()
+            self.sync.sync_now = False
+
+    # -- the optimizer step ----------------------------------------------------------------------
+    def _optimizer_step(self) -> None:
+        grad = self.flat.grad
+        inv = self._post_scale / (self.scaler.scale if self.scaler else 1.0)
+        g32 = grad.float() if self.master is not None else grad  # fp32 grads exist only for the step
+        if inv != 1.0:
+            g32.mul_(inv)
+        norm = torch.linalg.vector_norm(g32).item()
+        self.last_grad_norm = norm
+        overflow = not math.isfinite(norm)
+        if self.scaler:
+            self.scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+            if not self.scaler:
+                raise FloatingPointError(f"gradient norm is {norm} at step {self.global_step}; the loss or the "
+                                         "model produced non-finite values (lower the learning rate or check data)")
+        else:
+            clip = self.cfg.gradient_clipping
+            if clip > 0 and norm > clip:
+                g32.mul_(clip / (norm + 1e-6))
+            for i, m in enumerate(self.masters):
+                m.grad = self.flat.view(g32, i)
+            self.optimizer.step()
+            if self.master is not None:
+                self.flat.data.copy_(self.master)
+                for m in self.masters:
+                    m.grad = None
+        # As DeepSpeed: every step counts, a skipped (overflow) step does not advance the schedule.
+        self.global_step += 1
+        self._set_lr()
+        del g32
+        grad.zero_()
+        self._last_comm = self.comm.stats.summary()
+        self.comm.stats.new_step()
+
+    # -- whole steps -----------------------------------------------------------------------------
+    def _split(self, batch):
+        """Split a per-rank batch into gradient_accumulation_steps micro-batches (dim 0)."""
+        tensors = batch.values() if isinstance(batch, dict) else batch
+        rows = {t.shape[0] for t in tensors}
+        expect = self.micro_batch * self.grad_accum
+        if rows != {expect}:
+            raise ValueError(f"batch has {sorted(rows)} rows per data-parallel rank; expected micro_batch "
+                             f"{self.micro_batch} x gradient_accumulation_steps {self.grad_accum} = {expect} "
+                             f"(train_batch_size {self.train_batch_size} over {self.mesh.dp} ranks)")
+        if isinstance(batch, dict):
+            chunks = {k: v.to(self.device, non_blocking=True).chunk(self.grad_accum) for k, v in batch.items()}
+            return [{k: v[i] for k, v in chunks.items()} for i in range(self.grad_accum)]
+        chunks = [t.to(self.device, non_blocking=True).chunk(self.grad_accum) for t in batch]
+        return [tuple(c[i] for c in chunks) for i in range(self.grad_accum)]
+
+    def _micro_loss(self, mb):
+        """(summed or mean loss, token count) of one micro-batch."""
+        if isinstance(mb, dict) and self.loss_fn is None:
+            labels = mb["labels"]
+            return lm_loss_sum(self.module(mb["input_ids"]), labels), (labels != -100).sum()
+        if self.loss_fn is None:
+            raise ValueError("pass loss_fn to bunsan.initialize for batches that are not language-model dicts")
+        if isinstance(mb, dict):
+            return self.loss_fn(self.module(mb["input_ids"]), mb["labels"]), None
+        return self.loss_fn(self.module(*mb[:-1]), mb[-1]), None
+
+    def train_batch(self, batch) -> float:
+        """One optimizer step over micro_batch x grad_accum rows; the mean loss of the global batch."""
+        self.module.train()
+        micro = self._split(batch)
+        lm = isinstance(batch, dict) and self.loss_fn is None
+        if lm:
+            # The global mean over tokens: divide summed losses by the token count of the whole global batch.
+            local = sum(int((mb["labels"] != -100).sum()) for mb in micro)
+            n_global = self.comm.all_reduce_scalars([float(local)], self.mesh.dp_group)[0]
+            if n_global == 0:
+                raise ValueError("every label in the global batch is -100; nothing to learn from")
+            div, self._post_scale = n_global, 1.0
+        else:
+            div, self._post_scale = self.grad_accum, 1.0 / self.mesh.dp
+        total = torch.zeros((), dtype=torch.float64)
+        for i, mb in enumerate(micro):
+            loss, _ = self._micro_loss(mb)
+            self._backward(loss / div, sync=i == len(micro) - 1)
+            total += loss.detach().double()
+        reported = self.comm.all_reduce_scalars([total.item()], self.mesh.dp_group)[0]
+        self.micro_steps = 0
+        self._optimizer_step()
+        return reported / (n_global if lm else self.grad_accum * self.mesh.dp)
+
+    @torch.no_grad()
+    def eval_batch(self, batch) -> float:
+        """Mean loss over a per-rank batch (any number of rows), averaged over the data-parallel group."""
+        self.module.eval()
+        try:
+            if isinstance(batch, dict) and self.loss_fn is None:
+                labels = batch["labels"].to(self.device)
+                s = lm_loss_sum(self.module(batch["input_ids"].to(self.device)), labels).item()
+                s, n = self.comm.all_reduce_scalars([s, float((labels != -100).sum())], self.mesh.dp_group)
+                return s / n
+            loss, _ = self._micro_loss(tuple(t.to(self.device) for t in batch) if not isinstance(batch, dict)
+                                       else {k: v.to(self.device) for k, v in batch.items()})
+            return self.comm.all_reduce_scalars([loss.item()], self.mesh.dp_group)[0] / self.mesh.dp
+        finally:
+            self.module.train()
+
+    # -- introspection ---------------------------------------------------------------------------
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full plain-model state dict (same keys as the unwrapped model), on every rank, on CPU."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    def comm_stats(self) -> dict:
+        """Communication of the last completed optimizer step and totals since start."""
+        return self._last_comm
+
+    def memory_report(self) -> dict:
+        return measured_memory(self)

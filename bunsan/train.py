@@ -1,0 +1,143 @@
+"""`bunsan train`: the reference Llama on a text corpus, read top to bottom.
+
+config -> process group -> tokens -> model -> engine -> loop (log, eval) -> summary -> final weights.
+Runs on every rank that torchrun started; only rank 0 prints and writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from . import initialize
+from .config import Config
+from .data import TokenBatches, load_tokenizer, load_tokens, make_loader, resolve_paths, unigram_entropy
+from .distributed import init_distributed
+from .metrics import Metrics, peak_flops
+from .models import Llama, build_config, flops_per_token
+
+MEMORY_KEYS = ("params", "grads", "master_weights", "optimizer_states", "buffers", "model_states",
+               "theory_model_states", "peak_rss", "rss", "cuda_peak_allocated")
+
+
+def model_config(cfg: Config, vocab_size: int):
+    overrides = {k: v for k, v in cfg.model.model_dump().items() if k != "preset" and v is not None}
+    overrides.setdefault("vocab_size", vocab_size)
+    mcfg = build_config(cfg.model.preset, **overrides)
+    if mcfg.vocab_size < vocab_size:
+        raise ValueError(f"model.vocab_size {mcfg.vocab_size} is smaller than the tokenizer's {vocab_size}; "
+                         f"set model.vocab_size to at least {vocab_size}")
+    if mcfg.max_position_embeddings < cfg.data.seq_len:
+        raise ValueError(f"data.seq_len {cfg.data.seq_len} exceeds model.max_position_embeddings "
+                         f"{mcfg.max_position_embeddings}; lower data.seq_len or raise max_position_embeddings")
+    return mcfg
+
+
+def gather_memory(engine) -> list[dict]:
+    """Every rank's measured memory, on every rank (one small all-gather)."""
+    rep = engine.memory_report()
+    mine = torch.tensor([float(rep.get(k, 0)) for k in MEMORY_KEYS], dtype=torch.float64)
+    world = engine.mesh.world
+    out = torch.zeros(world.size * len(MEMORY_KEYS), dtype=torch.float64)
+    engine.comm.all_gather(out, mine, world)
+    rows = out.view(world.size, len(MEMORY_KEYS)).tolist()
+    return [{k: int(v) for k, v in zip(MEMORY_KEYS, row) if k in rep} for row in rows]
+
+
+def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
+    """Rank 0 writes model.safetensors + config.json into out_dir/final, atomically (tmp dir + rename)."""
+    state = engine.consolidated_state_dict()
+    final = out_dir / "final"
+    if engine.mesh.rank == 0:
+        tmp = out_dir / f".final.tmp{os.getpid()}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt", "producer": "bunsan"})
+        meta = {"model": mcfg.to_hf(), "bunsan_config": cfg.to_dict(), **extra}
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():
+            old = out_dir / f".final.old{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            for f in old.iterdir():
+                f.unlink()
+            old.rmdir()
+        else:
+            tmp.rename(final)
+    return final
+
+
+def run_training(cfg: Config) -> dict:
+    device = init_distributed(timeout_s=cfg.train.timeout_s)
+    rank = dist.get_rank()
+    torch.manual_seed(cfg.train.seed)
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    files = resolve_paths(cfg.data.paths) if cfg.data.paths else None
+    # Rank 0 tokenises (once, cached); the others wait for the cache file to appear and map it.
+    tokens = load_tokens(files, tokenizer, cfg.data.cache_dir, cfg.data.max_bytes, build=rank == 0)
+    mcfg = model_config(cfg, tokenizer.vocab_size)
+    model = Llama(mcfg)
+    engine = initialize(model, cfg)
+    seq = cfg.data.seq_len
+    batches = TokenBatches(tokens, seq, engine.train_batch_size, engine.dp_rank, engine.dp_size,
+                           seed=cfg.train.seed, val_fraction=cfg.data.val_fraction)
+    loader = make_loader(batches, cfg.data.num_workers, cfg.data.pin_memory, cfg.data.prefetch_factor)
+    val = TokenBatches(tokens, seq, engine.train_batch_size, engine.dp_rank, engine.dp_size,
+                       seed=cfg.train.seed, split="val", val_fraction=cfg.data.val_fraction) \
+        if cfg.train.eval_interval and cfg.data.val_fraction else None
+
+    out_dir = Path(cfg.train.output_dir)
+    metrics = Metrics(out_dir, cfg.train.metrics_file, cfg.train.steps, rank, cfg.tensorboard)
+    entropy = unigram_entropy(tokens[: 50_000_000]) if rank == 0 else None
+    n_params = sum(p.numel() for p in model.parameters())
+    fpt = flops_per_token(mcfg, seq)
+    peak = peak_flops(device)
+    tokens_per_step = engine.train_batch_size * seq
+    if rank == 0:
+        metrics.console.print(
+            f"[bold]bunsan train[/]: {cfg.model.preset} Llama, {n_params / 1e6:.2f}M params, "
+            f"{dist.get_world_size()} x {device.type}, dp={engine.dp_size}, zero={cfg.zero_optimization.stage}, "
+            f"batch {engine.train_batch_size} x {seq} tokens (micro {engine.micro_batch} x accum "
+            f"{engine.grad_accum}), {len(tokens):,} corpus tokens, unigram entropy {entropy:.3f} nats")
+    losses, t_start, t_last, steps_timed = [], None, time.perf_counter(), 0
+    it = iter(loader)
+    for step in range(1, cfg.train.steps + 1):
+        batch = next(it)
+        loss = engine.train_batch(batch)
+        losses.append(loss)
+        now = time.perf_counter()
+        if step == 2:  # the first step pays for warm-up (allocation, compile): time from step 2 on
+            t_start, steps_timed = t_last, 0
+        steps_timed += 1 if t_start is not None else 0
+        t_last = now
+        if step % cfg.steps_per_print == 0 or step == cfg.train.steps or step == 1:
+            tps = tokens_per_step * steps_timed / max(now - t_start, 1e-9) if t_start is not None else 0.0
+            record = {"step": step, "loss": loss, "lr": engine.lr, "grad_norm": engine.last_grad_norm,
+                      "loss_scale": engine.loss_scale, "tokens_per_s": tps,
+                      "mfu": tps * fpt / (peak * dist.get_world_size()) if peak else None,
+                      "comm_bytes": engine.comm_stats()["step_bytes"]}
+            if cfg.train.log_memory:
+                record["memory"] = gather_memory(engine)
+            metrics.log(record)
+        if val is not None and step % cfg.train.eval_interval == 0:
+            vl = sum(engine.eval_batch(val.batch_at(i * val.global_batch)) for i in range(cfg.train.eval_batches))
+            metrics.log({"step": step, "val_loss": vl / cfg.train.eval_batches})
+    elapsed = time.perf_counter() - (t_start or t_last)
+    tps = tokens_per_step * max(steps_timed, 1) / max(elapsed, 1e-9)
+    memory = gather_memory(engine)
+    final = save_weights(engine, cfg, mcfg, out_dir, {"steps": cfg.train.steps, "final_loss": losses[-1]})
+    mfu = tps * fpt / (peak * dist.get_world_size()) if peak else None
+    metrics.summary(losses[0], losses[-1], entropy, tps, mfu, memory,
+                    {"weights": str(final / "model.safetensors"), "metrics": str(out_dir / cfg.train.metrics_file)})
+    metrics.close()
+    return {"first_loss": losses[0], "last_loss": losses[-1], "entropy": entropy, "tokens_per_s": tps,
+            "memory": memory, "final": str(final)}

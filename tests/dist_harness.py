@@ -1,0 +1,111 @@
+"""Spawned multi-process harness: gloo on CPU, world sizes 1/2/4, one pool per world size reused across tests.
+
+A test sends a module-level function `fn(rank, *args)` to every worker of a pool
+and gets back the list of per-rank results. A worker error or a timeout tears the
+pool down (so no test waits on a broken group) and fails the test with the
+worker's traceback; the next test gets a fresh pool.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+
+TIMEOUT_S = 180  # a whole test function on every rank
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            outbox.put((rank, True, fn(rank, *args)))
+        except BaseException:  # report everything, including assertion errors, to the parent
+            outbox.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class Pool:
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        port = _free_port()
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = TIMEOUT_S) -> list:
+        for box in self.inboxes:
+            box.put((fn, args))
+        results: dict[int, object] = {}
+        while len(results) < self.world:
+            try:
+                rank, ok, value = self.outbox.get(timeout=timeout)
+            except queue.Empty:
+                self.close(force=True)
+                raise TimeoutError(f"{fn.__name__} did not finish on ranks "
+                                   f"{sorted(set(range(self.world)) - set(results))} within {timeout}s") from None
+            if not ok:
+                self.close(force=True)
+                raise AssertionError(f"rank {rank} of {self.world} failed in {fn.__name__}:\n{value}")
+            results[rank] = value
+        return [results[r] for r in range(self.world)]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for box in self.inboxes:
+                box.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+class Pools:
+    """One pool per world size, created on first use and recreated after a failure."""
+
+    def __init__(self):
+        self._pools: dict[int, Pool] = {}
+
+    def run(self, world: int, fn, *args, timeout: float = TIMEOUT_S) -> list:
+        pool = self._pools.get(world)
+        if pool is None or not pool.alive():
+            pool = self._pools[world] = Pool(world)
+        try:
+            return pool.run(fn, *args, timeout=timeout)
+        except BaseException:
+            self._pools.pop(world, None)
+            raise
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
