@@ -38,7 +38,11 @@ def rank_slice(batch: dict, rank: int, world: int) -> dict:
 
 def make_optimizer(name: str, params, **kw):
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=kw.get("lr", 1e-3), weight_decay=kw.get("weight_decay", 0.01))
+        # eps 1e-6 rather than 1e-8: Adam divides each gradient element by its own magnitude, so elements
+        # whose gradient sits at the fp32 noise floor (|g| ~ 1e-10, reduction-order noise ~ 1e-9) would
+        # turn that noise into lr-sized weight differences whatever the layout. SGD cases test scale exactly.
+        return torch.optim.AdamW(params, lr=kw.get("lr", 1e-3), weight_decay=kw.get("weight_decay", 0.01),
+                                 eps=1e-6)
     if name == "sgd":
         return torch.optim.SGD(params, lr=kw.get("lr", 0.05), momentum=kw.get("momentum", 0.9))
     raise ValueError(name)
@@ -46,7 +50,7 @@ def make_optimizer(name: str, params, **kw):
 
 def optimizer_config(name: str) -> dict:
     if name == "adamw":
-        return {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}
+        return {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-6}}
     return {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 
 

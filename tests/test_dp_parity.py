@@ -10,7 +10,7 @@ import bunsan
 from reference import batches, optimizer_config, rank_slice, reference_train, tiny_model, to_numpy
 
 STEPS, ROWS = 3, 8
-RTOL, ATOL = 1e-5, 1e-7
+RTOL, ATOL = 1e-5, 1e-6  # torch.testing uses atol 1e-5 for fp32; Adam amplifies reduction-order noise near 0
 
 
 def _train(rank, world, grad_accum, opt_name, clip, ignore_frac=0.0, overlap=True, bucket=2000):
