@@ -1,0 +1,171 @@
+"""fp16 loss scaler (DeepSpeed semantics), bf16 against a replay with the same casts, activation checkpointing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bunsan
+from bunsan.precision import LossScaleError, LossScaler
+from reference import batches, rank_slice, tiny_model, to_numpy
+
+
+# -- the loss scaler ---------------------------------------------------------------------------------
+def test_overflow_with_hysteresis_halves_only_after_the_second_overflow():
+    s = LossScaler(initial_scale_power=16, loss_scale_window=1000, hysteresis=2)
+    s.update(True)
+    assert s.scale == 2**16 and s.skipped_steps == 1   # first overflow absorbed by hysteresis
+    s.update(True)
+    assert s.scale == 2**15                             # second one halves
+    s.update(True)
+    assert s.scale == 2**14                             # hysteresis is used up until a window passes
+
+
+def test_growth_after_a_window_of_clean_steps_restores_hysteresis():
+    s = LossScaler(initial_scale_power=4, loss_scale_window=3, hysteresis=2)
+    for _ in range(2):
+        s.update(False)
+    assert s.scale == 16
+    s.update(False)
+    assert s.scale == 32                                # 3 clean steps
+    s.update(True)
+    s.update(True)
+    assert s.scale == 16
+    for _ in range(2):
+        s.update(False)
+    assert s.scale == 16
+    s.update(False)                                     # window counted from the last overflow
+    assert s.scale == 32 and s.cur_hysteresis == 2
+
+
+def test_minimum_scale_is_a_clear_error():
+    s = LossScaler(initial_scale_power=1, hysteresis=1, min_loss_scale=1.0)
+    s.update(True)
+    assert s.scale == 1.0
+    with pytest.raises(LossScaleError, match="minimum loss scale 1"):
+        s.update(True)
+
+
+def test_static_scale_never_moves():
+    s = LossScaler(static_scale=128.0)
+    for overflow in (True, False, True):
+        s.update(overflow)
+    assert s.scale == 128.0 and s.skipped_steps == 2
+
+
+def test_consecutive_hysteresis_refills_on_every_clean_step():
+    s = LossScaler(initial_scale_power=8, hysteresis=2, consecutive_hysteresis=True)
+    s.update(True)
+    s.update(False)
+    s.update(True)
+    assert s.scale == 2**8                              # refilled, so absorbed again
+
+
+# -- engine runs in 16-bit ---------------------------------------------------------------------------
+def _bf16_engine(rank, world):
+    engine = bunsan.initialize(tiny_model(), {"train_micro_batch_size_per_gpu": 8 // world, "bf16": {"enabled": True},
+                                              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                              "gradient_clipping": 1.0})
+    assert engine.module.embed_tokens.weight.dtype == torch.bfloat16 and engine.master.dtype == torch.float32
+    losses = [engine.train_batch(rank_slice(b, rank, world)) for b in batches(3, 8)]
+    mem = engine.memory_report()
+    return losses, to_numpy(engine.consolidated_state_dict()), mem
+
+
+def _bf16_replay(world: int):
+    """The same casts by hand: bf16 model, bf16 grads summed across the rank slices, fp32 master + AdamW.
+
+    One thread, as the workers: bf16 kernels round differently when the work is split differently."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _bf16_replay_steps(world)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _bf16_replay_steps(world: int):
+    model = tiny_model().to(torch.bfloat16)
+    params = list(model.parameters())
+    master = [p.detach().float().clone() for p in params]
+    opt = torch.optim.AdamW(master, lr=1e-3)
+    losses = []
+    for b in batches(3, 8):
+        n = (b["labels"] != -100).sum().item()
+        grads, total = None, 0.0
+        for r in range(world):
+            mb = rank_slice(b, r, world)
+            logits = model(mb["input_ids"])
+            loss = F.cross_entropy(logits.float().reshape(-1, 256), mb["labels"].reshape(-1), reduction="sum")
+            g = torch.autograd.grad(loss / n, params)
+            grads = list(g) if grads is None else [a + c for a, c in zip(grads, g)]
+            total += loss.item()
+        g32 = [g.float() for g in grads]
+        # The engine's flat buffer holds parameters in reverse order: same order, same rounding of the norm.
+        norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in reversed(g32)])).item()
+        for m, g in zip(master, g32):
+            m.grad = g * (1.0 / (norm + 1e-6)) if norm > 1.0 else g
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, master):
+                p.copy_(m)
+        losses.append(total / n)
+    return losses, to_numpy(model.state_dict())
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bf16_matches_the_replayed_casts(pools, world):
+    ref_losses, ref_state = _bf16_replay(world)
+    for losses, state, mem in pools.run(world, _bf16_engine, world):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in ref_state.items():
+            np.testing.assert_allclose(state[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+        psi = sum(v.size for v in ref_state.values())
+        assert mem["params"] == 2 * psi and mem["grads"] == 2 * psi and mem["master_weights"] == 4 * psi
+        assert mem["optimizer_states"] == 8 * psi and mem["model_states"] == mem["theory_model_states"]
+
+
+def _fp16_engine(rank, world):
+    engine = bunsan.initialize(tiny_model(), {"train_micro_batch_size_per_gpu": 4, "fp16": {
+        "enabled": True, "initial_scale_power": 32, "hysteresis": 1}})
+    losses = [engine.train_batch(rank_slice(b, rank, world)) for b in batches(6, 8)]
+    return losses, engine.loss_scale, engine.skipped_steps, engine.global_step
+
+
+def test_fp16_skips_overflowing_steps_and_learns(pools):
+    """2**32 overflows fp16 at once: steps are skipped and the scale halves until the gradients fit."""
+    for losses, scale, skipped, step in pools.run(2, _fp16_engine, 2):
+        assert skipped >= 1 and scale < 2**32 and step == 6
+        assert all(np.isfinite(losses))
+
+
+# -- activation checkpointing ------------------------------------------------------------------------
+def test_activation_checkpointing_gives_the_same_gradients():
+    b = batches(1, 4)[0]
+    grads = []
+    for ckpt in (False, True):
+        model = tiny_model()
+        if ckpt:
+            assert bunsan.apply_activation_checkpointing(model) == len(model.layers)
+        loss = F.cross_entropy(model(b["input_ids"]).reshape(-1, 256), b["labels"].reshape(-1))
+        loss.backward()
+        grads.append({k: p.grad for k, p in model.named_parameters()})
+        keys = list(model.state_dict())
+    assert keys == list(tiny_model().state_dict())     # names unchanged by the transform
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], rtol=0, atol=0)
+
+
+def _ckpt_engine(rank, world):
+    engine = bunsan.initialize(tiny_model(), {"train_micro_batch_size_per_gpu": 4,
+                                              "activation_checkpointing": {"enabled": True}})
+    return [engine.train_batch(rank_slice(b, rank, world)) for b in batches(2, 8)]
+
+
+def test_activation_checkpointing_in_the_engine(pools):
+    plain = [F.cross_entropy(tiny_model()(b["input_ids"]).reshape(-1, 256), b["labels"].reshape(-1)).item()
+             for b in batches(1, 8)]
+    losses = pools.run(2, _ckpt_engine, 2)
+    np.testing.assert_allclose(losses[0][0], plain[0], rtol=1e-5)
