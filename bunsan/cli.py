@@ -12,6 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+WORKER_ARGV = "BUNSAN_WORKER_ARGV"
+
 # Flags of `bunsan train` that map onto config keys.
 TRAIN_FLAGS = {
     "preset": ("model.preset", str, "model preset (tiny, small, 135m, 1b, 7b, ...)"),
@@ -43,7 +45,8 @@ def _parse_set(items: list[str]) -> dict:
 
 def train_config(args):
     from .config import Config
-    cfg = Config.load(args.config)
+    from .train import MAIN_JOB
+    cfg = Config.load(args.config if args.config else MAIN_JOB)
     updates = {TRAIN_FLAGS[k][0]: v for k in TRAIN_FLAGS if (v := getattr(args, k)) is not None}
     updates.update({key: True for flag, key in TRAIN_SWITCHES.items() if getattr(args, flag)})
     if args.data:
@@ -59,7 +62,10 @@ def cmd_train(args) -> int:
         from torch.distributed.run import main as torchrun
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
         try:
-            torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "--module", "bunsan.cli", *args.argv])
+            # The workers' arguments travel in the environment: torchrun's own parser would try to
+            # read options such as --nproc that follow the module name.
+            os.environ[WORKER_ARGV] = json.dumps(args.argv)
+            torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "--module", "bunsan.cli", WORKER_ARGV])
         except ChildFailedError as e:
             print(f"bunsan: training failed on {len(e.failures)} process(es); see their errors above",
                   file=sys.stderr)
@@ -119,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-h", "--help", action="store_true")
 
     t = sub.add_parser("train", help="train the reference Llama (default: small preset, 2 CPU processes)")
-    t.add_argument("config", nargs="?", help="config file (JSON/YAML/TOML, DeepSpeed keys accepted)")
+    t.add_argument("config", nargs="?", help="config file (JSON/YAML/TOML, DeepSpeed keys accepted); "
+                   "default: the built-in main job (bunsan.train.MAIN_JOB)")
     t.add_argument("--nproc", type=int, default=2, help="processes on this machine (default 2)")
     for name, (key, typ, hlp) in TRAIN_FLAGS.items():
         t.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, help=f"{hlp} ({key})")
@@ -141,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == [WORKER_ARGV]:  # a worker started by `bunsan train --nproc N`
+        argv = json.loads(os.environ[WORKER_ARGV])
     parser = build_parser()
     if argv and argv[0] == "run":  # everything after `run` belongs to torchrun
         if len(argv) == 1 or argv[1] in ("-h", "--help"):

@@ -24,6 +24,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed the tensor forms; keep working on torch>=2.6.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class CommError(RuntimeError):
     """A collective failed or timed out; the message names rank, op and group."""
 
@@ -141,7 +146,7 @@ class Comm:
             out.copy_(shard.view_as(out))
             return _Handle(self, None, "all_gather", group) if async_op else None
         return self._run("all_gather", group, out.numel() * out.element_size(),
-                         lambda: dist.all_gather_into_tensor(out, shard, group=group.pg, async_op=True),
+                         lambda: _all_gather(out, shard, group=group.pg, async_op=True),
                          async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: Group, async_op: bool = False):
@@ -150,7 +155,7 @@ class Comm:
             out.copy_(full.view_as(out))
             return _Handle(self, None, "reduce_scatter", group) if async_op else None
         return self._run("reduce_scatter", group, full.numel() * full.element_size(),
-                         lambda: dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM,
+                         lambda: _reduce_scatter(out, full, op=dist.ReduceOp.SUM,
                                                             group=group.pg, async_op=True),
                          async_op)
 

@@ -77,6 +77,7 @@ class Engine:
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")
         self._post_scale = 1.0      # multiplies the all-reduced gradients before the step
+        comm.stats.new_step()       # the initial broadcast is set-up, not step 1's traffic
         self._last_comm = comm.stats.summary()
         self._set_lr()
 

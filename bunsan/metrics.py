@@ -28,10 +28,6 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 class Metrics:
     """Everything rank 0 shows and writes while training; other ranks only time their steps."""
 
@@ -104,14 +100,15 @@ class Metrics:
         for k, v in (extra or {}).items():
             t.add_row(k, str(v))
         self.console.print(t)
-        m = Table(title="memory per rank (measured)")
-        cols = ["params", "grads", "master_weights", "optimizer_states", "buffers", "model_states",
-                "theory_model_states", "peak_rss"]
+        m = Table(title="memory per rank, measured (MiB)")
+        cols = {"params": "params", "grads": "grads", "master_weights": "master", "optimizer_states": "optim",
+                "model_states": "states", "theory_model_states": "theory", "peak_rss": "peak RSS"}
         if memory and "cuda_peak_allocated" in memory[0]:
-            cols.append("cuda_peak_allocated")
+            cols["cuda_peak_allocated"] = "CUDA peak"
         m.add_column("rank")
-        for c in cols:
-            m.add_column(c.replace("_", " "), justify="right")
+        for c in cols.values():
+            m.add_column(c, justify="right")
         for r, rep in enumerate(memory):
-            m.add_row(str(r), *[gib(rep.get(c, 0)) for c in cols])
+            m.add_row(str(r), *[f"{rep.get(c, 0) / 2**20:.1f}" for c in cols])
         self.console.print(m)
+        self.console.print("states = params + grads + master + optim as held; theory = the same by formula")

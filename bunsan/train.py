@@ -22,6 +22,16 @@ from .distributed import init_distributed
 from .metrics import Metrics, peak_flops
 from .models import Llama, build_config, flops_per_token
 
+# `bunsan train` without a config file: the small preset learns Python source in a few minutes on 2 cores.
+MAIN_JOB = {
+    "train_micro_batch_size_per_gpu": 4,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "scheduler": {"type": "warmup_cosine", "params": {"warmup_steps": 20, "min_lr_ratio": 0.1}},
+    "gradient_clipping": 1.0,
+    "steps_per_print": 10,
+    "train": {"steps": 200},
+}
+
 MEMORY_KEYS = ("params", "grads", "master_weights", "optimizer_states", "buffers", "model_states",
                "theory_model_states", "peak_rss", "rss", "cuda_peak_allocated")
 
@@ -91,9 +101,7 @@ def run_training(cfg: Config) -> dict:
     batches = TokenBatches(tokens, seq, engine.train_batch_size, engine.dp_rank, engine.dp_size,
                            seed=cfg.train.seed, val_fraction=cfg.data.val_fraction)
     loader = make_loader(batches, cfg.data.num_workers, cfg.data.pin_memory, cfg.data.prefetch_factor)
-    val = TokenBatches(tokens, seq, engine.train_batch_size, engine.dp_rank, engine.dp_size,
-                       seed=cfg.train.seed, split="val", val_fraction=cfg.data.val_fraction) \
-        if cfg.train.eval_interval and cfg.data.val_fraction else None
+    val = val_batches(tokens, cfg, engine)
 
     out_dir = Path(cfg.train.output_dir)
     metrics = Metrics(out_dir, cfg.train.metrics_file, cfg.train.steps, rank, cfg.tensorboard)
@@ -128,16 +136,37 @@ def run_training(cfg: Config) -> dict:
             if cfg.train.log_memory:
                 record["memory"] = gather_memory(engine)
             metrics.log(record)
-        if val is not None and step % cfg.train.eval_interval == 0:
-            vl = sum(engine.eval_batch(val.batch_at(i * val.global_batch)) for i in range(cfg.train.eval_batches))
-            metrics.log({"step": step, "val_loss": vl / cfg.train.eval_batches})
+        if val is not None and cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
+            metrics.log({"step": step, "val_loss": evaluate(engine, val, cfg.train.eval_batches)})
     elapsed = time.perf_counter() - (t_start or t_last)
     tps = tokens_per_step * max(steps_timed, 1) / max(elapsed, 1e-9)
     memory = gather_memory(engine)
     final = save_weights(engine, cfg, mcfg, out_dir, {"steps": cfg.train.steps, "final_loss": losses[-1]})
     mfu = tps * fpt / (peak * dist.get_world_size()) if peak else None
-    metrics.summary(losses[0], losses[-1], entropy, tps, mfu, memory,
-                    {"weights": str(final / "model.safetensors"), "metrics": str(out_dir / cfg.train.metrics_file)})
+    tail = losses[-10:]
+    extra = {"loss, mean of last steps": f"{sum(tail) / len(tail):.4f} (last {len(tail)} steps)"}
+    val_loss = evaluate(engine, val, cfg.train.eval_batches) if val is not None else None
+    if val_loss is not None:
+        extra["held-out loss"] = f"{val_loss:.4f} ({cfg.train.eval_batches} validation batches)"
+        metrics.log({"step": cfg.train.steps, "val_loss": val_loss})
+    extra.update({"weights": str(final / "model.safetensors"), "metrics": str(out_dir / cfg.train.metrics_file)})
+    metrics.summary(losses[0], losses[-1], entropy, tps, mfu, memory, extra)
     metrics.close()
-    return {"first_loss": losses[0], "last_loss": losses[-1], "entropy": entropy, "tokens_per_s": tps,
-            "memory": memory, "final": str(final)}
+    return {"first_loss": losses[0], "last_loss": losses[-1], "val_loss": val_loss, "entropy": entropy,
+            "tokens_per_s": tps, "memory": memory, "final": str(final)}
+
+
+def val_batches(tokens, cfg: Config, engine) -> TokenBatches | None:
+    """The held-out split, or None when there is none or it is smaller than one global batch."""
+    if not cfg.data.val_fraction:
+        return None
+    try:
+        return TokenBatches(tokens, cfg.data.seq_len, engine.train_batch_size, engine.dp_rank, engine.dp_size,
+                            seed=cfg.train.seed, split="val", val_fraction=cfg.data.val_fraction)
+    except ValueError:
+        return None
+
+
+def evaluate(engine, val: TokenBatches, n_batches: int) -> float:
+    n = min(n_batches, max(1, val.n_windows // val.global_batch))
+    return sum(engine.eval_batch(val.batch_at(i * val.global_batch)) for i in range(n)) / n

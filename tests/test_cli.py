@@ -1,0 +1,99 @@
+"""The command line: `bunsan train` on 2 processes, `bunsan generate` on its output, `bunsan run`, errors."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+BUNSAN = [sys.executable, "-m", "bunsan.cli"]
+
+
+def _run(args, cwd, timeout=240):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(BUNSAN + args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    import json as j
+    import argparse as a
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "code.py").write_text("\n".join(inspect.getsource(m) for m in (j, a)))
+    return d
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus) -> Path:
+    out = tmp_path_factory.mktemp("train")
+    r = _run(["train", "--nproc", "2", "--preset", "tiny", "--steps", "4", "--micro-batch", "2", "--seq-len", "64",
+              "--data", str(corpus / "*.py"), "--output", str(out), "--set", f"data.cache_dir={out / 'cache'}",
+              "--set", "steps_per_print=2"], cwd=out)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def test_train_writes_metrics_weights_and_summary(trained):
+    records = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 4]
+    last = records[-1]
+    for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "comm_bytes", "memory"):
+        assert key in last
+    assert len(last["memory"]) == 2 and last["memory"][0]["model_states"] == last["memory"][0]["theory_model_states"]
+    assert last["comm_bytes"] > 0
+    state = load_file(str(trained / "final" / "model.safetensors"))
+    assert "embed_tokens.weight" in state and "layers.0.self_attn.q_proj.weight" in state
+    meta = json.loads((trained / "final" / "config.json").read_text())
+    assert meta["model"]["hidden_size"] == 128 and meta["steps"] == 4
+
+
+def test_generate_continues_the_prompt(trained):
+    r = _run(["generate", "--checkpoint", str(trained), "--prompt", "def ", "--max-new-tokens", "16"], cwd=trained)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("def ") and len(r.stdout.rstrip("\n")) > 4
+
+
+def test_generate_top_k_sampling_is_seeded(trained):
+    args = ["generate", "--checkpoint", str(trained / "final"), "--prompt", "import", "--max-new-tokens", "12",
+            "--temperature", "1.0", "--top-k", "5", "--seed", "3"]
+    assert _run(args, cwd=trained).stdout == _run(args, cwd=trained).stdout
+
+
+def test_bad_config_is_reported_before_any_process_starts(tmp_path):
+    r = _run(["train", "--set", "zero_optimisation.stage=1"], cwd=tmp_path)
+    assert r.returncode == 2
+    assert "did you mean 'zero_optimization'" in r.stderr
+
+
+def test_unimplemented_feature_is_a_clear_error(tmp_path, corpus):
+    r = _run(["train", "--nproc", "1", "--zero", "3", "--data", str(corpus / "*.py")], cwd=tmp_path)
+    assert r.returncode == 2 and "zero_optimization.stage" in r.stderr
+
+
+def test_generate_on_a_missing_checkpoint(tmp_path):
+    r = _run(["generate", "--checkpoint", str(tmp_path)], cwd=tmp_path)
+    assert r.returncode != 0 and "model.safetensors" in r.stderr
+
+
+SCRIPT = """
+import bunsan, torch
+from reference import tiny_model
+engine = bunsan.initialize(tiny_model(), {"train_micro_batch_size_per_gpu": 1})
+print(f"rank {engine.dp_rank} of {engine.dp_size}", flush=True)
+"""
+
+
+def test_run_launches_a_script_on_two_processes(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    env_path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    r = subprocess.run(BUNSAN + ["run", "--nproc-per-node", "2", str(script)], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "PYTHONPATH": env_path, "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0, r.stderr
+    assert "rank 0 of 2" in r.stdout and "rank 1 of 2" in r.stdout
