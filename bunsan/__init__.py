@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn as nn
 
@@ -61,4 +63,7 @@ def _materialize(model: nn.Module, device: torch.device, seed: int) -> None:
                          "build it on a real device or give it an init_weights method")
     model.to_empty(device=device)
     torch.manual_seed(seed)
-    init()
+    if "seed" in inspect.signature(init).parameters:  # same weights on any device and any stage
+        init(seed=seed)
+    else:
+        init()

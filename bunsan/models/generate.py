@@ -1,0 +1,107 @@
+"""KV cache and autoregressive generation for the reference Llama."""
+from __future__ import annotations
+
+import torch
+
+from .llama import Llama, LlamaConfig
+
+
+class _LayerKV:
+    """One layer's view of the cache: writes new k/v at the current position."""
+
+    def __init__(self, cache: "KVCache", i: int):
+        self.cache, self.i = cache, i
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cache
+        start, end = c.pos, c.pos + k.shape[2]
+        if end > c.max_len:
+            raise ValueError(f"KVCache full: position {end} > max_len {c.max_len}; allocate a longer cache")
+        c.k[self.i][:, :, start:end] = k
+        c.v[self.i][:, :, start:end] = v
+        return c.k[self.i][:, :, :end], c.v[self.i][:, :, :end]
+
+
+class KVCache:
+    """Preallocated per-layer keys/values [b, kv_heads, max_len, head_dim] plus a position.
+
+    Layers write at ``pos``; the model calls ``advance(s)`` after all layers ran.
+    Local head counts are taken from ``num_kv_heads`` so a TP rank can pass its shard.
+    """
+
+    def __init__(self, config: LlamaConfig, batch_size: int, max_len: int,
+                 device=None, dtype=torch.float32, num_kv_heads: int | None = None):
+        kv = num_kv_heads or config.num_key_value_heads
+        shape = (batch_size, kv, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.max_len = max_len
+        self.pos = 0
+
+    def layer(self, i: int) -> _LayerKV:
+        return _LayerKV(self, i)
+
+    def advance(self, n: int) -> None:
+        self.pos += n
+
+    def reset(self) -> None:
+        self.pos = 0
+
+
+def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
+    """logits [b, vocab] -> token ids [b]."""
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, eos_token_id: int | None = None,
+             generator: torch.Generator | None = None, use_cache: bool = True) -> torch.Tensor:
+    """Extend ``input_ids`` [b, s] by up to ``max_new_tokens``; returns [b, s + new].
+
+    Greedy when temperature == 0. Prefills the prompt into a KV cache, then feeds
+    one token at a time. Sequences that emitted ``eos_token_id`` keep emitting it;
+    generation stops early once all have.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k <= 0:
+        raise ValueError(f"top_k must be a positive int or None, got {top_k}")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    cfg = model.config
+    b, s = input_ids.shape
+    total = s + max_new_tokens
+    if total > cfg.max_position_embeddings:
+        raise ValueError(f"prompt {s} + max_new_tokens {max_new_tokens} = {total} exceeds "
+                         f"max_position_embeddings {cfg.max_position_embeddings}")
+    was_training = model.training
+    model.eval()
+    out = input_ids
+    done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+    cache = None
+    if use_cache:
+        p = next(model.parameters())
+        cache = KVCache(cfg, b, total, device=p.device, dtype=p.dtype)
+    step_input = input_ids
+    try:
+        for _ in range(max_new_tokens):
+            logits = model(step_input if use_cache else out, kv_cache=cache)[:, -1]
+            nxt = _next_token(logits, temperature, top_k, generator)
+            if eos_token_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                done |= nxt == eos_token_id
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            step_input = nxt[:, None]
+            if eos_token_id is not None and bool(done.all()):
+                break
+    finally:
+        model.train(was_training)
+    return out

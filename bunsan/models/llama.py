@@ -1,0 +1,334 @@
+"""A plain Llama decoder in ordinary PyTorch.
+
+Parameter names are Hugging Face ``LlamaForCausalLM`` names without the leading
+``model.``, so HF checkpoints load with a key rename only. Nothing here knows
+about parallelism: tensor/pipeline/ZeRO transforms are applied from outside.
+Attention infers its head count from the projection output sizes, so a
+tensor-parallel plan that shards q/k/v column-wise needs no model change.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+)
+
+
+@dataclass
+class LlamaConfig:
+    """Llama shape. Field names match HF ``config.json`` so it maps 1:1."""
+
+    vocab_size: int = 256
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    num_key_value_heads: int | None = None  # None -> num_attention_heads (plain MHA)
+    max_position_embeddings: int = 1024
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    # HF rope_scaling: None/"default" or {"rope_type": "llama3", ...} (Llama 3.1/3.2).
+    rope_scaling: dict | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        for name in _POSITIVE_INTS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {v!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive number, got {v!r}")
+        if not isinstance(self.initializer_range, (int, float)) or self.initializer_range < 0:
+            raise ValueError(f"LlamaConfig.initializer_range must be >= 0, got {self.initializer_range!r}")
+        h, nh, kv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
+        if h % nh:
+            raise ValueError(
+                f"LlamaConfig.hidden_size {h} is not divisible by num_attention_heads {nh}; "
+                f"pick hidden_size a multiple of {nh} (e.g. {nh * max(1, round(h / nh))}) or change the head count")
+        if nh % kv:
+            raise ValueError(
+                f"LlamaConfig.num_attention_heads {nh} is not divisible by num_key_value_heads {kv}; "
+                f"set num_key_value_heads to a divisor of {nh} (e.g. {math.gcd(nh, kv)})")
+        if (h // nh) % 2:
+            raise ValueError(
+                f"LlamaConfig head_dim = hidden_size {h} / num_attention_heads {nh} = {h // nh} is odd; "
+                f"rotary embeddings rotate pairs, so choose hidden_size/heads even")
+        rtype = _rope_type(self.rope_scaling)
+        if rtype not in ("default", "llama3"):
+            raise ValueError(f"LlamaConfig.rope_scaling type {rtype!r} is not supported; use None or 'llama3'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Exact parameter count (equals ``sum(p.numel())`` of ``Llama(self)``).
+
+        ``include_embedding=False`` drops the input embedding table only. A tied
+        table is still counted once as the LM head, since its matmul does work
+        (nanoGPT's convention for MFU).
+        """
+        h, kv_dim = self.hidden_size, self.num_key_value_heads * self.head_dim
+        attn = 2 * h * h + 2 * h * kv_dim
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h
+        total = self.num_hidden_layers * per_layer + h + emb  # + final norm + lm_head (or tied table)
+        if not self.tie_word_embeddings:
+            total += emb  # the separate input embedding
+        return total if include_embedding or self.tie_word_embeddings else total - emb
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "LlamaConfig":
+        """Build from a HF ``config.json`` dict; unrelated keys are ignored."""
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (Llama uses 'silu')")
+        for key in ("attention_bias", "mlp_bias"):
+            if d.get(key):
+                raise ValueError(f"{key}=true is not supported: this Llama has no biases")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        cfg = cls(**kwargs)
+        if d.get("head_dim") not in (None, cfg.head_dim):
+            raise ValueError(f"head_dim {d['head_dim']} != hidden_size/num_attention_heads = {cfg.head_dim}; "
+                             "decoupled head_dim is not supported")
+        return cfg
+
+    def to_hf(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                 attention_bias=False, mlp_bias=False, head_dim=self.head_dim)
+        return d
+
+
+def _rope_type(scaling: dict | None) -> str:
+    if not scaling:
+        return "default"
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def rope_inv_freq(config: LlamaConfig, device=None) -> torch.Tensor:
+    """Rotary inverse frequencies (fp32), with HF's llama3 scaling when configured."""
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    if _rope_type(config.rope_scaling) == "llama3":
+        s = config.rope_scaling
+        factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_len = s.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / lo, inv / factor, inv)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_tables(config: LlamaConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_position_embeddings, head_dim] in fp32 (HF layout: halves repeated)."""
+    inv = rope_inv_freq(config, device)
+    t = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, heads, s, head_dim]; cos/sin: [s, head_dim]."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale after casting back, exactly as HF does.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(h, config.num_attention_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=False)
+        self.o_proj = nn.Linear(config.num_attention_heads * hd, h, bias=False)
+
+    def forward(self, x, cos, sin, kv_cache_layer=None):
+        b, s, _ = x.shape
+        # Head counts come from the tensors (-1), so TP-sharded projections just work.
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache_layer is not None:
+            k, v = kv_cache_layer.update(k, v)  # all keys so far: [b, kv, past+s, hd]
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:  # GQA: kv head j serves query heads j*n_rep..(j+1)*n_rep-1 (HF repeat_kv)
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        total = k.shape[2]
+        if total == s:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif s == 1:
+            out = F.scaled_dot_product_attention(q, k, v)  # one new token sees everything cached
+        else:
+            # Chunk after a prefix: is_causal would align the mask top-left, so build it
+            # bottom-right aligned: query i (absolute past+i) sees keys <= past+i.
+            mask = torch.ones(s, total, dtype=torch.bool, device=x.device).tril(diagonal=total - s)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: tensors in, tensor out, so torch.utils.checkpoint wraps it as is."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, rope_cos, rope_sin, kv_cache_layer=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope_cos, rope_sin, kv_cache_layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _seed_for(seed: int, name: str) -> int:
+    # Per-parameter seed from (seed, name): weights do not depend on device, on
+    # init order, or on which layers a pipeline stage holds.
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
+
+
+class Llama(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = copy.deepcopy(config)  # own copy: shared presets stay untouched
+        c = self.config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.tie_word_embeddings:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, device="meta")
+            self.lm_head.weight = self.embed_tokens.weight  # same Parameter: listed once
+        else:
+            self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        # Non-persistent: recomputable, so kept out of state_dict and checkpoints.
+        self.register_buffer("rope_cos", torch.empty(c.max_position_embeddings, c.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(c.max_position_embeddings, c.head_dim), persistent=False)
+        if not self.embed_tokens.weight.is_meta:  # on meta: allocate nothing, init after to_empty()
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """(Re)initialise every weight and recompute the rope tables.
+
+        normal(0, initializer_range); RMSNorm = 1; o_proj/down_proj std scaled by
+        1/sqrt(2*num_layers) (GPT-2/torchtitan). With ``seed`` each tensor is drawn
+        on CPU from a generator seeded by (seed, name): identical on any device.
+        """
+        c = self.config
+        std = c.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            s = std / math.sqrt(2 * c.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            if seed is None:
+                p.normal_(0.0, s)
+            else:
+                g = torch.Generator().manual_seed(_seed_for(seed, name))
+                p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=g))
+        self.reset_rope()
+
+    def reset_parameters(self) -> None:
+        self.init_weights()
+
+    def _apply(self, fn, recurse=True):
+        # to_empty()/to() may replace Parameter objects, which would silently untie the head.
+        out = super()._apply(fn, recurse)
+        if self.config.tie_word_embeddings and self.lm_head.weight is not self.embed_tokens.weight:
+            self.lm_head.weight = self.embed_tokens.weight
+        return out
+
+    @torch.no_grad()
+    def reset_rope(self) -> None:
+        cos, sin = rope_tables(self.config, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, input_ids: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        """input_ids [b, s] -> logits [b, s, vocab].
+
+        ``kv_cache`` (see ``bunsan.models.generate.KVCache``) needs ``pos``,
+        ``layer(i)`` returning an object with ``update(k, v)``, and ``advance(n)``.
+        """
+        s = input_ids.shape[1]
+        start = kv_cache.pos if kv_cache is not None else 0
+        if start + s > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence end {start + s} exceeds max_position_embeddings "
+                             f"{self.rope_cos.shape[0]}; shorten the input or raise max_position_embeddings")
+        cos, sin = self.rope_cos[start:start + s], self.rope_sin[start:start + s]
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache.layer(i) if kv_cache is not None else None)
+        if kv_cache is not None:
+            kv_cache.advance(s)
+        return self.lm_head(self.norm(x))
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward): 6N + 12*L*h*s.
+
+    N = ``config.num_params(include_embedding=False)``: every parameter except the
+    input embedding lookup (which does no matmul); the LM head counts, tied or not
+    (nanoGPT/PaLM convention). 12*L*h*s is the attention score/value matmuls.
+    """
+    n = config.num_params(include_embedding=False)
+    return 6 * n + 12 * config.num_hidden_layers * config.hidden_size * seq_len

@@ -1,0 +1,249 @@
+"""Reference Llama: names, counts, meta construction, causality, GQA, tying, KV cache, presets."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bunsan.models import (KVCache, Llama, LlamaConfig, build_config, flops_per_token, generate,
+                           get_preset, presets)
+from bunsan.models.llama import rope_inv_freq, rope_tables
+
+
+def _tiny(**kw) -> LlamaConfig:
+    return build_config("tiny", **kw)
+
+
+def _model(seed=0, **kw) -> Llama:
+    m = Llama(_tiny(**kw))
+    m.init_weights(seed=seed)
+    return m
+
+
+def _hf_names(n_layers: int, tied: bool) -> list[str]:
+    names = ["embed_tokens.weight"]
+    for i in range(n_layers):
+        p = f"layers.{i}."
+        names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
+        names += [p + f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+    names.append("norm.weight")
+    return names if tied else names + ["lm_head.weight"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_param_names_match_hf_and_count(tied):
+    m = _model(tie_word_embeddings=tied)
+    assert sorted(n for n, _ in m.named_parameters()) == sorted(_hf_names(4, tied))
+    assert sorted(m.state_dict()) == sorted(_hf_names(4, False))  # tied: both keys, one storage
+    assert m.config.num_params() == sum(p.numel() for p in m.parameters())
+    assert all("rope" not in k for k in m.state_dict())  # rope tables are recomputed, not saved
+    if tied:
+        assert m.lm_head.weight is m.embed_tokens.weight
+
+
+def test_meta_construction_allocates_nothing_for_every_preset():
+    for name, cfg in presets.items():
+        with torch.device("meta"):
+            m = Llama(cfg)
+        assert all(p.is_meta for p in m.parameters()), name
+        assert all(b.is_meta for b in m.buffers()), name
+        assert cfg.num_params() == sum(p.numel() for p in m.parameters()), name
+    assert presets["70b"].num_params() == pytest.approx(69.0e9, rel=0.01)
+    assert presets["7b"].num_params() == pytest.approx(6.74e9, rel=0.01)
+    assert presets["135m"].num_params() == pytest.approx(134.5e6, rel=0.005)
+    assert presets["1b"].num_params() == pytest.approx(1.236e9, rel=0.005)
+
+
+def test_meta_then_to_empty_matches_eager_init():
+    eager = _model(seed=3)
+    with torch.device("meta"):
+        m = Llama(_tiny())
+    m.to_empty(device="cpu")
+    m.init_weights(seed=3)
+    for (n, a), (_, b) in zip(eager.state_dict().items(), m.state_dict().items()):
+        assert torch.equal(a, b), n
+    assert torch.equal(m.rope_cos, eager.rope_cos) and torch.equal(m.rope_sin, eager.rope_sin)
+    x = torch.randint(0, 256, (2, 16))
+    assert torch.equal(m(x), eager(x))
+    with torch.device("meta"):
+        tied = Llama(_tiny(tie_word_embeddings=True))
+    tied.to_empty(device="cpu")  # replaces Parameter objects; the tie must survive
+    assert tied.lm_head.weight is tied.embed_tokens.weight
+    assert tied.to(torch.float64).lm_head.weight is tied.embed_tokens.weight
+
+
+def test_init_statistics():
+    m = _model(seed=0)
+    assert torch.all(m.norm.weight == 1) and torch.all(m.layers[0].input_layernorm.weight == 1)
+    std = m.config.initializer_range
+    assert m.layers[0].mlp.gate_proj.weight.std().item() == pytest.approx(std, rel=0.05)
+    scaled = std / math.sqrt(2 * m.config.num_hidden_layers)
+    assert m.layers[0].mlp.down_proj.weight.std().item() == pytest.approx(scaled, rel=0.05)
+
+
+def test_rope_matches_hf_rotate_half_formula():
+    cfg = _tiny()
+    cos, sin = rope_tables(cfg)
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2).float() / d))
+    pos = 7
+    assert torch.allclose(cos[pos, : d // 2], torch.cos(pos * inv))
+    assert torch.allclose(cos[pos, d // 2:], torch.cos(pos * inv))
+    assert torch.allclose(sin[pos, d // 2:], torch.sin(pos * inv))
+
+
+def test_llama3_rope_scaling_changes_low_frequencies_only():
+    scaled = build_config("tiny", rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})
+    plain = build_config("tiny", rope_theta=500000.0)
+    inv1, inv0 = rope_inv_freq(scaled), rope_inv_freq(plain)
+    assert inv1[0] == inv0[0]  # highest frequency untouched
+    assert torch.allclose(inv1[-1], inv0[-1] / 32)  # lowest divided by the factor
+    assert not torch.allclose(rope_tables(scaled)[1], rope_tables(plain)[1])
+
+
+def test_causal():
+    m = _model()
+    x = torch.randint(0, 256, (2, 32))
+    y = x.clone()
+    y[:, 20:] = (y[:, 20:] + 1) % 256
+    a, b = m(x), m(y)
+    assert a.shape == (2, 32, 256)
+    assert torch.allclose(a[:, :20], b[:, :20], atol=1e-6)
+    assert not torch.allclose(a[:, 20:], b[:, 20:])
+
+
+def test_gqa_shapes():
+    m = _model()
+    att = m.layers[0].self_attn
+    cfg = m.config
+    assert cfg.num_key_value_heads == 2 and cfg.num_attention_heads == 4
+    assert att.q_proj.weight.shape == (cfg.hidden_size, cfg.hidden_size)
+    assert att.k_proj.weight.shape == (2 * cfg.head_dim, cfg.hidden_size)
+    assert att.v_proj.weight.shape == (2 * cfg.head_dim, cfg.hidden_size)
+    # GQA with kv heads repeated equals plain MHA with the repeated k/v weights.
+    mha = _model(num_key_value_heads=4)
+    mha.load_state_dict({k: v for k, v in m.state_dict().items() if not k.endswith(('k_proj.weight', 'v_proj.weight'))},
+                        strict=False)
+    for lm, lg in zip(mha.layers, m.layers):
+        for p in ("k_proj", "v_proj"):
+            w = getattr(lg.self_attn, p).weight.view(2, cfg.head_dim, -1).repeat_interleave(2, 0)
+            getattr(lm.self_attn, p).weight.data.copy_(w.reshape(-1, cfg.hidden_size))
+    x = torch.randint(0, 256, (2, 16))
+    assert torch.allclose(m(x), mha(x), atol=1e-5)
+
+
+def test_tied_vs_untied_counts():
+    tied, untied = _tiny(tie_word_embeddings=True), _tiny()
+    assert untied.num_params() - tied.num_params() == 256 * 128
+    assert tied.num_params(include_embedding=False) == tied.num_params()  # table counted as LM head
+    assert untied.num_params(include_embedding=False) == untied.num_params() - 256 * 128
+    assert flops_per_token(untied, 64) == 6 * untied.num_params(False) + 12 * 4 * 128 * 64
+
+
+def test_kv_cache_generation_equals_no_cache_greedy():
+    m = _model(seed=1)
+    prompt = torch.randint(0, 256, (2, 5))
+    with_cache = generate(m, prompt, max_new_tokens=12)
+    # Recompute the whole sequence each step, no cache.
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(12):
+            seq = torch.cat([seq, m(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(with_cache, seq)
+    assert torch.equal(generate(m, prompt, 12, use_cache=False), seq)
+
+
+def test_kv_cache_chunked_prefill_uses_correct_mask():
+    m = _model(seed=2)
+    x = torch.randint(0, 256, (2, 20))
+    full = m(x)
+    cache = KVCache(m.config, 2, 20)
+    with torch.no_grad():
+        a = m(x[:, :8], kv_cache=cache)
+        b = m(x[:, 8:15], kv_cache=cache)  # chunk of 7 after a prefix: needs an explicit mask
+        c = m(x[:, 15:], kv_cache=cache)
+    assert torch.allclose(torch.cat([a, b, c], 1), full, atol=1e-5)
+
+
+def test_sampling_eos_and_limits():
+    m = _model()
+    prompt = torch.randint(0, 256, (3, 4))
+    g = torch.Generator().manual_seed(0)
+    s1 = generate(m, prompt, 8, temperature=1.0, top_k=5, generator=g)
+    s2 = generate(m, prompt, 8, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(s1, s2) and s1.shape == (3, 12)
+    greedy = generate(m, prompt, 3)
+    eos = int(greedy[0, 4])  # the first greedy token of row 0 becomes "eos"
+    out = generate(m, prompt, 8, eos_token_id=eos)
+    assert torch.all(out[0, 4:] == eos)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        generate(m, prompt, 600)
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(hidden_size=130), "hidden_size"),
+    (dict(num_key_value_heads=3), "num_key_value_heads"),
+    (dict(hidden_size=132, num_attention_heads=12, num_key_value_heads=12), "head_dim"),
+    (dict(num_hidden_layers=0), "num_hidden_layers"),
+    (dict(vocab_size=2.5), "vocab_size"),
+    (dict(rms_norm_eps=0.0), "rms_norm_eps"),
+])
+def test_config_validation(kw, field):
+    base = dict(vocab_size=256, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    base.update(kw)
+    with pytest.raises(ValueError, match=field):
+        LlamaConfig(**base)
+
+
+def test_hf_config_roundtrip_and_presets():
+    hf = presets["1b"].to_hf()
+    assert hf["model_type"] == "llama" and hf["head_dim"] == 64
+    back = LlamaConfig.from_hf({**hf, "bos_token_id": 1, "torch_dtype": "bfloat16"})
+    assert back == presets["1b"]
+    with pytest.raises(ValueError, match="attention_bias"):
+        LlamaConfig.from_hf({**hf, "attention_bias": True})
+    c = get_preset("small")
+    c.hidden_size = 1
+    assert presets["small"].hidden_size == 256  # copies are independent
+    with pytest.raises(ValueError, match="did you mean 'small'"):
+        get_preset("smal")
+    assert build_config("small", num_hidden_layers=2, hidden_size=None).num_hidden_layers == 2
+    assert build_config("7b", num_attention_heads=16).num_key_value_heads == 16  # MHA stays MHA
+    with pytest.raises(ValueError, match="did you mean 'hidden_size'"):
+        build_config("tiny", hiden_size=64)
+
+
+def test_training_reduces_loss():
+    torch.manual_seed(0)
+    m = _model(seed=0)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    x = torch.randint(0, 256, (4, 33))
+    losses = []
+    for _ in range(6):
+        loss = F.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(math.log(256), abs=0.3)
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_blocks_work_under_activation_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+    m = _model()
+    x = torch.randint(0, 256, (2, 16))
+    ref = m(x).sum()
+    ref.backward()
+    g_ref = m.layers[0].mlp.up_proj.weight.grad.clone()
+    m.zero_grad()
+    h = m.embed_tokens(x)
+    cos, sin = m.rope_cos[:16], m.rope_sin[:16]
+    for layer in m.layers:
+        h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+    out = m.lm_head(m.norm(h)).sum()
+    out.backward()
+    assert torch.allclose(out, ref) and torch.allclose(m.layers[0].mlp.up_proj.weight.grad, g_ref, atol=1e-6)
