@@ -105,6 +105,11 @@ class Pools:
             self._pools.pop(world, None)
             raise
 
+    def discard(self, world: int) -> None:
+        pool = self._pools.pop(world, None)
+        if pool is not None:
+            pool.close(force=True)
+
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
