@@ -21,10 +21,10 @@ import torch.nn.functional as F
 
 from .comm import Comm
 from .distributed import Mesh
-from .grad_sync import FlatParams, GradSync
 from .memory import measured_memory
-from .optim import LRSchedule, build_optimizer, rebuild_over
+from .optim import LRSchedule
 from .precision import LossScaler, model_dtype
+from .zero import make_strategy
 
 
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -46,29 +46,13 @@ class Engine:
                 any(p.dtype != torch.float32 for g in optimizer.param_groups for p in g["params"]):
             raise ValueError("with fp16/bf16 bunsan keeps fp32 master weights itself: build the optimizer over "
                              "the fp32 model and let bunsan cast the model")
-        model.to(device=device, dtype=self.dtype)
+        model.to(device=device, dtype=self.dtype)   # parameters on the meta device stay there (ZeRO-3 shards them)
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameters with requires_grad=True; nothing to train")
-        zero = cfg.zero_optimization
-        self.flat = FlatParams(trainable, bucket_elems=int(zero.reduce_bucket_size))
-        # Every data-parallel replica starts from dp rank 0's weights (as torch DDP does).
-        comm.broadcast(self.flat.data, 0, mesh.dp_group)
-        self.sync = GradSync(self.flat, comm, mesh.dp_group, overlap=zero.overlap_comm)
-
-        # fp32 master weights for a 16-bit model: one flat buffer, one view per parameter.
-        self.master, self.masters = None, []
-        if self.dtype != torch.float32:
-            self.master = self.flat.data.float()
-            self.masters = [self.flat.view(self.master, i) for i in range(len(self.flat.params))]
-            to_master = dict(zip(self.flat.params, self.masters))
-        if optimizer is None:
-            targets = [to_master[p] for p in trainable] if self.master is not None else trainable
-            optimizer = build_optimizer(targets, cfg.optimizer, device)
-        elif self.master is not None:
-            optimizer = rebuild_over(optimizer, to_master)
-        self.optimizer = optimizer
-        self.base_lrs = [g["lr"] for g in optimizer.param_groups]
+        self.dp = make_strategy(trainable, comm, mesh.dp_group, cfg, device, optimizer, model)
+        self.optimizer = self.dp.optimizer
+        self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.schedule = LRSchedule(cfg.scheduler, total_steps=cfg.train.steps)
         self.scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
 
@@ -121,25 +105,15 @@ class Engine:
             self.micro_steps = 0
 
     def _backward(self, loss: torch.Tensor, sync: bool) -> None:
-        if not self.flat.grads_attached():  # someone called zero_grad(set_to_none=True) on the model
-            self.flat.attach()
-        if sync:
-            self.sync.begin()
-        self.sync.sync_now = sync
+        self.dp.begin_backward(sync)
         scale = self.scaler.scale if self.scaler else 1.0
         (loss * scale if scale != 1.0 else loss).backward()
-        if sync:
-            self.sync.finish()
-            self.sync.sync_now = False
+        self.dp.end_backward(sync)
 
     # -- the optimizer step ----------------------------------------------------------------------
     def _optimizer_step(self) -> None:
-        grad = self.flat.grad
         inv = self._post_scale / (self.scaler.scale if self.scaler else 1.0)
-        g32 = grad.float() if self.master is not None else grad  # fp32 grads exist only for the step
-        if inv != 1.0:
-            g32.mul_(inv)
-        norm = torch.linalg.vector_norm(g32).item()
+        norm = self.dp.unscale(inv)
         self.last_grad_norm = norm
         overflow = not math.isfinite(norm)
         if self.scaler:
@@ -152,19 +126,12 @@ class Engine:
         else:
             clip = self.cfg.gradient_clipping
             if clip > 0 and norm > clip:
-                g32.mul_(clip / (norm + 1e-6))
-            for i, m in enumerate(self.masters):
-                m.grad = self.flat.view(g32, i)
-            self.optimizer.step()
-            if self.master is not None:
-                self.flat.data.copy_(self.master)
-                for m in self.masters:
-                    m.grad = None
+                self.dp.clip(clip / (norm + 1e-6))
+            self.dp.step()
         # As DeepSpeed: every step counts, a skipped (overflow) step does not advance the schedule.
         self.global_step += 1
         self._set_lr()
-        del g32
-        grad.zero_()
+        self.dp.zero_grad()
         self._last_comm = self.comm.stats.summary()
         self.comm.stats.new_step()
 
@@ -238,7 +205,7 @@ class Engine:
     # -- introspection ---------------------------------------------------------------------------
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full plain-model state dict (same keys as the unwrapped model), on every rank, on CPU."""
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+        return self.dp.consolidated_state_dict(self.module)
 
     def comm_stats(self) -> dict:
         """Communication of the last completed optimizer step and totals since start."""

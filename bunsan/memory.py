@@ -38,11 +38,17 @@ def adafactor_state_bytes(shapes) -> int:
     return total
 
 
-def model_state_bytes(psi: int, dtype_bytes: int, opt_bytes_per_param: float, dp: int = 1, stage: int = 0) -> dict:
-    """Predicted model-state bytes per rank for ZeRO stage `stage` over `dp` ranks."""
+def model_state_bytes(psi: int, dtype_bytes: int, opt_bytes_per_param: float, dp: int = 1, stage: int = 0,
+                      grad_shard_bytes: int | None = None) -> dict:
+    """Predicted model-state bytes per rank for ZeRO stage `stage` over `dp` ranks.
+
+    The ZeRO paper counts 16-bit gradient shards at stages 2-3; bunsan accumulates the
+    shard in fp32 (grad_shard_bytes=4) so that micro-steps add without 16-bit rounding.
+    """
     master = 4 if dtype_bytes < 4 else 0
     shard = {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}[stage]
-    out = {"params": psi * dtype_bytes / shard[0], "grads": psi * dtype_bytes / shard[1],
+    grad_bytes = grad_shard_bytes if (grad_shard_bytes and stage >= 2) else dtype_bytes
+    out = {"params": psi * dtype_bytes / shard[0], "grads": psi * grad_bytes / shard[1],
            "master_weights": psi * master / shard[2], "optimizer_states": psi * opt_bytes_per_param / shard[2]}
     out["total"] = out["params"] + out["grads"] + out["master_weights"] + out["optimizer_states"]
     return out
@@ -72,24 +78,22 @@ def _tensor_bytes(tensors) -> int:
 
 
 def measured_memory(engine) -> dict:
-    """Bytes this rank holds, by kind, next to the theory for the same layout."""
-    flat = engine.flat
+    """Bytes this rank holds, by kind and by place (device / host / disk), next to the theory for its layout."""
+    dp = engine.dp
+    report = dict(dp.bytes_by_kind())
+    report.setdefault("host", 0)
+    report.setdefault("disk", 0)
     frozen = [p for p in engine.module.parameters() if not p.requires_grad]
-    opt_tensors = [v for s in engine.optimizer.state.values() for v in s.values()
-                   if isinstance(v, torch.Tensor) and v.numel() > 1]
-    report = {
-        "params": flat.data.numel() * flat.data.element_size() + _tensor_bytes(frozen),
-        "grads": flat.grad.numel() * flat.grad.element_size(),
-        "master_weights": engine.master.numel() * 4 if engine.master is not None else 0,
-        "optimizer_states": _tensor_bytes(opt_tensors),
-        "buffers": _tensor_bytes(engine.module.buffers()),
-    }
+    report["params"] += _tensor_bytes(frozen)
+    report["buffers"] = _tensor_bytes(engine.module.buffers())
     report["model_states"] = sum(report[k] for k in ("params", "grads", "master_weights", "optimizer_states"))
-    opt_k = optimizer_state_bytes_per_param(type(engine.optimizer).__name__, engine.optimizer.defaults)
-    theory = model_state_bytes(flat.numel, flat.data.element_size(), opt_k, engine.mesh.dp,
-                               engine.cfg.zero_optimization.stage)
-    if type(engine.optimizer).__name__.lower() == "adafactor":
-        theory["optimizer_states"] = adafactor_state_bytes([p.shape for p in flat.params])
+    opt_name = dp.opt_class.__name__ if hasattr(dp, "opt_class") else type(engine.optimizer).__name__
+    defaults = dp.opt_defaults if hasattr(dp, "opt_defaults") else engine.optimizer.defaults
+    psi = sum(p.numel() for p in dp.params)
+    theory = model_state_bytes(psi, dp.dtype.itemsize, optimizer_state_bytes_per_param(opt_name, defaults),
+                               engine.mesh.dp, dp.stage, grad_shard_bytes=4)
+    if opt_name.lower() == "adafactor":
+        theory["optimizer_states"] = adafactor_state_bytes([p.shape for p in dp.params])
         theory["total"] = theory["params"] + theory["grads"] + theory["master_weights"] + theory["optimizer_states"]
     report["theory_model_states"] = int(theory["total"])
     report["peak_rss"] = peak_rss_bytes()

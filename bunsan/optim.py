@@ -17,8 +17,8 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch
               "adafactor": torch.optim.Adafactor}
 
 
-def build_optimizer(params_or_groups, opt_cfg, device: torch.device) -> torch.optim.Optimizer:
-    """Build the configured optimizer over `params_or_groups` (fused on CUDA unless the user chose)."""
+def _configured(opt_cfg, device: torch.device):
+    """The optimizer class and constructor keywords from the config (fused on CUDA unless the user chose)."""
     cls = OPTIMIZERS[opt_cfg.type.lower()]
     kwargs = dict(opt_cfg.params)
     if "betas" in kwargs:
@@ -26,7 +26,29 @@ def build_optimizer(params_or_groups, opt_cfg, device: torch.device) -> torch.op
     if device.type == "cuda" and cls in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
         if "foreach" not in kwargs and "fused" not in kwargs:
             kwargs["fused"] = True
+    return cls, kwargs
+
+
+def build_optimizer(params_or_groups, opt_cfg, device: torch.device) -> torch.optim.Optimizer:
+    """Build the configured optimizer over `params_or_groups`."""
+    cls, kwargs = _configured(opt_cfg, device)
     return cls(params_or_groups, **kwargs)
+
+
+def optimizer_spec(user_optimizer, opt_cfg, params: list, device: torch.device):
+    """(class, constructor defaults, [(parameter indices, group hyperparameters)]) for a sharded optimizer.
+
+    A user-built optimizer keeps its class, defaults and per-group hyperparameters.
+    """
+    if user_optimizer is None:
+        cls, kwargs = _configured(opt_cfg, device)
+        return cls, kwargs, [(list(range(len(params))), {})]
+    if any(user_optimizer.state.values()):
+        raise ValueError("the optimizer passed to bunsan.initialize already has state; pass a fresh optimizer")
+    index = {p: i for i, p in enumerate(params)}
+    groups = [([index[p] for p in g["params"]], {k: v for k, v in g.items() if k != "params"})
+              for g in user_optimizer.param_groups]
+    return type(user_optimizer), dict(user_optimizer.defaults), groups
 
 
 def rebuild_over(optimizer: torch.optim.Optimizer, mapping: dict) -> torch.optim.Optimizer:

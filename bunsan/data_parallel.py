@@ -1,0 +1,120 @@
+"""Data parallelism with replicated model states (ZeRO stage 0), and the interface every stage implements.
+
+The engine drives a strategy through one optimizer step:
+
+    begin_backward(sync) -> loss.backward() -> end_backward(sync)    (per micro-batch)
+    norm = unscale(inv)      gradients x inv (loss scale, averaging); the global L2 norm
+    clip(coef); step(); zero_grad()
+
+Stage 0 keeps full parameters and gradients on every rank in flat buffers
+(grad_sync.py) and all-reduces the gradient buckets from backward hooks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .comm import Comm, Group
+from .grad_sync import BucketHooks, FlatParams
+from .optim import rebuild_over
+from .zero.layout import ShardLayout
+
+
+class Strategy:
+    """Common parts: the trainable parameters in backward order, and the optimizer spec."""
+
+    stage = 0
+
+    def __init__(self, params: list[nn.Parameter], comm: Comm, group: Group, zero_cfg):
+        self.params = list(reversed(params))      # backward order
+        self.comm, self.group, self.zero = comm, group, zero_cfg
+        self.dtype = params[0].dtype
+        self.mixed = self.dtype != torch.float32
+
+    def global_norm(self, local_sq: torch.Tensor) -> float:
+        """sqrt of the sum over ranks of each rank's squared-norm contribution (shards add up)."""
+        return self.comm.all_reduce_scalars([float(local_sq)], self.group)[0] ** 0.5
+
+    def consolidated_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+    def bytes_by_kind(self) -> dict:
+        raise NotImplementedError
+
+
+class Replicated(Strategy):
+    """ZeRO stage 0: every rank holds everything; bucketed all-reduce overlapped with backward."""
+
+    def __init__(self, params, comm, group, zero_cfg, build_optimizer, user_optimizer=None):
+        super().__init__(params, comm, group, zero_cfg)
+        groups = ShardLayout.greedy_buckets([p.numel() for p in self.params], int(zero_cfg.reduce_bucket_size))
+        self.layout = ShardLayout(self.params, groups, n=1, rank=0, align=1)
+        self.flat = FlatParams(self.params, self.layout)
+        comm.broadcast(self.flat.data, 0, group)   # every replica starts from dp rank 0's weights
+        self._handles = []
+        self.hooks = BucketHooks(self.params, [b.params for b in self.layout.buckets], self._launch,
+                                 overlap=zero_cfg.overlap_comm) if group.size > 1 else None
+        # fp32 master weights for a 16-bit model: one flat buffer, one view per parameter.
+        self.master, self.masters = None, []
+        if self.mixed:
+            self.master = self.flat.data.float()
+            self.masters = [self.flat.view(self.master, i) for i in range(len(self.params))]
+            to_master = dict(zip(self.params, self.masters))
+        trainable = self.params[::-1]
+        if user_optimizer is None:
+            self.optimizer = build_optimizer([to_master[p] for p in trainable] if self.mixed else trainable)
+        elif self.mixed:
+            self.optimizer = rebuild_over(user_optimizer, to_master)
+        else:
+            self.optimizer = user_optimizer
+        self._g32 = None
+
+    def _launch(self, k: int) -> None:
+        b = self.layout.buckets[k]
+        self._handles.append(self.comm.all_reduce(self.flat.grad[b.start:b.start + b.size], self.group,
+                                                  async_op=True))
+
+    def begin_backward(self, sync: bool) -> None:
+        if not self.flat.grads_attached():  # someone called zero_grad(set_to_none=True) on the model
+            self.flat.attach()
+        if sync and self.hooks:
+            self.hooks.begin()
+
+    def end_backward(self, sync: bool) -> None:
+        if sync and self.hooks:
+            self.hooks.finish()
+            for h in self._handles:
+                h.wait()
+            self._handles = []
+
+    def unscale(self, inv: float) -> float:
+        g = self.flat.grad.float() if self.mixed else self.flat.grad   # fp32 grads exist only for the step
+        if inv != 1.0:
+            g.mul_(inv)
+        self._g32 = g
+        return torch.linalg.vector_norm(g).item()    # identical on every rank after the all-reduce
+
+    def clip(self, coef: float) -> None:
+        self._g32.mul_(coef)
+
+    def step(self) -> None:
+        for i, m in enumerate(self.masters):
+            m.grad = self.flat.view(self._g32, i)
+        self.optimizer.step()
+        if self.mixed:
+            self.flat.data.copy_(self.master)
+            for m in self.masters:
+                m.grad = None
+
+    def zero_grad(self) -> None:
+        self._g32 = None
+        self.flat.grad.zero_()
+
+    def bytes_by_kind(self) -> dict:
+        opt = [v for s in self.optimizer.state.values() for v in s.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return {"params": self.flat.data.numel() * self.flat.data.element_size(),
+                "grads": self.flat.grad.numel() * self.flat.grad.element_size(),
+                "master_weights": self.master.numel() * 4 if self.master is not None else 0,
+                "optimizer_states": sum(v.numel() * v.element_size() for v in opt)}

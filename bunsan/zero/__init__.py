@@ -1,0 +1,51 @@
+"""ZeRO: shard optimizer states (stage 1), gradients (2) and parameters (3) over the data-parallel ranks."""
+
+from __future__ import annotations
+
+import torch
+
+from ..optim import build_optimizer, optimizer_spec
+
+
+class Init:
+    """Build a model without allocating it: `with bunsan.zero.Init(): model = Llama(cfg)`.
+
+    Parameters are created on the meta device; `bunsan.initialize` with ZeRO stage 3
+    then materialises each rank's shard only, one unit at a time, so no rank ever
+    holds the whole model. Accepts (and ignores) DeepSpeed's zero.Init arguments.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self._ctx = torch.device("meta")
+
+    def __enter__(self):
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+def make_strategy(trainable, comm, group, cfg, device, user_optimizer, module):
+    """The data-parallel strategy for `zero_optimization.stage`."""
+    from ..data_parallel import Replicated
+    zero = cfg.zero_optimization
+    stage = zero.stage
+    if stage >= 2 and not zero.contiguous_gradients:
+        raise ValueError("zero_optimization.contiguous_gradients=false: bunsan always copies gradients into "
+                         "contiguous buckets at stages 2-3; remove the key or set it to true")
+    if not zero.allgather_partitions:
+        raise ValueError("zero_optimization.allgather_partitions=false (broadcast-based gathering) is not "
+                         "supported; remove the key or set it to true")
+    if any(p.is_meta for p in trainable) and stage < 3:
+        raise ValueError("parameters on the meta device (bunsan.zero.Init) need zero_optimization.stage 3")
+    if stage == 0:
+        return Replicated(trainable, comm, group, zero, lambda ps: build_optimizer(ps, cfg.optimizer, device),
+                          user_optimizer)
+    spec_params = list(reversed(trainable))  # the strategies order parameters for backward
+    spec = optimizer_spec(user_optimizer, cfg.optimizer, spec_params, device)
+    if stage in (1, 2):
+        from .stage12 import ShardedGrads
+        return ShardedGrads(trainable, comm, group, zero, spec, device, stage)
+    from .stage3 import FullyShardedDP
+    return FullyShardedDP(trainable, comm, group, cfg, spec, device, module)

@@ -1,0 +1,177 @@
+"""The sharded optimizer of ZeRO stages 1-3: master weights and optimizer states for this rank's shard only.
+
+The shard is a list of fragments (the parts of parameters inside this rank's
+slices, see layout.py). Each fragment is one tensor the torch optimizer steps;
+they are views into a master buffer (fp32, the rank's shard) and their grads are
+views into an fp32 gradient shard. Fragments are grouped into sub-groups of at
+most `sub_group_size` elements, each with its own torch optimizer, so that with
+NVMe offload only one sub-group's states are in memory at a time:
+
+    for each sub-group: read states (+ master) from disk -> step -> write back -> free
+
+With `offload_optimizer: cpu` the master and states live in host memory and the
+step runs there; updated weights are cast and copied back to the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import ShardLayout
+from .swap import SwapFile
+
+ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+
+
+class SubGroup:
+    def __init__(self, frags: list[int], lo: int, hi: int):
+        self.frags, self.lo, self.hi = frags, lo, hi   # fragment indices; shard range [lo, hi)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.swapped = False
+
+
+class ShardedOptimizer:
+    """Steps this rank's shard; the caller provides where the updated weights go."""
+
+    def __init__(self, layout: ShardLayout, opt_class, defaults: dict, groups: list[tuple[list[int], dict]],
+                 device: torch.device, model_dtype: torch.dtype, master_alias: torch.Tensor | None,
+                 init_shard: torch.Tensor | None, offload: str = "none", nvme_path: str | None = None,
+                 sub_group_size: int = 10**9, rank: int = 0, pin_memory: bool = False, alias_by: str = "flat"):
+        """
+        groups: (parameter indices, hyperparameters) per optimizer param group.
+        master_alias: fp32 storage the master may alias in place, else None: the flat parameters (stages 1-2,
+            indexed by flat offsets) or the parameter shard (stage 3, indexed by shard offsets); see alias_by.
+        init_shard: this rank's shard of the current weights (any dtype) to seed a separate master.
+        """
+        if opt_class not in ELEMENTWISE:
+            raise ValueError(f"{opt_class.__name__} cannot step parameter fragments: ZeRO stages 1-3 cut parameters "
+                             "across ranks, and only elementwise optimizers (AdamW, Adam, SGD) give the same result "
+                             "on a fragment as on the whole tensor; use zero_optimization.stage 0 with it")
+        self.layout, self.device, self.model_dtype = layout, device, model_dtype
+        self.offload = offload
+        self.home = torch.device("cpu") if offload in ("cpu", "nvme") else device
+        self.opt_class, self.defaults = opt_class, defaults
+        n = layout.shard_numel
+        self.aliased = master_alias is not None and offload == "none"
+        if self.aliased:
+            self.master = master_alias
+            key = (lambda f: f.flat_offset) if alias_by == "flat" else (lambda f: f.shard_offset)
+            self._mview = lambda f: master_alias[key(f):key(f) + f.numel]
+        else:
+            self.master = init_shard.to(self.home, torch.float32, copy=True)
+            if pin_memory and device.type == "cuda":
+                self.master = self.master.pin_memory()
+            self._mview = lambda f: self.master[f.shard_offset:f.shard_offset + f.numel]
+        self.frag_tensors = [self._mview(f) for f in layout.fragments]
+        self.grad = None
+        self.ensure_grad()
+        group_of = {}
+        for gi, (members, _) in enumerate(groups):
+            for i in members:
+                group_of[i] = gi
+        self.group_of_frag = [group_of[f.param] for f in layout.fragments]
+        self.groups = groups
+        self.subgroups = self._subgroups(sub_group_size)
+        for sg in self.subgroups:
+            sg.optimizer = self._build(sg)
+        self.swap = None
+        if offload == "nvme":
+            self.swap = SwapFile(nvme_path, f"optimizer-rank{rank}")
+            self._swap_out_all_masters()
+
+    # -- construction ----------------------------------------------------------------------------
+    def _subgroups(self, size: int) -> list[SubGroup]:
+        out, cur, lo = [], [], 0
+        frags = self.layout.fragments
+        for i, f in enumerate(frags):
+            if cur and f.shard_offset + f.numel - lo > size:
+                out.append(SubGroup(cur, lo, f.shard_offset))
+                cur, lo = [], f.shard_offset
+            cur.append(i)
+        if cur or not out:
+            out.append(SubGroup(cur, lo, self.layout.shard_numel if not cur else
+                                frags[cur[-1]].shard_offset + frags[cur[-1]].numel))
+        return out
+
+    def _build(self, sg: SubGroup) -> torch.optim.Optimizer:
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for i in sg.frags:
+            by_group.setdefault(self.group_of_frag[i], []).append(self.frag_tensors[i])
+        pgroups = [{"params": ts, **self.groups[g][1]} for g, ts in sorted(by_group.items())]
+        if not pgroups:  # a rank whose shard is all padding still needs an optimizer object
+            pgroups = [{"params": [torch.zeros(0, device=self.home)], **self.groups[0][1]}]
+        return self.opt_class(pgroups, **self.defaults)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The hyperparameters of every sub-group's groups (the engine writes lr here)."""
+        return [g for sg in self.subgroups for g in sg.optimizer.param_groups]
+
+    # -- NVMe swapping ---------------------------------------------------------------------------
+    def _swap_out_all_masters(self) -> None:
+        for k, sg in enumerate(self.subgroups):
+            self.swap.write(f"master{k}", self.master[sg.lo:sg.hi])
+        self.master = None  # lives on disk from now on
+        for t in self.frag_tensors:
+            t.data = torch.empty(0, dtype=torch.float32)
+
+    def _swap_in(self, k: int, sg: SubGroup) -> torch.Tensor:
+        master = self.swap.read(f"master{k}", sg.hi - sg.lo, torch.float32)
+        for i in sg.frags:
+            f = self.layout.fragments[i]
+            self.frag_tensors[i].data = master[f.shard_offset - sg.lo:f.shard_offset - sg.lo + f.numel]
+        if sg.swapped:
+            for t in (self.frag_tensors[i] for i in sg.frags):
+                for key, v in sg.optimizer.state[t].items():
+                    if isinstance(v, torch.Tensor) and v.dim() > 0:
+                        sg.optimizer.state[t][key] = self.swap.read(f"s{k}.{i}.{key}", t.numel(), v.dtype)
+        return master
+
+    def _swap_out(self, k: int, sg: SubGroup, master: torch.Tensor) -> None:
+        self.swap.write(f"master{k}", master)
+        for i in sg.frags:
+            t = self.frag_tensors[i]
+            for key, v in sg.optimizer.state[t].items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    self.swap.write(f"s{k}.{i}.{key}", v)
+                    sg.optimizer.state[t][key] = torch.empty(0, dtype=v.dtype)
+            t.data = torch.empty(0, dtype=torch.float32)
+        sg.swapped = True
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self, write_back) -> None:
+        """Step every sub-group; `write_back(fragment, fp32 values)` stores updated weights into the model."""
+        for k, sg in enumerate(self.subgroups):
+            master = self._swap_in(k, sg) if self.swap else None
+            for i in sg.frags:
+                f = self.layout.fragments[i]
+                self.frag_tensors[i].grad = self.grad[f.shard_offset:f.shard_offset + f.numel]
+            sg.optimizer.step()
+            for i in sg.frags:
+                self.frag_tensors[i].grad = None
+            if not self.aliased:
+                for i in sg.frags:
+                    write_back(self.layout.fragments[i], self.frag_tensors[i])
+            if self.swap:
+                self._swap_out(k, sg, master)
+
+    def ensure_grad(self) -> None:
+        """The fp32 gradient shard (fragments get views of it while they step)."""
+        if self.grad is None:
+            self.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.home)
+
+    def drop_grad(self) -> None:
+        self.grad = None
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+    # -- accounting ------------------------------------------------------------------------------
+    def bytes_by_kind(self) -> dict:
+        """Resident bytes of master weights and optimizer states, where they live, and bytes on disk."""
+        states = sum(v.numel() * v.element_size() for sg in self.subgroups for s in sg.optimizer.state.values()
+                     for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        master = 0 if self.aliased or self.master is None else self.master.numel() * 4
+        out = {"master_weights": master, "optimizer_states": states, "disk": self.swap.size() if self.swap else 0}
+        out["host"] = master + states if self.offload != "none" else 0
+        return out

@@ -1,0 +1,158 @@
+"""ZeRO stages 1 and 2: optimizer states (stage 1) and gradients too (stage 2) sharded over data-parallel ranks.
+
+Stage 1: full gradients accumulate in a flat buffer as in stage 0; on the last
+micro-step each bucket is reduce-scattered (from backward hooks, overlapped) and
+this rank keeps its slice, in fp32, for the step.
+
+Stage 2: no full gradient buffer. On every micro-step each parameter's gradient is
+copied into its bucket as soon as autograd produces it and freed; a full bucket
+is reduce-scattered at once and the rank's slice is added to a persistent fp32
+gradient shard. At most two buckets are in flight, so full-size gradients never
+exist beyond two buckets.
+
+Both: each rank steps only its shard (optimizer.py), writes the updated slice
+into the flat parameters, and the buckets are all-gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..data_parallel import Strategy
+from ..grad_sync import BucketHooks, FlatParams
+from .layout import ShardLayout
+from .optimizer import ShardedOptimizer
+
+IN_FLIGHT = 2  # stage-2 buckets being reduced at once (bounds the full-size gradient memory)
+
+
+class ShardedGrads(Strategy):
+    def __init__(self, params, comm, group, zero_cfg, opt_spec, device, stage: int):
+        super().__init__(params, comm, group, zero_cfg)
+        self.stage = stage
+        n, r = group.size, group.rank
+        buckets = ShardLayout.greedy_buckets([p.numel() for p in self.params], int(zero_cfg.reduce_bucket_size))
+        self.layout = ShardLayout(self.params, buckets, n, r)
+        self.flat = FlatParams(self.params, self.layout, with_grads=stage == 1)
+        comm.broadcast(self.flat.data, 0, group)
+        self.slices = self.layout.shard_slices()
+        off = zero_cfg.offload_optimizer
+        cls, defaults, groups = opt_spec
+        self.opt_class, self.opt_defaults = cls, defaults
+        self.opt = ShardedOptimizer(
+            self.layout, cls, defaults, groups, device, self.dtype,
+            master_alias=None if self.mixed else self.flat.data,
+            init_shard=torch.cat([self.flat.data[lo:hi] for lo, hi, _ in self.slices]),
+            offload=off.device if off else "none", nvme_path=off.nvme_path if off else None,
+            sub_group_size=int(zero_cfg.sub_group_size), rank=comm.global_rank,
+            pin_memory=bool(off and off.pin_memory))
+        if stage == 1:
+            self.opt.drop_grad()      # stage 1: the fp32 shard gradient exists only from reduce to step
+        self.optimizer = self.opt
+        self._staging: dict[int, torch.Tensor] = {}
+        self._flight: list = []
+        self.hooks = BucketHooks(self.params, [b.params for b in self.layout.buckets], self._launch,
+                                 on_grad=self._stage_grad if stage == 2 else None, overlap=zero_cfg.overlap_comm)
+
+    # -- backward --------------------------------------------------------------------------------
+    def begin_backward(self, sync: bool) -> None:
+        if self.stage == 1:
+            if not self.flat.grads_attached():
+                self.flat.attach()
+            if sync:
+                self.opt.ensure_grad()
+                self.hooks.begin()
+        else:
+            self.hooks.begin()        # stage 2 reduces every micro-step into the fp32 shard
+
+    def _stage_grad(self, i: int, param) -> None:
+        """Stage 2: copy a fresh gradient into its bucket and free it."""
+        k = self.hooks.bucket_of[i]
+        b = self.layout.buckets[k]
+        buf = self._staging.get(k)
+        if buf is None:
+            buf = self._staging[k] = torch.zeros(b.size, dtype=self.dtype, device=param.device)
+        off = self.layout.offsets[i] - b.start
+        buf[off:off + param.numel()].copy_(param.grad.reshape(-1))
+        param.grad = None
+
+    def _launch(self, k: int) -> None:
+        b = self.layout.buckets[k]
+        if self.stage == 1:
+            full = self.flat.grad[b.start:b.start + b.size]
+        else:
+            full = self._staging.pop(k, None)
+            if full is None:          # no parameter of this bucket got a gradient: still take part
+                full = torch.zeros(b.size, dtype=self.dtype, device=self.flat.data.device)
+        out = torch.empty(b.size // self.group.size, dtype=self.dtype, device=full.device)
+        if self.zero.reduce_scatter:
+            handle = self.comm.reduce_scatter(out, full, self.group, async_op=True)
+        else:                         # DeepSpeed's reduce_scatter: false -> all-reduce, keep the slice
+            handle = self.comm.all_reduce(full, self.group, async_op=True)
+            out = None
+        self._flight.append((k, handle, out, full))
+        if self.stage == 2 and len(self._flight) > IN_FLIGHT:
+            self._complete(self._flight.pop(0))
+
+    def _complete(self, item) -> None:
+        k, handle, out, full = item
+        handle.wait()
+        if out is None:
+            lo, hi = self.layout.buckets[k].slice_of(self.group.rank, self.group.size)
+            b = self.layout.buckets[k]
+            out = full[lo - b.start:hi - b.start]
+        lo, hi, s = self.slices[k]
+        dst = self.opt.grad[s:s + hi - lo]
+        dst.add_(out.to(dst.device, torch.float32))
+
+    def end_backward(self, sync: bool) -> None:
+        if self.stage == 1 and not sync:
+            return
+        self.hooks.finish()
+        for item in self._flight:
+            self._complete(item)
+        self._flight = []
+
+    # -- the step --------------------------------------------------------------------------------
+    def unscale(self, inv: float) -> float:
+        if inv != 1.0:
+            self.opt.grad.mul_(inv)
+        return self.global_norm(torch.linalg.vector_norm(self.opt.grad) ** 2)
+
+    def clip(self, coef: float) -> None:
+        self.opt.grad.mul_(coef)
+
+    def _write_back(self, f, values: torch.Tensor) -> None:
+        self.flat.data[f.flat_offset:f.flat_offset + f.numel].copy_(values)
+
+    def step(self) -> None:
+        self.opt.step(self._write_back)
+        self._all_gather()
+
+    def _all_gather(self) -> None:
+        """Every bucket's slices to every rank; at most allgather_bucket_size elements in flight."""
+        pending, in_flight = [], 0
+        for b, (lo, hi, _) in zip(self.layout.buckets, self.slices):
+            mine = self.flat.data[lo:hi].clone()
+            pending.append(self.comm.all_gather(self.flat.data[b.start:b.start + b.size], mine, self.group,
+                                                async_op=True))
+            in_flight += b.size
+            if in_flight >= int(self.zero.allgather_bucket_size):
+                for h in pending:
+                    h.wait()
+                pending, in_flight = [], 0
+        for h in pending:
+            h.wait()
+
+    def zero_grad(self) -> None:
+        if self.stage == 1:
+            self.flat.grad.zero_()
+            self.opt.drop_grad()
+        else:
+            self.opt.zero_grad()
+
+    def bytes_by_kind(self) -> dict:
+        grads = (self.flat.grad.numel() * self.flat.grad.element_size() if self.stage == 1
+                 else self.opt.grad.numel() * 4)
+        return {"params": self.flat.data.numel() * self.flat.data.element_size(), "grads": grads,
+                **self.opt.bytes_by_kind()}
