@@ -39,15 +39,6 @@ class BatchSizes:
 # Features that parse but are not built yet: (predicate, message formatted with c=config).
 # Delete a row when its feature lands.
 UNIMPLEMENTED: list[tuple[typing.Callable[[Config], bool], str]] = [
-    (lambda c: c.zero_optimization.stage > 0,
-     "zero_optimization.stage={c.zero_optimization.stage}: ZeRO stages 1-3 are not implemented yet "
-     "(they land with the ZeRO issue #3); set zero_optimization.stage to 0"),
-    (lambda c: offloads(c.zero_optimization.offload_optimizer),
-     "zero_optimization.offload_optimizer.device='{c.zero_optimization.offload_optimizer.device}': optimizer "
-     "offload is not implemented yet (it lands with the ZeRO issue #3); remove offload_optimizer"),
-    (lambda c: offloads(c.zero_optimization.offload_param),
-     "zero_optimization.offload_param.device='{c.zero_optimization.offload_param.device}': parameter offload "
-     "is not implemented yet (it lands with the ZeRO issue #3); remove offload_param"),
     (lambda c: c.tensor_parallel.size > 1,
      "tensor_parallel.size={c.tensor_parallel.size}: tensor parallelism is not implemented yet "
      "(it lands with issue #4); set tensor_parallel.size to 1"),
