@@ -273,18 +273,27 @@ class Llama(nn.Module):
         1/sqrt(2*num_layers) (GPT-2/torchtitan). With ``seed`` each tensor is drawn
         on CPU from a generator seeded by (seed, name): identical on any device.
         """
+        for name, p in self.named_parameters():
+            self.init_parameter(name, p, seed)
+        self.reset_rope()
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, p: torch.Tensor, seed: int | None = None) -> None:
+        """Initialise one tensor by its parameter name (lets ZeRO-3 build a model shard by shard)."""
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+            return
         c = self.config
         std = c.initializer_range
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            s = std / math.sqrt(2 * c.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
-            if seed is None:
-                p.normal_(0.0, s)
-            else:
-                g = torch.Generator().manual_seed(_seed_for(seed, name))
-                p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=g))
+        s = std / math.sqrt(2 * c.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+        if seed is None:
+            p.normal_(0.0, s)
+        else:
+            g = torch.Generator().manual_seed(_seed_for(seed, name))
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=g))
+
+    def init_buffers(self) -> None:
+        """Recompute the non-persistent buffers (rope tables) after materialising them."""
         self.reset_rope()
 
     def reset_parameters(self) -> None:

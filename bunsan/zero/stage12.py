@@ -22,8 +22,7 @@ from ..data_parallel import Strategy
 from ..grad_sync import BucketHooks, FlatParams
 from .layout import ShardLayout
 from .optimizer import ShardedOptimizer
-
-IN_FLIGHT = 2  # stage-2 buckets being reduced at once (bounds the full-size gradient memory)
+from .reduce import ShardReducer
 
 
 class ShardedGrads(Strategy):
@@ -49,10 +48,16 @@ class ShardedGrads(Strategy):
         if stage == 1:
             self.opt.drop_grad()      # stage 1: the fp32 shard gradient exists only from reduce to step
         self.optimizer = self.opt
-        self._staging: dict[int, torch.Tensor] = {}
-        self._flight: list = []
-        self.hooks = BucketHooks(self.params, [b.params for b in self.layout.buckets], self._launch,
-                                 on_grad=self._stage_grad if stage == 2 else None, overlap=zero_cfg.overlap_comm)
+        self.reducer = ShardReducer(self.layout, comm, group, self.dtype, self.opt, zero_cfg,
+                                    source=self._flat_bucket if stage == 1 else None)
+        self.reducer.device = self.flat.data.device
+        self.hooks = BucketHooks(self.params, [b.params for b in self.layout.buckets], self.reducer.launch,
+                                 on_grad=self.reducer.stage_grad if stage == 2 else None,
+                                 overlap=zero_cfg.overlap_comm)
+
+    def _flat_bucket(self, k: int) -> torch.Tensor:
+        b = self.layout.buckets[k]
+        return self.flat.grad[b.start:b.start + b.size]
 
     # -- backward --------------------------------------------------------------------------------
     def begin_backward(self, sync: bool) -> None:
@@ -65,53 +70,11 @@ class ShardedGrads(Strategy):
         else:
             self.hooks.begin()        # stage 2 reduces every micro-step into the fp32 shard
 
-    def _stage_grad(self, i: int, param) -> None:
-        """Stage 2: copy a fresh gradient into its bucket and free it."""
-        k = self.hooks.bucket_of[i]
-        b = self.layout.buckets[k]
-        buf = self._staging.get(k)
-        if buf is None:
-            buf = self._staging[k] = torch.zeros(b.size, dtype=self.dtype, device=param.device)
-        off = self.layout.offsets[i] - b.start
-        buf[off:off + param.numel()].copy_(param.grad.reshape(-1))
-        param.grad = None
-
-    def _launch(self, k: int) -> None:
-        b = self.layout.buckets[k]
-        if self.stage == 1:
-            full = self.flat.grad[b.start:b.start + b.size]
-        else:
-            full = self._staging.pop(k, None)
-            if full is None:          # no parameter of this bucket got a gradient: still take part
-                full = torch.zeros(b.size, dtype=self.dtype, device=self.flat.data.device)
-        out = torch.empty(b.size // self.group.size, dtype=self.dtype, device=full.device)
-        if self.zero.reduce_scatter:
-            handle = self.comm.reduce_scatter(out, full, self.group, async_op=True)
-        else:                         # DeepSpeed's reduce_scatter: false -> all-reduce, keep the slice
-            handle = self.comm.all_reduce(full, self.group, async_op=True)
-            out = None
-        self._flight.append((k, handle, out, full))
-        if self.stage == 2 and len(self._flight) > IN_FLIGHT:
-            self._complete(self._flight.pop(0))
-
-    def _complete(self, item) -> None:
-        k, handle, out, full = item
-        handle.wait()
-        if out is None:
-            lo, hi = self.layout.buckets[k].slice_of(self.group.rank, self.group.size)
-            b = self.layout.buckets[k]
-            out = full[lo - b.start:hi - b.start]
-        lo, hi, s = self.slices[k]
-        dst = self.opt.grad[s:s + hi - lo]
-        dst.add_(out.to(dst.device, torch.float32))
-
     def end_backward(self, sync: bool) -> None:
         if self.stage == 1 and not sync:
             return
         self.hooks.finish()
-        for item in self._flight:
-            self._complete(item)
-        self._flight = []
+        self.reducer.drain()
 
     # -- the step --------------------------------------------------------------------------------
     def unscale(self, inv: float) -> float:

@@ -1,0 +1,78 @@
+"""Gradient reduce-scatter into this rank's fp32 shard, bucket by bucket (ZeRO stages 1-3).
+
+Stage 1 hands in slices of its full flat gradient buffer. Stages 2-3 hand in a
+staging bucket that `stage_grad` fills as autograd produces each parameter's
+gradient (which is then freed); at most IN_FLIGHT buckets are being reduced at
+once, which bounds the full-size gradient memory to that many buckets.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import ShardLayout
+
+IN_FLIGHT = 2
+
+
+class ShardReducer:
+    def __init__(self, layout: ShardLayout, comm, group, dtype: torch.dtype, opt, zero_cfg,
+                 source=None, after_launch=None):
+        """source(k) -> the bucket's full gradient (stage 1); default: the staging bucket (stages 2-3)."""
+        self.layout, self.comm, self.group, self.dtype, self.opt = layout, comm, group, dtype, opt
+        self.use_reduce_scatter = zero_cfg.reduce_scatter
+        self.source = source or self._pop_staging
+        self.after_launch = after_launch
+        self.slices = layout.shard_slices()
+        self.bucket_of = [0] * len(layout.numels)
+        for k, b in enumerate(layout.buckets):
+            for i in b.params:
+                self.bucket_of[i] = k
+        self._staging: dict[int, torch.Tensor] = {}
+        self._flight: list = []
+        self.device = None
+
+    def stage_grad(self, i: int, param) -> None:
+        """Copy parameter i's fresh gradient into its bucket and free it."""
+        k = self.bucket_of[i]
+        b = self.layout.buckets[k]
+        buf = self._staging.get(k)
+        if buf is None:
+            buf = self._staging[k] = torch.zeros(b.size, dtype=self.dtype, device=param.grad.device)
+        off = self.layout.offsets[i] - b.start
+        buf[off:off + param.numel()].copy_(param.grad.reshape(-1))
+        param.grad = None
+
+    def _pop_staging(self, k: int) -> torch.Tensor:
+        full = self._staging.pop(k, None)
+        if full is None:  # no parameter of this bucket got a gradient: still take part in the collective
+            full = torch.zeros(self.layout.buckets[k].size, dtype=self.dtype, device=self.device)
+        return full
+
+    def launch(self, k: int) -> None:
+        full = self.source(k)
+        if self.use_reduce_scatter:
+            out = torch.empty(full.numel() // self.group.size, dtype=self.dtype, device=full.device)
+            handle = self.comm.reduce_scatter(out, full, self.group, async_op=True)
+        else:  # DeepSpeed's reduce_scatter: false -> all-reduce and keep the slice
+            handle, out = self.comm.all_reduce(full, self.group, async_op=True), None
+        self._flight.append((k, handle, out, full))
+        if self.after_launch is not None:
+            self.after_launch(k)
+        if len(self._flight) > IN_FLIGHT:
+            self._complete(self._flight.pop(0))
+
+    def _complete(self, item) -> None:
+        k, handle, out, full = item
+        handle.wait()
+        lo, hi, s = self.slices[k]
+        if out is None:
+            start = self.layout.buckets[k].start
+            out = full[lo - start:hi - start]
+        dst = self.opt.grad[s:s + hi - lo]
+        dst.add_(out.to(dst.device, torch.float32))
+
+    def drain(self) -> None:
+        for item in self._flight:
+            self._complete(item)
+        self._flight = []
