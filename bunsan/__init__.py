@@ -7,7 +7,7 @@ import inspect
 import torch
 import torch.nn as nn
 
-from . import models
+from . import models, zero
 from .comm import Comm, CommError
 from .config import Config, ConfigError
 from .distributed import Mesh, init_distributed
@@ -46,8 +46,8 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     mesh = Mesh.create(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size)
     comm = Comm(timeout_s=cfg.train.timeout_s)
-    if any(p.is_meta for p in model.parameters()):
-        _materialize(model, device, cfg.train.seed)
+    if any(p.is_meta for p in model.parameters()) and cfg.zero_optimization.stage < 3:
+        _materialize(model, device, cfg.train.seed)   # stage 3 materialises each rank's shard only
     if cfg.activation_checkpointing.enabled:
         apply_activation_checkpointing(model)
     if cfg.train.compile:

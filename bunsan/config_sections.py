@@ -230,6 +230,8 @@ class Zero(Section):
     stage3_max_reuse_distance: Int = Field(1_000_000_000, ge=0)
     stage3_gather_16bit_weights_on_model_save: bool = False
     sub_group_size: Int = Field(1_000_000_000, ge=1)
+    # bunsan: class names of the modules gathered as one ZeRO-3 unit ([] = the elements of model.layers)
+    stage3_unit_modules: list[str] = []
     offload_optimizer: Optional[Offload] = None
     offload_param: Optional[Offload] = None
 

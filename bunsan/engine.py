@@ -46,7 +46,10 @@ class Engine:
                 any(p.dtype != torch.float32 for g in optimizer.param_groups for p in g["params"]):
             raise ValueError("with fp16/bf16 bunsan keeps fp32 master weights itself: build the optimizer over "
                              "the fp32 model and let bunsan cast the model")
-        model.to(device=device, dtype=self.dtype)   # parameters on the meta device stay there (ZeRO-3 shards them)
+        if any(p.is_meta for p in model.parameters()):   # bunsan.zero.Init: ZeRO-3 materialises shards
+            model.to(dtype=self.dtype)
+        else:
+            model.to(device=device, dtype=self.dtype)
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no parameters with requires_grad=True; nothing to train")

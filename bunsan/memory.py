@@ -89,11 +89,11 @@ def measured_memory(engine) -> dict:
     report["model_states"] = sum(report[k] for k in ("params", "grads", "master_weights", "optimizer_states"))
     opt_name = dp.opt_class.__name__ if hasattr(dp, "opt_class") else type(engine.optimizer).__name__
     defaults = dp.opt_defaults if hasattr(dp, "opt_defaults") else engine.optimizer.defaults
-    psi = sum(p.numel() for p in dp.params)
+    psi = sum(dp.layout.numels)   # ZeRO-3 parameters are empty between gathers: count from the layout
     theory = model_state_bytes(psi, dp.dtype.itemsize, optimizer_state_bytes_per_param(opt_name, defaults),
                                engine.mesh.dp, dp.stage, grad_shard_bytes=4)
     if opt_name.lower() == "adafactor":
-        theory["optimizer_states"] = adafactor_state_bytes([p.shape for p in dp.params])
+        theory["optimizer_states"] = adafactor_state_bytes([p.shape for p in dp.params])  # stage 0 only
         theory["total"] = theory["params"] + theory["grads"] + theory["master_weights"] + theory["optimizer_states"]
     report["theory_model_states"] = int(theory["total"])
     report["peak_rss"] = peak_rss_bytes()

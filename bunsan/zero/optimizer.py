@@ -121,7 +121,8 @@ class ShardedOptimizer:
             f = self.layout.fragments[i]
             self.frag_tensors[i].data = master[f.shard_offset - sg.lo:f.shard_offset - sg.lo + f.numel]
         if sg.swapped:
-            for t in (self.frag_tensors[i] for i in sg.frags):
+            for i in sg.frags:
+                t = self.frag_tensors[i]
                 for key, v in sg.optimizer.state[t].items():
                     if isinstance(v, torch.Tensor) and v.dim() > 0:
                         sg.optimizer.state[t][key] = self.swap.read(f"s{k}.{i}.{key}", t.numel(), v.dtype)

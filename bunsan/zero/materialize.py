@@ -1,0 +1,58 @@
+"""Building ZeRO-3 shards one unit at a time, including models that exist only on the meta device.
+
+A model built under `bunsan.zero.Init()` has meta parameters. Each unit is
+materialised whole, briefly, on the device (`model.init_parameter(name, tensor,
+seed)` fills each tensor by name, so every rank draws the same numbers), the rank
+keeps its slice, and the unit is freed: no rank ever holds more than its shard
+plus one unit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def unit_full_weights(module: nn.Module, strategy, k: int, device: torch.device, seed: int,
+                      meta: bool) -> torch.Tensor:
+    """Unit k's parameters laid out as its (padded) bucket, on the device."""
+    layout = strategy.layout
+    b = layout.buckets[k]
+    full = torch.zeros(b.size, dtype=strategy.dtype, device=device)
+    init = getattr(module, "init_parameter", None)
+    if meta and init is None:
+        raise ValueError(f"{type(module).__name__} was built on the meta device (bunsan.zero.Init) but has no "
+                         "init_parameter(name, tensor, seed) method to initialise it shard by shard; add one, "
+                         "or build the model normally")
+    with torch.no_grad():
+        for i in strategy.units[k].params:
+            p = strategy.params[i]
+            off = layout.offsets[i] - b.start
+            view = full[off:off + p.numel()].view(p.shape)
+            if meta:
+                tmp = torch.empty(p.shape, dtype=torch.float32, device=device)
+                init(strategy.names[i], tmp, seed)
+                view.copy_(tmp)
+            else:
+                view.copy_(p.data)
+    return full
+
+
+def replace_meta_parameters(module: nn.Module, params: list[nn.Parameter], device: torch.device,
+                            dtype: torch.dtype) -> list[nn.Parameter]:
+    """Swap meta parameters for real (empty) ones everywhere they are referenced (tied weights stay tied).
+
+    Meta buffers are allocated on the device and recomputed by `module.init_buffers()` when it exists.
+    """
+    new = {p: nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=p.requires_grad)
+           for p in params}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p in new:
+                m._parameters[name] = new[p]
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    if hasattr(module, "init_buffers"):
+        module.init_buffers()
+    return [new[p] for p in params]

@@ -1,0 +1,278 @@
+"""ZeRO stage 3: parameters sharded at rest, gathered one unit at a time.
+
+A *unit* is a group of parameters gathered and released together: each
+transformer block (`model.layers[i]`) by default, or the modules whose class names
+are listed in `zero_optimization.stage3_unit_modules`; the parameters left over
+(embedding, final norm, head) form the root unit, gathered for the whole step.
+
+    forward:   pre-hook gathers unit i (waits for its prefetch), prefetches i+1;
+               post-hook releases unit i and marks its output so that ...
+    backward:  ... the gradient reaching that output first re-gathers unit i and
+               prefetches i-1; once all of unit i's gradients exist they are copied
+               into a bucket, freed, reduce-scattered into the fp32 gradient shard,
+               and unit i is released again.
+
+A released parameter's `.data` is an empty tensor; autograd keeps the parameter
+object itself, so re-pointing `.data` at a fresh gather is what backward sees.
+Units of at most `stage3_param_persistence_threshold` elements stay gathered;
+prefetch is bounded by `stage3_prefetch_bucket_size` and `stage3_max_live_parameters`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from ..data_parallel import Strategy
+from ..grad_sync import BucketHooks
+from .layout import ShardLayout
+from .materialize import replace_meta_parameters, unit_full_weights
+from .optimizer import ShardedOptimizer
+from .reduce import ShardReducer
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity whose backward gathers a unit before autograd reaches its parameters."""
+
+    @staticmethod
+    def forward(ctx, owner, k, x):
+        ctx.owner, ctx.k = owner, k
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.owner.pre_backward(ctx.k)
+        return None, None, grad
+
+
+class Unit:
+    def __init__(self, module: nn.Module | None, params: list[int]):
+        self.module, self.params = module, params
+        self.full: torch.Tensor | None = None    # the gathered unit, while gathered
+        self.pending = None                      # (handle, full) of a prefetch in flight
+        self.persistent = False
+        self.in_backward = False
+
+
+def find_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
+    if class_names:
+        units = [m for m in model.modules() if type(m).__name__ in class_names and m is not model]
+        if not units:
+            raise ValueError(f"zero_optimization.stage3_unit_modules {class_names} matched no module of "
+                             f"{type(model).__name__}; list class names of its blocks")
+        return units
+    layers = getattr(model, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+class FullyShardedDP(Strategy):
+    stage = 3
+
+    def __init__(self, trainable, comm, group, cfg, opt_spec, device, module: nn.Module):
+        super().__init__(trainable, comm, group, cfg.zero_optimization)
+        zero = self.zero
+        n, r = group.size, group.rank
+        self.device, self.module = device, module
+        unit_modules = find_units(module, list(zero.stage3_unit_modules))
+        index = {p: i for i, p in enumerate(trainable)}
+        in_unit, unit_params = set(), []
+        for m in unit_modules:
+            members = [index[p] for p in m.parameters() if p in index and index[p] not in in_unit]
+            in_unit.update(members)
+            unit_params.append(members)
+        root = [i for i in range(len(trainable)) if i not in in_unit]
+        # Buckets in backward order (last block first, root last): gradients are reduced in that order.
+        order = [(m, ps) for m, ps in zip(unit_modules, unit_params)][::-1] + [(None, root)]
+        self.units = [Unit(m, ps) for m, ps in order]
+        self.forward_order = list(range(len(unit_modules)))[::-1]   # unit indices, first block first
+        self.params = [trainable[i] for _, ps in order for i in ps]
+        remap = {old: new for new, old in enumerate(i for _, ps in order for i in ps)}
+        for u in self.units:
+            u.params = [remap[i] for i in u.params]
+        self.layout = ShardLayout(self.params, [u.params for u in self.units], n, r)
+        names = {p: name for name, p in module.named_parameters(remove_duplicate=True)}
+        self.names = [names[p] for p in self.params]
+        self._shapes = [tuple(p.shape) for p in self.params]
+
+        # This rank's shard of every unit, materialised one unit at a time.
+        off_p, off_o = zero.offload_param, zero.offload_optimizer
+        self.param_home = torch.device("cpu") if off_p and off_p.device != "none" else device
+        self.param_shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.param_home)
+        self.slices = self.layout.shard_slices()
+        meta = any(p.is_meta for p in self.params)
+        for k, u in enumerate(self.units):
+            full = unit_full_weights(module, self, k, device, cfg.train.seed, meta)
+            comm.broadcast(full, 0, group)      # identical start on every rank, whatever each built
+            lo, hi, s = self.slices[k]
+            b = self.layout.buckets[k]
+            self.param_shard[s:s + hi - lo].copy_(full[lo - b.start:hi - b.start])
+            del full
+        if meta:
+            self.params = replace_meta_parameters(module, self.params, device, self.dtype)
+        self._empty = torch.empty(0, dtype=self.dtype, device=device)
+        for p in self.params:
+            p.data = self._empty
+        for u in self.units:
+            u.persistent = self.layout.buckets[self.units.index(u)].size <= zero.stage3_param_persistence_threshold
+
+        cls, defaults, groups = opt_spec
+        self.opt_class, self.opt_defaults = cls, defaults
+        self.opt = self.optimizer = ShardedOptimizer(
+            self.layout, cls, defaults, groups, device, self.dtype,
+            master_alias=None if self.mixed else self.param_shard, alias_by="shard",
+            init_shard=self.param_shard, offload=off_o.device if off_o else "none",
+            nvme_path=off_o.nvme_path if off_o else None, sub_group_size=int(zero.sub_group_size),
+            rank=comm.global_rank, pin_memory=bool(off_o and off_o.pin_memory))
+        self.reducer = ShardReducer(self.layout, comm, group, self.dtype, self.opt, zero,
+                                    after_launch=self._after_reduce)
+        self.reducer.device = device
+        self.hooks = BucketHooks(self.params, [b.params for b in self.layout.buckets], self.reducer.launch,
+                                 on_grad=self.reducer.stage_grad, overlap=zero.overlap_comm)
+        self._install_hooks(module)
+
+    # -- gather / release ------------------------------------------------------------------------
+    def _launch_gather(self, k: int):
+        lo, hi, s = self.slices[k]
+        full = torch.empty(self.layout.buckets[k].size, dtype=self.dtype, device=self.device)
+        mine = self.param_shard[s:s + hi - lo].to(self.device, non_blocking=True)
+        return self.comm.all_gather(full, mine, self.group, async_op=True), full
+
+    def gather(self, k: int) -> None:
+        u = self.units[k]
+        if u.full is not None:
+            return
+        handle, full = u.pending if u.pending is not None else self._launch_gather(k)
+        u.pending = None
+        handle.wait()
+        u.full = full
+        b = self.layout.buckets[k]
+        for i in u.params:
+            off = self.layout.offsets[i] - b.start
+            p = self.params[i]
+            p.data = full[off:off + self.layout.numels[i]].view(self._shapes[i])
+
+    def release(self, k: int, force: bool = False) -> None:
+        u = self.units[k]
+        if u.full is None or (u.persistent and not force):
+            return
+        for i in u.params:
+            self.params[i].data = self._empty
+        u.full = None
+
+    def prefetch(self, k: int) -> None:
+        u = self.units[k]
+        size = self.layout.buckets[k].size
+        if u.full is not None or u.pending is not None or size > self.zero.stage3_prefetch_bucket_size:
+            return
+        live = sum(self.layout.buckets[j].size for j, v in enumerate(self.units)
+                   if v.full is not None or v.pending is not None)
+        if live + size <= self.zero.stage3_max_live_parameters:
+            u.pending = self._launch_gather(k)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """All parameters gathered (to read, save or inspect them outside forward); released after."""
+        for k in range(len(self.units)):
+            self.gather(k)
+        try:
+            yield
+        finally:
+            for k in range(len(self.units)):
+                self.release(k)
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _install_hooks(self, module: nn.Module) -> None:
+        root = len(self.units) - 1
+        module.register_forward_pre_hook(lambda m, a: self._root_pre())
+        module.register_forward_hook(lambda m, a, out: self._root_post())
+        for pos, k in enumerate(self.forward_order):
+            nxt = self.forward_order[pos + 1] if pos + 1 < len(self.forward_order) else None
+            self.units[k].module.register_forward_pre_hook(lambda m, a, k=k, nxt=nxt: self._pre_forward(k, nxt))
+            self.units[k].module.register_forward_hook(lambda m, a, out, k=k: self._post_forward(k, out))
+        self._root = root
+
+    def _root_pre(self) -> None:
+        self.gather(self._root)
+        if self.forward_order:
+            self.prefetch(self.forward_order[0])
+
+    def _root_post(self) -> None:
+        if not torch.is_grad_enabled():
+            self.release(self._root)
+
+    def _pre_forward(self, k: int, nxt: int | None) -> None:
+        self.gather(k)
+        if nxt is not None and not self.units[k].in_backward:
+            self.prefetch(nxt)
+
+    def _post_forward(self, k: int, out):
+        u = self.units[k]
+        if u.in_backward:              # activation-checkpoint recompute inside backward: keep it
+            return out
+        if not torch.is_grad_enabled():
+            self.release(k)
+            return out
+        self.release(k)
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            return _PreBackward.apply(self, k, out)
+        if isinstance(out, tuple):
+            return tuple(_PreBackward.apply(self, k, t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+                         for t in out)
+        return out
+
+    def pre_backward(self, k: int) -> None:
+        self.units[k].in_backward = True
+        self.gather(k)
+        pos = self.forward_order.index(k)
+        if pos > 0:
+            self.prefetch(self.forward_order[pos - 1])
+
+    def _after_reduce(self, k: int) -> None:
+        self.units[k].in_backward = False
+        if k != self._root:            # the root stays gathered until the step is done
+            self.release(k)
+
+    # -- the step --------------------------------------------------------------------------------
+    def begin_backward(self, sync: bool) -> None:
+        self.hooks.begin()             # gradients are reduced on every micro-step into the fp32 shard
+
+    def end_backward(self, sync: bool) -> None:
+        self.hooks.finish()
+        self.reducer.drain()
+        for k, u in enumerate(self.units):
+            u.in_backward = False
+            self.release(k)
+
+    def unscale(self, inv: float) -> float:
+        if inv != 1.0:
+            self.opt.grad.mul_(inv)
+        return self.global_norm(torch.linalg.vector_norm(self.opt.grad) ** 2)
+
+    def clip(self, coef: float) -> None:
+        self.opt.grad.mul_(coef)
+
+    def _write_back(self, f, values: torch.Tensor) -> None:
+        self.param_shard[f.shard_offset:f.shard_offset + f.numel].copy_(values)
+
+    def step(self) -> None:
+        for k in range(len(self.units)):
+            self.release(k, force=True)   # persistent units are re-gathered with the new weights
+        self.opt.step(self._write_back)
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def consolidated_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        with self.gathered():
+            return super().consolidated_state_dict(module)
+
+    def bytes_by_kind(self) -> dict:
+        gathered = sum(u.full.numel() for u in self.units if u.full is not None) * self.param_shard.element_size()
+        params = self.param_shard.numel() * self.param_shard.element_size()
+        out = {"params": params + gathered, "grads": self.opt.grad.numel() * 4, **self.opt.bytes_by_kind()}
+        off = self.zero.offload_param
+        if off is not None and off.device != "none":
+            out["host"] += params
+        return out
