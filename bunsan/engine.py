@@ -13,6 +13,7 @@ gradients for that step exist only during `step()`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -209,6 +210,11 @@ class Engine:
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full plain-model state dict (same keys as the unwrapped model), on every rank, on CPU."""
         return self.dp.consolidated_state_dict(self.module)
+
+    def gathered_parameters(self):
+        """Context in which every parameter holds its full value (ZeRO-3 gathers and releases after)."""
+        gathered = getattr(self.dp, "gathered", None)
+        return gathered() if gathered is not None else contextlib.nullcontext()
 
     def comm_stats(self) -> dict:
         """Communication of the last completed optimizer step and totals since start."""

@@ -87,6 +87,7 @@ def measured_memory(engine) -> dict:
     report["params"] += _tensor_bytes(frozen)
     report["buffers"] = _tensor_bytes(engine.module.buffers())
     report["model_states"] = sum(report[k] for k in ("params", "grads", "master_weights", "optimizer_states"))
+    report["device"] = report["model_states"] - report["host"]   # what stays on the compute device
     opt_name = dp.opt_class.__name__ if hasattr(dp, "opt_class") else type(engine.optimizer).__name__
     defaults = dp.opt_defaults if hasattr(dp, "opt_defaults") else engine.optimizer.defaults
     psi = sum(dp.layout.numels)   # ZeRO-3 parameters are empty between gathers: count from the layout

@@ -33,8 +33,9 @@ def corpus(tmp_path_factory) -> Path:
 def trained(tmp_path_factory, corpus) -> Path:
     out = tmp_path_factory.mktemp("train")
     r = _run(["train", "--nproc", "2", "--preset", "tiny", "--steps", "4", "--micro-batch", "2", "--seq-len", "64",
-              "--data", str(corpus / "*.py"), "--output", str(out), "--set", f"data.cache_dir={out / 'cache'}",
-              "--set", "steps_per_print=2"], cwd=out)
+              "--zero", "3", "--data", str(corpus / "*.py"), "--output", str(out), "--set", f"data.cache_dir={out / 'cache'}",
+              "--set", "steps_per_print=2", "--set", "zero_optimization.stage3_param_persistence_threshold=0"],
+             cwd=out)
     assert r.returncode == 0, r.stdout + r.stderr
     return out
 
@@ -47,7 +48,9 @@ def test_train_writes_metrics_weights_and_summary(trained):
     last = train[-1]
     for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_s", "comm_bytes", "memory"):
         assert key in last
-    assert len(last["memory"]) == 2 and last["memory"][0]["model_states"] == last["memory"][0]["theory_model_states"]
+    mem = last["memory"][0]
+    assert len(last["memory"]) == 2
+    assert mem["theory_model_states"] <= mem["model_states"] <= 1.05 * mem["theory_model_states"]
     assert last["comm_bytes"] > 0
     state = load_file(str(trained / "final" / "model.safetensors"))
     assert "embed_tokens.weight" in state and "layers.0.self_attn.q_proj.weight" in state
@@ -74,8 +77,8 @@ def test_bad_config_is_reported_before_any_process_starts(tmp_path):
 
 
 def test_unimplemented_feature_is_a_clear_error(tmp_path, corpus):
-    r = _run(["train", "--nproc", "1", "--zero", "3", "--data", str(corpus / "*.py")], cwd=tmp_path)
-    assert r.returncode == 2 and "zero_optimization.stage" in r.stderr
+    r = _run(["train", "--nproc", "1", "--set", "pipeline.stages=2", "--data", str(corpus / "*.py")], cwd=tmp_path)
+    assert r.returncode == 2 and "pipeline.stages" in r.stderr
 
 
 def test_generate_on_a_missing_checkpoint(tmp_path):
