@@ -59,14 +59,17 @@ def test_zero_fp32_matches_single_process(pools, stage, world, grad_accum, opt_n
 @pytest.mark.parametrize("stage,offload", [(1, "cpu"), (2, "nvme"), (3, "cpu"), (3, "nvme")])
 def test_offloaded_optimizer_matches_single_process(pools, tmp_path, stage, offload):
     zero = {"offload_optimizer": {"device": offload, "nvme_path": str(tmp_path)}, "sub_group_size": 40_000}
-    if stage == 3:
-        zero["offload_param"] = {"device": "cpu"}
+    if stage == 3:   # parameter shards follow the optimizer: host memory, or the NVMe swap file
+        zero["offload_param"] = {"device": offload, "nvme_path": str(tmp_path)}
     results = pools.run(2, _train, 2, _cfg(2, stage, 1, "adamw", 1.0, **zero))
     _check(results, "adamw", 1.0)
+    psi = sum(p.numel() for p in tiny_model().parameters())
     for _, _, mem, _ in results:
         assert mem["host"] >= mem["optimizer_states"] + mem["master_weights"]
-        if offload == "nvme":
-            assert mem["disk"] >= 8 * 791680 // 2 and mem["optimizer_states"] == 0   # states live on disk
+        if offload == "nvme":   # Adam's two fp32 states per element of the shard live on disk, not in memory
+            assert mem["disk"] >= 8 * psi // 2 and mem["optimizer_states"] == 0
+            if stage == 3:
+                assert mem["disk"] >= 12 * psi // 2 and mem["params"] == 0
 
 
 def test_zero_init_builds_the_same_model_as_a_normal_build(pools):
@@ -169,3 +172,47 @@ def test_bf16_with_accumulation_replays_the_fp32_gradient_shard(pools, stage):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
         for k, v in ref_state.items():
             np.testing.assert_array_equal(state[k], v, err_msg=k)
+
+
+def _checkpointed(rank, world, stage):
+    cfg = _cfg(world, stage, 1, "sgd", 1.0)
+    cfg["activation_checkpointing"] = {"enabled": True}
+    return _train(rank, world, cfg)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_activation_checkpointing_at_every_stage(pools, stage):
+    _check(pools.run(2, _checkpointed, 2, stage), "sgd", 1.0)
+
+
+def _fp16(rank, world, stage):
+    cfg = _cfg(world, stage, 2, "adamw", 1.0)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 24, "hysteresis": 1}
+    engine = bunsan.initialize(tiny_model(), cfg)
+    losses = [engine.train_batch(rank_slice(b, rank, world)) for b in batches(6, ROWS)]
+    return losses, engine.skipped_steps, engine.loss_scale
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_loss_scaling_at_every_stage(pools, stage):
+    """2**24 overflows fp16 gradients: steps are skipped on every rank alike, the scale halves, training goes on."""
+    results = pools.run(2, _fp16, 2, stage)
+    assert results[0] == results[1]
+    losses, skipped, scale = results[0]
+    assert skipped >= 1 and scale < 2**24 and all(np.isfinite(losses))
+
+
+def _gathered(rank, world):
+    engine = bunsan.initialize(tiny_model(), _cfg(world, 3, 1, "sgd", 0.0))
+    w = engine.module.layers[0].mlp.up_proj.weight
+    outside = w.numel()
+    with engine.gathered_parameters():
+        inside = tuple(w.shape), float(w.detach().sum())
+    return outside, inside, w.numel()
+
+
+def test_stage3_parameters_are_reachable_through_the_gather_context(pools):
+    full = tiny_model().layers[0].mlp.up_proj.weight
+    for outside, (shape, total), after in pools.run(2, _gathered, 2):
+        assert outside == 0 and after == 0
+        assert shape == tuple(full.shape) and total == pytest.approx(float(full.detach().sum()), rel=1e-6)

@@ -31,6 +31,7 @@ from .layout import ShardLayout
 from .materialize import replace_meta_parameters, unit_full_weights
 from .optimizer import ShardedOptimizer
 from .reduce import ShardReducer
+from .swap import SwapFile
 
 
 class _PreBackward(torch.autograd.Function):
@@ -109,6 +110,12 @@ class FullyShardedDP(Strategy):
             b = self.layout.buckets[k]
             self.param_shard[s:s + hi - lo].copy_(full[lo - b.start:hi - b.start])
             del full
+        self.param_swap = None
+        if off_p is not None and off_p.device == "nvme":   # parameter shards live on disk between uses
+            self.param_swap = SwapFile(off_p.nvme_path, f"params-rank{comm.global_rank}")
+            for k, (lo, hi, s) in enumerate(self.slices):
+                self.param_swap.write(f"u{k}", self.param_shard[s:s + hi - lo])
+        self._dirty: dict[int, torch.Tensor] = {}
         if meta:
             self.params = replace_meta_parameters(module, self.params, device, self.dtype)
         self._empty = torch.empty(0, dtype=self.dtype, device=device)
@@ -119,12 +126,15 @@ class FullyShardedDP(Strategy):
 
         cls, defaults, groups = opt_spec
         self.opt_class, self.opt_defaults = cls, defaults
+        alias = not self.mixed and self.param_home == device and self.param_swap is None
         self.opt = self.optimizer = ShardedOptimizer(
             self.layout, cls, defaults, groups, device, self.dtype,
-            master_alias=None if self.mixed else self.param_shard, alias_by="shard",
+            master_alias=self.param_shard if alias else None, alias_by="shard",
             init_shard=self.param_shard, offload=off_o.device if off_o else "none",
             nvme_path=off_o.nvme_path if off_o else None, sub_group_size=int(zero.sub_group_size),
             rank=comm.global_rank, pin_memory=bool(off_o and off_o.pin_memory))
+        if self.param_swap is not None:
+            self.param_shard = None
         self.reducer = ShardReducer(self.layout, comm, group, self.dtype, self.opt, zero,
                                     after_launch=self._after_reduce)
         self.reducer.device = device
@@ -133,10 +143,18 @@ class FullyShardedDP(Strategy):
         self._install_hooks(module)
 
     # -- gather / release ------------------------------------------------------------------------
-    def _launch_gather(self, k: int):
+    def unit_shard(self, k: int) -> torch.Tensor:
+        """This rank's slice of unit k, wherever it lives (device, host, or the NVMe swap file)."""
         lo, hi, s = self.slices[k]
+        if self.param_swap is None:
+            return self.param_shard[s:s + hi - lo]
+        if k not in self._dirty:
+            return self.param_swap.read(f"u{k}", hi - lo, self.dtype)
+        return self._dirty[k]
+
+    def _launch_gather(self, k: int):
         full = torch.empty(self.layout.buckets[k].size, dtype=self.dtype, device=self.device)
-        mine = self.param_shard[s:s + hi - lo].to(self.device, non_blocking=True)
+        mine = self.unit_shard(k).to(self.device, non_blocking=True)
         return self.comm.all_gather(full, mine, self.group, async_op=True), full
 
     def gather(self, k: int) -> None:
@@ -254,12 +272,22 @@ class FullyShardedDP(Strategy):
         self.opt.grad.mul_(coef)
 
     def _write_back(self, f, values: torch.Tensor) -> None:
-        self.param_shard[f.shard_offset:f.shard_offset + f.numel].copy_(values)
+        if self.param_swap is None:
+            self.param_shard[f.shard_offset:f.shard_offset + f.numel].copy_(values)
+            return
+        k = self.reducer.bucket_of[f.param]
+        if k not in self._dirty:
+            self._dirty[k] = self.unit_shard(k).clone()
+        s = self.slices[k][2]
+        self._dirty[k][f.shard_offset - s:f.shard_offset - s + f.numel].copy_(values)
 
     def step(self) -> None:
         for k in range(len(self.units)):
             self.release(k, force=True)   # persistent units are re-gathered with the new weights
         self.opt.step(self._write_back)
+        for k, shard in self._dirty.items():
+            self.param_swap.write(f"u{k}", shard)
+        self._dirty.clear()
 
     def zero_grad(self) -> None:
         self.opt.zero_grad()
@@ -269,9 +297,12 @@ class FullyShardedDP(Strategy):
             return super().consolidated_state_dict(module)
 
     def bytes_by_kind(self) -> dict:
-        gathered = sum(u.full.numel() for u in self.units if u.full is not None) * self.param_shard.element_size()
-        params = self.param_shard.numel() * self.param_shard.element_size()
+        item = self.dtype.itemsize
+        gathered = sum(u.full.numel() for u in self.units if u.full is not None) * item
+        params = self.param_shard.numel() * item if self.param_shard is not None else 0
         out = {"params": params + gathered, "grads": self.opt.grad.numel() * 4, **self.opt.bytes_by_kind()}
+        if self.param_swap is not None:
+            out["disk"] += self.param_swap.size()
         off = self.zero.offload_param
         if off is not None and off.device != "none":
             out["host"] += params
