@@ -106,7 +106,7 @@ def run_training(cfg: Config) -> dict:
     out_dir = Path(cfg.train.output_dir)
     metrics = Metrics(out_dir, cfg.train.metrics_file, cfg.train.steps, rank, cfg.tensorboard)
     entropy = unigram_entropy(tokens[: 50_000_000]) if rank == 0 else None
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(engine.dp.layout.numels)   # ZeRO-3 parameters are empty between gathers
     fpt = flops_per_token(mcfg, seq)
     peak = peak_flops(device)
     tokens_per_step = engine.train_batch_size * seq
