@@ -52,7 +52,8 @@ class ShardedOptimizer:
         self.home = torch.device("cpu") if offload in ("cpu", "nvme") else device
         self.opt_class, self.defaults = opt_class, defaults
         n = layout.shard_numel
-        self.aliased = master_alias is not None and offload == "none"
+        # fp32 weights that already live where the optimizer steps are their own master: no copy.
+        self.aliased = master_alias is not None and master_alias.device == self.home and offload != "nvme"
         if self.aliased:
             self.master = master_alias
             key = (lambda f: f.flat_offset) if alias_by == "flat" else (lambda f: f.shard_offset)

@@ -126,7 +126,7 @@ class FullyShardedDP(Strategy):
 
         cls, defaults, groups = opt_spec
         self.opt_class, self.opt_defaults = cls, defaults
-        alias = not self.mixed and self.param_home == device and self.param_swap is None
+        alias = not self.mixed and self.param_swap is None
         self.opt = self.optimizer = ShardedOptimizer(
             self.layout, cls, defaults, groups, device, self.dtype,
             master_alias=self.param_shard if alias else None, alias_by="shard",
