@@ -12,6 +12,7 @@ from .comm import Comm, CommError
 from .config import Config, ConfigError
 from .distributed import Mesh, init_distributed
 from .engine import Engine
+from .tensor_parallel import TPContext, apply_tensor_parallel
 from .transforms import apply_activation_checkpointing, apply_compile
 
 __version__ = "0.1.0"
@@ -19,14 +20,15 @@ __all__ = ["initialize", "init_distributed", "Config", "ConfigError", "Engine", 
 
 
 def initialize(model: nn.Module | None = None, config=None, optimizer: torch.optim.Optimizer | None = None,
-               loss_fn=None, **deepspeed_kwargs) -> Engine:
+               loss_fn=None, tp_plan: dict | None = None, **deepspeed_kwargs) -> Engine:
     """Wrap a plain model for distributed training; `config` is a dict, a file path or a Config.
 
     Works whether torch.distributed was initialised by the user, by torchrun's environment,
     or not at all (then this process is a world of one). DeepSpeed's keyword form
     `initialize(model=..., optimizer=..., config=...)` is accepted; so are its
     `model_parameters` (ignored: bunsan trains the parameters with requires_grad) and
-    `config_params` (an alias of config).
+    `config_params` (an alias of config). `tp_plan` maps module paths to tensor-parallel
+    styles for a model other than bunsan's Llama (see bunsan.tensor_parallel.plan).
     """
     if model is None:
         raise TypeError("bunsan.initialize needs a model: initialize(model, config)")
@@ -46,13 +48,18 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     mesh = Mesh.create(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size)
     comm = Comm(timeout_s=cfg.train.timeout_s)
-    if any(p.is_meta for p in model.parameters()) and cfg.zero_optimization.stage < 3:
-        _materialize(model, device, cfg.train.seed)   # stage 3 materialises each rank's shard only
+    meta = any(p.is_meta for p in model.parameters())
+    if meta and (cfg.zero_optimization.stage < 3 or mesh.tp > 1):
+        _materialize(model, device, cfg.train.seed)   # stage 3 alone materialises each rank's shard only
+    tp = None
+    if mesh.tp > 1:   # torchtitan's order: tensor parallel -> activation checkpointing -> compile -> data parallel
+        ctx = TPContext(comm, mesh.tp_group, cfg.tensor_parallel.sequence_parallel)
+        tp = (ctx, apply_tensor_parallel(model, ctx, tp_plan))
     if cfg.activation_checkpointing.enabled:
         apply_activation_checkpointing(model)
     if cfg.train.compile:
         apply_compile(model)
-    return Engine(model, cfg, mesh, device, comm, optimizer=optimizer, loss_fn=loss_fn)
+    return Engine(model, cfg, mesh, device, comm, optimizer=optimizer, loss_fn=loss_fn, tp=tp)
 
 
 def _materialize(model: nn.Module, device: torch.device, seed: int) -> None:

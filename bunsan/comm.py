@@ -132,13 +132,13 @@ class Comm:
         return None
 
     # -- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, t: torch.Tensor, group: Group, async_op: bool = False):
-        """In-place SUM all-reduce (gloo has no AVG: callers divide themselves)."""
+    def all_reduce(self, t: torch.Tensor, group: Group, async_op: bool = False, op: str = "sum"):
+        """In-place SUM (or MAX) all-reduce (gloo has no AVG: callers divide themselves)."""
         if group.size == 1:
             return _Handle(self, None, "all_reduce", group) if async_op else None
+        red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         return self._run("all_reduce", group, t.numel() * t.element_size(),
-                         lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group.pg, async_op=True),
-                         async_op)
+                         lambda: dist.all_reduce(t, op=red, group=group.pg, async_op=True), async_op)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
         """Gather equal shards into `out` (size N x shard)."""

@@ -39,15 +39,13 @@ class BatchSizes:
 # Features that parse but are not built yet: (predicate, message formatted with c=config).
 # Delete a row when its feature lands.
 UNIMPLEMENTED: list[tuple[typing.Callable[[Config], bool], str]] = [
-    (lambda c: c.tensor_parallel.size > 1,
-     "tensor_parallel.size={c.tensor_parallel.size}: tensor parallelism is not implemented yet "
-     "(it lands with issue #4); set tensor_parallel.size to 1"),
     (lambda c: c.pipeline.stages > 1,
      "pipeline.stages={c.pipeline.stages}: pipeline parallelism is not implemented yet "
      "(it lands with issue #5); set pipeline.stages to 1"),
     (lambda c: c.activation_checkpointing.partition_activations,
      "activation_checkpointing.partition_activations=true: partitioning checkpointed activations across "
-     "tensor-parallel ranks is not implemented yet (it lands with tensor parallelism, issue #4); set it to false"),
+     "tensor-parallel ranks is not implemented; use tensor_parallel.sequence_parallel, which shards the "
+     "activations between blocks, and set partition_activations to false"),
     (lambda c: c.activation_checkpointing.cpu_checkpointing,
      "activation_checkpointing.cpu_checkpointing=true: offloading checkpointed activations to CPU is not "
      "planned; set it to false (activation_checkpointing.enabled recomputes activations instead)"),

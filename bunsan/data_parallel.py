@@ -32,9 +32,30 @@ class Strategy:
         self.dtype = params[0].dtype
         self.mixed = self.dtype != torch.float32
 
-    def global_norm(self, local_sq: torch.Tensor) -> float:
-        """sqrt of the sum over ranks of each rank's squared-norm contribution (shards add up)."""
-        return self.comm.all_reduce_scalars([float(local_sq)], self.group)[0] ** 0.5
+    def set_tensor_parallel(self, tp_group: Group | None) -> None:
+        """Under tensor parallelism replicated weights (norms) are counted once, on TP rank 0, in the norm."""
+        self.tp_group = tp_group
+        self.norm_excluded: set[int] = set()
+        if tp_group is not None and tp_group.size > 1 and tp_group.rank != 0:
+            self.norm_excluded = {i for i, p in enumerate(self.params) if getattr(p, "_bunsan_tp_replicated", False)}
+
+    def squared_norm(self, flat: torch.Tensor, pieces) -> float:
+        """|flat|^2, or the sum over the (param index, view) pieces not excluded from the norm."""
+        excluded = getattr(self, "norm_excluded", ())
+        if not excluded:
+            return float(torch.linalg.vector_norm(flat) ** 2)
+        views = [v for i, v in pieces if i not in excluded and v.numel()]
+        return float(sum(n ** 2 for n in torch._foreach_norm(views))) if views else 0.0
+
+    def global_norm(self, local_sq: float, sharded: bool) -> float:
+        """sqrt of the sum of squared contributions: over data-parallel shards (ZeRO) and tensor-parallel slices."""
+        total = local_sq
+        if sharded:
+            total = self.comm.all_reduce_scalars([total], self.group)[0]
+        tp = getattr(self, "tp_group", None)
+        if tp is not None and tp.size > 1:
+            total = self.comm.all_reduce_scalars([total], tp)[0]
+        return total ** 0.5
 
     def consolidated_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
@@ -93,7 +114,8 @@ class Replicated(Strategy):
         if inv != 1.0:
             g.mul_(inv)
         self._g32 = g
-        return torch.linalg.vector_norm(g).item()    # identical on every rank after the all-reduce
+        pieces = ((i, self.flat.view(g, i)) for i in range(len(self.params)))
+        return self.global_norm(self.squared_norm(g, pieces), sharded=False)   # grads equal on every dp rank
 
     def clip(self, coef: float) -> None:
         self._g32.mul_(coef)

@@ -25,6 +25,7 @@ from .distributed import Mesh
 from .memory import measured_memory
 from .optim import LRSchedule
 from .precision import LossScaler, model_dtype
+from .tensor_parallel import consolidate, vocab_parallel_loss_sum
 from .zero import make_strategy
 
 
@@ -36,8 +37,9 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class Engine:
     def __init__(self, model: nn.Module, cfg, mesh: Mesh, device: torch.device, comm: Comm,
-                 optimizer: torch.optim.Optimizer | None = None, loss_fn=None):
+                 optimizer: torch.optim.Optimizer | None = None, loss_fn=None, tp=None):
         self.cfg, self.mesh, self.device, self.comm = cfg, mesh, device, comm
+        self.tp_ctx, self.tp_head = tp if tp is not None else (None, None)
         self.module = model
         self.loss_fn = loss_fn
         bs = cfg.batch_sizes(mesh.dp)
@@ -55,6 +57,7 @@ class Engine:
         if not trainable:
             raise ValueError("the model has no parameters with requires_grad=True; nothing to train")
         self.dp = make_strategy(trainable, comm, mesh.dp_group, cfg, device, optimizer, model)
+        self.dp.set_tensor_parallel(mesh.tp_group if self.tp_ctx is not None else None)
         self.optimizer = self.dp.optimizer
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.schedule = LRSchedule(cfg.scheduler, total_steps=cfg.train.steps)
@@ -155,11 +158,16 @@ class Engine:
         chunks = [t.to(self.device, non_blocking=True).chunk(self.grad_accum) for t in batch]
         return [tuple(c[i] for c in chunks) for i in range(self.grad_accum)]
 
+    def _lm_loss_sum(self, logits, labels):
+        if self.tp_head is not None:   # logits are split by vocabulary: never gather them
+            return vocab_parallel_loss_sum(logits, labels, self.tp_head)
+        return lm_loss_sum(logits, labels)
+
     def _micro_loss(self, mb):
         """(summed or mean loss, token count) of one micro-batch."""
         if isinstance(mb, dict) and self.loss_fn is None:
             labels = mb["labels"]
-            return lm_loss_sum(self.module(mb["input_ids"]), labels), (labels != -100).sum()
+            return self._lm_loss_sum(self.module(mb["input_ids"]), labels), (labels != -100).sum()
         if self.loss_fn is None:
             raise ValueError("pass loss_fn to bunsan.initialize for batches that are not language-model dicts")
         if isinstance(mb, dict):
@@ -197,7 +205,7 @@ class Engine:
         try:
             if isinstance(batch, dict) and self.loss_fn is None:
                 labels = batch["labels"].to(self.device)
-                s = lm_loss_sum(self.module(batch["input_ids"].to(self.device)), labels).item()
+                s = self._lm_loss_sum(self.module(batch["input_ids"].to(self.device)), labels).item()
                 s, n = self.comm.all_reduce_scalars([s, float((labels != -100).sum())], self.mesh.dp_group)
                 return s / n
             loss, _ = self._micro_loss(tuple(t.to(self.device) for t in batch) if not isinstance(batch, dict)
@@ -209,7 +217,10 @@ class Engine:
     # -- introspection ---------------------------------------------------------------------------
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full plain-model state dict (same keys as the unwrapped model), on every rank, on CPU."""
-        return self.dp.consolidated_state_dict(self.module)
+        state = self.dp.consolidated_state_dict(self.module)
+        if self.tp_ctx is not None:
+            state = consolidate(state, self.module, self.tp_ctx, self.device)
+        return state
 
     def gathered_parameters(self):
         """Context in which every parameter holds its full value (ZeRO-3 gathers and releases after)."""

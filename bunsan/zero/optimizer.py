@@ -162,6 +162,10 @@ class ShardedOptimizer:
         if self.grad is None:
             self.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.home)
 
+    def grad_pieces(self):
+        """(parameter index, gradient view) of every fragment."""
+        return ((f.param, self.grad[f.shard_offset:f.shard_offset + f.numel]) for f in self.layout.fragments)
+
     def drop_grad(self) -> None:
         self.grad = None
 

@@ -80,7 +80,7 @@ class ShardedGrads(Strategy):
     def unscale(self, inv: float) -> float:
         if inv != 1.0:
             self.opt.grad.mul_(inv)
-        return self.global_norm(torch.linalg.vector_norm(self.opt.grad) ** 2)
+        return self.global_norm(self.squared_norm(self.opt.grad, self.opt.grad_pieces()), sharded=True)
 
     def clip(self, coef: float) -> None:
         self.opt.grad.mul_(coef)

@@ -1,0 +1,127 @@
+"""A tensor-parallel plan is data: module path (fnmatch pattern) -> style. Applying it swaps layers in place.
+
+Styles:
+    column          nn.Linear -> ColumnParallelLinear (output rows split)
+    row             nn.Linear -> RowParallelLinear (input columns split, outputs summed)
+    parallel_input  any module: its input enters the parallel region once (f / SP all-gather)
+    vocab_embedding nn.Embedding -> VocabParallelEmbedding
+    vocab_head      nn.Linear -> VocabParallelHead (+ parallel input), for the vocabulary-parallel loss
+    norm            replicated; under sequence parallelism its gradient is summed over the group
+
+The model code never changes: picotron's table of (module, style), torchtitan's plan-as-dict.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.nn as nn
+
+from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
+                     parallel_input_hook, sum_grad_over_tp)
+from .ops import TPContext
+
+LLAMA_PLAN = {
+    "embed_tokens": "vocab_embedding",
+    "layers.*.input_layernorm": "norm",
+    "layers.*.self_attn": "parallel_input",
+    "layers.*.self_attn.q_proj": "column",
+    "layers.*.self_attn.k_proj": "column",
+    "layers.*.self_attn.v_proj": "column",
+    "layers.*.self_attn.o_proj": "row",
+    "layers.*.post_attention_layernorm": "norm",
+    "layers.*.mlp": "parallel_input",
+    "layers.*.mlp.gate_proj": "column",
+    "layers.*.mlp.up_proj": "column",
+    "layers.*.mlp.down_proj": "row",
+    "norm": "norm",
+    "lm_head": "vocab_head",
+}
+
+
+def _style_of(name: str, plan: dict) -> str | None:
+    for pattern, style in plan.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return style
+    return None
+
+
+def _check_divisible(name: str, what: str, n: int, tp: int, hint: str) -> None:
+    if n % tp:
+        raise ValueError(f"tensor_parallel.size {tp} does not divide {name}'s {what} ({n}); {hint}")
+
+
+def check_llama(config, tp: int) -> None:
+    """Heads and sizes of a Llama must split evenly; grouped-query key/value heads too."""
+    sizes = (("num_attention_heads", config.num_attention_heads), ("intermediate_size", config.intermediate_size))
+    for field, n in sizes:
+        _check_divisible("the model", field, n, tp, f"use a tensor-parallel size that divides {n}")
+    kv = config.num_key_value_heads
+    _check_divisible("the model", "num_key_value_heads", kv, tp,
+                     f"grouped-query attention has {kv} key/value heads, which cannot be split over {tp} ranks; "
+                     f"use a tensor-parallel size that divides {kv}")
+
+
+def _set(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | None = None):
+    """Swap the layers named by `plan` (default: the Llama plan) for their tensor-parallel versions.
+
+    Returns the vocabulary-parallel head, if any (the engine computes the loss with it).
+    """
+    if plan is None:
+        if getattr(model, "config", None) is not None and hasattr(model.config, "num_key_value_heads"):
+            check_llama(model.config, ctx.size)
+        plan = LLAMA_PLAN
+    head, embedding = None, None
+    matched = [(name, m, _style_of(name, plan)) for name, m in list(model.named_modules()) if name]
+    unknown = {s for _, _, s in matched if s is not None} - {"column", "row", "parallel_input", "vocab_embedding",
+                                                             "vocab_head", "norm"}
+    if unknown:
+        raise ValueError(f"unknown tensor-parallel style(s) {sorted(unknown)}; use column, row, parallel_input, "
+                         "vocab_embedding, vocab_head or norm")
+    for name, m, style in matched:
+        if style == "vocab_embedding":
+            embedding = VocabParallelEmbedding(m, ctx)
+            _set(model, name, embedding)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    for name, m, style in matched:
+        if style == "column":
+            _check_divisible(name, "output features", m.out_features, ctx.size, "change tensor_parallel.size")
+            _set(model, name, ColumnParallelLinear(m, ctx))
+        elif style == "row":
+            _check_divisible(name, "input features", m.in_features, ctx.size, "change tensor_parallel.size")
+            _set(model, name, RowParallelLinear(m, ctx))
+        elif style == "parallel_input":
+            m.register_forward_pre_hook(parallel_input_hook(ctx), with_kwargs=True)
+        elif style == "vocab_head":
+            head = VocabParallelHead(m, ctx, tied=embedding if tied else None)
+            _set(model, name, head)
+        elif style == "norm" and ctx.sequence_parallel:
+            for p in m.parameters():
+                sum_grad_over_tp(p, ctx)
+    for m in model.modules():   # whatever no style split is replicated: count it once in the gradient norm
+        if getattr(m, "tp_style", None) is None:
+            for p in m.parameters(recurse=False):
+                p._bunsan_tp_replicated = True
+    return head
+
+
+def consolidate(state: dict[str, torch.Tensor], model: nn.Module, ctx: TPContext,
+                device: torch.device) -> dict[str, torch.Tensor]:
+    """Full tensors from tensor-parallel shards (all-gathered over the group), under the plain model's keys."""
+    out = dict(state)
+    for name, m in model.named_modules():
+        style = getattr(m, "tp_style", None)
+        key = f"{name}.weight"
+        if style is None or key not in state:
+            continue
+        moved = state[key].movedim(m.tp_dim, 0).contiguous().to(device)   # NCCL gathers device tensors
+        full = torch.empty((moved.shape[0] * ctx.size, *moved.shape[1:]), dtype=moved.dtype, device=device)
+        ctx.comm.all_gather(full, moved, ctx.group)
+        out[key] = full[:m.full_shape[m.tp_dim]].movedim(0, m.tp_dim).contiguous().cpu()
+    return out

@@ -1,0 +1,84 @@
+"""Tensor (and sequence) parallelism against the plain single-process loop; traffic and memory per rank."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import bunsan
+from reference import batches, optimizer_config, rank_slice, reference_train, tiny_model, to_numpy
+
+STEPS, ROWS, SEQ = 3, 8, 32
+KV4 = {"num_key_value_heads": 4}   # tiny has 2 key/value heads: 4 for TP=4
+
+
+def _cfg(tp, sp, dp, stage=0, opt_name="sgd", clip=1.0):
+    return {"train_micro_batch_size_per_gpu": ROWS // dp, "optimizer": optimizer_config(opt_name),
+            "gradient_clipping": clip, "tensor_parallel": {"size": tp, "sequence_parallel": sp},
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000,
+                                  "stage3_param_persistence_threshold": 0}}
+
+
+def _train(rank, world, cfg, overrides):
+    engine = bunsan.initialize(tiny_model(**overrides), cfg)
+    assert engine.tp_size * engine.dp_size == world
+    losses = [engine.train_batch(rank_slice(b, engine.dp_rank, engine.dp_size)) for b in batches(STEPS, ROWS, SEQ)]
+    return losses, to_numpy(engine.consolidated_state_dict()), engine.memory_report(), engine.comm_stats()
+
+
+CASES = [(2, False, 1, 0), (2, True, 1, 0), (4, False, 1, 0), (4, True, 1, 0),
+         (2, False, 2, 1), (2, True, 2, 1), (2, False, 2, 3), (2, True, 2, 3)]
+
+
+@pytest.mark.parametrize("tp,sp,dp,stage", CASES)
+def test_tensor_parallel_matches_single_process(pools, tp, sp, dp, stage):
+    overrides = KV4 if tp == 4 else {}
+    results = pools.run(tp * dp, _train, tp * dp, _cfg(tp, sp, dp, stage), overrides)
+    # SGD: its update is linear in the gradient, so any scaling error shows; Adam divides each element by its
+    # own magnitude and turns fp32 reduction-order noise in near-zero gradients into lr-sized differences.
+    ref_losses, ref_state = reference_train(tiny_model(**overrides), batches(STEPS, ROWS, SEQ), "sgd", 1.0)
+    for losses, state, _, _ in results:
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        assert state.keys() == ref_state.keys()
+        for k, v in ref_state.items():
+            np.testing.assert_allclose(state[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_traffic_per_block(pools, sp):
+    tp, cfg = 2, tiny_model().config
+    stats = pools.run(tp, _train, tp, _cfg(tp, sp, 1, clip=0.0), {})[0][3]["step"]
+    layers, act = cfg.num_hidden_layers, ROWS * SEQ * cfg.hidden_size * 4      # fp32 [b, s, h]
+    ring_ar, ring_half = 2 * (tp - 1) / tp, (tp - 1) / tp
+    loss_ar = 3 * 4 * ROWS * SEQ * ring_ar           # max, sum-exp and target logit: fp32 [b, s] each
+    norm_ar = 8 * ring_ar                             # the gradient norm's float64 scalar
+    if not sp:
+        # 2 all-reduces forward (o_proj, down_proj) and 2 backward (attention and MLP inputs) per block,
+        # plus the embedding's forward and the head input's backward; the loss's three [b, s] reductions; the norm.
+        assert stats["all_reduce/tp"]["calls"] == 4 * layers + 2 + 3 + 1
+        assert stats["all_reduce/tp"]["bytes"] == pytest.approx((4 * layers + 2) * act * ring_ar + loss_ar + norm_ar,
+                                                                rel=1e-6)
+        assert "all_gather/tp" not in stats and "reduce_scatter/tp" not in stats
+    else:
+        # the same points become all-gathers and reduce-scatters of the sequence, half the bytes each.
+        for op in ("all_gather/tp", "reduce_scatter/tp"):
+            assert stats[op]["calls"] == 4 * layers + 2
+            assert stats[op]["bytes"] == pytest.approx((4 * layers + 2) * act * ring_half, rel=1e-6)
+        norms = 2 * layers + 1       # replicated norm weights: their gradients are summed over the group
+        assert stats["all_reduce/tp"]["calls"] == norms + 3 + 1
+
+
+def test_parameter_bytes_are_split_except_the_norms(pools):
+    tp = 2
+    model = tiny_model()
+    full = {n: p.numel() for n, p in model.named_parameters()}
+    norms = sum(v for n, v in full.items() if "norm" in n)
+    split = sum(full.values()) - norms
+    for _, _, mem, _ in pools.run(tp, _train, tp, _cfg(tp, False, 1), {}):
+        assert mem["params"] == 4 * (split // tp + norms)
+
+
+def test_indivisible_heads_are_a_clear_error():
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        from bunsan.tensor_parallel.plan import check_llama
+        check_llama(tiny_model().config, 4)
