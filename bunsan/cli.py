@@ -56,21 +56,9 @@ def train_config(args):
 
 
 def cmd_train(args) -> int:
-    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
-    if args.nproc > 1 and not under_torchrun:
+    if args.nproc > 1 and not _under_torchrun():
         train_config(args)  # fail fast on a bad config, before starting processes
-        from torch.distributed.run import main as torchrun
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        try:
-            # The workers' arguments travel in the environment: torchrun's own parser would try to
-            # read options such as --nproc that follow the module name.
-            os.environ[WORKER_ARGV] = json.dumps(args.argv)
-            torchrun(["--standalone", f"--nproc-per-node={args.nproc}", "--module", "bunsan.cli", WORKER_ARGV])
-        except ChildFailedError as e:
-            print(f"bunsan: training failed on {len(e.failures)} process(es); see their errors above",
-                  file=sys.stderr)
-            return 1
-        return 0
+        return _relaunch(args, args.nproc)
     from .train import run_training
     run_training(train_config(args))
     return 0
@@ -85,6 +73,24 @@ def cmd_run(args, rest: list[str]) -> int:
     return 0
 
 
+def _relaunch(args, nproc: int) -> int:
+    """Run this same command on `nproc` processes under torchrun (arguments travel in the environment:
+    torchrun's own parser would read options such as --nproc that follow the module name)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+    os.environ[WORKER_ARGV] = json.dumps(args.argv)
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", "--module", "bunsan.cli", WORKER_ARGV])
+    except ChildFailedError as e:
+        print(f"bunsan: {args.cmd} failed on {len(e.failures)} process(es); see their errors above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
 def cmd_generate(args) -> int:
     import torch
     from safetensors.torch import load_file
@@ -92,6 +98,9 @@ def cmd_generate(args) -> int:
     from .config import Config
     from .data import load_tokenizer
     from .models import Llama, LlamaConfig, generate
+
+    if args.tp > 1 and not _under_torchrun():
+        return _relaunch(args, args.tp)
 
     ckpt = Path(args.checkpoint)
     if (ckpt / "final").is_dir():
@@ -109,11 +118,22 @@ def cmd_generate(args) -> int:
     ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
     if ids.numel() == 0:
         raise SystemExit("bunsan generate: --prompt is empty; give some text to continue")
+    kv_heads, rank = None, 0
+    if args.tp > 1:   # every rank holds 1/tp of the heads (and of the KV cache) and of the vocabulary
+        from .comm import Comm
+        from .distributed import Mesh, init_distributed
+        from .tensor_parallel import TPContext, apply_tensor_parallel
+        init_distributed()
+        mesh = Mesh.create(tp=args.tp)
+        ctx = TPContext(Comm(), mesh.tp_group)
+        apply_tensor_parallel(model, ctx).gather_output = True
+        kv_heads, rank = model.config.num_key_value_heads // args.tp, mesh.rank
     g = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       eos_token_id=tokenizer.eos_token_id, generator=g)
-    print(tokenizer.decode(out[0].tolist()))
+                       eos_token_id=tokenizer.eos_token_id, generator=g, kv_heads=kv_heads)
+    if rank == 0:
+        print(tokenizer.decode(out[0].tolist()))
     return 0
 
 
@@ -143,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None, help="override the tokenizer recorded in the checkpoint")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (KV cache sharded by heads)")
     return p
 
 

@@ -64,6 +64,14 @@ def test_generate_continues_the_prompt(trained):
     assert r.stdout.startswith("def ") and len(r.stdout.rstrip("\n")) > 4
 
 
+def test_tensor_parallel_generation_equals_one_process(trained):
+    args = ["generate", "--checkpoint", str(trained), "--prompt", "def ", "--max-new-tokens", "24"]
+    one = _run(args, cwd=trained)
+    two = _run(args + ["--tp", "2"], cwd=trained)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert two.stdout == one.stdout
+
+
 def test_generate_top_k_sampling_is_seeded(trained):
     args = ["generate", "--checkpoint", str(trained / "final"), "--prompt", "import", "--max-new-tokens", "12",
             "--temperature", "1.0", "--top-k", "5", "--seed", "3"]

@@ -63,12 +63,14 @@ def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gen
 @torch.no_grad()
 def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, eos_token_id: int | None = None,
-             generator: torch.Generator | None = None, use_cache: bool = True) -> torch.Tensor:
+             generator: torch.Generator | None = None, use_cache: bool = True,
+             kv_heads: int | None = None) -> torch.Tensor:
     """Extend ``input_ids`` [b, s] by up to ``max_new_tokens``; returns [b, s + new].
 
     Greedy when temperature == 0. Prefills the prompt into a KV cache, then feeds
     one token at a time. Sequences that emitted ``eos_token_id`` keep emitting it;
-    generation stops early once all have.
+    generation stops early once all have. ``kv_heads``: this rank's key/value heads when the
+    attention is split over a tensor-parallel group (the cache is sharded by heads).
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -89,7 +91,7 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
     cache = None
     if use_cache:
         p = next(model.parameters())
-        cache = KVCache(cfg, b, total, device=p.device, dtype=p.dtype)
+        cache = KVCache(cfg, b, total, device=p.device, dtype=p.dtype, num_kv_heads=kv_heads)
     step_input = input_ids
     try:
         for _ in range(max_new_tokens):
