@@ -16,7 +16,7 @@ from .tensor_parallel import TPContext, apply_tensor_parallel
 from .transforms import apply_activation_checkpointing, apply_compile
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "init_distributed", "Config", "ConfigError", "Engine", "Mesh", "CommError", "models"]
+__all__ = ["initialize", "init_distributed", "Config", "ConfigError", "Engine", "Mesh", "CommError", "models", "zero"]
 
 
 def initialize(model: nn.Module | None = None, config=None, optimizer: torch.optim.Optimizer | None = None,

@@ -18,7 +18,7 @@ from pydantic import Field, ValidationError, model_validator
 from .config_errors import ConfigError, Rule, convert, lookup, unwrap
 from .config_sections import (BF16, FP16, OPTIMIZERS, SCHEDULERS, ActivationCheckpointing, Checkpoint, Data,
                               Int, ModelOverrides, OptInt, Optimizer, Pipeline, Scheduler, Section, TensorParallel,
-                              Tensorboard, Train, Zero, offloads, optimizer_signature)
+                              Tensorboard, Train, Zero, optimizer_signature)
 
 try:
     import tomllib

@@ -21,73 +21,9 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: F401  (re-exported)
+
 _CACHE_VERSION = 1  # bump when the on-disk format or document separation changes
-
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocab 256, needs no files, never fails to encode."""
-
-    vocab_size = 256
-    eos_token_id = None
-    identity = "byte"
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-    def encode_documents(self, docs: list[bytes]) -> np.ndarray:
-        # One buffer, one frombuffer: no per-byte Python work.
-        buf = b"".join(d + b"\n" for d in docs)
-        return np.frombuffer(buf, dtype=np.uint8)
-
-
-class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` via the ``tokenizers`` package."""
-
-    _EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
-
-    def __init__(self, path: str | os.PathLike):
-        p = Path(path)
-        if p.is_dir():
-            p = p / "tokenizer.json"
-        if not p.is_file():
-            raise FileNotFoundError(f"tokenizer file not found: {p} (expected a Hugging Face tokenizer.json)")
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as e:
-            raise ImportError(f"loading tokenizer {p} needs the 'tokenizers' package: "
-                              "pip install tokenizers  (or pip install 'bunsan[hf]')") from e
-        self.path = p
-        self._tok = Tokenizer.from_file(str(p))
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        ids = (self._tok.token_to_id(t) for t in self._EOS_CANDIDATES)
-        self.eos_token_id = next((i for i in ids if i is not None), None)
-        self.identity = "hf-" + hashlib.sha256(p.read_bytes()).hexdigest()[:16]
-
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
-
-    def encode_documents(self, docs: list[bytes]) -> np.ndarray:
-        texts = [d.decode("utf-8", errors="replace") for d in docs]
-        sep = [self.eos_token_id] if self.eos_token_id is not None else self.encode("\n")
-        out = []
-        for enc in self._tok.encode_batch(texts, add_special_tokens=False):
-            out.append(np.asarray(enc.ids, dtype=np.int64))
-            out.append(np.asarray(sep, dtype=np.int64))
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
-
-
-def load_tokenizer(path: str | os.PathLike | None = None):
-    """None or "byte" -> ByteTokenizer; otherwise a tokenizer.json file (or a dir holding one)."""
-    if path is None or str(path) == "byte":
-        return ByteTokenizer()
-    return HFTokenizer(path)
 
 
 

@@ -64,6 +64,18 @@ class Strategy:
         raise NotImplementedError
 
 
+class Sharded(Strategy):
+    """Stages 1-3: the fp32 gradient shard of the sharded optimizer (self.opt) is what gets unscaled and clipped."""
+
+    def unscale(self, inv: float) -> float:
+        if inv != 1.0:
+            self.opt.grad.mul_(inv)
+        return self.global_norm(self.squared_norm(self.opt.grad, self.opt.grad_pieces()), sharded=True)
+
+    def clip(self, coef: float) -> None:
+        self.opt.grad.mul_(coef)
+
+
 class Replicated(Strategy):
     """ZeRO stage 0: every rank holds everything; bucketed all-reduce overlapped with backward."""
 

@@ -51,7 +51,6 @@ class ShardedOptimizer:
         self.offload = offload
         self.home = torch.device("cpu") if offload in ("cpu", "nvme") else device
         self.opt_class, self.defaults = opt_class, defaults
-        n = layout.shard_numel
         # fp32 weights that already live where the optimizer steps are their own master: no copy.
         self.aliased = master_alias is not None and master_alias.device == self.home and offload != "nvme"
         if self.aliased:

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from ..data_parallel import Strategy
+from ..data_parallel import Sharded
 from ..grad_sync import BucketHooks, FlatParams
 from .layout import ShardLayout
 from .optimizer import ShardedOptimizer
 from .reduce import ShardReducer
 
 
-class ShardedGrads(Strategy):
+class ShardedGrads(Sharded):
     def __init__(self, params, comm, group, zero_cfg, opt_spec, device, stage: int):
         super().__init__(params, comm, group, zero_cfg)
         self.stage = stage
@@ -77,14 +77,6 @@ class ShardedGrads(Strategy):
         self.reducer.drain()
 
     # -- the step --------------------------------------------------------------------------------
-    def unscale(self, inv: float) -> float:
-        if inv != 1.0:
-            self.opt.grad.mul_(inv)
-        return self.global_norm(self.squared_norm(self.opt.grad, self.opt.grad_pieces()), sharded=True)
-
-    def clip(self, coef: float) -> None:
-        self.opt.grad.mul_(coef)
-
     def _write_back(self, f, values: torch.Tensor) -> None:
         self.flat.data[f.flat_offset:f.flat_offset + f.numel].copy_(values)
 

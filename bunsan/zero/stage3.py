@@ -25,7 +25,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ..data_parallel import Strategy
+from ..data_parallel import Sharded
 from ..grad_sync import BucketHooks
 from .layout import ShardLayout
 from .materialize import replace_meta_parameters, unit_full_weights
@@ -68,7 +68,7 @@ def find_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
     return list(layers) if isinstance(layers, nn.ModuleList) else []
 
 
-class FullyShardedDP(Strategy):
+class FullyShardedDP(Sharded):
     stage = 3
 
     def __init__(self, trainable, comm, group, cfg, opt_spec, device, module: nn.Module):
@@ -262,14 +262,6 @@ class FullyShardedDP(Strategy):
         for k, u in enumerate(self.units):
             u.in_backward = False
             self.release(k)
-
-    def unscale(self, inv: float) -> float:
-        if inv != 1.0:
-            self.opt.grad.mul_(inv)
-        return self.global_norm(self.squared_norm(self.opt.grad, self.opt.grad_pieces()), sharded=True)
-
-    def clip(self, coef: float) -> None:
-        self.opt.grad.mul_(coef)
 
     def _write_back(self, f, values: torch.Tensor) -> None:
         if self.param_swap is None:
