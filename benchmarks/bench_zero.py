@@ -8,6 +8,8 @@ Every contender trains the same model from the same weights on the same batches 
   ds1..ds3   deepspeed.initialize, ZeRO stage 1/2/3, fp32, torch AdamW (torch_adam: true)
   bunsan0..3 bunsan.initialize(model, config).train_batch(batch), ZeRO stage 0..3
   bunsan3o   bunsan stage 3 with offload_optimizer and offload_param on "cpu"
+  bunsan3i   bunsan stage 3 with the model built under bunsan.zero.Init (meta device: the full model never
+             exists; weights drawn per parameter name, so the loss differs slightly from the others)
 
 Model-state bytes per rank follow the ZeRO paper in fp32 with Adam (Ψ params, N ranks):
 stage 0 16Ψ, stage 1 8Ψ + 8Ψ/N, stage 2 4Ψ + 12Ψ/N (fp32 gradient shard), stage 3 16Ψ/N.
@@ -43,7 +45,8 @@ WORLD = 2
 # contender -> (framework, ZeRO stage of its memory layout, offload to cpu)
 CONTENDERS = {"ddp": ("ddp", 0, False), "fsdp2": ("fsdp2", 3, False),
               "ds1": ("deepspeed", 1, False), "ds2": ("deepspeed", 2, False), "ds3": ("deepspeed", 3, False),
-              **{f"bunsan{s}": ("bunsan", s, False) for s in range(4)}, "bunsan3o": ("bunsan", 3, True)}
+              **{f"bunsan{s}": ("bunsan", s, False) for s in range(4)}, "bunsan3o": ("bunsan", 3, True),
+              "bunsan3i": ("bunsan", 3, False)}
 LR = 1e-4
 
 
@@ -111,7 +114,11 @@ def _worker(rank: int, contender: str, port: int, a: dict, outdir: str) -> None:
     framework, stage, offload = CONTENDERS[contender]
     cfg = bunsan.models.get_preset(a["preset"])
     torch.manual_seed(0)  # same initial weights in every contender and rank
-    model = bunsan.models.Llama(cfg)
+    if contender == "bunsan3i":
+        with bunsan.zero.Init():
+            model = bunsan.models.Llama(cfg)
+    else:
+        model = bunsan.models.Llama(cfg)
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     batches = make_batches(a["warmup"] + a["steps"], rank, a["micro_batch"], a["seq"], cfg.vocab_size)
     step, extras = make_step(framework, stage, offload, model, a["micro_batch"])

@@ -54,7 +54,12 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
     tp = None
     if mesh.tp > 1:   # torchtitan's order: tensor parallel -> activation checkpointing -> compile -> data parallel
         ctx = TPContext(comm, mesh.tp_group, cfg.tensor_parallel.sequence_parallel)
+        names = {p: n for n, p in model.named_parameters()}
         tp = (ctx, apply_tensor_parallel(model, ctx, tp_plan))
+        if optimizer is not None:   # the layers were swapped: point the user's groups at the shards, by name
+            shards = dict(model.named_parameters())
+            for g in optimizer.param_groups:
+                g["params"] = [shards[names[p]] for p in g["params"]]
     if cfg.activation_checkpointing.enabled:
         apply_activation_checkpointing(model)
     if cfg.train.compile:

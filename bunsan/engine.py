@@ -1,4 +1,4 @@
-"""The training engine: data parallelism (ZeRO stage 0) and the precision/accumulation toolbox.
+"""The training engine: the step loop, loss scaling, clipping and the schedule around a data-parallel strategy.
 
 One optimizer step = `gradient_accumulation_steps` micro-batches per data-parallel
 rank. Two ways to drive it:
@@ -6,9 +6,9 @@ rank. Two ways to drive it:
     loss = engine.train_batch(batch)          # the whole step; returns the global mean loss
     out = engine(x); engine.backward(loss); engine.step()   # DeepSpeed-style, once per micro-batch
 
-Gradients live in one flat buffer (see grad_sync.py). With fp16/bf16 the model
-holds 16-bit weights and the optimizer steps fp32 master copies; the fp32
-gradients for that step exist only during `step()`.
+Where gradients, master weights and optimizer states live is the strategy's
+business (data_parallel.py for ZeRO stage 0, zero/ for stages 1-3); tensor
+parallelism has already swapped the model's layers when the engine is built.
 """
 
 from __future__ import annotations

@@ -82,3 +82,22 @@ def test_indivisible_heads_are_a_clear_error():
     with pytest.raises(ValueError, match="num_key_value_heads"):
         from bunsan.tensor_parallel.plan import check_llama
         check_llama(tiny_model().config, 4)
+
+
+def _user_optimizer(rank, world):
+    import torch
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    engine = bunsan.initialize(model, {"train_micro_batch_size_per_gpu": ROWS, "gradient_clipping": 1.0,
+                                       "tensor_parallel": {"size": world}}, optimizer=opt)
+    losses = [engine.train_batch(b) for b in batches(STEPS, ROWS, SEQ)]
+    return losses, to_numpy(engine.consolidated_state_dict())
+
+
+def test_a_user_optimizer_follows_the_swapped_layers(pools):
+    """An optimizer built on the plain model before initialize is re-pointed at the shards, by name."""
+    ref_losses, ref_state = reference_train(tiny_model(), batches(STEPS, ROWS, SEQ), "sgd", 1.0)
+    for losses, state in pools.run(2, _user_optimizer, 2):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in ref_state.items():
+            np.testing.assert_allclose(state[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
