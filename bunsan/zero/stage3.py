@@ -51,8 +51,9 @@ class _PreBackward(torch.autograd.Function):
 class Unit:
     def __init__(self, module: nn.Module | None, params: list[int]):
         self.module, self.params = module, params
-        self.full: torch.Tensor | None = None    # the gathered unit, while gathered
-        self.pending = None                      # (handle, full) of a prefetch in flight
+        self.full: torch.Tensor | None = None    # the unit's buffer; its storage has 0 bytes while released
+        self.gathered = False
+        self.pending = None                      # the handle of a prefetch in flight
         self.persistent = False
         self.in_backward = False
 
@@ -118,9 +119,17 @@ class FullyShardedDP(Sharded):
         self._dirty: dict[int, torch.Tensor] = {}
         if meta:
             self.params = replace_meta_parameters(module, self.params, device, self.dtype)
-        self._empty = torch.empty(0, dtype=self.dtype, device=device)
-        for p in self.params:
-            p.data = self._empty
+        # Each unit owns one buffer for its whole life and its parameters are views of it. Releasing
+        # resizes the storage to 0 bytes, gathering resizes it back and all-gathers into it (as FSDP1 does):
+        # autograd may keep views of a weight (W.t() in a matmul) until backward, and those views must not
+        # pin a stale copy of the unit.
+        for k, u in enumerate(self.units):
+            u.full = torch.empty(self.layout.buckets[k].size, dtype=self.dtype, device=device)
+            start = self.layout.buckets[k].start
+            for i in u.params:   # views first: slicing checks the storage's size
+                off = self.layout.offsets[i] - start
+                self.params[i].data = u.full[off:off + self.layout.numels[i]].view(self._shapes[i])
+            u.full.untyped_storage().resize_(0)
         for u in self.units:
             u.persistent = self.layout.buckets[self.units.index(u)].size <= zero.stage3_param_persistence_threshold
 
@@ -153,39 +162,36 @@ class FullyShardedDP(Sharded):
         return self._dirty[k]
 
     def _launch_gather(self, k: int):
-        full = torch.empty(self.layout.buckets[k].size, dtype=self.dtype, device=self.device)
+        u = self.units[k]
+        u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
         mine = self.unit_shard(k).to(self.device, non_blocking=True)
-        return self.comm.all_gather(full, mine, self.group, async_op=True), full
+        # .data: a separate version counter, so filling the buffer does not look like an in-place
+        # change to the weights autograd saved for backward.
+        return self.comm.all_gather(u.full.data, mine, self.group, async_op=True)
 
     def gather(self, k: int) -> None:
         u = self.units[k]
-        if u.full is not None:
+        if u.gathered:
             return
-        handle, full = u.pending if u.pending is not None else self._launch_gather(k)
+        handle = u.pending if u.pending is not None else self._launch_gather(k)
         u.pending = None
         handle.wait()
-        u.full = full
-        b = self.layout.buckets[k]
-        for i in u.params:
-            off = self.layout.offsets[i] - b.start
-            p = self.params[i]
-            p.data = full[off:off + self.layout.numels[i]].view(self._shapes[i])
+        u.gathered = True
 
     def release(self, k: int, force: bool = False) -> None:
         u = self.units[k]
-        if u.full is None or (u.persistent and not force):
+        if not u.gathered or (u.persistent and not force):
             return
-        for i in u.params:
-            self.params[i].data = self._empty
-        u.full = None
+        u.full.untyped_storage().resize_(0)
+        u.gathered = False
 
     def prefetch(self, k: int) -> None:
         u = self.units[k]
         size = self.layout.buckets[k].size
-        if u.full is not None or u.pending is not None or size > self.zero.stage3_prefetch_bucket_size:
+        if u.gathered or u.pending is not None or size > self.zero.stage3_prefetch_bucket_size:
             return
         live = sum(self.layout.buckets[j].size for j, v in enumerate(self.units)
-                   if v.full is not None or v.pending is not None)
+                   if v.gathered or v.pending is not None)
         if live + size <= self.zero.stage3_max_live_parameters:
             u.pending = self._launch_gather(k)
 
@@ -290,7 +296,7 @@ class FullyShardedDP(Sharded):
 
     def bytes_by_kind(self) -> dict:
         item = self.dtype.itemsize
-        gathered = sum(u.full.numel() for u in self.units if u.full is not None) * item
+        gathered = sum(u.full.numel() for u in self.units if u.gathered) * item
         params = self.param_shard.numel() * item if self.param_shard is not None else 0
         out = {"params": params + gathered, "grads": self.opt.grad.numel() * 4, **self.opt.bytes_by_kind()}
         if self.param_swap is not None:
