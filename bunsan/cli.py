@@ -19,6 +19,7 @@ TRAIN_FLAGS = {
     "preset": ("model.preset", str, "model preset (tiny, small, 135m, 1b, 7b, ...)"),
     "steps": ("train.steps", int, "optimizer steps"),
     "zero": ("zero_optimization.stage", int, "ZeRO stage"),
+    "tp": ("tensor_parallel.size", int, "tensor-parallel size (the rest of --nproc is data parallel)"),
     "micro_batch": ("train_micro_batch_size_per_gpu", int, "micro-batch per data-parallel rank"),
     "grad_accum": ("gradient_accumulation_steps", int, "gradient accumulation steps"),
     "train_batch_size": ("train_batch_size", int, "global batch (samples)"),
@@ -30,7 +31,7 @@ TRAIN_FLAGS = {
     "timeout": ("train.timeout_s", float, "collective timeout in seconds"),
 }
 TRAIN_SWITCHES = {"fp16": "fp16.enabled", "bf16": "bf16.enabled", "compile": "train.compile",
-                  "checkpointing": "activation_checkpointing.enabled"}
+                  "checkpointing": "activation_checkpointing.enabled", "sp": "tensor_parallel.sequence_parallel"}
 
 
 def _parse_set(items: list[str]) -> dict:

@@ -78,6 +78,16 @@ def test_generate_top_k_sampling_is_seeded(trained):
     assert _run(args, cwd=trained).stdout == _run(args, cwd=trained).stdout
 
 
+def test_train_tensor_parallel_with_sequence_parallelism(tmp_path, corpus):
+    r = _run(["train", "--nproc", "2", "--tp", "2", "--sp", "--preset", "tiny", "--steps", "2", "--micro-batch", "2",
+              "--seq-len", "64", "--data", str(corpus / "*.py"), "--output", str(tmp_path),
+              "--set", f"data.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    meta = json.loads((tmp_path / "final" / "config.json").read_text())
+    assert meta["bunsan_config"]["tensor_parallel"] == {"size": 2, "sequence_parallel": True}
+    assert load_file(str(tmp_path / "final" / "model.safetensors"))["lm_head.weight"].shape == (256, 128)
+
+
 def test_bad_config_is_reported_before_any_process_starts(tmp_path):
     r = _run(["train", "--set", "zero_optimisation.stage=1"], cwd=tmp_path)
     assert r.returncode == 2
