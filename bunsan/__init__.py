@@ -37,7 +37,7 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
     deepspeed_kwargs.pop("model_parameters", None)
     if deepspeed_kwargs:
         raise TypeError(f"bunsan.initialize got unexpected arguments {sorted(deepspeed_kwargs)}; it takes "
-                        "model, config, optimizer, loss_fn")
+                        "model, config, optimizer, loss_fn, tp_plan")
     cfg = Config.load(config)
     missing = cfg.unimplemented()
     if missing:
