@@ -81,19 +81,7 @@ def _worker(rank: int, contender: str, world: int, port: int, a: dict, outdir: s
             opt.zero_grad(set_to_none=True)
             return loss.item()  # bunsan's train_batch returns a float too: same sync per step
 
-    for x, y in batches[:a["warmup"]]:
-        step(x, y)
-    if world > 1:
-        dist.barrier()  # start the clock together
-    t0 = time.perf_counter()
-    for x, y in batches[a["warmup"]:]:
-        loss = step(x, y)
-    elapsed = time.perf_counter() - t0
-
-    if contender == "ddp":  # report the global mean, as bunsan does (equal token counts per rank)
-        t = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(t)
-        loss = t.item() / world
+    loss, elapsed = timed_steps(step, batches, a["warmup"], world, average_loss=contender == "ddp")
     if contender == "bunsan":
         mem = engine.memory_report()
         extra = {"model_states": mem["model_states"], "theory_model_states": mem["theory_model_states"],
@@ -106,6 +94,39 @@ def _worker(rank: int, contender: str, world: int, port: int, a: dict, outdir: s
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def timed_steps(step, batches, warmup: int, world: int, average_loss: bool) -> tuple[float, float]:
+    """Run `warmup` untimed steps, then time the rest (all ranks start the clock together).
+    Returns (last loss, seconds). average_loss: the peers report a rank-local loss; bunsan's train_batch
+    reports the global mean, so the peers' losses are averaged over ranks (equal token counts per rank)."""
+    for x, y in batches[:warmup]:
+        step(x, y)
+    if world > 1:
+        dist.barrier()
+    t0 = time.perf_counter()
+    for x, y in batches[warmup:]:
+        loss = step(x, y)
+    elapsed = time.perf_counter() - t0
+    if average_loss and world > 1:
+        t = torch.tensor([loss], dtype=torch.float64)
+        dist.all_reduce(t)
+        loss = t.item() / world
+    return loss, elapsed
+
+
+def run_one_by_one(contenders, run_contender, args, console, on_failure) -> dict:
+    """Each contender in turn (never two on the cores at once); a failure becomes on_failure(exception)."""
+    results = {}
+    for c in contenders:
+        t0 = time.perf_counter()
+        try:
+            results[c] = run_contender(c, args)
+            console.print(f"  {c}: done in {time.perf_counter() - t0:.1f} s")
+        except Exception as e:
+            results[c] = on_failure(e)
+            print(f"{c} FAILED:\n{traceback.format_exc()}", file=sys.stderr)
+    return results
 
 
 def free_port() -> int:
@@ -199,17 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=max(160, Console().width))  # the table is wide; never truncate its cells
     console.print(f"[bold]bench_dp[/]: preset {args.preset}, seq {args.seq}, micro-batch {args.micro_batch}, "
                   f"{args.warmup}+{args.steps} steps; {machine()}")
-    results: dict[str, list[dict]] = {}
-    failed = False
-    for c in contenders:  # one after another: never two contenders on the 2 cores at once
-        t0 = time.perf_counter()
-        try:
-            results[c] = run_contender(c, args)
-            console.print(f"  {c}: done in {time.perf_counter() - t0:.1f} s")
-        except Exception:
-            failed = True
-            results[c] = []
-            print(f"{c} FAILED:\n{traceback.format_exc()}", file=sys.stderr)
+    results = run_one_by_one(contenders, run_contender, args, console, on_failure=lambda e: [])
+    failed = any(not r for r in results.values())
 
     header, rows = build_rows(results)
     table = Table(title="data parallelism, CPU/gloo")

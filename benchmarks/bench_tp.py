@@ -28,14 +28,13 @@ import shlex
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import bunsan
-from bench_dp import GiB, free_port, machine, make_batches   # same batches, ports and machine line
+from bench_dp import GiB, free_port, machine, make_batches, run_one_by_one, timed_steps  # shared with bench_dp
 from bench_zero import LR, failure_reason, lm_loss
 
 CONTENDERS = {"single": 1, "ddp": 2, "dtensor_tp": 2, "bunsan_tp": 2, "bunsan_tp_sp": 2, "bunsan_dp": 2,
@@ -124,19 +123,7 @@ def _worker(rank: int, c: str, port: int, a: dict, outdir: str) -> None:
     batches = make_batches(a["warmup"] + a["steps"], 0, a["batch"], a["seq"], cfg.vocab_size)  # global batches
     step, extras = make_step(c, model, rank, world, a)
 
-    for x, y in batches[:a["warmup"]]:
-        step(x, y)
-    if world > 1:
-        dist.barrier()  # start the clock together
-    t0 = time.perf_counter()
-    for x, y in batches[a["warmup"]:]:
-        loss = step(x, y)
-    elapsed = time.perf_counter() - t0
-
-    if c == "ddp":  # report the global mean, as bunsan does (equal token counts per rank)
-        t = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(t)
-        loss = t.item() / world
+    loss, elapsed = timed_steps(step, batches, a["warmup"], world, average_loss=c == "ddp")
     res = {"rank": rank, "elapsed": elapsed, "loss": loss, "n_params": n_params,
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **extras()}  # Linux: KiB
     with open(os.path.join(outdir, f"{c}-{rank}.json"), "w") as f:
@@ -247,15 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"[bold]bench_tp[/]: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
                   f"{n_params:,} params, {args.batch} x {args.seq} tokens/step, {args.warmup}+{args.steps} steps; "
                   f"{machine()}")
-    results: dict[str, list[dict] | str] = {}
-    for c in contenders:  # one after another: never two contenders on the cores at once
-        t0 = time.perf_counter()
-        try:
-            results[c] = run_contender(c, args)
-            console.print(f"  {c}: done in {time.perf_counter() - t0:.1f} s")
-        except Exception as e:
-            results[c] = failure_reason(e)
-            print(f"{c} FAILED:\n{traceback.format_exc()}", file=sys.stderr)
+    results = run_one_by_one(contenders, run_contender, args, console, on_failure=failure_reason)
 
     header, rows, target = build_rows(results, args)
     table = Table(title=f"tensor parallelism, CPU/gloo, {n_params:,} params")

@@ -29,7 +29,6 @@ import shlex
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 
 import torch
@@ -39,7 +38,7 @@ import torch.nn.functional as F
 
 import bunsan
 from bunsan.memory import model_state_bytes
-from bench_dp import GiB, free_port, machine, make_batches  # same batches, ports and machine line as bench_dp
+from bench_dp import GiB, free_port, machine, make_batches, run_one_by_one, timed_steps  # shared with bench_dp
 
 WORLD = 2
 # contender -> (framework, ZeRO stage of its memory layout, offload to cpu)
@@ -123,18 +122,7 @@ def _worker(rank: int, contender: str, port: int, a: dict, outdir: str) -> None:
     batches = make_batches(a["warmup"] + a["steps"], rank, a["micro_batch"], a["seq"], cfg.vocab_size)
     step, extras = make_step(framework, stage, offload, model, a["micro_batch"])
 
-    for x, y in batches[:a["warmup"]]:
-        step(x, y)
-    dist.barrier()  # start the clock together
-    t0 = time.perf_counter()
-    for x, y in batches[a["warmup"]:]:
-        loss = step(x, y)
-    elapsed = time.perf_counter() - t0
-
-    if framework != "bunsan":  # report the global mean, as bunsan does (equal token counts per rank)
-        t = torch.tensor([loss], dtype=torch.float64)
-        dist.all_reduce(t)
-        loss = t.item() / WORLD
+    loss, elapsed = timed_steps(step, batches, a["warmup"], WORLD, average_loss=framework != "bunsan")
     res = {"rank": rank, "tokens_per_s": a["micro_batch"] * a["seq"] * a["steps"] / elapsed,
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
            "loss": loss, "n_params": n_params, **extras()}
@@ -248,15 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=max(240, Console().width))  # the table is wide; never truncate its cells
     console.print(f"[bold]bench_zero[/]: preset {args.preset}, seq {args.seq}, micro-batch {args.micro_batch}, "
                   f"{args.warmup}+{args.steps} steps, {WORLD} ranks; {machine()}, deepspeed {deepspeed_version()}")
-    results: dict[str, list[dict] | str] = {}
-    for c in contenders:  # one after another: never two contenders on the cores at once
-        t0 = time.perf_counter()
-        try:
-            results[c] = run_contender(c, args)
-            console.print(f"  {c}: done in {time.perf_counter() - t0:.1f} s")
-        except Exception as e:
-            results[c] = failure_reason(e)
-            print(f"{c} FAILED:\n{traceback.format_exc()}", file=sys.stderr)
+    results = run_one_by_one(contenders, run_contender, args, console, on_failure=failure_reason)
 
     header, rows = build_rows(results)
     table = Table(title=f"ZeRO, CPU/gloo, {WORLD} ranks")
