@@ -356,3 +356,7 @@ class Train(Section):
     timeout_s: float = Field(120.0, gt=0)  # collective timeout
     metrics_file: str = "metrics.jsonl"
     log_memory: bool = True
+    # CPU runs: host allocations of at least this many bytes get their own mapping and go back to the OS
+    # when freed, so resident memory follows what is held (memory.return_freed_host_memory); 0 = glibc's
+    # default. MALLOC_MMAP_THRESHOLD_ in the environment takes precedence.
+    host_mmap_threshold: Int = Field(1 << 20, ge=0, le=32 << 20)   # glibc accepts up to 32 MiB

@@ -68,6 +68,7 @@ class Sharded(Strategy):
     """Stages 1-3: the fp32 gradient shard of the sharded optimizer (self.opt) is what gets unscaled and clipped."""
 
     def unscale(self, inv: float) -> float:
+        self.opt.ensure_grad()
         if inv != 1.0:
             self.opt.grad.mul_(inv)
         return self.global_norm(self.squared_norm(self.opt.grad, self.opt.grad_pieces()), sharded=True)

@@ -205,14 +205,14 @@ def test_fp16_loss_scaling_at_every_stage(pools, stage):
 def _gathered(rank, world):
     engine = bunsan.initialize(tiny_model(), _cfg(world, 3, 1, "sgd", 0.0))
     w = engine.module.layers[0].mlp.up_proj.weight
-    outside = w.untyped_storage().nbytes()          # released: the unit's storage holds 0 bytes
+    outside = engine.dp.resident_bytes(w)           # released: the unit's buffer holds no memory
     with engine.gathered_parameters():
-        inside = tuple(w.shape), float(w.detach().sum())
-    return outside, inside, w.untyped_storage().nbytes()
+        inside = tuple(w.shape), float(w.detach().sum()), engine.dp.resident_bytes(w)
+    return outside, inside, engine.dp.resident_bytes(w)
 
 
 def test_stage3_parameters_are_reachable_through_the_gather_context(pools):
     full = tiny_model().layers[0].mlp.up_proj.weight
-    for outside, (shape, total), after in pools.run(2, _gathered, 2):
-        assert outside == 0 and after == 0
+    for outside, (shape, total, held), after in pools.run(2, _gathered, 2):
+        assert outside == 0 and after == 0 and held >= full.numel() * 4
         assert shape == tuple(full.shape) and total == pytest.approx(float(full.detach().sum()), rel=1e-6)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .host_buffer import HostBuffer
 from .layout import ShardLayout
 from .swap import SwapFile
 
@@ -63,8 +64,8 @@ class ShardedOptimizer:
                 self.master = self.master.pin_memory()
             self._mview = lambda f: self.master[f.shard_offset:f.shard_offset + f.numel]
         self.frag_tensors = [self._mview(f) for f in layout.fragments]
-        self.grad = None
-        self.ensure_grad()
+        self.grad = None          # the fp32 gradient shard: made by ensure_grad() at the first reduce
+        self._grad_host = None
         group_of = {}
         for gi, (members, _) in enumerate(groups):
             for i in members:
@@ -142,6 +143,7 @@ class ShardedOptimizer:
     # -- the step --------------------------------------------------------------------------------
     def step(self, write_back) -> None:
         """Step every sub-group; `write_back(fragment, fp32 values)` stores updated weights into the model."""
+        self.ensure_grad()        # a step without a backward sees zero gradients
         for k, sg in enumerate(self.subgroups):
             master = self._swap_in(k, sg) if self.swap else None
             for i in sg.frags:
@@ -157,8 +159,16 @@ class ShardedOptimizer:
                 self._swap_out(k, sg, master)
 
     def ensure_grad(self) -> None:
-        """The fp32 gradient shard (fragments get views of it while they step)."""
-        if self.grad is None:
+        """The fp32 gradient shard (fragments get views of it while they step). On CPU it is a mapping
+        whose zero pages become resident only as the reducer writes each bucket's slice, so during
+        backward it grows bucket by bucket while activations shrink."""
+        if self.grad is not None:
+            return
+        if self.home.type == "cpu":
+            if self._grad_host is None:
+                self._grad_host = HostBuffer(self.layout.shard_numel, torch.float32)
+            self.grad = self._grad_host.tensor
+        else:
             self.grad = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=self.home)
 
     def grad_pieces(self):
@@ -166,10 +176,12 @@ class ShardedOptimizer:
         return ((f.param, self.grad[f.shard_offset:f.shard_offset + f.numel]) for f in self.layout.fragments)
 
     def drop_grad(self) -> None:
+        """Free the gradient shard (torch's zero_grad(set_to_none=True)); the next backward makes a new one."""
+        if self.grad is not None and self._grad_host is not None:
+            self._grad_host.release()     # pages dropped: reads as zeros when it is next used
         self.grad = None
 
-    def zero_grad(self) -> None:
-        self.grad.zero_()
+    zero_grad = drop_grad
 
     # -- accounting ------------------------------------------------------------------------------
     def bytes_by_kind(self) -> dict:

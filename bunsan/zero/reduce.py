@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .host_buffer import HostPool
 from .layout import ShardLayout
 
 IN_FLIGHT = 2
@@ -31,6 +32,16 @@ class ShardReducer:
         self._staging: dict[int, torch.Tensor] = {}
         self._flight: list = []
         self.device = None
+        self.pool = HostPool() if source is None else None   # staging and outputs on CPU (see host_buffer)
+
+    def _zeros(self, numel: int, device) -> torch.Tensor:
+        if self.pool is not None and torch.device(device).type == "cpu":
+            return self.pool.take(numel, self.dtype)
+        return torch.zeros(numel, dtype=self.dtype, device=device)
+
+    def _give(self, t: torch.Tensor) -> None:
+        if self.pool is not None and t.device.type == "cpu":
+            self.pool.give(t)
 
     def stage_grad(self, i: int, param) -> None:
         """Copy parameter i's fresh gradient into its bucket and free it."""
@@ -38,7 +49,7 @@ class ShardReducer:
         b = self.layout.buckets[k]
         buf = self._staging.get(k)
         if buf is None:
-            buf = self._staging[k] = torch.zeros(b.size, dtype=self.dtype, device=param.grad.device)
+            buf = self._staging[k] = self._zeros(b.size, param.grad.device)
         off = self.layout.offsets[i] - b.start
         buf[off:off + param.numel()].copy_(param.grad.reshape(-1))
         param.grad = None
@@ -46,13 +57,13 @@ class ShardReducer:
     def _pop_staging(self, k: int) -> torch.Tensor:
         full = self._staging.pop(k, None)
         if full is None:  # no parameter of this bucket got a gradient: still take part in the collective
-            full = torch.zeros(self.layout.buckets[k].size, dtype=self.dtype, device=self.device)
+            full = self._zeros(self.layout.buckets[k].size, self.device)
         return full
 
     def launch(self, k: int) -> None:
         full = self.source(k)
         if self.use_reduce_scatter:
-            out = torch.empty(full.numel() // self.group.size, dtype=self.dtype, device=full.device)
+            out = self._zeros(full.numel() // self.group.size, full.device)
             handle = self.comm.reduce_scatter(out, full, self.group, async_op=True)
         else:  # DeepSpeed's reduce_scatter: false -> all-reduce and keep the slice
             handle, out = self.comm.all_reduce(full, self.group, async_op=True), None
@@ -69,8 +80,12 @@ class ShardReducer:
         if out is None:
             start = self.layout.buckets[k].start
             out = full[lo - start:hi - start]
+        self.opt.ensure_grad()   # made at the first reduce, once the loss's large gradients are gone
         dst = self.opt.grad[s:s + hi - lo]
         dst.add_(out.to(dst.device, torch.float32))
+        self._give(full)
+        if out is not full and self.use_reduce_scatter:
+            self._give(out)
 
     def drain(self) -> None:
         for item in self._flight:

@@ -45,8 +45,9 @@ class ShardedGrads(Sharded):
             offload=off.device if off else "none", nvme_path=off.nvme_path if off else None,
             sub_group_size=int(zero_cfg.sub_group_size), rank=comm.global_rank,
             pin_memory=bool(off and off.pin_memory))
-        if stage == 1:
-            self.opt.drop_grad()      # stage 1: the fp32 shard gradient exists only from reduce to step
+        # The fp32 gradient shard exists only from the first reduce to the step (made by the reducer, freed
+        # by zero_grad), so it is not held through forward and the loss, where activations peak.
+        self.opt.drop_grad()
         self.optimizer = self.opt
         self.reducer = ShardReducer(self.layout, comm, group, self.dtype, self.opt, zero_cfg,
                                     source=self._flat_bucket if stage == 1 else None)
@@ -65,7 +66,6 @@ class ShardedGrads(Sharded):
             if not self.flat.grads_attached():
                 self.flat.attach()
             if sync:
-                self.opt.ensure_grad()
                 self.hooks.begin()
         else:
             self.hooks.begin()        # stage 2 reduces every micro-step into the fp32 shard
@@ -102,12 +102,11 @@ class ShardedGrads(Sharded):
     def zero_grad(self) -> None:
         if self.stage == 1:
             self.flat.grad.zero_()
-            self.opt.drop_grad()
-        else:
-            self.opt.zero_grad()
+        self.opt.drop_grad()
 
     def bytes_by_kind(self) -> dict:
+        # Stage 2: the fp32 gradient shard, counted at its size during backward and the step.
         grads = (self.flat.grad.numel() * self.flat.grad.element_size() if self.stage == 1
-                 else self.opt.grad.numel() * 4)
+                 else self.layout.shard_numel * 4)
         return {"params": self.flat.data.numel() * self.flat.data.element_size(), "grads": grads,
                 **self.opt.bytes_by_kind()}

@@ -31,6 +31,7 @@ from .layout import ShardLayout
 from .materialize import replace_meta_parameters, unit_full_weights
 from .optimizer import ShardedOptimizer
 from .reduce import ShardReducer
+from .host_buffer import HostBuffer
 from .swap import SwapFile
 
 
@@ -51,7 +52,8 @@ class _PreBackward(torch.autograd.Function):
 class Unit:
     def __init__(self, module: nn.Module | None, params: list[int]):
         self.module, self.params = module, params
-        self.full: torch.Tensor | None = None    # the unit's buffer; its storage has 0 bytes while released
+        self.full: torch.Tensor | None = None    # the unit's buffer; holds no memory while released
+        self.host: HostBuffer | None = None      # on CPU the buffer is a mapping whose pages are dropped
         self.gathered = False
         self.pending = None                      # the handle of a prefetch in flight
         self.persistent = False
@@ -119,17 +121,22 @@ class FullyShardedDP(Sharded):
         self._dirty: dict[int, torch.Tensor] = {}
         if meta:
             self.params = replace_meta_parameters(module, self.params, device, self.dtype)
-        # Each unit owns one buffer for its whole life and its parameters are views of it. Releasing
-        # resizes the storage to 0 bytes, gathering resizes it back and all-gathers into it (as FSDP1 does):
-        # autograd may keep views of a weight (W.t() in a matmul) until backward, and those views must not
-        # pin a stale copy of the unit.
+        # Each unit owns one buffer for its whole life and its parameters are views of it. Releasing frees
+        # its memory but keeps the buffer (on CUDA the storage is resized to 0 bytes, as FSDP1 does; on CPU
+        # the pages of a mapping are dropped, see host_buffer.py): autograd may keep views of a weight
+        # (W.t() in a matmul) until backward, and those views must not pin a stale copy of the unit.
         for k, u in enumerate(self.units):
-            u.full = torch.empty(self.layout.buckets[k].size, dtype=self.dtype, device=device)
+            size = self.layout.buckets[k].size
+            if device.type == "cpu":
+                u.host = HostBuffer(size, self.dtype)
+                u.full = u.host.tensor
+            else:
+                u.full = torch.empty(size, dtype=self.dtype, device=device)
             start = self.layout.buckets[k].start
             for i in u.params:   # views first: slicing checks the storage's size
                 off = self.layout.offsets[i] - start
                 self.params[i].data = u.full[off:off + self.layout.numels[i]].view(self._shapes[i])
-            u.full.untyped_storage().resize_(0)
+            self._free(u)
         for u in self.units:
             u.persistent = self.layout.buckets[self.units.index(u)].size <= zero.stage3_param_persistence_threshold
 
@@ -161,9 +168,17 @@ class FullyShardedDP(Sharded):
             return self.param_swap.read(f"u{k}", hi - lo, self.dtype)
         return self._dirty[k]
 
+    @staticmethod
+    def _free(u: Unit) -> None:
+        if u.host is not None:
+            u.host.release()
+        else:
+            u.full.untyped_storage().resize_(0)
+
     def _launch_gather(self, k: int):
         u = self.units[k]
-        u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
+        if u.host is None:
+            u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
         mine = self.unit_shard(k).to(self.device, non_blocking=True)
         # .data: a separate version counter, so filling the buffer does not look like an in-place
         # change to the weights autograd saved for backward.
@@ -182,7 +197,7 @@ class FullyShardedDP(Sharded):
         u = self.units[k]
         if not u.gathered or (u.persistent and not force):
             return
-        u.full.untyped_storage().resize_(0)
+        self._free(u)
         u.gathered = False
 
     def prefetch(self, k: int) -> None:
@@ -194,6 +209,11 @@ class FullyShardedDP(Sharded):
                    if v.gathered or v.pending is not None)
         if live + size <= self.zero.stage3_max_live_parameters:
             u.pending = self._launch_gather(k)
+
+    def resident_bytes(self, param: torch.Tensor) -> int:
+        """Bytes of the buffer of the unit holding `param` that occupy memory now (0 when released)."""
+        u = next(u for u in self.units if any(self.params[i] is param for i in u.params))
+        return u.host.resident_bytes() if u.host is not None else u.full.untyped_storage().nbytes()
 
     @contextlib.contextmanager
     def gathered(self):
@@ -288,7 +308,7 @@ class FullyShardedDP(Sharded):
         self._dirty.clear()
 
     def zero_grad(self) -> None:
-        self.opt.zero_grad()
+        self.opt.drop_grad()
 
     def consolidated_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         with self.gathered():
@@ -298,7 +318,7 @@ class FullyShardedDP(Sharded):
         item = self.dtype.itemsize
         gathered = sum(u.full.numel() for u in self.units if u.gathered) * item
         params = self.param_shard.numel() * item if self.param_shard is not None else 0
-        out = {"params": params + gathered, "grads": self.opt.grad.numel() * 4, **self.opt.bytes_by_kind()}
+        out = {"params": params + gathered, "grads": self.layout.shard_numel * 4, **self.opt.bytes_by_kind()}
         if self.param_swap is not None:
             out["disk"] += self.param_swap.size()
         off = self.zero.offload_param

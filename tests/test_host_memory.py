@@ -1,0 +1,58 @@
+"""Host memory that goes back to the OS: page-dropping buffers and glibc's mmap threshold."""
+
+import os
+
+import torch
+
+import bunsan
+from bunsan.memory import return_freed_host_memory
+from bunsan.zero.host_buffer import HostBuffer, HostPool
+from reference import batches, optimizer_config, tiny_model
+
+
+def test_host_buffer_release_drops_pages_and_reads_zeros():
+    buf = HostBuffer(1 << 18, torch.float32)            # 1 MiB
+    assert buf.resident_bytes() == 0                    # nothing touched yet
+    buf.tensor.fill_(3.0)
+    assert buf.resident_bytes() >= 1 << 20
+    view = buf.tensor[10:20]                            # views (as autograd saves them) stay valid
+    buf.release()
+    assert buf.resident_bytes() == 0 and float(view.abs().sum()) == 0.0
+    buf.tensor[10:20] = 1.0
+    assert float(view.sum()) == 10.0
+
+
+def test_host_pool_reuses_buffers_zeroed():
+    pool = HostPool()
+    a = pool.take(1000, torch.bfloat16)
+    a.fill_(1.0)
+    pool.give(a)
+    b = pool.take(1000, torch.bfloat16)
+    assert b.data_ptr() == a.data_ptr() and float(b.float().abs().sum()) == 0.0
+    assert pool.take(1000, torch.bfloat16).data_ptr() != b.data_ptr()
+
+
+def test_mmap_threshold_skipped_when_off_or_set_by_the_user(monkeypatch):
+    assert return_freed_host_memory(0) is False
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert return_freed_host_memory(1 << 20) is False
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    if os.uname().sysname == "Linux":
+        assert return_freed_host_memory(1 << 20) is True
+
+
+def _grad_shard_between_steps(rank, world, stage):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+           "optimizer": optimizer_config("adamw")}
+    engine = bunsan.initialize(tiny_model(), cfg)
+    batch = batches(1, 2 * world, 8)[0]
+    engine.train_batch({k: v[2 * rank:2 * rank + 2] for k, v in batch.items()})
+    host = engine.dp.opt._grad_host
+    return engine.dp.opt.grad is None, host.resident_bytes() if host is not None else -1
+
+
+def test_zero_gradient_shard_is_freed_between_steps(pools):
+    """Stages 1-3 hold the fp32 gradient shard only from the first reduce to the step."""
+    for stage in (1, 2, 3):
+        for dropped, resident in pools.run(2, _grad_shard_between_steps, 2, stage):
+            assert dropped and resident == 0
