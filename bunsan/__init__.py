@@ -12,7 +12,6 @@ from .comm import Comm, CommError
 from .config import Config, ConfigError
 from .distributed import Mesh, init_distributed
 from .engine import Engine
-from .memory import return_freed_host_memory
 from .tensor_parallel import TPContext, apply_tensor_parallel
 from .transforms import apply_activation_checkpointing, apply_compile
 
@@ -44,8 +43,6 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
     if missing:
         raise ConfigError("\n".join(missing))
     device = init_distributed(timeout_s=cfg.train.timeout_s)
-    if device.type == "cpu":
-        return_freed_host_memory(cfg.train.host_mmap_threshold)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32

@@ -234,6 +234,9 @@ class Zero(Section):
     sub_group_size: Int = Field(1_000_000_000, ge=1)
     # bunsan: class names of the modules gathered as one ZeRO-3 unit ([] = the elements of model.layers)
     stage3_unit_modules: list[str] = []
+    # bunsan, CPU only: give the heap's free pages back to the OS after each step and each released ZeRO-3
+    # unit (glibc malloc_trim), so resident memory follows what is held; costs some page faults
+    trim_host_memory: bool = True
     offload_optimizer: Optional[Offload] = None
     offload_param: Optional[Offload] = None
 
@@ -356,7 +359,3 @@ class Train(Section):
     timeout_s: float = Field(120.0, gt=0)  # collective timeout
     metrics_file: str = "metrics.jsonl"
     log_memory: bool = True
-    # CPU runs: host allocations of at least this many bytes get their own mapping and go back to the OS
-    # when freed, so resident memory follows what is held (memory.return_freed_host_memory); 0 = glibc's
-    # default. MALLOC_MMAP_THRESHOLD_ in the environment takes precedence.
-    host_mmap_threshold: Int = Field(1 << 20, ge=0, le=32 << 20)   # glibc accepts up to 32 MiB

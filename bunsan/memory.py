@@ -9,10 +9,7 @@ plus the process's peak resident set (CPU) or CUDA peak allocation.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
-import os
 import resource
 
 import torch
@@ -55,25 +52,6 @@ def model_state_bytes(psi: int, dtype_bytes: int, opt_bytes_per_param: float, dp
            "master_weights": psi * master / shard[2], "optimizer_states": psi * opt_bytes_per_param / shard[2]}
     out["total"] = out["params"] + out["grads"] + out["master_weights"] + out["optimizer_states"]
     return out
-
-
-M_MMAP_THRESHOLD = -3   # glibc's mallopt parameter number
-
-
-def return_freed_host_memory(threshold: int) -> bool:
-    """Have glibc serve host allocations of at least `threshold` bytes with their own mappings, so freeing
-    them returns the memory to the OS at once. By default glibc raises that threshold to 32 MiB after
-    the first large free, and tensors below it (activations, gradients, gathered ZeRO units) come from
-    the heap, whose holes are rarely given back: resident memory then creeps steps past what the process
-    holds (about 0.7 GiB on ZeRO-3 of a 135M model). True when the setting was applied; skipped when
-    threshold is 0, when MALLOC_MMAP_THRESHOLD_ is set (the user's choice wins) or off glibc."""
-    if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, int(threshold)))
-    except (OSError, AttributeError):
-        return False
 
 
 def peak_rss_bytes() -> int:

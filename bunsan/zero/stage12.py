@@ -20,6 +20,7 @@ import torch
 
 from ..data_parallel import Sharded
 from ..grad_sync import BucketHooks, FlatParams
+from .host_buffer import trim_heap
 from .layout import ShardLayout
 from .optimizer import ShardedOptimizer
 from .reduce import ShardReducer
@@ -83,6 +84,8 @@ class ShardedGrads(Sharded):
     def step(self) -> None:
         self.opt.step(self._write_back)
         self._all_gather()
+        if self.zero.trim_host_memory and self.flat.data.device.type == "cpu":
+            trim_heap()               # the step's freed gradients and buckets: pages back before forward
 
     def _all_gather(self) -> None:
         """Every bucket's slices to every rank; at most allgather_bucket_size elements in flight."""

@@ -31,8 +31,14 @@ from .layout import ShardLayout
 from .materialize import replace_meta_parameters, unit_full_weights
 from .optimizer import ShardedOptimizer
 from .reduce import ShardReducer
-from .host_buffer import HostBuffer
+from .host_buffer import HostBuffer, trim_heap
 from .swap import SwapFile
+
+
+# Released units between heap trims. Each block's forward leaves about its activation size in freed
+# heap chunks that glibc keeps resident; trimming after every few units bounds that to a few blocks'
+# worth while paying fewer page faults than trimming after each one.
+TRIM_EVERY = 4
 
 
 class _PreBackward(torch.autograd.Function):
@@ -79,6 +85,8 @@ class FullyShardedDP(Sharded):
         zero = self.zero
         n, r = group.size, group.rank
         self.device, self.module = device, module
+        self._trim = zero.trim_host_memory and device.type == "cpu"
+        self._released = 0
         unit_modules = find_units(module, list(zero.stage3_unit_modules))
         index = {p: i for i, p in enumerate(trainable)}
         in_unit, unit_params = set(), []
@@ -199,6 +207,9 @@ class FullyShardedDP(Sharded):
             return
         self._free(u)
         u.gathered = False
+        self._released += 1
+        if self._trim and self._released % TRIM_EVERY == 0:
+            trim_heap()
 
     def prefetch(self, k: int) -> None:
         u = self.units[k]
@@ -306,6 +317,8 @@ class FullyShardedDP(Sharded):
         for k, shard in self._dirty.items():
             self.param_swap.write(f"u{k}", shard)
         self._dirty.clear()
+        if self._trim:     # backward's freed activations and gradients: pages back before the next forward
+            trim_heap()
 
     def zero_grad(self) -> None:
         self.opt.drop_grad()
