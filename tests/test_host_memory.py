@@ -1,11 +1,8 @@
-"""Host memory that goes back to the OS: page-dropping buffers and glibc's mmap threshold."""
-
-import os
+"""Host memory that goes back to the OS: page-dropping buffers and heap trimming."""
 
 import torch
 
 import bunsan
-from bunsan.memory import return_freed_host_memory
 from bunsan.zero.host_buffer import HostBuffer, HostPool
 from reference import batches, optimizer_config, tiny_model
 
@@ -32,13 +29,27 @@ def test_host_pool_reuses_buffers_zeroed():
     assert pool.take(1000, torch.bfloat16).data_ptr() != b.data_ptr()
 
 
-def test_mmap_threshold_skipped_when_off_or_set_by_the_user(monkeypatch):
-    assert return_freed_host_memory(0) is False
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    assert return_freed_host_memory(1 << 20) is False
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
-    if os.uname().sysname == "Linux":
-        assert return_freed_host_memory(1 << 20) is True
+def _trims_per_step(rank, world, stage, trim):
+    import bunsan.zero.stage3 as s3
+    import bunsan.zero.stage12 as s12
+    calls = []
+    s3.trim_heap = s12.trim_heap = lambda: calls.append(1)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": optimizer_config("sgd"),
+           "zero_optimization": {"stage": stage, "trim_host_memory": trim}}
+    engine = bunsan.initialize(tiny_model(), cfg)
+    batch = batches(1, 2 * world, 8)[0]
+    engine.train_batch({k: v[2 * rank:2 * rank + 2] for k, v in batch.items()})
+    return len(calls)
+
+
+def test_heap_is_trimmed_after_the_step_unless_switched_off(pools):
+    """zero_optimization.trim_host_memory: stages 1-2 trim once per step, stage 3 also every few released units."""
+    assert pools.run(2, _trims_per_step, 2, 1, True) == [1, 1]
+    assert pools.run(2, _trims_per_step, 2, 2, False) == [0, 0]
+    n = len(tiny_model().layers)
+    expected = 1 + (2 * n + 1) // 4          # each block released after forward and backward, the root once
+    assert all(c >= expected for c in pools.run(2, _trims_per_step, 2, 3, True))
+    assert pools.run(2, _trims_per_step, 2, 3, False) == [0, 0]
 
 
 def _grad_shard_between_steps(rank, world, stage):
