@@ -144,7 +144,7 @@ class Replicated(Strategy):
 
     def zero_grad(self) -> None:
         self._g32 = None
-        self.flat.grad.zero_()
+        self.flat.zero_grad()
 
     def bytes_by_kind(self) -> dict:
         opt = [v for s in self.optimizer.state.values() for v in s.values()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .zero.host_buffer import HostBuffer
 from .zero.layout import ShardLayout
 
 
@@ -42,11 +43,25 @@ class FlatParams:
         device = params[0].device
         self.numel = sum(p.numel() for p in params)
         self.data = torch.zeros(layout.total, dtype=self.dtype, device=device)
-        self.grad = torch.zeros(layout.total, dtype=self.dtype, device=device) if with_grads else None
+        self._grad_host = None
+        if with_grads and device.type == "cpu":   # see zero_grad
+            self._grad_host = HostBuffer(layout.total, self.dtype)
+            self.grad = self._grad_host.tensor
+        else:
+            self.grad = torch.zeros(layout.total, dtype=self.dtype, device=device) if with_grads else None
         with torch.no_grad():
             for i, p in enumerate(params):
                 self.view(self.data, i).copy_(p.data)
         self.attach()
+
+    def zero_grad(self) -> None:
+        """Zero the gradients. On CPU the buffer's pages are dropped instead: they read as zeros and come
+        back as backward writes them, so the gradients take no memory through forward, where activations
+        peak (torch DDP keeps its bucket copy of them throughout)."""
+        if self._grad_host is not None:
+            self._grad_host.release()
+        else:
+            self.grad.zero_()
 
     def view(self, buf: torch.Tensor, i: int) -> torch.Tensor:
         p, off = self.params[i], self.layout.offsets[i]

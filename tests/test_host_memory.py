@@ -43,8 +43,9 @@ def _trims_per_step(rank, world, stage, trim):
 
 
 def test_heap_is_trimmed_after_the_step_unless_switched_off(pools):
-    """zero_optimization.trim_host_memory: stages 1-2 trim once per step, stage 3 also every few released units."""
-    assert pools.run(2, _trims_per_step, 2, 1, True) == [1, 1]
+    """zero_optimization.trim_host_memory: after the step and every few reduced buckets (stages 1-2) or
+    released units (stage 3)."""
+    assert all(c >= 1 for c in pools.run(2, _trims_per_step, 2, 1, True))
     assert pools.run(2, _trims_per_step, 2, 2, False) == [0, 0]
     n = len(tiny_model().layers)
     expected = 1 + (2 * n + 1) // 4          # each block released after forward and backward, the root once

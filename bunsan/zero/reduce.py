@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .host_buffer import HostPool
+from .host_buffer import HostPool, trim_heap
 from .layout import ShardLayout
 
 IN_FLIGHT = 2
@@ -18,7 +18,7 @@ IN_FLIGHT = 2
 
 class ShardReducer:
     def __init__(self, layout: ShardLayout, comm, group, dtype: torch.dtype, opt, zero_cfg,
-                 source=None, after_launch=None):
+                 source=None, after_launch=None, trim_every: int = 0):
         """source(k) -> the bucket's full gradient (stage 1); default: the staging bucket (stages 2-3)."""
         self.layout, self.comm, self.group, self.dtype, self.opt = layout, comm, group, dtype, opt
         self.use_reduce_scatter = zero_cfg.reduce_scatter
@@ -33,6 +33,7 @@ class ShardReducer:
         self._flight: list = []
         self.device = None
         self.pool = HostPool() if source is None else None   # staging and outputs on CPU (see host_buffer)
+        self.trim_every, self._completed = trim_every, 0      # heap trims during backward (host_buffer.py)
 
     def _zeros(self, numel: int, device) -> torch.Tensor:
         if self.pool is not None and torch.device(device).type == "cpu":
@@ -86,6 +87,9 @@ class ShardReducer:
         self._give(full)
         if out is not full and self.use_reduce_scatter:
             self._give(out)
+        self._completed += 1
+        if self.trim_every and self._completed % self.trim_every == 0:
+            trim_heap()
 
     def drain(self) -> None:
         for item in self._flight:

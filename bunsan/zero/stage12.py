@@ -21,6 +21,7 @@ import torch
 from ..data_parallel import Sharded
 from ..grad_sync import BucketHooks, FlatParams
 from .host_buffer import trim_heap
+from .stage3 import TRIM_EVERY
 from .layout import ShardLayout
 from .optimizer import ShardedOptimizer
 from .reduce import ShardReducer
@@ -51,7 +52,8 @@ class ShardedGrads(Sharded):
         self.opt.drop_grad()
         self.optimizer = self.opt
         self.reducer = ShardReducer(self.layout, comm, group, self.dtype, self.opt, zero_cfg,
-                                    source=self._flat_bucket if stage == 1 else None)
+                                    source=self._flat_bucket if stage == 1 else None,
+                                    trim_every=TRIM_EVERY if zero_cfg.trim_host_memory and device.type == "cpu" else 0)
         self.reducer.device = self.flat.data.device
         self.hooks = BucketHooks(self.params, [b.params for b in self.layout.buckets], self.reducer.launch,
                                  on_grad=self.reducer.stage_grad if stage == 2 else None,
@@ -104,7 +106,7 @@ class ShardedGrads(Sharded):
 
     def zero_grad(self) -> None:
         if self.stage == 1:
-            self.flat.grad.zero_()
+            self.flat.zero_grad()
         self.opt.drop_grad()
 
     def bytes_by_kind(self) -> dict:

@@ -35,9 +35,9 @@ from .host_buffer import HostBuffer, trim_heap
 from .swap import SwapFile
 
 
-# Released units between heap trims. Each block's forward leaves about its activation size in freed
-# heap chunks that glibc keeps resident; trimming after every few units bounds that to a few blocks'
-# worth while paying fewer page faults than trimming after each one.
+# Released units (or reduced buckets, stages 1-2) between heap trims. Each block leaves about its
+# activation size in freed heap chunks that glibc keeps resident; trimming after every few units bounds
+# that to a few blocks' worth while paying fewer page faults than trimming after each one.
 TRIM_EVERY = 4
 
 
