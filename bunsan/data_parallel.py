@@ -144,7 +144,7 @@ class Replicated(Strategy):
 
     def zero_grad(self) -> None:
         self._g32 = None
-        self.flat.zero_grad()
+        self.flat.grad.zero_()   # not flat.zero_grad(): stage 0 keeps DDP's speed (no page faults per step)
 
     def bytes_by_kind(self) -> dict:
         opt = [v for s in self.optimizer.state.values() for v in s.values()

@@ -44,7 +44,7 @@ class FlatParams:
         self.numel = sum(p.numel() for p in params)
         self.data = torch.zeros(layout.total, dtype=self.dtype, device=device)
         self._grad_host = None
-        if with_grads and device.type == "cpu":   # see zero_grad
+        if with_grads and device.type == "cpu":   # see zero_grad (stage 1 drops pages; stage 0 zeroes)
             self._grad_host = HostBuffer(layout.total, self.dtype)
             self.grad = self._grad_host.tensor
         else:
