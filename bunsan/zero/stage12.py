@@ -20,8 +20,7 @@ import torch
 
 from ..data_parallel import Sharded
 from ..grad_sync import BucketHooks, FlatParams
-from .host_buffer import trim_heap
-from .stage3 import TRIM_EVERY
+from .host_buffer import TRIM_EVERY, trim_heap
 from .layout import ShardLayout
 from .optimizer import ShardedOptimizer
 from .reduce import ShardReducer

@@ -28,17 +28,11 @@ import torch.nn as nn
 from ..data_parallel import Sharded
 from ..grad_sync import BucketHooks
 from .layout import ShardLayout
+from .host_buffer import TRIM_EVERY, HostBuffer, trim_heap
 from .materialize import replace_meta_parameters, unit_full_weights
 from .optimizer import ShardedOptimizer
 from .reduce import ShardReducer
-from .host_buffer import HostBuffer, trim_heap
 from .swap import SwapFile
-
-
-# Released units (or reduced buckets, stages 1-2) between heap trims. Each block leaves about its
-# activation size in freed heap chunks that glibc keeps resident; trimming after every few units bounds
-# that to a few blocks' worth while paying fewer page faults than trimming after each one.
-TRIM_EVERY = 4
 
 
 class _PreBackward(torch.autograd.Function):
