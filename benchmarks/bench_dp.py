@@ -135,12 +135,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_contender(contender: str, args: argparse.Namespace) -> list[dict]:
-    """Spawn the contender's ranks, wait at most --timeout seconds, return one result dict per rank.
-    A worker's exception re-raises here with its traceback (and the other ranks are terminated)."""
-    world = WORLD[contender]
+def spawn_ranks(worker, contender: str, world: int, args: argparse.Namespace, extra: tuple = ()) -> list[dict]:
+    """Run worker(rank, contender, *extra, port, vars(args), outdir) on `world` spawned ranks, wait at most
+    --timeout seconds, return the JSON each rank wrote to outdir/{contender}-{rank}.json. A worker's exception
+    re-raises here with its traceback (and the other ranks are terminated); a hang is killed."""
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_worker, args=(contender, world, free_port(), vars(args), outdir),
+        ctx = mp.start_processes(worker, args=(contender, *extra, free_port(), vars(args), outdir),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + args.timeout
         while not ctx.join(timeout=5):
@@ -151,6 +151,10 @@ def run_contender(contender: str, args: argparse.Namespace) -> list[dict]:
                         p.join()
                 raise TimeoutError(f"{contender}: not finished after {args.timeout:.0f} s (--timeout); killed")
         return [json.load(open(os.path.join(outdir, f"{contender}-{r}.json"))) for r in range(world)]
+
+
+def run_contender(contender: str, args: argparse.Namespace) -> list[dict]:
+    return spawn_ranks(_worker, contender, WORLD[contender], args, extra=(WORLD[contender],))
 
 
 def build_rows(results: dict[str, list[dict]]) -> tuple[list[str], list[list[str]]]:

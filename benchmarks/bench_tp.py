@@ -26,15 +26,12 @@ import os
 import resource
 import shlex
 import sys
-import tempfile
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import bunsan
-from bench_dp import GiB, free_port, machine, make_batches, run_one_by_one, timed_steps  # shared with bench_dp
+from bench_dp import GiB, machine, make_batches, run_one_by_one, spawn_ranks, timed_steps  # shared with bench_dp
 from bench_zero import LR, failure_reason, lm_loss
 
 CONTENDERS = {"single": 1, "ddp": 2, "dtensor_tp": 2, "bunsan_tp": 2, "bunsan_tp_sp": 2, "bunsan_dp": 2,
@@ -134,20 +131,7 @@ def _worker(rank: int, c: str, port: int, a: dict, outdir: str) -> None:
 
 
 def run_contender(c: str, args: argparse.Namespace) -> list[dict]:
-    """bench_zero.run_contender with this file's worker and a per-contender world size."""
-    world = CONTENDERS[c]
-    with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_worker, args=(c, free_port(), vars(args), outdir), nprocs=world, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + args.timeout
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                        p.join()
-                raise TimeoutError(f"not finished after {args.timeout:.0f} s (--timeout); killed")
-        return [json.load(open(os.path.join(outdir, f"{c}-{r}.json"))) for r in range(world)]
+    return spawn_ranks(_worker, c, CONTENDERS[c], args)
 
 
 def comm_theory(c: str, a: argparse.Namespace, psi: int, n: int = 2) -> float:

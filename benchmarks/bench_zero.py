@@ -27,18 +27,15 @@ import os
 import resource
 import shlex
 import sys
-import tempfile
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import bunsan
 from bunsan.memory import model_state_bytes
-from bench_dp import GiB, free_port, machine, make_batches, run_one_by_one, timed_steps  # shared with bench_dp
+from bench_dp import GiB, machine, make_batches, run_one_by_one, spawn_ranks, timed_steps  # shared with bench_dp
 
 WORLD = 2
 # contender -> (framework, ZeRO stage of its memory layout, offload to cpu)
@@ -133,20 +130,7 @@ def _worker(rank: int, contender: str, port: int, a: dict, outdir: str) -> None:
 
 
 def run_contender(contender: str, args: argparse.Namespace) -> list[dict]:
-    """Spawn the contender's ranks, wait at most --timeout seconds, return one result dict per rank.
-    A worker's exception re-raises here (torch terminates the other rank); a hang is killed."""
-    with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.start_processes(_worker, args=(contender, free_port(), vars(args), outdir),
-                                 nprocs=WORLD, join=False, start_method="spawn")
-        deadline = time.monotonic() + args.timeout
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                        p.join()
-                raise TimeoutError(f"not finished after {args.timeout:.0f} s (--timeout); killed")
-        return [json.load(open(os.path.join(outdir, f"{contender}-{r}.json"))) for r in range(WORLD)]
+    return spawn_ranks(_worker, contender, WORLD, args)
 
 
 def failure_reason(e: BaseException) -> str:
