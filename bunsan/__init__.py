@@ -47,7 +47,7 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     mesh = Mesh.create(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size)
-    comm = Comm(timeout_s=cfg.train.timeout_s)
+    comm = Comm(timeout_s=cfg.train.timeout_s, gloo_collectives=cfg.train.gloo_collectives)
     meta = any(p.is_meta for p in model.parameters())
     if meta and (cfg.zero_optimization.stage < 3 or mesh.tp > 1):
         _materialize(model, device, cfg.train.seed)   # stage 3 alone materialises each rank's shard only

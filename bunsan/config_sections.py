@@ -357,5 +357,7 @@ class Train(Section):
     eval_interval: Int = Field(0, ge=0)
     eval_batches: Int = Field(4, ge=1)
     timeout_s: float = Field(120.0, gt=0)  # collective timeout
+    # On gloo: all-gather and reduce-scatter as point-to-point exchanges (3x faster, comm.py) or torch's own
+    gloo_collectives: Choice("exchange", "native") = "exchange"
     metrics_file: str = "metrics.jsonl"
     log_memory: bool = True
