@@ -7,7 +7,7 @@ import inspect
 import torch
 import torch.nn as nn
 
-from . import models, zero
+from . import models, pipeline, zero
 from .comm import Comm, CommError
 from .config import Config, ConfigError
 from .distributed import Mesh, init_distributed
@@ -48,6 +48,14 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     mesh = Mesh.create(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size)
     comm = Comm(timeout_s=cfg.train.timeout_s, gloo_collectives=cfg.train.gloo_collectives)
+    pipe = None
+    if mesh.pp > 1:   # keep (and build) only this rank's stages; the rest of the model is never allocated
+        pipe = pipeline.setup(model, mesh, cfg, device, cfg.train.seed)
+        model = pipe.stage
+        if optimizer is not None:   # the user's optimizer was built over the whole model: keep this stage's
+            held = {id(p) for p in model.parameters()}
+            for g in optimizer.param_groups:
+                g["params"] = [p for p in g["params"] if id(p) in held]
     meta = any(p.is_meta for p in model.parameters())
     if meta and (cfg.zero_optimization.stage < 3 or mesh.tp > 1):
         _materialize(model, device, cfg.train.seed)   # stage 3 alone materialises each rank's shard only
@@ -64,7 +72,7 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
         apply_activation_checkpointing(model)
     if cfg.train.compile:
         apply_compile(model)
-    return Engine(model, cfg, mesh, device, comm, optimizer=optimizer, loss_fn=loss_fn, tp=tp)
+    return Engine(model, cfg, mesh, device, comm, optimizer=optimizer, loss_fn=loss_fn, tp=tp, pipe=pipe)
 
 
 def _materialize(model: nn.Module, device: torch.device, seed: int) -> None:

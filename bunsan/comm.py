@@ -202,10 +202,11 @@ class Comm:
         self.all_reduce(torch.zeros(1), group)
 
     # -- point to point ------------------------------------------------------------------------
-    def isend(self, t: torch.Tensor, dst: int, group: Group):
+    def isend(self, t: torch.Tensor, dst: int, group: Group, tag: int = 0):
+        """Non-blocking send to global rank `dst` of `group`; wait() on the handle before reusing `t`."""
         return self._run("send", group, t.numel() * t.element_size(),
-                         lambda: dist.isend(t, dst=dst, group=group.pg), True)
+                         lambda: dist.isend(t, dst=dst, group=group.pg, tag=tag), True)
 
-    def irecv(self, t: torch.Tensor, src: int, group: Group):
+    def irecv(self, t: torch.Tensor, src: int, group: Group, tag: int = 0):
         return self._run("recv", group, t.numel() * t.element_size(),
-                         lambda: dist.irecv(t, src=src, group=group.pg), True)
+                         lambda: dist.irecv(t, src=src, group=group.pg, tag=tag), True)

@@ -39,9 +39,11 @@ class BatchSizes:
 # Features that parse but are not built yet: (predicate, message formatted with c=config).
 # Delete a row when its feature lands.
 UNIMPLEMENTED: list[tuple[typing.Callable[[Config], bool], str]] = [
-    (lambda c: c.pipeline.stages > 1,
-     "pipeline.stages={c.pipeline.stages}: pipeline parallelism is not implemented yet "
-     "(it lands with issue #5); set pipeline.stages to 1"),
+    (lambda c: c.pipeline.stages > 1 and c.zero_optimization.stage > 1,
+     "pipeline.stages={c.pipeline.stages} with zero_optimization.stage={c.zero_optimization.stage}: ZeRO-2 and -3 "
+     "reduce gradients (and ZeRO-3 gathers parameters) inside every backward, while a pipeline splits each "
+     "micro-batch's backward into pieces spread over its schedule and reduces once after it; bunsan (like "
+     "DeepSpeed and Megatron) combines pipelines with ZeRO-1 at most; set zero_optimization.stage to 0 or 1"),
     (lambda c: c.activation_checkpointing.partition_activations,
      "activation_checkpointing.partition_activations=true: partitioning checkpointed activations across "
      "tensor-parallel ranks is not implemented; use tensor_parallel.sequence_parallel, which shards the "

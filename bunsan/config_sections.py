@@ -32,6 +32,7 @@ def Choice(*names: str) -> Any:  # case-insensitive enum of strings
 Device = Choice("none", "cpu", "nvme")
 Schedule = Choice("gpipe", "1f1b", "interleaved")
 Partition = Choice("uniform", "parameters", "balanced")
+GlooCollectives = Choice("exchange", "native")
 
 
 class Section(BaseModel):
@@ -358,6 +359,6 @@ class Train(Section):
     eval_batches: Int = Field(4, ge=1)
     timeout_s: float = Field(120.0, gt=0)  # collective timeout
     # On gloo: all-gather and reduce-scatter as point-to-point exchanges (3x faster, comm.py) or torch's own
-    gloo_collectives: Choice("exchange", "native") = "exchange"
+    gloo_collectives: GlooCollectives = "exchange"
     metrics_file: str = "metrics.jsonl"
     log_memory: bool = True

@@ -39,6 +39,12 @@ class Strategy:
         if tp_group is not None and tp_group.size > 1 and tp_group.rank != 0:
             self.norm_excluded = {i for i, p in enumerate(self.params) if getattr(p, "_bunsan_tp_replicated", False)}
 
+    def set_pipeline(self, pp_group: Group | None, duplicates: set) -> None:
+        """Under pipeline parallelism the norm sums over stages; a weight tied across stages counts once."""
+        self.pp_group = pp_group
+        extra = {i for i, p in enumerate(self.params) if any(p is d for d in duplicates)}
+        self.norm_excluded = set(getattr(self, "norm_excluded", set())) | extra
+
     def squared_norm(self, flat: torch.Tensor, pieces) -> float:
         """|flat|^2, or the sum over the (param index, view) pieces not excluded from the norm."""
         excluded = getattr(self, "norm_excluded", ())
@@ -52,9 +58,9 @@ class Strategy:
         total = local_sq
         if sharded:
             total = self.comm.all_reduce_scalars([total], self.group)[0]
-        tp = getattr(self, "tp_group", None)
-        if tp is not None and tp.size > 1:
-            total = self.comm.all_reduce_scalars([total], tp)[0]
+        for other in (getattr(self, "tp_group", None), getattr(self, "pp_group", None)):
+            if other is not None and other.size > 1:
+                total = self.comm.all_reduce_scalars([total], other)[0]
         return total ** 0.5
 
     def consolidated_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:

@@ -99,6 +99,22 @@ class Mesh:
                     mine[name] = Group(name, pg, len(ranks_in), ranks_in.index(rank), tuple(ranks_in))
         return cls(pp, dp, tp, rank, world, mine["dp"], mine["tp"], mine["pp"])
 
+    def pp_subgroup(self, stages: tuple[int, ...], name: str) -> Group | None:
+        """The group of the given pipeline ranks at this rank's (dp, tp) coordinates, or None if not among them.
+
+        Collective: every rank must call it with the same arguments in the same order (new_group's rule).
+        """
+        if len(stages) == self.pp:
+            return self.pp_group
+        mine = None
+        for d in range(self.dp):
+            for t in range(self.tp):
+                ranks_in = [s * self.dp * self.tp + d * self.tp + t for s in stages]
+                pg = dist.new_group(ranks_in) if len(ranks_in) > 1 else None
+                if self.rank in ranks_in:
+                    mine = Group(name, pg, len(ranks_in), ranks_in.index(self.rank), tuple(ranks_in))
+        return mine
+
     @classmethod
     def _groups(cls, pp: int, dp: int, tp: int, axis: str) -> list[list[int]]:
         """All rank lists along one axis of the mesh."""

@@ -24,6 +24,8 @@ from .comm import Comm
 from .distributed import Mesh
 from .memory import measured_memory
 from .optim import LRSchedule
+from .pipeline import step as pipeline_step
+from .pipeline.consolidate import gather_intervals, gather_stages
 from .precision import LossScaler, model_dtype
 from .tensor_parallel import consolidate, vocab_parallel_loss_sum
 from .zero import make_strategy
@@ -37,7 +39,7 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class Engine:
     def __init__(self, model: nn.Module, cfg, mesh: Mesh, device: torch.device, comm: Comm,
-                 optimizer: torch.optim.Optimizer | None = None, loss_fn=None, tp=None):
+                 optimizer: torch.optim.Optimizer | None = None, loss_fn=None, tp=None, pipe=None):
         self.cfg, self.mesh, self.device, self.comm = cfg, mesh, device, comm
         self.tp_ctx, self.tp_head = tp if tp is not None else (None, None)
         self.module = model
@@ -58,6 +60,10 @@ class Engine:
             raise ValueError("the model has no parameters with requires_grad=True; nothing to train")
         self.dp = make_strategy(trainable, comm, mesh.dp_group, cfg, device, optimizer, model)
         self.dp.set_tensor_parallel(mesh.tp_group if self.tp_ctx is not None else None)
+        self.pipe = pipe
+        if pipe is not None:
+            self.dp.set_pipeline(mesh.pp_group, {model.get_parameter(n) for n in pipe.duplicates})
+            pipe.start(comm, mesh, device)
         self.optimizer = self.dp.optimizer
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.schedule = LRSchedule(cfg.scheduler, total_steps=cfg.train.steps)
@@ -91,7 +97,14 @@ class Engine:
 
     # -- DeepSpeed-style loop --------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
+        self._no_pipeline("engine(inputs)")
         return self.module(*args, **kwargs)
+
+    def _no_pipeline(self, what: str) -> None:
+        if self.pipe is not None:
+            raise RuntimeError(f"{what}: under pipeline parallelism a rank holds only its stages, so the forward, "
+                               "backward and step of one batch run together: call engine.train_batch(batch) "
+                               "(and engine.eval_batch(batch)) instead of the DeepSpeed-style loop")
 
     forward = __call__
 
@@ -100,11 +113,13 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch's mean loss; the gradients of the step average over micro-batches and ranks."""
+        self._no_pipeline("engine.backward(loss)")
         self._backward(loss / self.grad_accum, sync=self.is_gradient_accumulation_boundary())
         self._post_scale = 1.0 / self.mesh.dp
 
     def step(self) -> None:
         """Call once per micro-batch; the optimizer steps on the accumulation boundary."""
+        self._no_pipeline("engine.step()")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if boundary:
@@ -188,6 +203,8 @@ class Engine:
             div, self._post_scale = n_global, 1.0
         else:
             div, self._post_scale = self.grad_accum, 1.0 / self.mesh.dp
+        if self.pipe is not None:
+            return pipeline_step.train_batch(self, micro, lm, div)
         total = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(micro):
             loss, _ = self._micro_loss(mb)
@@ -202,6 +219,11 @@ class Engine:
     def eval_batch(self, batch) -> float:
         """Mean loss over a per-rank batch (any number of rows), averaged over the data-parallel group."""
         self.module.eval()
+        if self.pipe is not None:
+            try:
+                return pipeline_step.eval_batch(self, batch)
+            finally:
+                self.module.train()
         try:
             if isinstance(batch, dict) and self.loss_fn is None:
                 labels = batch["labels"].to(self.device)
@@ -220,7 +242,16 @@ class Engine:
         state = self.dp.consolidated_state_dict(self.module)
         if self.tp_ctx is not None:
             state = consolidate(state, self.module, self.tp_ctx, self.device)
+        if self.pipe is not None:
+            state = gather_stages(state, self.comm, self.mesh.pp_group, self.device)
         return state
+
+    def pipeline_timeline(self) -> list | None:
+        """What every pipeline rank did in the last step (timeline.Interval lists, by pipeline rank), on every
+        rank of the pipeline group; None without pipeline parallelism. Collective over the pipeline group."""
+        if self.pipe is None:
+            return None
+        return gather_intervals(self.pipe.recorder.intervals, self.comm, self.mesh.pp_group, self.device)
 
     def gathered_parameters(self):
         """Context in which every parameter holds its full value (ZeRO-3 gathers and releases after)."""

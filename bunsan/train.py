@@ -21,6 +21,7 @@ from .data import TokenBatches, load_tokenizer, load_tokens, make_loader, resolv
 from .distributed import init_distributed
 from .metrics import Metrics, peak_flops
 from .models import Llama, build_config, flops_per_token
+from .pipeline import write_timeline
 
 # `bunsan train` without a config file: the small preset learns Python source in a few minutes on 2 cores.
 MAIN_JOB = {
@@ -95,7 +96,11 @@ def run_training(cfg: Config) -> dict:
     # Rank 0 tokenises (once, cached); the others wait for the cache file to appear and map it.
     tokens = load_tokens(files, tokenizer, cfg.data.cache_dir, cfg.data.max_bytes, build=rank == 0)
     mcfg = model_config(cfg, tokenizer.vocab_size)
-    model = Llama(mcfg)
+    if cfg.pipeline.stages > 1:   # each rank allocates and initialises only its own stages
+        with torch.device("meta"):
+            model = Llama(mcfg)
+    else:
+        model = Llama(mcfg)
     engine = initialize(model, cfg)
     seq = cfg.data.seq_len
     batches = TokenBatches(tokens, seq, engine.train_batch_size, engine.dp_rank, engine.dp_size,
@@ -106,7 +111,7 @@ def run_training(cfg: Config) -> dict:
     out_dir = Path(cfg.train.output_dir)
     metrics = Metrics(out_dir, cfg.train.metrics_file, cfg.train.steps, rank, cfg.tensorboard)
     entropy = unigram_entropy(tokens[: 50_000_000]) if rank == 0 else None
-    n_params = sum(engine.dp.layout.numels)   # ZeRO-3 parameters are empty between gathers
+    n_params = mcfg.num_params()   # the whole model's, whatever this rank holds (ZeRO-3, TP, PP)
     fpt = flops_per_token(mcfg, seq)
     peak = peak_flops(device)
     tokens_per_step = engine.train_batch_size * seq
@@ -141,10 +146,17 @@ def run_training(cfg: Config) -> dict:
     elapsed = time.perf_counter() - (t_start or t_last)
     tps = tokens_per_step * max(steps_timed, 1) / max(elapsed, 1e-9)
     memory = gather_memory(engine)
+    timeline = engine.pipeline_timeline()     # collective over the pipeline group
+    if timeline is not None and rank == 0:
+        t = write_timeline(timeline, engine.pipe, out_dir)
+        extra_timeline = {"pipeline bubble": f"{t['bubble']:.3f} measured, {t['theory']:.3f} theory "
+                                             f"({t['schedule']}; {out_dir / 'timeline.png'})"}
+    else:
+        extra_timeline = {}
     final = save_weights(engine, cfg, mcfg, out_dir, {"steps": cfg.train.steps, "final_loss": losses[-1]})
     mfu = tps * fpt / (peak * dist.get_world_size()) if peak else None
     tail = losses[-10:]
-    extra = {"loss, mean of last steps": f"{sum(tail) / len(tail):.4f} (last {len(tail)} steps)"}
+    extra = {"loss, mean of last steps": f"{sum(tail) / len(tail):.4f} (last {len(tail)} steps)", **extra_timeline}
     val_loss = evaluate(engine, val, cfg.train.eval_batches) if val is not None else None
     if val_loss is not None:
         extra["held-out loss"] = f"{val_loss:.4f} ({cfg.train.eval_batches} validation batches)"

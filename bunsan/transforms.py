@@ -12,12 +12,15 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 
-def transformer_blocks(model: nn.Module, what: str) -> nn.ModuleList:
+def transformer_blocks(model: nn.Module, what: str) -> list[nn.Module]:
+    """`model.layers`: a ModuleList, or the ModuleDict of the blocks a pipeline stage holds."""
     blocks = getattr(model, "layers", None)
+    if isinstance(blocks, nn.ModuleDict):
+        return list(blocks.values())
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"{what} needs the model's repeated blocks in `model.layers` (an nn.ModuleList); "
                          f"{type(model).__name__} has none: disable {what} or expose its blocks as `layers`")
-    return blocks
+    return list(blocks)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> int:
@@ -37,8 +40,8 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
 def apply_compile(model: nn.Module) -> None:
     """torch.compile each block in place (repeated blocks share one compiled graph), else the whole model."""
     blocks = getattr(model, "layers", None)
-    if isinstance(blocks, nn.ModuleList):
-        for block in blocks:
+    if isinstance(blocks, (nn.ModuleList, nn.ModuleDict)):
+        for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks):
             block.compile()
     else:
         model.compile()

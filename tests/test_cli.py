@@ -94,9 +94,23 @@ def test_bad_config_is_reported_before_any_process_starts(tmp_path):
     assert "did you mean 'zero_optimization'" in r.stderr
 
 
+def test_train_pipeline_writes_the_timeline(tmp_path, corpus):
+    r = _run(["train", "--nproc", "2", "--pp", "2", "--schedule", "1f1b", "--grad-accum", "4", "--preset", "tiny",
+              "--steps", "2", "--micro-batch", "1", "--seq-len", "64", "--data", str(corpus / "*.py"),
+              "--output", str(tmp_path), "--set", f"data.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "pipeline bubble" in r.stdout + r.stderr and "theory" in r.stdout + r.stderr
+    text = (tmp_path / "timeline.txt").read_text()
+    assert text.count("\n") >= 3 and "measured" in text and "1f1b, p=2, m=4" in text
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    state = load_file(str(tmp_path / "final" / "model.safetensors"))
+    assert "embed_tokens.weight" in state and "lm_head.weight" in state and "layers.3.mlp.up_proj.weight" in state
+
+
 def test_unimplemented_feature_is_a_clear_error(tmp_path, corpus):
-    r = _run(["train", "--nproc", "1", "--set", "pipeline.stages=2", "--data", str(corpus / "*.py")], cwd=tmp_path)
-    assert r.returncode == 2 and "pipeline.stages" in r.stderr
+    r = _run(["train", "--nproc", "1", "--set", "checkpoint.save_interval=5", "--data", str(corpus / "*.py")],
+             cwd=tmp_path)
+    assert r.returncode == 2 and "checkpoint.save_interval" in r.stderr
 
 
 def test_generate_on_a_missing_checkpoint(tmp_path):

@@ -277,7 +277,7 @@ def test_unimplemented_table():
                        "checkpoint": {"save_interval": 100}})
     msgs = cfg.unimplemented()
     assert len(msgs) == 4
-    expect = [("pipeline.stages=2", "#5"),
+    expect = [("pipeline.stages=2 with zero_optimization.stage=2", "ZeRO-1"),
               ("partition_activations=true", "sequence_parallel"), ("cpu_checkpointing=true", "not planned"),
               ("checkpoint.save_interval=100", "#7")]
     for (key, issue), msg in zip(expect, msgs):

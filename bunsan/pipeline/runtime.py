@@ -1,0 +1,142 @@
+"""Run one rank's pipeline schedule: receive, compute, send, as the action list says.
+
+Sends are non-blocking (their handles are waited at the end of the step), receives
+block: with the schedules of schedules.py that never deadlocks (simulate() proves it
+for each one). Every message is preceded by a small header (dtype and shape), so
+stages need not know each other's shapes, and carries a tag made of (direction,
+sending stage, micro-batch): messages of one step can never be confused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .schedules import Action
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
+_HEADER = 10            # dtype code, ndim, up to 8 dims
+FWD, BWD = 0, 1
+
+
+class P2P:
+    """Activations forward and gradients backward between the stages of one pipeline group."""
+
+    def __init__(self, comm, group, p: int, n_stages: int, n_micro: int):
+        self.comm, self.group, self.p, self.n_stages, self.n_micro = comm, group, p, n_stages, n_micro
+        if 2 * (2 * n_stages * n_micro) + 2 >= 1 << 24:
+            raise ValueError(f"{n_micro} micro-batches x {n_stages} stages exceed the pipeline's message tags; "
+                             "use fewer micro-batches (gradient_accumulation_steps)")
+
+    def _peer(self, stage: int) -> int:
+        return self.group.ranks[stage % self.p]
+
+    def _tag(self, direction: int, from_stage: int, micro: int) -> int:
+        return 2 * ((direction * self.n_stages + from_stage) * self.n_micro + micro) + 1
+
+    def send(self, t: torch.Tensor, direction: int, from_stage: int, micro: int) -> list:
+        to_stage = from_stage + 1 if direction == FWD else from_stage - 1
+        t = t.contiguous()
+        if t.dim() > _HEADER - 2:
+            raise ValueError(f"pipeline messages have at most {_HEADER - 2} dims; got shape {tuple(t.shape)}")
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
+        header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        tag, peer = self._tag(direction, from_stage, micro), self._peer(to_stage)
+        return [(self.comm.isend(header, peer, self.group, tag=tag), header),
+                (self.comm.isend(t, peer, self.group, tag=tag + 1), t)]
+
+    def recv(self, direction: int, to_stage: int, micro: int, device) -> torch.Tensor:
+        from_stage = to_stage - 1 if direction == FWD else to_stage + 1
+        tag, peer = self._tag(direction, from_stage, micro), self._peer(from_stage)
+        header = torch.empty(_HEADER, dtype=torch.int64)
+        self.comm.irecv(header, peer, self.group, tag=tag).wait()
+        ndim = int(header[1])
+        out = torch.empty(header[2:2 + ndim].tolist(), dtype=_DTYPES[int(header[0])], device=device)
+        self.comm.irecv(out, peer, self.group, tag=tag + 1).wait()
+        return out
+
+
+class Runner:
+    """Executes `actions` (this rank's schedule) over `micro_batches` for a StageModule."""
+
+    def __init__(self, stage, actions: list[Action], p: int, rank: int, p2p: P2P, device, recorder=None):
+        self.stage, self.actions, self.p, self.rank, self.p2p, self.device = stage, actions, p, rank, p2p, device
+        self.last = stage.n_stages - 1
+        self.recorder = recorder
+
+    def _stage(self, a: Action) -> int:
+        return a.chunk * self.p + self.rank
+
+    def train(self, micro_batches: list, first_input, loss_of, seq_len) -> torch.Tensor:
+        """Forward and backward of every micro-batch; returns the summed loss (last stage; else 0).
+
+        first_input(mb) -> the first stage's input; loss_of(out, mb) -> the scalar to backpropagate
+        (already divided and scaled) and the loss to report.
+        """
+        received, outputs, grads, pending = {}, {}, {}, []
+        total = torch.zeros((), dtype=torch.float64)
+        for a in self.actions:
+            s, key = self._stage(a), (a.micro, a.chunk)
+            with self._record(a):
+                if a.kind == "recv_fwd":
+                    x = self.p2p.recv(FWD, s, a.micro, self.device)
+                    received[key] = x.requires_grad_(x.is_floating_point())
+                elif a.kind == "forward":
+                    mb = micro_batches[a.micro]
+                    x = first_input(mb) if s == 0 else received[key]
+                    out = self.stage.run(a.chunk, x, seq_len(mb))
+                    if s == self.last:
+                        out, reported = loss_of(out, mb)
+                        total += reported.detach().double()
+                    outputs[key] = out
+                elif a.kind == "send_fwd":
+                    pending += self.p2p.send(outputs[key].detach(), FWD, s, a.micro)
+                elif a.kind == "recv_bwd":
+                    grads[key] = self.p2p.recv(BWD, s, a.micro, self.device)
+                elif a.kind == "backward":
+                    out = outputs.pop(key)
+                    torch.autograd.backward(out, None if s == self.last else grads.pop(key))
+                elif a.kind == "send_bwd":
+                    x = received.pop(key)
+                    pending += self.p2p.send(x.grad, BWD, s, a.micro)
+                else:
+                    raise ValueError(f"unknown pipeline action {a.kind!r}")
+        self._wait(pending)
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list, first_input, loss_of, seq_len) -> torch.Tensor:
+        """Forward only, micro-batch by micro-batch through every chunk; the summed loss on the last stage."""
+        total, pending = torch.zeros((), dtype=torch.float64), []
+        v = len(self.stage.chunk_layers)
+        for m, mb in enumerate(micro_batches):
+            for c in range(v):
+                s = c * self.p + self.rank
+                x = first_input(mb) if s == 0 else self.p2p.recv(FWD, s, m, self.device)
+                out = self.stage.run(c, x, seq_len(mb))
+                if s == self.last:
+                    total += loss_of(out, mb)[1].double()
+                else:
+                    pending += self.p2p.send(out, FWD, s, m)
+        self._wait(pending)
+        return total
+
+    def _wait(self, pending: list) -> None:
+        for handle, _tensor in pending:   # the tensor stays referenced until its send completed
+            handle.wait()
+
+    def _record(self, a: Action):
+        if self.recorder is None:
+            return _NULL
+        return self.recorder.record(a.kind, a.micro, a.chunk)
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()
