@@ -81,3 +81,33 @@ def test_pipeline_composes(pools, name, pp, dp, tp, stage, sp):
     results = pools.run(world, _train, world, _cfg(pp, "1f1b", 2, dp=dp, tp=tp, stage=stage, sp=sp),
                         {"tie_word_embeddings": True}, False)
     _check(results, {"tie_word_embeddings": True})
+
+
+def _eval_and_errors(rank, world):
+    out = {}
+    for name, cfg in (("few_micro", _cfg(2, "1f1b", 1)), ("interleaved_indivisible", _cfg(2, "interleaved", 3, v=2))):
+        cfg["train_micro_batch_size_per_gpu"] = 2
+        try:
+            bunsan.initialize(tiny_model(), cfg)
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    engine = bunsan.initialize(tiny_model(), _cfg(2, "1f1b", 4))
+    try:
+        engine(torch.zeros(1, 4, dtype=torch.long))
+    except RuntimeError as e:
+        out["loop"] = str(e)
+    out["eval"] = engine.eval_batch(batches(1, ROWS, SEQ)[0])
+    return out
+
+
+def test_pipeline_errors_and_evaluation(pools):
+    out = pools.run(2, _eval_and_errors, 2)[0]
+    assert "gradient_accumulation_steps" in out["few_micro"] and "stages" in out["few_micro"]
+    assert "gradient_accumulation_steps" in out["interleaved_indivisible"]
+    assert "engine.train_batch(batch)" in out["loop"]
+    model, b = tiny_model(), batches(1, ROWS, SEQ)[0]
+    with torch.no_grad():
+        logits = model(b["input_ids"])
+        ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), b["labels"].reshape(-1))
+    assert out["eval"] == pytest.approx(ref.item(), rel=1e-5)
