@@ -107,6 +107,10 @@ class _Handle:
             raise self._comm.error(self._op, self._group, "timed out")
         self._work = None
 
+    def done(self) -> bool:
+        """Completed (or failed: wait() then raises), without blocking."""
+        return self._work is None or self._work.is_completed()
+
 
 class Comm:
     """Collectives with accounting and timeouts. One per engine (groups are passed, not global)."""

@@ -90,6 +90,7 @@ class Runner:
                         total += reported.detach().double()
                     outputs[key] = out
                 elif a.kind == "send_fwd":
+                    pending = self._prune(pending)
                     pending += self.p2p.send(outputs[key].detach(), FWD, s, a.micro)
                 elif a.kind == "recv_bwd":
                     grads[key] = self.p2p.recv(BWD, s, a.micro, self.device)
@@ -120,6 +121,16 @@ class Runner:
                     pending += self.p2p.send(out, FWD, s, m)
         self._wait(pending)
         return total
+
+    def _prune(self, pending: list) -> list:
+        """Drop finished sends (their tensors can go); wait() on them still raises a failed one's error."""
+        left = []
+        for handle, tensor in pending:
+            if handle.done():
+                handle.wait()
+            else:
+                left.append((handle, tensor))
+        return left
 
     def _wait(self, pending: list) -> None:
         for handle, _tensor in pending:   # the tensor stays referenced until its send completed
