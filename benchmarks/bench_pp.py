@@ -208,7 +208,7 @@ def build_rows(results: dict, a: argparse.Namespace):
 
 def targets(tps: dict, meas: dict, theory: dict, ms: list[int]):
     header = ["m", "bunsan best", "torch best", "best vs best (>= 1.00)", "gpipe vs torch", "1f1b vs torch",
-              "bubble |meas - theory| / theory (<= 10%)", "throughput", "bubble"]
+              "bubble error |meas - theory| / theory (<= 10%)", "throughput", "bubble"]
     rows = []
     for m in ms:
         b = {c.split("-", 1)[1]: t for (c, mm), t in tps.items() if mm == m and c.startswith("bunsan")}
@@ -229,8 +229,8 @@ def targets(tps: dict, meas: dict, theory: dict, ms: list[int]):
 
 
 def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-            + ["| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |" for r in rows])
+    return ["| " + " | ".join(cell.replace("|", "\\|") for cell in r) + " |" for r in [header, ["---"] * len(header)]
+            + rows]
 
 
 def write_markdown(path: str, header, rows, target, n_params: int, a: argparse.Namespace) -> None:
