@@ -10,7 +10,7 @@ same batches, fp32 AdamW lr 1e-4, in fresh spawned processes with one thread per
   bunsan-1f1b         ... schedule 1f1b
   bunsan-interleaved  ... schedule interleaved, virtual_stages --virtual-stages (2)
   torch-gpipe         torch.distributed.pipelining PipelineStage + ScheduleGPipe on the same split (bunsan's
-                      uniform partition: embedding + first half of the blocks | second half + norm + head),
+                      --partition, default balanced by matmul parameters: the head outweighs a block),
                       each rank allocating only its half; loss = per-micro-batch mean cross-entropy, gradients
                       scaled by 1/m by the schedule (scale_grads): the same gradients as bunsan's token mean
   torch-1f1b          ... Schedule1F1B
@@ -107,13 +107,13 @@ def make_step(c: str, m: int, rank: int, a: dict):
         engine = bunsan.initialize(model, {
             "train_micro_batch_size_per_gpu": a["micro_batch"], "gradient_accumulation_steps": m,
             "optimizer": {"type": "AdamW", "params": {"lr": LR}},
-            "pipeline": {"stages": P, "schedule": schedule, "virtual_stages": v}})
+            "pipeline": {"stages": P, "schedule": schedule, "virtual_stages": v, "partition": a["partition"]}})
         return ((lambda x, y: engine.train_batch({"input_ids": x, "labels": y})),
                 lambda: summarise(engine.pipeline_timeline()).bubble)  # collective: every rank calls it
 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     layers = model_layers(model)
-    chunk = partition(layers, P, "uniform")[rank]  # bunsan's split
+    chunk = partition(layers, P, a["partition"])[rank]  # bunsan's split
     half = Half(model, [p for i in chunk for p in layers[i].paths], a["seq"])
     stage = PipelineStage(half, rank, P, torch.device("cpu"))
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
@@ -242,7 +242,8 @@ def write_markdown(path: str, header, rows, target, n_params: int, a: argparse.N
              "/ the sum over steps of the slowest rank's step time (pipeline total); ideal = 2 x T1 x (1 - theory "
              "bubble), T1 = single-process 1-thread tokens/s at the same m; bubble measured = bunsan timeline "
              "(mean over timed steps), derived = 1 - tokens/s / (2 x T1); theory = (p-1)/(m+p-1), interleaved "
-             f"((p-1)/v)/(m+(p-1)/v) with v = {a.virtual_stages}; vs torch = the same schedule's torch peer", ""]
+             f"((p-1)/v)/(m+(p-1)/v) with v = {a.virtual_stages}; vs torch = the same schedule's torch peer; "
+             f"stages cut by bunsan's '{a.partition}' partition for every contender", ""]
     lines += md_table(header, rows) + ["", "Targets: bunsan's best schedule >= torch's best at every m; "
                                        "bubble within 10% of theory per bunsan row", ""]
     lines += md_table(*target)
@@ -259,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=1, help="rows per micro-batch")
     p.add_argument("--m", default="2,4,8,16", help="comma list of micro-batch counts per step")
     p.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank of bunsan-interleaved")
+    p.add_argument("--partition", default="balanced", choices=("uniform", "parameters", "balanced"),
+                   help="how bunsan cuts the model (the torch peers get the same cut; default balanced: the "
+                        "head weighs more than a block, and theory assumes equal stages)")
     p.add_argument("--steps", type=int, default=4, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before the clock starts")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma list of {', '.join(CONTENDERS)}")
