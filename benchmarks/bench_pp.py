@@ -45,6 +45,7 @@ from bench_zero import LR, failure_reason, lm_loss
 from bunsan.models.llama import rope_tables
 from bunsan.pipeline.partition import model_layers, partition
 from bunsan.pipeline.schedules import theory_bubble
+from bunsan.pipeline import simulated_bubble
 from bunsan.pipeline.timeline import summarise
 
 P = 2          # pipeline ranks
@@ -108,8 +109,10 @@ def make_step(c: str, m: int, rank: int, a: dict):
             "train_micro_batch_size_per_gpu": a["micro_batch"], "gradient_accumulation_steps": m,
             "optimizer": {"type": "AdamW", "params": {"lr": LR}},
             "pipeline": {"stages": P, "schedule": schedule, "virtual_stages": v, "partition": a["partition"]}})
-        return ((lambda x, y: engine.train_batch({"input_ids": x, "labels": y})),
-                lambda: summarise(engine.pipeline_timeline()).bubble)  # collective: every rank calls it
+        def bubbles() -> tuple[float, float]:   # collective: every rank calls it
+            per_rank = engine.pipeline_timeline()
+            return summarise(per_rank).bubble, simulated_bubble(per_rank, engine.pipe)
+        return (lambda x, y: engine.train_batch({"input_ids": x, "labels": y})), bubbles
 
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     layers = model_layers(model)
@@ -158,8 +161,10 @@ def _worker(rank: int, key: str, port: int, a: dict, outdir: str) -> None:
         t = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times = t.tolist()
+    bubbles = [b for b in bubbles if b is not None]
     res = {"rank": rank, "elapsed": sum(times), "losses": losses,
-           "bubble": sum(bubbles) / len(bubbles) if bubbles and bubbles[0] is not None else None,
+           "bubble": sum(b[0] for b in bubbles) / len(bubbles) if bubbles else None,
+           "bubble_sim": sum(b[1] for b in bubbles) / len(bubbles) if bubbles else None,
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
     with open(os.path.join(outdir, f"{key}-{rank}.json"), "w") as f:
         json.dump(res, f)
@@ -178,13 +183,13 @@ def fmt_pct(x: float | None) -> str:
 
 def build_rows(results: dict, a: argparse.Namespace):
     header = ["contender", "m", "tokens/s", "vs ideal", "vs torch", "bubble measured", "bubble derived",
-              "bubble theory", "first / final loss", "peak RSS/rank GiB", "notes"]
-    tps, meas, theory = {}, {}, {}
+              "bubble theory", "bubble simulated (stage times)", "first / final loss", "peak RSS/rank GiB", "notes"]
+    tps, meas, theory, sim = {}, {}, {}, {}
     for key, rs in results.items():
         c, m = key.split("@m")[0], int(key.split("@m")[1])
         if isinstance(rs, list):
             tps[c, m] = m * a.micro_batch * a.seq * a.steps / max(r["elapsed"] for r in rs)
-            meas[c, m] = rs[0]["bubble"]
+            meas[c, m], sim[c, m] = rs[0]["bubble"], rs[0]["bubble_sim"]
         if c != "single":
             name, v = schedule_of(c, vars(a))
             theory[c, m] = theory_bubble(name, P, m, v)
@@ -201,14 +206,15 @@ def build_rows(results: dict, a: argparse.Namespace):
         derived = 1 - tps[c, m] / (2 * t1) if t1 and c != "single" else None
         rows.append([c, str(m), f"{tps[c, m]:,.0f}", f"{tps[c, m] / ideal:.2f}" if ideal else "-",
                      f"{tps[c, m] / peer:.2f}" if peer else "-", fmt_pct(meas[c, m]), fmt_pct(derived),
-                     fmt_pct(th), f"{rs[0]['losses'][0]:.4f} / {rs[0]['losses'][-1]:.4f}",
+                     fmt_pct(th), fmt_pct(sim[c, m]), f"{rs[0]['losses'][0]:.4f} / {rs[0]['losses'][-1]:.4f}",
                      " / ".join(f"{r['peak_rss'] / GiB:.3f}" for r in rs), "-"])
-    return header, rows, targets(tps, meas, theory, sorted({m for _, m in tps}))
+    return header, rows, targets(tps, meas, theory, sim, sorted({m for _, m in tps}))
 
 
-def targets(tps: dict, meas: dict, theory: dict, ms: list[int]):
+def targets(tps: dict, meas: dict, theory: dict, sim: dict, ms: list[int]):
     header = ["m", "bunsan best", "torch best", "best vs best (>= 1.00)", "gpipe vs torch", "1f1b vs torch",
-              "bubble error |meas - theory| / theory (<= 10%)", "throughput", "bubble"]
+              "bubble error |meas - theory| / theory (<= 10%)", "meas - theory (points)",
+              "meas - simulated (points)", "throughput", "bubble"]
     rows = []
     for m in ms:
         b = {c.split("-", 1)[1]: t for (c, mm), t in tps.items() if mm == m and c.startswith("bunsan")}
@@ -223,6 +229,8 @@ def targets(tps: dict, meas: dict, theory: dict, ms: list[int]):
                      f"{ratio:.2f}" if ratio else "-",
                      *(f"{b[s] / t[s]:.2f}" if s in b and s in t else "-" for s in ("gpipe", "1f1b")),
                      ", ".join(f"{s} {100 * e:.1f}%" for s, e in errs.items()) or "-",
+                     ", ".join(f"{s} {100 * (meas[f'bunsan-{s}', m] - theory[f'bunsan-{s}', m]):+.1f}" for s in errs),
+                     ", ".join(f"{s} {100 * (meas[f'bunsan-{s}', m] - sim[f'bunsan-{s}', m]):+.1f}" for s in errs),
                      "-" if ratio is None else "MET" if ratio >= 1.0 else "NOT MET",
                      "-" if not errs else "MET" if all(e <= 0.10 for e in errs.values()) else "NOT MET"])
     return header, rows

@@ -68,8 +68,8 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
             shards = dict(model.named_parameters())
             for g in optimizer.param_groups:
                 g["params"] = [shards[names[p]] for p in g["params"]]
-    if cfg.activation_checkpointing.enabled:
-        apply_activation_checkpointing(model)
+    if cfg.activation_checkpointing.enabled and not (pipe is not None and not hasattr(model, "layers")):
+        apply_activation_checkpointing(model)      # (a pipeline stage may hold no blocks: nothing to recompute)
     if cfg.train.compile:
         apply_compile(model)
     return Engine(model, cfg, mesh, device, comm, optimizer=optimizer, loss_fn=loss_fn, tp=tp, pipe=pipe)

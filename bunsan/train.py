@@ -149,7 +149,8 @@ def run_training(cfg: Config) -> dict:
     timeline = engine.pipeline_timeline()     # collective over the pipeline group
     if timeline is not None and rank == 0:
         t = write_timeline(timeline, engine.pipe, out_dir)
-        extra_timeline = {"pipeline bubble": f"{t['bubble']:.3f} measured, {t['theory']:.3f} theory "
+        extra_timeline = {"pipeline bubble": f"{t['bubble']:.3f} measured, {t['theory']:.3f} theory, "
+                                             f"{t['simulated']:.3f} simulated with the measured stage times "
                                              f"({t['schedule']}; {out_dir / 'timeline.png'})"}
     else:
         extra_timeline = {}

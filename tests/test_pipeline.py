@@ -111,3 +111,40 @@ def test_pipeline_errors_and_evaluation(pools):
         logits = model(b["input_ids"])
         ref = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), b["labels"].reshape(-1))
     assert out["eval"] == pytest.approx(ref.item(), rel=1e-5)
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 4))
+
+
+def _mlp_data():
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(STEPS)]
+
+
+def _train_sequential(rank, world, schedule):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+           "optimizer": optimizer_config("sgd"), "pipeline": {"stages": 2, "schedule": schedule}}
+    engine = bunsan.initialize(_mlp(), cfg, loss_fn=torch.nn.functional.mse_loss)
+    losses = [engine.train_batch(b) for b in _mlp_data()]
+    return losses, to_numpy(engine.consolidated_state_dict())
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_any_sequential_model_with_its_own_loss(pools, schedule):
+    results = pools.run(2, _train_sequential, 2, schedule)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref = []
+    for x, y in _mlp_data():       # 4 micro-batches of 2 rows: the mean of their mean losses
+        loss = sum(torch.nn.functional.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(4), y.chunk(4))) / 4
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    for losses, state in results:
+        np.testing.assert_allclose(losses, ref, rtol=1e-5)
+        for k, v in model.state_dict().items():
+            np.testing.assert_allclose(state[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)

@@ -202,3 +202,13 @@ def test_simulate_costs_are_per_compute():
     result = simulate(gpipe(1, 3), 1, t_fwd=1.5, t_bwd=0.5)
     assert result.makespan == 6.0 and result.bubble == 0.0
     assert [(str(a), s, e) for a, s, e in result.intervals[0][:2]] == [("F0", 0.0, 1.5), ("F1", 1.5, 3.0)]
+
+
+def test_simulate_with_unequal_stages_costs_the_imbalance():
+    """Per-stage times: a last stage twice as slow stalls the first (its idle time is the imbalance)."""
+    from bunsan.pipeline.schedules import build, simulate
+    even = simulate(build("1f1b", 2, 8), 2, 1, [1.0, 1.0], [2.0, 2.0])
+    assert even.bubble == pytest.approx(theory_bubble("1f1b", 2, 8))
+    slow = simulate(build("1f1b", 2, 8), 2, 1, [1.0, 2.0], [2.0, 4.0])
+    assert slow.busy == [24.0, 48.0] and slow.bubble > even.bubble
+    assert slow.makespan == pytest.approx(3.0 + 8 * 6.0)   # stage 1 never waits after the first forward

@@ -147,3 +147,11 @@ def test_recorder_real_clock():
     assert all(0.0 <= iv.start <= iv.end < 1.0 for iv in ivs)  # relative to begin()
     outer, inner, nxt = ivs
     assert outer.start <= inner.start <= inner.end <= outer.end <= nxt.start
+
+
+def test_stage_times_average_each_global_stage():
+    from bunsan.pipeline.timeline import stage_times
+    per_rank = [[Interval("forward", 0, 0, 0, 1), Interval("forward", 1, 0, 1, 3), Interval("backward", 0, 1, 3, 7)],
+                [Interval("forward", 0, 1, 0, 5), Interval("recv_fwd", 0, 0, 5, 6)]]
+    fwd, bwd = stage_times(per_rank, p=2, v=2)     # stage = chunk * p + rank
+    assert fwd == [1.5, 0.0, 0.0, 5.0] and bwd == [0.0, 0.0, 4.0, 0.0]

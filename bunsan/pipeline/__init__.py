@@ -107,15 +107,26 @@ def write_timeline(per_rank: list, pipe: Pipe, out_dir) -> dict:
     """timeline.txt and timeline.png of the last step in out_dir; returns the measured and theoretical bubble.
 
     Theory: (p-1)/(m+p-1) of the step for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved (Megatron's ratio to the
-    ideal step, (p-1)/(v*m), made a fraction of the whole the same way)."""
+    ideal step, (p-1)/(v*m), made a fraction of the whole the same way); simulated: see simulated_bubble."""
     from pathlib import Path
 
     from .timeline import render_png, render_text, summarise
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     theory = schedules.theory_bubble(pipe.schedule, pipe.p, pipe.n_micro, pipe.v)
+    sim = simulated_bubble(per_rank, pipe)
     label = (f"{pipe.schedule}, p={pipe.p}, m={pipe.n_micro}" + (f", v={pipe.v}" if pipe.v > 1 else ""))
     summary = summarise(per_rank)
     (out / "timeline.txt").write_text(render_text(per_rank, theory=theory, theory_label=label) + "\n")
     render_png(per_rank, out / "timeline.png", theory=theory, theory_label=label, title=f"pipeline step ({label})")
-    return {"bubble": summary.bubble, "theory": theory, "schedule": label, "makespan_s": summary.makespan}
+    return {"bubble": summary.bubble, "theory": theory, "simulated": sim, "schedule": label,
+            "makespan_s": summary.makespan}
+
+
+def simulated_bubble(per_rank: list, pipe: Pipe) -> float:
+    """The schedule's bubble with this step's measured per-stage compute times and free communication: what
+    the stages' imbalance alone costs (the textbook theory assumes equal stages); the rest is runtime."""
+    from .timeline import stage_times
+    fwd, bwd = stage_times(per_rank, pipe.p, pipe.v)
+    return schedules.simulate(schedules.build(pipe.schedule, pipe.p, pipe.n_micro, pipe.v), pipe.p, pipe.v,
+                              fwd, bwd).bubble

@@ -295,9 +295,11 @@ class SimResult:
     bubble: float    # idle fraction: 1 - sum(busy) / (p * makespan)
 
 
-def simulate(schedule: Schedule, p: int, v: int = 1, t_fwd: float = 1.0, t_bwd: float = 2.0) -> SimResult:
-    """Run each rank's list in order; computes take t_fwd / t_bwd per chunk, sends are free and
-    non-blocking, a recv waits for its send. Raise RuntimeError on deadlock."""
+def simulate(schedule: Schedule, p: int, v: int = 1, t_fwd: float | Sequence[float] = 1.0,
+             t_bwd: float | Sequence[float] = 2.0) -> SimResult:
+    """Run each rank's list in order; computes take t_fwd / t_bwd per chunk (one number, or one per global
+    stage: unequal stages, e.g. measured ones), sends are free and non-blocking, a recv waits for its send.
+    Raise RuntimeError on deadlock."""
     if len(schedule) != p:
         raise ValueError(f"schedule has {len(schedule)} rank lists, expected p={p}")
     clock, pc = [0.0] * p, [0] * p
@@ -314,7 +316,8 @@ def simulate(schedule: Schedule, p: int, v: int = 1, t_fwd: float = 1.0, t_bwd: 
                 if a.kind not in KINDS or not 0 <= a.chunk < v:
                     raise ValueError(f"rank {r} action {pc[r]} {a!r}: unknown kind or chunk outside 0..{v - 1}")
                 if a.kind in COMPUTE:
-                    dur = t_fwd if a.kind == "forward" else t_bwd
+                    t = t_fwd if a.kind == "forward" else t_bwd
+                    dur = t if isinstance(t, (int, float)) else t[a.chunk * p + r]
                     intervals[r].append((a, clock[r], clock[r] + dur))
                     clock[r] += dur
                     busy[r] += dur

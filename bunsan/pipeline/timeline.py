@@ -103,6 +103,18 @@ def summarise(per_rank: list[list[Interval]]) -> TimelineSummary:
     return TimelineSummary(makespan, busy, wait, idle, bubble)
 
 
+def stage_times(per_rank: list[list[Interval]], p: int, v: int = 1) -> tuple[list[float], list[float]]:
+    """Mean forward and backward time of each global stage (chunk * p + rank) over a step's micro-batches."""
+    sums = {k: [[0.0, 0] for _ in range(p * v)] for k in COMPUTE_KINDS}
+    for rank, ivs in enumerate(per_rank):
+        for iv in ivs:
+            if iv.kind in sums:
+                cell = sums[iv.kind][iv.chunk * p + rank]
+                cell[0] += iv.end - iv.start
+                cell[1] += 1
+    return tuple([t / n if n else 0.0 for t, n in sums[k]] for k in COMPUTE_KINDS)
+
+
 def bubble_line(bubble: float, theory: float | None = None, theory_label: str = "") -> str:
     line = f"bubble {bubble:.3f} measured"
     if theory is not None:
