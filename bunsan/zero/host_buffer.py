@@ -29,11 +29,6 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True
 # that to a few blocks' worth, and pays fewer page faults than trimming after each one.
 TRIM_EVERY = 4
 
-# Transparent huge pages for large buffers (where the kernel offers them on request, "madvise" mode): a
-# buffer whose pages were dropped faults back in 2 MiB at a time instead of 4 KiB, 512x fewer faults.
-HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE")
-_HUGE_MIN = 4 << 20
-
 
 def trim_heap() -> None:
     """Return the free pages of every malloc arena to the OS (glibc's malloc_trim; no-op elsewhere)."""
@@ -46,8 +41,6 @@ class HostBuffer:
     def __init__(self, numel: int, dtype: torch.dtype):
         nbytes = max(numel * dtype.itemsize, 1)
         self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if HUGE_PAGES and nbytes >= _HUGE_MIN:
-            self._map.madvise(mmap.MADV_HUGEPAGE)
         self.tensor = torch.from_numpy(np.frombuffer(self._map, dtype=np.uint8, count=numel * dtype.itemsize)
                                        ).view(dtype)
 
