@@ -105,7 +105,9 @@ class ShardedGrads(Sharded):
 
     def zero_grad(self) -> None:
         if self.stage == 1:
-            self.flat.zero_grad()
+            # Zeroed in place, not dropped (flat.zero_grad()): refaulting 4Ψ bytes of pages in every backward
+            # cost stage 1 ~7% of its step (135M, 2 ranks), and the formula counts these gradients as held.
+            self.flat.grad.zero_()
         self.opt.drop_grad()
 
     def bytes_by_kind(self) -> dict:
