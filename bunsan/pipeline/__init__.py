@@ -31,7 +31,6 @@ class Pipe:
     tied: list = field(default_factory=list)        # (parameter name here, Group): gradients summed over it
     duplicates: set = field(default_factory=set)    # tied copies counted in the gradient norm elsewhere
     recorder: Recorder | None = None
-    layer_names: list = field(default_factory=list)  # per chunk of this rank: the layer paths, for printing
 
     def start(self, comm, mesh, device) -> None:
         p2p = P2P(comm, mesh.pp_group, self.p, self.p * self.v, self.n_micro)
@@ -87,7 +86,7 @@ def setup(model: nn.Module, mesh, cfg, device: torch.device, seed: int) -> Pipe:
     if any(prm.is_meta for prm in stage.parameters()):
         _materialize(stage, canonical, device, seed)
     return Pipe(stage, pcfg.schedule, p, v, m, schedule[r], tied=tied, duplicates=duplicates,
-                recorder=Recorder(), layer_names=[[layers[i].paths for i in idx] for idx in mine])
+                recorder=Recorder())
 
 
 @torch.no_grad()

@@ -9,16 +9,12 @@ embedding and head) sum their gradients over the stages that hold them.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 
-def _inputs(engine):
+def _inputs(engine, lm: bool, div: float):
     """(first-stage input, loss and reported loss, sequence length) for dict LM batches or (x..., y) tuples."""
-    lm = engine._pipe_lm
     scale = engine.scaler.scale if engine.scaler else 1.0
-    div = engine._pipe_div
 
     if lm:
         def loss_of(out, mb):
@@ -35,13 +31,11 @@ def _inputs(engine):
 def train_batch(engine, micro: list, lm: bool, div: float) -> float:
     """Run the schedule over `micro`, reduce, step; return the global mean loss (on every rank)."""
     pipe, mesh, comm = engine.pipe, engine.mesh, engine.comm
-    engine._pipe_lm, engine._pipe_div = lm, div
-    first_input, loss_of, seq_len = _inputs(engine)
+    first_input, loss_of, seq_len = _inputs(engine, lm, div)
     if engine.loss_fn is None and not lm:
         raise ValueError("pass loss_fn to bunsan.initialize for batches that are not language-model dicts")
     comm.barrier(mesh.pp_group)          # the timeline's clocks start together on every stage
     pipe.recorder.begin()
-    t0 = time.perf_counter()
     engine.dp.begin_backward(sync=False)
     total = pipe.runner.train(micro, first_input, loss_of, seq_len)
     with pipe.recorder.record("sync", -1, 0):
@@ -51,7 +45,6 @@ def train_batch(engine, micro: list, lm: bool, div: float) -> float:
                 comm.all_reduce(grad, group)
         engine.dp.begin_backward(sync=True)     # every bucket reduced now, in order
         engine.dp.end_backward(sync=True)
-    engine.last_pipeline_seconds = time.perf_counter() - t0
     # The loss lives on the last stage: hand it to every stage, then sum over data-parallel ranks.
     last = pipe.p - 1
     t = total.reshape(1).clone()
@@ -77,8 +70,7 @@ def eval_batch(engine, batch) -> float:
     else:
         chunks = [t.chunk(pieces) for t in tensors]
         micro = [tuple(c[i] for c in chunks) for i in range(len(chunks[0]))]
-    engine._pipe_lm, engine._pipe_div = lm, 1.0
-    first_input, loss_of, seq_len = _inputs(engine)
+    first_input, loss_of, seq_len = _inputs(engine, lm, 1.0)
     if lm:
         count = float((tensors["labels"] != -100).sum())
     else:   # loss_fn gives a mean per micro-batch: weight it by its rows
