@@ -148,3 +148,23 @@ def test_any_sequential_model_with_its_own_loss(pools, schedule):
         np.testing.assert_allclose(losses, ref, rtol=1e-5)
         for k, v in model.state_dict().items():
             np.testing.assert_allclose(state[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def _train_mixed(rank, world, precision):
+    cfg = _cfg(2, "1f1b", 4)
+    cfg[precision] = {"enabled": True}
+    engine = bunsan.initialize(tiny_model(), cfg)
+    dtypes = {p.dtype for p in engine.module.parameters()}
+    losses = [engine.train_batch(b) for b in batches(STEPS, ROWS, SEQ)]
+    return losses, [str(d) for d in dtypes], engine.loss_scale
+
+
+@pytest.mark.parametrize("precision,dtype", [("bf16", "torch.bfloat16"), ("fp16", "torch.float16")])
+def test_mixed_precision_activations_cross_stages(pools, precision, dtype):
+    """16-bit activations and gradients travel between stages (the message header carries the dtype); fp16
+    scales the loss on the last stage. Losses track the fp32 loop within 16-bit rounding."""
+    ref_losses, _ = reference_train(tiny_model(), batches(STEPS, ROWS, SEQ), "sgd", 1.0)
+    for losses, dtypes, scale in pools.run(2, _train_mixed, 2, precision):
+        assert dtypes == [dtype]
+        np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+        assert scale == (1.0 if precision == "bf16" else 2.0 ** 16)
