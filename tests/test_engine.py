@@ -119,27 +119,31 @@ def test_initialize_rejects_unimplemented_features_and_unknown_arguments():
         bunsan.initialize(tiny_model(), {}, lr_schedulr=None)
 
 
-def _stuck(rank, world):
+def _stuck(rank, world, op):
     from bunsan.comm import Comm, CommError
     from bunsan.distributed import Mesh
     mesh = Mesh.create()
     comm = Comm(timeout_s=3)
     if rank == 1:
-        return "skipped"          # rank 1 never joins the all-reduce
+        return "skipped"          # rank 1 never joins the collective
     t0 = time.monotonic()
     try:
-        comm.all_reduce(torch.ones(4), mesh.dp_group)
+        if op == "all_reduce":
+            comm.all_reduce(torch.ones(4), mesh.dp_group)
+        else:                     # on gloo: a point-to-point exchange (bunsan/exchange.py)
+            comm.reduce_scatter(torch.empty(4), torch.ones(8), mesh.dp_group)
     except CommError as e:
         return str(e), time.monotonic() - t0
     return "no error", 0.0
 
 
-def test_a_missing_rank_fails_with_rank_and_op_instead_of_hanging(pools):
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+def test_a_missing_rank_fails_with_rank_and_op_instead_of_hanging(pools, op):
     try:
-        msg, waited = pools.run(2, _stuck, 2)[0]
+        msg, waited = pools.run(2, _stuck, 2, op)[0]
     finally:
         pools.discard(2)          # the group is unusable after an abandoned collective
-    assert "rank 0: all_reduce on group 'dp'" in msg and "train.timeout_s" in msg
+    assert f"rank 0: {op} on group 'dp'" in msg and "train.timeout_s" in msg
     assert waited < 30
 
 
