@@ -129,6 +129,14 @@ def run_one_by_one(contenders, run_contender, args, console, on_failure) -> dict
     return results
 
 
+def contender_list(p: argparse.ArgumentParser, text: str, known) -> list[str]:
+    """--contenders' comma list, checked against `known` (a parser error names the unknown ones)."""
+    contenders = [c.strip() for c in text.split(",") if c.strip()]
+    if unknown := [c for c in contenders if c not in known]:
+        p.error(f"unknown contender(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    return contenders
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -211,9 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per contender before its ranks are killed")
     p.add_argument("--markdown", metavar="PATH", help="append a markdown section with the table to PATH")
     args = p.parse_args(argv)
-    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    if unknown := [c for c in contenders if c not in WORLD]:
-        p.error(f"unknown contender(s) {', '.join(unknown)}; choose from {', '.join(WORLD)}")
+    contenders = contender_list(p, args.contenders, WORLD)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     bunsan.models.get_preset(args.preset)  # fail fast on a typo, before spawning anything (its error lists the presets)

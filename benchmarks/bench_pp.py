@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import bunsan
-from bench_dp import GiB, machine, make_batches, run_one_by_one, spawn_ranks  # shared with bench_dp
+from bench_dp import GiB, contender_list, machine, make_batches, run_one_by_one, spawn_ranks  # shared with bench_dp
 from bench_tp import model_config
 from bench_zero import LR, failure_reason, lm_loss
 from bunsan.models.llama import rope_tables
@@ -277,9 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run before its ranks are killed")
     p.add_argument("--markdown", metavar="PATH", help="append a markdown section with the tables to PATH")
     args = p.parse_args(argv)
-    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    if unknown := [c for c in contenders if c not in CONTENDERS]:
-        p.error(f"unknown contender(s) {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
+    contenders = contender_list(p, args.contenders, CONTENDERS)
     try:
         ms = [int(x) for x in args.m.split(",") if x.strip()]
     except ValueError:

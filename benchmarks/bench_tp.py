@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import bunsan
-from bench_dp import GiB, machine, make_batches, run_one_by_one, spawn_ranks, timed_steps  # shared with bench_dp
+from bench_dp import GiB, contender_list, machine, make_batches, run_one_by_one, spawn_ranks, timed_steps
 from bench_zero import LR, failure_reason, lm_loss
 
 CONTENDERS = {"single": 1, "ddp": 2, "dtensor_tp": 2, "bunsan_tp": 2, "bunsan_tp_sp": 2, "bunsan_dp": 2,
@@ -201,9 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per contender before its ranks are killed")
     p.add_argument("--markdown", metavar="PATH", help="append a markdown section with the table to PATH")
     args = p.parse_args(argv)
-    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    if unknown := [c for c in contenders if c not in CONTENDERS]:
-        p.error(f"unknown contender(s) {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
+    contenders = contender_list(p, args.contenders, CONTENDERS)
     if args.steps < 1 or args.warmup < 0 or args.batch % 2:
         p.error("--steps must be >= 1, --warmup >= 0 and --batch even (DP ranks take half each)")
     try:

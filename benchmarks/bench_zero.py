@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 import bunsan
 from bunsan.memory import model_state_bytes
-from bench_dp import GiB, machine, make_batches, run_one_by_one, spawn_ranks, timed_steps  # shared with bench_dp
+from bench_dp import GiB, contender_list, machine, make_batches, run_one_by_one, spawn_ranks, timed_steps
 
 WORLD = 2
 # contender -> (framework, ZeRO stage of its memory layout, offload to cpu)
@@ -206,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per contender before its ranks are killed")
     p.add_argument("--markdown", metavar="PATH", help="append a markdown section with the table to PATH")
     args = p.parse_args(argv)
-    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    if unknown := [c for c in contenders if c not in CONTENDERS]:
-        p.error(f"unknown contender(s) {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
+    contenders = contender_list(p, args.contenders, CONTENDERS)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     bunsan.models.get_preset(args.preset)  # fail fast on a typo, before spawning anything

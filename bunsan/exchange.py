@@ -1,4 +1,4 @@
-"""All-gather and reduce-scatter as direct point-to-point exchanges, for gloo.
+"""All-gather and reduce-scatter as direct point-to-point exchanges, for gloo (comm.py's, called only by it).
 
 gloo has no native reduce-scatter: torch emulates it with an all-reduce of a copy
 and then keeps a slice, and its all-gather is slower still. Measured on the
