@@ -1,0 +1,123 @@
+"""A layout: how one training job is spread over GPUs, and the config file that runs it.
+
+The estimator prices a layout in bytes, the cost model in seconds, the planner searches
+over them; `to_config()` writes the bunsan/DeepSpeed-style config `bunsan train` and
+`bunsan.initialize` take unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+OFFLOAD = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0                     # ZeRO stage 0-3 over the data-parallel group
+    micro_batch: int = 1              # samples per micro-batch per data-parallel rank
+    grad_accum: int = 1               # micro-batches per step (the pipeline's micro-batches under PP)
+    seq_len: int = 2048
+    precision: str = "bf16"           # fp32 | bf16 | fp16 (16-bit keeps fp32 master weights)
+    optimizer: str = "AdamW"          # AdamW | Adam | SGD | Adafactor | AdamW8bit
+    checkpointing: bool = False       # recompute each transformer block in backward
+    sequence_parallel: bool = False
+    schedule: str = "1f1b"            # gpipe | 1f1b | interleaved (only with pp > 1)
+    virtual_stages: int = 1
+    offload_optimizer: str = "none"   # none | cpu | nvme
+    offload_param: str = "none"       # none | cpu | nvme (ZeRO-3)
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "micro_batch", "grad_accum", "seq_len", "virtual_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Layout.{name} must be a positive int, got {v!r}")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"Layout.zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Layout.precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        for name in ("offload_optimizer", "offload_param"):
+            if getattr(self, name) not in OFFLOAD:
+                raise ValueError(f"Layout.{name} must be one of {', '.join(OFFLOAD)}, got {getattr(self, name)!r}")
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step."""
+        return self.dp * self.micro_batch * self.grad_accum
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    def replace(self, **changes) -> Layout:
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """One short line: dp2 tp4 pp2(1f1b) zero1 mb1x8 bf16 ckpt."""
+        parts = [f"dp{self.dp}", f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")]
+        if self.pp > 1:
+            sched = self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+            parts.append(f"pp{self.pp}({sched})")
+        parts += [f"zero{self.zero}", f"mb{self.micro_batch}x{self.grad_accum}", self.precision]
+        if self.optimizer != "AdamW":
+            parts.append(self.optimizer)
+        if self.checkpointing:
+            parts.append("ckpt")
+        if self.offload_optimizer != "none":
+            parts.append(f"opt->{self.offload_optimizer}")
+        if self.offload_param != "none":
+            parts.append(f"param->{self.offload_param}")
+        return " ".join(parts)
+
+    def to_config(self, base: dict | None = None, nvme_path: str = "/local_nvme") -> dict:
+        """The config dict for this layout; `base` (a config dict) supplies everything else."""
+        cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (base or {}).items()}
+        for key in ("train_batch_size",):   # the layout decides the batch split
+            cfg.pop(key, None)
+        cfg["train_micro_batch_size_per_gpu"] = self.micro_batch
+        cfg["gradient_accumulation_steps"] = self.grad_accum
+        cfg["fp16"] = {**cfg.get("fp16", {}), "enabled": self.precision == "fp16"}
+        cfg["bf16"] = {**cfg.get("bf16", {}), "enabled": self.precision == "bf16"}
+        zero = {**cfg.get("zero_optimization", {}), "stage": self.zero}
+        for key, device in (("offload_optimizer", self.offload_optimizer), ("offload_param", self.offload_param)):
+            if device == "none":
+                zero.pop(key, None)
+            else:
+                zero[key] = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
+        cfg["zero_optimization"] = zero
+        cfg["activation_checkpointing"] = {**cfg.get("activation_checkpointing", {}), "enabled": self.checkpointing}
+        cfg["tensor_parallel"] = {"size": self.tp, "sequence_parallel": self.sequence_parallel}
+        cfg["pipeline"] = {**cfg.get("pipeline", {}), "stages": self.pp, "schedule": self.schedule,
+                           "virtual_stages": self.virtual_stages}
+        if self.optimizer != cfg.get("optimizer", {}).get("type", "AdamW"):
+            cfg["optimizer"] = {"type": self.optimizer, "params": {}}
+        cfg["data"] = {**cfg.get("data", {}), "seq_len": self.seq_len}
+        return cfg
+
+    @classmethod
+    def from_config(cls, cfg, world: int) -> Layout:
+        """The layout a bunsan.Config describes on `world` processes."""
+        tp, pp = cfg.tensor_parallel.size, cfg.pipeline.stages
+        if world % (tp * pp):
+            raise ValueError(f"{world} GPUs cannot hold tensor_parallel.size {tp} x pipeline.stages {pp}; "
+                             f"use a GPU count that is a multiple of {tp * pp}")
+        dp = world // (tp * pp)
+        bs = cfg.batch_sizes(dp)
+        z = cfg.zero_optimization
+        precision = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
+        return cls(dp=dp, tp=tp, pp=pp, zero=z.stage, micro_batch=bs.micro_batch, grad_accum=bs.grad_accum,
+                   seq_len=cfg.data.seq_len, precision=precision, optimizer=cfg.optimizer.type,
+                   checkpointing=cfg.activation_checkpointing.enabled,
+                   sequence_parallel=cfg.tensor_parallel.sequence_parallel, schedule=cfg.pipeline.schedule,
+                   virtual_stages=cfg.pipeline.virtual_stages,
+                   offload_optimizer=z.offload_optimizer.device if z.offload_optimizer else "none",
+                   offload_param=z.offload_param.device if z.offload_param else "none")
