@@ -54,6 +54,19 @@ def model_state_bytes(psi: int, dtype_bytes: int, opt_bytes_per_param: float, dp
     return out
 
 
+def reset_peak_memory(device: torch.device | None = None) -> None:
+    """Start a new peak: CUDA's allocator statistics, and on CPU the kernel's high-water mark of the
+    resident set (/proc/self/clear_refs "5", Linux >= 4.0; getrusage then reports the peak since)."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # not Linux, or not permitted: the peak stays the lifetime peak
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 

@@ -1,0 +1,110 @@
+"""Activation memory of bunsan's Llama: what autograd saves, tensor by tensor, per micro-batch.
+
+The counts come from the model's own ops (read off with saved_tensors_hooks, and
+checked against them in tests/test_estimator.py), for b samples of s tokens, hidden h,
+intermediate i, a heads, model dtype of d bytes, tensor-parallel size t:
+
+  each RMSNorm        its fp32 input (the input itself in fp32) 4·bsh and the normalised
+                      d·bsh, plus the fp32 rsqrt 4·bs; on s/t tokens under sequence parallelism
+  block matmul inputs the normed input of q/k/v and of gate/up: 2·d·bsh (all-gathered, full
+                      length, under sequence parallelism)
+  attention           q, k, v (k and v repeated to every query head), output: 4·d·bsh/t, and the
+                      fp32 log-sum-exp 4·b·(a/t)·s; the output feeds o_proj as a view
+  MLP                 gate, up, silu(gate), their product: 4·d·bsi/t
+
+so a block keeps 2(4+d)·bsh/σ + 2d·bsh + 4d·bsh/t + 4d·bsi/t + 4bas/t + 8bs/σ bytes (σ = t under SP,
+else 1): 40·bsh + 16·bsi in fp32 and 24·bsh + 8·bsi in bf16 at t = 1, where Korthikanti et al.
+(2022) count s·b·h·(34 + 5as/h) for GPT blocks without flash attention. With activation
+checkpointing a block keeps only its input, d·bsh/σ, and one block's full set lives again
+while it is recomputed in backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..models.llama import LlamaConfig
+
+
+@dataclass(frozen=True)
+class Micro:
+    """One micro-batch on one rank."""
+    b: int              # samples
+    s: int              # tokens per sample
+    d: int              # model dtype bytes
+    tp: int = 1
+    sp: bool = False
+
+    @property
+    def seq_div(self) -> int:
+        return self.tp if self.sp else 1
+
+
+def norm_bytes(c: LlamaConfig, m: Micro) -> float:
+    return ((4 + m.d) * m.b * m.s * c.hidden_size + 4 * m.b * m.s) / m.seq_div
+
+
+def block_bytes(c: LlamaConfig, m: Micro) -> float:
+    """Saved bytes of one transformer block, one micro-batch, no recomputation."""
+    b, s, h, t, d = m.b, m.s, c.hidden_size, m.tp, m.d
+    heads = c.num_attention_heads // t
+    attention = 4 * d * b * s * heads * c.head_dim + 4 * b * heads * s
+    mlp = 4 * d * b * s * (c.intermediate_size // t)
+    return 2 * norm_bytes(c, m) + 2 * d * b * s * h + attention + mlp
+
+
+def block_input_bytes(c: LlamaConfig, m: Micro) -> float:
+    """What a checkpointed block keeps: its input (the residual stream, sequence-sharded under SP)."""
+    return m.d * m.b * m.s * c.hidden_size / m.seq_div
+
+
+def head_bytes(c: LlamaConfig, m: Micro) -> float:
+    """Final norm and the LM head's input, saved until backward (the logits are priced by loss_bytes)."""
+    return norm_bytes(c, m) + m.d * m.b * m.s * c.hidden_size
+
+
+def embedding_bytes(c: LlamaConfig, m: Micro) -> float:
+    return 8 * m.b * m.s   # the int64 token ids the embedding's backward indexes with
+
+
+def loss_bytes(c: LlamaConfig, m: Micro) -> tuple[float, float]:
+    """(kept, transient) bytes of the logits and the cross-entropy over bsV/t logits.
+
+    Kept until backward: the fp32 log-softmax. Transient, at its largest when backward starts:
+    the incoming and outgoing fp32 gradients of the log-softmax (and their cast back to d bytes
+    in 16-bit); in forward the logits and their fp32 copy are smaller than that.
+    """
+    v = -(-c.vocab_size // m.tp)
+    n = m.b * m.s * v
+    kept = 4 * n
+    backward = 8 * n + (m.d * n if m.d < 4 else 0)
+    forward = m.d * n + (4 * n if m.d < 4 else 0)
+    return kept, max(backward, forward)
+
+
+def stage_activation_bytes(c: LlamaConfig, m: Micro, blocks: int, first: bool, last: bool,
+                           checkpointing: bool, in_flight: int = 1) -> dict:
+    """Activation bytes of one pipeline rank holding `blocks` blocks with `in_flight` micro-batches alive.
+
+    Returns kept (held from forward to backward, all micro-batches in flight), recompute (one
+    block's full set during its recomputation) and loss_transient (logits gradients at the start
+    of backward, on the last stage).
+    """
+    per_block = block_input_bytes(c, m) if checkpointing else block_bytes(c, m)
+    kept = blocks * per_block
+    if first:
+        kept += embedding_bytes(c, m)
+    loss_kept, loss_transient = loss_bytes(c, m) if last else (0.0, 0.0)
+    if last:
+        kept += head_bytes(c, m) + loss_kept
+    return {"kept": kept * in_flight,
+            "recompute": block_bytes(c, m) if checkpointing and blocks else 0.0,
+            "loss_transient": loss_transient}
+
+
+def korthikanti_bytes(c: LlamaConfig, m: Micro) -> float:
+    """Korthikanti et al. 2022, eq. for one GPT block in 16-bit without recomputation: sbh(34 + 5as/h)."""
+    b, s, h, a = m.b, m.s, c.hidden_size, c.num_attention_heads
+    if m.sp:
+        return s * b * h / m.tp * (34 + 5 * a * s / h)
+    return s * b * h * (10 + 24 / m.tp + 5 * a * s / (h * m.tp))

@@ -1,0 +1,193 @@
+"""`bunsan.estimate`: the memory one GPU (and one host) needs for a model under a layout, line by line.
+
+Peak = runtime + resident model states + the larger of two phases:
+  backward  activations kept for backward (all micro-batches in flight under PP) + the logits
+            gradients at the start of backward (or one block recomputed, with checkpointing)
+            + ZeRO-3's gathered units + the gradient buckets being reduced
+  step      the fp32 gradient shard (ZeRO-1 makes it at the last reduce) + optimizer temporaries
+Every pipeline rank is priced; the table shows the fullest one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..pipeline import schedules
+from ..planner.layout import Layout
+from .activations import Micro, stage_activation_bytes
+from .shape import ModelShape, RankParams, load_shape, rank_params
+from .states import model_states
+
+GiB = 1024 ** 3
+# Not visible to torch.cuda.max_memory_allocated but taken from the GPU: CUDA context, kernels, cuBLAS and
+# NCCL workspaces. A typical figure for torch on H100/A100; measure yours (nvidia-smi minus allocated).
+CUDA_RUNTIME_BYTES = 0.75 * GiB
+# Resident set of a CPU worker before the model: Python, torch, gloo (measured 0.22-0.23 GiB, torch 2.13).
+CPU_RUNTIME_BYTES = 0.23 * GiB
+# What a CPU worker keeps resident after its first step that no tensor accounts for: the math library's
+# buffers and heap the allocator cannot return. Measured 95-96 MiB for 2.5M- to 20M-parameter models
+# (gc-visible tensors = model states exactly; the rest of the resident set after malloc_trim).
+CPU_WORKSPACE_BYTES = 96 * 1024 ** 2
+# Host memory of each GPU process besides offloaded states (CUDA libraries, pinned staging): assumed.
+HOST_PROCESS_BYTES = 2 * GiB
+
+
+@dataclass
+class Item:
+    name: str
+    device: float = 0.0
+    host: float = 0.0
+    disk: float = 0.0
+    phase: str = "always"     # always | backward | step: which part of the peak it belongs to
+    note: str = ""
+
+
+@dataclass
+class Estimate:
+    model: str
+    n_params: int
+    layout: Layout
+    nodes: int
+    device_type: str
+    gpu_memory: float | None
+    items: list[Item]                         # the fullest pipeline rank
+    rank: int                                 # its pipeline rank
+    model_states: dict                        # its resident model-state bytes by kind, device/host/disk
+    stage_peaks: list[float] = field(default_factory=list)
+
+    def _sum(self, phase: str, where: str = "device") -> float:
+        return sum(getattr(i, where) for i in self.items if i.phase == phase)
+
+    @property
+    def peak(self) -> float:
+        """Peak bytes on one GPU (on a CPU run: the process's resident set)."""
+        return self._sum("always") + max(self._sum("backward"), self._sum("step"))
+
+    @property
+    def host_per_node(self) -> float:
+        per_rank = sum(i.host for i in self.items)
+        return per_rank * self.layout.gpus / self.nodes
+
+    @property
+    def disk_per_node(self) -> float:
+        return sum(i.disk for i in self.items) * self.layout.gpus / self.nodes
+
+    @property
+    def headroom(self) -> float | None:
+        return None if self.gpu_memory is None else self.gpu_memory - self.peak
+
+    def fits(self, margin: float = 0.0) -> bool:
+        """Peak within the GPU's memory less `margin` (a fraction kept free for fragmentation)."""
+        return self.gpu_memory is None or self.peak <= self.gpu_memory * (1 - margin)
+
+
+def _in_flight(layout: Layout, rank: int) -> int:
+    if layout.pp == 1:
+        return 1
+    return schedules.in_flight_bound(layout.schedule, layout.pp, layout.grad_accum, layout.virtual_stages, rank)
+
+
+def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, device_type: str,
+                runtime: float, zero: dict, opt_params: dict) -> tuple[list[Item], dict]:
+    on_cpu = device_type == "cpu"
+    d, n, stage = layout.dtype_bytes, layout.dp, layout.zero
+    bucket = int(zero.get("reduce_bucket_size", 10_000_000))
+    st = model_states(rp, n, stage, d, layout.optimizer, opt_params, bucket,
+                      layout.offload_optimizer, layout.offload_param, on_cpu=on_cpu)
+    place = {"params": layout.offload_param, "master_weights": layout.offload_optimizer,
+             "optimizer_states": layout.offload_optimizer}
+    items = [Item("runtime", device=runtime,
+                  note="process before the model" if on_cpu else "CUDA context and workspaces (typical)")]
+    if on_cpu:
+        items.append(Item("math library workspace", device=CPU_WORKSPACE_BYTES, note="measured after a first step"))
+    else:
+        items.append(Item("host process", host=HOST_PROCESS_BYTES, note="CUDA libraries, pinned buffers (assumed)"))
+    notes = {"params": f"{rp.total:,} elements" + (f", sharded over {n}" if stage == 3 else ""),
+             "grads": "fp32 shard" if stage >= 2 else f"{layout.precision}, full",
+             "master_weights": "fp32" + (", sharded" if stage else ""),
+             "optimizer_states": layout.optimizer + (", sharded" if stage else "")}
+    for kind in ("params", "grads", "master_weights", "optimizer_states"):
+        where = place.get(kind, "none")
+        v = st[kind]
+        if where == "nvme":
+            items.append(Item(kind, disk=st["on_disk"][kind], note=notes[kind] + ", on NVMe"))
+        elif where == "cpu" and not on_cpu:
+            items.append(Item(kind, host=v, note=notes[kind] + ", in host memory"))
+        else:
+            items.append(Item(kind, device=v, note=notes[kind]))
+
+    c = shape.llama
+    shard = st["grads"] / 4 if stage >= 2 else rp.total / n
+    if c is not None:
+        micro = Micro(layout.micro_batch, layout.seq_len, d, layout.tp, layout.sequence_parallel)
+        flight = _in_flight(layout, rank)
+        blocks = rp.blocks / layout.virtual_stages if layout.pp > 1 else rp.blocks
+        act = stage_activation_bytes(c, micro, blocks, rp.has_embedding, rp.has_head,
+                                     layout.checkpointing, flight)
+        what = "block inputs (checkpointed)" if layout.checkpointing else "saved for backward"
+        items.append(Item("activations", device=act["kept"], phase="backward",
+                          note=f"{what}, {flight} micro-batch(es) in flight" if layout.pp > 1 else what))
+        if act["recompute"] or act["loss_transient"]:
+            big = max(act["recompute"], act["loss_transient"])
+            name = "logits gradients" if act["loss_transient"] >= act["recompute"] else "one block recomputed"
+            items.append(Item(name, device=big, phase="backward", note="at the start of backward"))
+        if layout.pp > 1:
+            msg = d * micro.b * micro.s * c.hidden_size / micro.seq_div
+            items.append(Item("pipeline buffers", device=2 * msg * flight, phase="backward",
+                              note="stage input and output per micro-batch in flight"))
+    biggest = max(rp.numels, default=0)
+    items.append(Item("weight gradient", device=biggest * (4 if stage >= 2 else d), phase="backward",
+                      note="the largest weight's fresh gradient before it is accumulated"))
+    if stage == 3:
+        unit = max(rp.units, default=0)
+        gathered = (rp.root + 2 * unit) * d
+        items.append(Item("ZeRO-3 gathered", device=gathered, phase="backward", note="root unit + a block and its prefetch"))
+        items.append(Item("gradient buckets", device=2 * unit * d, phase="backward", note="a unit's gradients, 2 in flight"))
+    elif stage == 2:
+        items.append(Item("gradient buckets", device=2 * min(bucket, rp.total) * d, phase="backward",
+                          note="2 buckets in flight"))
+    if stage == 1:
+        items.append(Item("fp32 gradient shard", device=shard * 4, phase="step", note="from the reduce to the step"))
+    largest = biggest if stage == 0 else min(biggest, shard)
+    if on_cpu and layout.optimizer.lower() in ("adamw", "adam"):
+        items.append(Item("optimizer temporaries", device=2 * 4 * largest, phase="step",
+                          note="per-tensor AdamW on CPU"))
+    return items, st
+
+
+def _peak(items: list[Item]) -> float:
+    s = {p: sum(i.device for i in items if i.phase == p) for p in ("always", "backward", "step")}
+    return s["always"] + max(s["backward"], s["step"])
+
+
+def estimate_layout(model, layout: Layout, *, nodes: int = 1, gpu_memory: float | None = None,
+                    device_type: str = "cuda", runtime_bytes: float | None = None, zero: dict | None = None,
+                    optimizer_params: dict | None = None, partition: str = "uniform") -> Estimate:
+    """Estimate for a Layout (the planner's entry point)."""
+    shape = load_shape(model)
+    if layout.gpus % nodes:
+        raise ValueError(f"{layout.gpus} GPUs do not split evenly over {nodes} nodes; use a multiple of {nodes}")
+    runtime = runtime_bytes if runtime_bytes is not None else (
+        CPU_RUNTIME_BYTES if device_type == "cpu" else CUDA_RUNTIME_BYTES)
+    ranks = rank_params(shape, layout.tp, layout.pp, layout.virtual_stages, partition)
+    priced = [_rank_items(shape, rp, r, layout, device_type, runtime, zero or {}, optimizer_params or {})
+              for r, rp in enumerate(ranks)]
+    peaks = [_peak(items) for items, _ in priced]
+    worst = max(range(len(peaks)), key=peaks.__getitem__)
+    items, st = priced[worst]
+    return Estimate(shape.name, shape.n_params, layout, nodes, device_type, gpu_memory, items, worst, st, peaks)
+
+
+def estimate(model, config=None, *, gpus: int | None = None, nodes: int = 1, gpu_memory: float | None = None,
+             device_type: str | None = None, runtime_bytes: float | None = None) -> Estimate:
+    """Memory per GPU for `model` (preset name, config.json, LlamaConfig or meta nn.Module) under `config`
+    (dict, path or bunsan.Config) on `gpus` processes (default: the config's tp x pp)."""
+    from ..config import Config
+    cfg = Config.load(config)
+    world = gpus or cfg.tensor_parallel.size * cfg.pipeline.stages
+    layout = Layout.from_config(cfg, world)
+    if device_type is None:
+        device_type = "cuda"
+    return estimate_layout(model, layout, nodes=nodes, gpu_memory=gpu_memory, device_type=device_type,
+                           runtime_bytes=runtime_bytes, zero=cfg.zero_optimization.model_dump(),
+                           optimizer_params=cfg.optimizer.params, partition=cfg.pipeline.partition)

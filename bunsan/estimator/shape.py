@@ -1,0 +1,155 @@
+"""What the estimator needs to know about a model: its parameters, and for a Llama its shape.
+
+A model comes from a preset name, a Hugging Face `config.json` (or the directory
+holding one), a `LlamaConfig`, or any `nn.Module` (build it on the meta device:
+nothing is allocated). `rank_params` then says which parameters, at what size, one
+rank holds under tensor and pipeline parallelism: it cuts the real (meta) model with
+the same plan and partitioner training uses, so the estimate cannot drift from them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..models.llama import Llama, LlamaConfig
+from ..models.presets import get_preset
+from ..pipeline.partition import model_layers, partition
+from ..tensor_parallel.plan import LLAMA_PLAN, check_llama
+
+
+@dataclass
+class ModelShape:
+    name: str
+    module: nn.Module                 # on the meta device
+    llama: LlamaConfig | None = None  # the shape activations are computed from; None for other modules
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+
+def _llama_shape(cfg: LlamaConfig, name: str) -> ModelShape:
+    with torch.device("meta"):
+        return ModelShape(name, Llama(cfg), cfg)
+
+
+def load_shape(model, overrides: dict | None = None) -> ModelShape:
+    """A ModelShape from a preset name, a config.json path or HF directory, a LlamaConfig or an nn.Module."""
+    if isinstance(model, ModelShape):
+        return model
+    if isinstance(model, LlamaConfig):
+        return _llama_shape(model, "llama")
+    if isinstance(model, nn.Module):
+        cfg = getattr(model, "config", None)
+        return ModelShape(type(model).__name__, model, cfg if isinstance(cfg, LlamaConfig) else None)
+    if not isinstance(model, (str, Path)):
+        raise TypeError(f"model must be a preset name, a config.json path, a LlamaConfig or an nn.Module, "
+                        f"got {type(model).__name__}")
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model} is a directory without a config.json; point --model at a Hugging "
+                                    "Face model directory, its config.json, or a preset name")
+    if path.suffix == ".json" or path.is_file():
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read model config {path}: {e}") from None
+        cfg = LlamaConfig.from_hf(d)
+        for k, v in (overrides or {}).items():
+            setattr(cfg, k, v)
+        return _llama_shape(cfg, path.parent.name or path.stem)
+    from ..models.presets import build_config
+    return _llama_shape(build_config(str(model), **(overrides or {})) if overrides else get_preset(str(model)),
+                        str(model))
+
+
+# -- what one rank holds ---------------------------------------------------------------------------
+@dataclass
+class RankParams:
+    """The parameters of one pipeline rank after the tensor-parallel split (element counts)."""
+    shapes: list[tuple[int, ...]]     # every trainable parameter this rank holds, after the TP split
+    units: list[int]                  # ZeRO-3 units: elements per transformer block held here
+    root: int                         # elements outside the blocks (embedding, norms, head) held here
+    blocks: int                       # transformer blocks held (for activations)
+    has_embedding: bool
+    has_head: bool
+    tied_copies: int                  # elements held here that another pipeline rank also holds
+
+    @property
+    def numels(self) -> list[int]:
+        return [math.prod(s) for s in self.shapes]
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+
+def _tp_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, ...]:
+    shape = tuple(shape)
+    if tp == 1:
+        return shape
+    path = name.rpartition(".")[0]
+    style = next((s for pat, s in LLAMA_PLAN.items() if fnmatch.fnmatchcase(path, pat)), None)
+    if style == "column":
+        return (shape[0] // tp,) + shape[1:]
+    if style == "row":
+        return (shape[0], shape[1] // tp)
+    if style in ("vocab_embedding", "vocab_head"):   # the vocabulary is padded to a multiple of tp
+        return (-(-shape[0] // tp),) + shape[1:]
+    return shape                                       # norms (and anything unplanned) are replicated
+
+
+def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
+                partition_method: str = "uniform") -> list[RankParams]:
+    """One RankParams per pipeline rank."""
+    model = shape.module
+    if tp > 1:
+        if shape.llama is None:
+            raise ValueError(f"the estimator knows the tensor-parallel split of bunsan's Llama only; "
+                             f"{shape.name} is a {type(model).__name__}: estimate it with tp 1")
+        check_llama(shape.llama, tp)
+    if pp > 1:
+        layers = model_layers(model)
+        chunks = partition(layers, pp * virtual_stages, partition_method)
+        owned = [[layers[i] for c in range(virtual_stages) for i in chunks[c * pp + r]] for r in range(pp)]
+        paths = [[p for layer in mine for p in layer.paths] for mine in owned]
+    else:
+        paths = [[""]]
+
+    def holds(r: int, name: str) -> bool:
+        return any(p == "" or name == p or name.startswith(p + ".") for p in paths[r])
+
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    params = {id(p): p for p in model.parameters()}
+    out = []
+    for r in range(len(paths)):
+        shapes, blocks, root, tied = [], {}, 0, 0
+        for pid, names in names_of.items():
+            p = params[pid]
+            here = [n for n in names if holds(r, n)]
+            if not here or not p.requires_grad:
+                continue
+            shapes.append(_tp_shape(here[0], p.shape, tp))
+            n = math.prod(shapes[-1])
+            if sum(any(holds(q, m) for m in names) for q in range(len(paths))) > 1:
+                tied += n
+            parts = here[0].split(".")
+            if parts[0] == "layers" and len(parts) > 2:
+                blocks[parts[1]] = blocks.get(parts[1], 0) + n
+            else:
+                root += n
+        has_emb = shape.llama is not None and (pp == 1 or "embed_tokens" in paths[r])
+        has_head = shape.llama is not None and (pp == 1 or "lm_head" in paths[r])
+        out.append(RankParams(shapes, list(blocks.values()), root, len(blocks), has_emb, has_head, tied))
+    return out

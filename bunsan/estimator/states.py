@@ -1,0 +1,87 @@
+"""Model states of one rank: parameters, gradients, fp32 master weights and optimizer states,
+where bunsan keeps them (device, host or disk) for each ZeRO stage and offload setting.
+
+These mirror the buffers bunsan allocates (data_parallel.py, zero/): the flat parameter
+buffer and its gradients are padded per bucket to a multiple of N x 16 elements; stages 2
+and 3 keep the gradient shard in fp32 (micro-steps add without 16-bit rounding), where the
+ZeRO paper counts 16-bit gradients; an fp32 model is its own master copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..memory import adafactor_state_bytes, optimizer_state_bytes_per_param
+from ..zero.layout import ALIGN
+from .shape import RankParams
+
+# bitsandbytes 8-bit AdamW: two 1-byte states per element plus an fp32 absmax per block of 256; tensors
+# under 4096 elements keep 32-bit states (its min_8bit_size).
+BNB_BLOCK, BNB_MIN_8BIT = 256, 4096
+
+
+def optimizer_bytes(opt: str, shapes: list[tuple[int, ...]], params: dict | None = None) -> float:
+    """Optimizer-state bytes of these (whole) tensors, master weights excluded."""
+    t = opt.lower()
+    numels = [math.prod(s) for s in shapes]
+    if t == "adafactor":
+        return adafactor_state_bytes(shapes)
+    if t in ("adamw8bit", "adamw_8bit", "adam8bit"):
+        return sum(2 * n + 2 * 4 * -(-n // BNB_BLOCK) if n >= BNB_MIN_8BIT else 8 * n for n in numels)
+    return optimizer_state_bytes_per_param(t, params) * sum(numels)
+
+
+def padded(numels: list[int], n: int, bucket_elems: int, stage: int, units: list[int] | None = None) -> int:
+    """Elements of the flat buffer: buckets padded to n x ALIGN (stage 0: one rank, no padding)."""
+    if stage == 0:
+        return sum(numels)
+    if stage == 3 and units is not None:
+        groups = units
+    else:
+        groups, size = [], 0
+        for k in numels:
+            size += k
+            if size >= bucket_elems:
+                groups.append(size)
+                size = 0
+        if size:
+            groups.append(size)
+    step = n * ALIGN
+    return sum(-(-g // step) * step for g in groups)
+
+
+def model_states(rp: RankParams, dp: int, stage: int, d: int, opt: str, opt_params: dict | None = None,
+                 bucket_elems: int = 10_000_000, offload_optimizer: str = "none",
+                 offload_param: str = "none", on_cpu: bool = False) -> dict:
+    """Bytes by kind (params, grads, master_weights, optimizer_states: what is resident in memory) and
+    by place (device, host, disk). `on_cpu`: the compute device is the CPU, so host and device are one."""
+    if stage >= 1 and opt.lower() == "adafactor":
+        raise ValueError("Adafactor's factored statistics cannot be split across ranks: bunsan runs it with "
+                         "zero_optimization.stage 0 only; use stage 0 or an elementwise optimizer (AdamW, SGD)")
+    units = rp.units + ([rp.root] if rp.root else [])
+    total = padded(rp.numels, dp, bucket_elems, stage, units)
+    shard = total / dp
+    opt_elems = total if stage == 0 else shard
+    # An fp32 model is its own master copy, unless the optimizer steps somewhere else (another device, disk).
+    separate = d < 4 or offload_optimizer == "nvme" or (offload_optimizer == "cpu" and not on_cpu)
+    kinds = {"params": total * d / (dp if stage == 3 else 1),
+             "grads": total * d if stage <= 1 else shard * 4,
+             "master_weights": opt_elems * 4 if separate else 0.0,
+             "optimizer_states": optimizer_bytes(opt, rp.shapes, opt_params) * (opt_elems / max(rp.total, 1))}
+    place = {"params": offload_param, "grads": "none", "master_weights": offload_optimizer,
+             "optimizer_states": offload_optimizer}
+    host = sum(v for k, v in kinds.items() if place[k] == "cpu")
+    disk = sum(v for k, v in kinds.items() if place[k] == "nvme")
+    out = {k: (0.0 if place[k] == "nvme" else v) for k, v in kinds.items()}
+    out["model_states"] = sum(out.values())
+    out["host"], out["disk"] = host, disk
+    out["on_disk"] = {k: v for k, v in kinds.items() if place[k] == "nvme"}
+    out["device"] = out["model_states"] - host
+    return out
+
+
+def zero_paper(psi: float, n: int, k: float = 12, stage: int = 0) -> float:
+    """Model-state bytes per rank in the ZeRO paper's accounting: 16-bit parameters and gradients
+    (2 bytes each) and K bytes of optimizer state per parameter (12 for mixed-precision Adam)."""
+    return {0: (2 + 2 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
+            3: (2 + 2 + k) * psi / n}[stage]

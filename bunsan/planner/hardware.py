@@ -1,0 +1,155 @@
+"""GPUs and links as data: the figures the planner's cost model prices a layout with.
+
+Peak FLOP/s are dense (no 2:4 sparsity) tensor-core figures from the public datasheets;
+"fp32" is the TF32 tensor-core figure where the GPU has TF32 (PyTorch uses it for fp32
+matmuls when `torch.backends.cuda.matmul.allow_tf32` is on), else plain fp32. Link
+bandwidths are per GPU, one direction, and what NCCL-style collectives achieve
+(bus bandwidth), not the signalling rate. All of them are estimates to check against
+`benchmarks/` on the real machine.
+
+GPU memory is in binary units: NVIDIA's "80GB" HBM is 80 GiB.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+T = 1e12
+GiB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    peak_flops: dict = field(hash=False)  # precision -> dense FLOP/s; a missing key means "not supported"
+    hbm_bytes_per_s: float
+
+    def flops(self, precision: str) -> float:
+        """Dense peak FLOP/s for `precision`; a clear error where the chip lacks it (bf16 on V100)."""
+        if precision not in self.peak_flops:
+            fix = "fp16" if "fp16" in self.peak_flops else next(iter(self.peak_flops))
+            raise ValueError(f"GPU {self.name!r} has no {precision} support (it has {', '.join(self.peak_flops)}); "
+                             f"use precision {fix!r} ({self.peak_flops[fix] / T:g} TFLOP/s) instead")
+        return self.peak_flops[precision]
+
+
+def _gpu(name, gib, bf16, fp16, fp32, hbm_tb_s) -> GPU:
+    flops = {k: v * T for k, v in (("bf16", bf16), ("fp16", fp16), ("fp32", fp32)) if v is not None}
+    return GPU(name, int(gib * GiB), flops, hbm_tb_s * T)
+
+
+GPUS = {g.name: g for g in (
+    # name, memory GiB, bf16, fp16, fp32 (TF32 where it exists), HBM TB/s
+    _gpu("h100", 80, 989, 989, 494.5, 3.35),     # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column; fp32 = TF32
+    _gpu("h200", 141, 989, 989, 494.5, 4.8),     # NVIDIA H200 Tensor Core GPU datasheet, SXM column; fp32 = TF32
+    _gpu("a100", 80, 312, 312, 156, 2.039),      # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM; fp32 = TF32
+    _gpu("a100-40gb", 40, 312, 312, 156, 1.555),  # NVIDIA A100 Tensor Core GPU datasheet, 40GB SXM; fp32 = TF32
+    _gpu("l40s", 48, 362, 362, 183, 0.864),      # NVIDIA L40S datasheet (dense = half the sparse figure); fp32 = TF32
+    _gpu("a10", 24, 125, 125, 62.5, 0.6),        # NVIDIA A10 Tensor Core GPU datasheet; fp32 = TF32
+    _gpu("v100", 32, None, 125, 15.7, 0.9),      # NVIDIA Tesla V100 datasheet, SXM2; no bf16, no TF32 (plain fp32)
+    _gpu("rtx4090", 24, 165.2, 165.2, 82.6, 1.008),  # NVIDIA Ada GPU architecture whitepaper, fp32 accumulate; fp32 = TF32
+    # Nominal figure for planning CPU test runs (a few cores with AVX2/AVX-512); not a datasheet number.
+    GPU("cpu", 24 * GiB, {"bf16": 1e11, "fp16": 1e11, "fp32": 1e11}, 2e10),
+)}
+
+GPU_ALIASES = {
+    "h100-sxm": "h100", "h100-sxm5": "h100", "h100-80gb": "h100", "h100-80gb-hbm3": "h100", "h100-sxm5-80gb": "h100",
+    "h200-sxm": "h200", "h200-141gb": "h200",
+    "a100-80gb": "a100", "a100-sxm": "a100", "a100-sxm4-80gb": "a100", "a100-sxm-80gb": "a100",
+    "a100-40g": "a100-40gb", "a100-sxm4-40gb": "a100-40gb", "a100-sxm-40gb": "a100-40gb",
+    "l40s-48gb": "l40s",
+    "a10-24gb": "a10",
+    "v100-sxm2": "v100", "v100-32gb": "v100", "v100-sxm2-32gb": "v100",
+    "4090": "rtx4090", "rtx-4090": "rtx4090", "rtx-4090-24gb": "rtx4090",
+    "host": "cpu",
+}
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    name: str
+    bytes_per_s: float   # per GPU, one direction, achievable bus bandwidth
+    latency_s: float     # per message hop
+
+
+INTERCONNECTS = {i.name: i for i in (
+    # Intra-node. H100 NVLink4 is 900 GB/s bidirectional = 450 GB/s per direction; we assume
+    # collectives reach about that (NCCL with NVLink SHARP on 8 GPUs comes close; plain rings ~80%).
+    Interconnect("nvlink", 450e9, 5e-6),
+    Interconnect("pcie", 25e9, 10e-6),        # PCIe gen4 x16: 32 GB/s per direction signalling, ~25 achievable
+    # Inter-node.
+    Interconnect("infiniband", 40e9, 10e-6),  # NDR 400 Gb/s per GPU = 50 GB/s, ~40 achievable
+    Interconnect("ethernet", 10e9, 30e-6),    # 100 Gb/s = 12.5 GB/s, ~10 achievable
+    Interconnect("loopback", 5e9, 50e-6),     # gloo over TCP on one host (CPU test runs)
+)}
+
+INTERCONNECT_ALIASES = {
+    "nvlink4": "nvlink", "nvl": "nvlink",
+    "pcie4": "pcie", "pcie-gen4": "pcie", "pci-e": "pcie",
+    "ib": "infiniband", "ndr": "infiniband", "ib-ndr": "infiniband",
+    "eth": "ethernet", "100gbe": "ethernet", "tcp": "ethernet",
+    "gloo": "loopback", "localhost": "loopback", "lo": "loopback",
+}
+
+# Host-side figures for ZeRO offload. All estimates; measure on the target machine.
+HOST_LINK_BYTES_PER_S = 25e9    # GPU<->CPU copies over PCIe gen4 x16 (pinned memory), per GPU
+NVME_READ_BYTES_PER_S = 3e9     # one PCIe gen4 NVMe drive, sequential read
+NVME_WRITE_BYTES_PER_S = 3e9    # the same drive, sequential write (sustained writes are often lower)
+# Fused CPU Adam step, parameters per second per process. An assumption to measure: the
+# ZeRO-Offload paper (Ren et al., 2021) reports a few 1e9/s for a whole many-core socket.
+CPU_ADAM_PARAMS_PER_S = 1e9
+
+
+def _normalize(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3': the form torch.cuda.get_device_name() gives maps too."""
+    key = re.sub(r"[\s_]+", "-", str(name).strip().lower())
+    return re.sub(r"^(nvidia-|tesla-|geforce-)+", "", key)
+
+
+def _lookup(kind: str, name: str, table: dict, aliases: dict):
+    key = _normalize(name)
+    key = aliases.get(key, key)
+    if key in table:
+        return table[key]
+    close = difflib.get_close_matches(key, list(table) + list(aliases), n=1, cutoff=0.5)
+    hint = f"; did you mean {aliases.get(close[0], close[0])!r}?" if close else ""
+    raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(table)}{hint}")
+
+
+def gpu_spec(name: str) -> GPU:
+    """The GPU named `name` (case-insensitive; aliases like 'h100-sxm', 'a100-80gb', 'NVIDIA A100-SXM4-40GB')."""
+    return _lookup("GPU", name, GPUS, GPU_ALIASES)
+
+
+def interconnect(name: str) -> Interconnect:
+    """The link named `name` (case-insensitive; aliases like 'ib', 'nvlink4', 'gloo')."""
+    return _lookup("interconnect", name, INTERCONNECTS, INTERCONNECT_ALIASES)
+
+
+# Decimal units are powers of 1000 (disk and datasheet style); binary units and the bare
+# letters K/M/G/T are powers of 1024, as Slurm's --mem=24G and `free -g` read them.
+_UNITS = {"": 1, "b": 1,
+          "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40,
+          "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30, "t": 2 ** 40}
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?\s*([a-z]*)\s*$", re.IGNORECASE)
+_FORMS = ("plain bytes (1048576), decimal units 80GB = 80*10^9 (KB, MB, GB, TB), "
+          "binary units 80GiB = 80G = 80*2^30 (KiB/K, MiB/M, GiB/G, TiB/T)")
+
+
+def parse_bytes(text) -> int:
+    """'80GB' -> 80*10^9, '80GiB' and '80G' -> 80*2^30, '1048576' or 1048576 -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+        return text
+    match = _BYTES_RE.match(text) if isinstance(text, str) else None
+    unit = match and match.group(3).lower()
+    if not match or unit not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a byte size; write {_FORMS}")
+    value = Fraction(match.group(1) + (f"e{match.group(2)}" if match.group(2) else "")) * _UNITS[unit]
+    if value.denominator != 1:
+        raise ValueError(f"{text!r} is {float(value)} bytes, not a whole number of bytes; write {_FORMS}")
+    return int(value)
