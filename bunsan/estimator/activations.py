@@ -76,7 +76,7 @@ def loss_bytes(c: LlamaConfig, m: Micro) -> tuple[float, float]:
     """
     v = -(-c.vocab_size // m.tp)
     n = m.b * m.s * v
-    kept = 4 * n
+    kept = 4 * n + 4        # and nll_loss's fp32 total weight
     backward = 8 * n + (m.d * n if m.d < 4 else 0)
     forward = m.d * n + (4 * n if m.d < 4 else 0)
     return kept, max(backward, forward)

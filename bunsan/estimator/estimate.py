@@ -53,7 +53,8 @@ class Estimate:
     items: list[Item]                         # the fullest pipeline rank
     rank: int                                 # its pipeline rank
     model_states: dict                        # its resident model-state bytes by kind, device/host/disk
-    stage_peaks: list[float] = field(default_factory=list)
+    stage_peaks: list[float] = field(default_factory=list)    # peak of every pipeline rank
+    stage_states: list[dict] = field(default_factory=list)    # model states of every pipeline rank
 
     def _sum(self, phase: str, where: str = "device") -> float:
         return sum(getattr(i, where) for i in self.items if i.phase == phase)
@@ -175,7 +176,8 @@ def estimate_layout(model, layout: Layout, *, nodes: int = 1, gpu_memory: float 
     peaks = [_peak(items) for items, _ in priced]
     worst = max(range(len(peaks)), key=peaks.__getitem__)
     items, st = priced[worst]
-    return Estimate(shape.name, shape.n_params, layout, nodes, device_type, gpu_memory, items, worst, st, peaks)
+    return Estimate(shape.name, shape.n_params, layout, nodes, device_type, gpu_memory, items, worst, st, peaks,
+                    [s for _, s in priced])
 
 
 def estimate(model, config=None, *, gpus: int | None = None, nodes: int = 1, gpu_memory: float | None = None,
