@@ -1,4 +1,4 @@
-"""The `bunsan` command: run | train | generate.
+"""The `bunsan` command: run | train | generate | estimate | plan.
 
 Process management is torchrun's (`torch.distributed.run`): `bunsan run` hands it
 the script, `bunsan train --nproc N` hands it `python -m bunsan.cli train ...`.
@@ -168,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None, help="override the tokenizer recorded in the checkpoint")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (KV cache sharded by heads)")
+    from .cli_plan import add_parsers
+    add_parsers(sub)
     return p
 
 
@@ -188,9 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "train":
             return cmd_train(args)
+        if args.cmd in ("estimate", "plan"):
+            from .cli_plan import cmd_estimate, cmd_plan
+            return cmd_estimate(args) if args.cmd == "estimate" else cmd_plan(args)
         return cmd_generate(args)
     except ConfigError as e:
         print(f"bunsan: config error:\n{e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError) as e:
+        if args.cmd not in ("estimate", "plan"):
+            raise
+        print(f"bunsan {args.cmd}: {e}", file=sys.stderr)
         return 2
 
 

@@ -96,7 +96,8 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
     st = model_states(rp, n, stage, d, layout.optimizer, opt_params, bucket,
                       layout.offload_optimizer, layout.offload_param, on_cpu=on_cpu)
     place = {"params": layout.offload_param, "master_weights": layout.offload_optimizer,
-             "optimizer_states": layout.offload_optimizer}
+             "optimizer_states": layout.offload_optimizer,
+             "grads": "cpu" if stage >= 2 and layout.offload_optimizer != "none" else "none"}
     items = [Item("runtime", device=runtime,
                   note="process before the model" if on_cpu else "CUDA context and workspaces (typical)")]
     if on_cpu:
@@ -148,7 +149,9 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
         items.append(Item("gradient buckets", device=2 * min(bucket, rp.total) * d, phase="backward",
                           note="2 buckets in flight"))
     if stage == 1:
-        items.append(Item("fp32 gradient shard", device=shard * 4, phase="step", note="from the reduce to the step"))
+        on_host = layout.offload_optimizer != "none" and not on_cpu
+        items.append(Item("fp32 gradient shard", device=0.0 if on_host else shard * 4, host=shard * 4 if on_host else 0.0,
+                          phase="step", note="from the reduce to the step"))
     largest = biggest if stage == 0 else min(biggest, shard)
     if on_cpu and layout.optimizer.lower() in ("adamw", "adam"):
         items.append(Item("optimizer temporaries", device=2 * 4 * largest, phase="step",
@@ -163,14 +166,16 @@ def _peak(items: list[Item]) -> float:
 
 def estimate_layout(model, layout: Layout, *, nodes: int = 1, gpu_memory: float | None = None,
                     device_type: str = "cuda", runtime_bytes: float | None = None, zero: dict | None = None,
-                    optimizer_params: dict | None = None, partition: str = "uniform") -> Estimate:
-    """Estimate for a Layout (the planner's entry point)."""
+                    optimizer_params: dict | None = None, partition: str = "uniform",
+                    ranks: list[RankParams] | None = None) -> Estimate:
+    """Estimate for a Layout (the planner's entry point; it passes `ranks` cached per tp x pp)."""
     shape = load_shape(model)
     if layout.gpus % nodes:
         raise ValueError(f"{layout.gpus} GPUs do not split evenly over {nodes} nodes; use a multiple of {nodes}")
     runtime = runtime_bytes if runtime_bytes is not None else (
         CPU_RUNTIME_BYTES if device_type == "cpu" else CUDA_RUNTIME_BYTES)
-    ranks = rank_params(shape, layout.tp, layout.pp, layout.virtual_stages, partition)
+    if ranks is None:
+        ranks = rank_params(shape, layout.tp, layout.pp, layout.virtual_stages, partition)
     priced = [_rank_items(shape, rp, r, layout, device_type, runtime, zero or {}, optimizer_params or {})
               for r, rp in enumerate(ranks)]
     peaks = [_peak(items) for items, _ in priced]

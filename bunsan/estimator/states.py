@@ -68,7 +68,9 @@ def model_states(rp: RankParams, dp: int, stage: int, d: int, opt: str, opt_para
              "grads": total * d if stage <= 1 else shard * 4,
              "master_weights": opt_elems * 4 if separate else 0.0,
              "optimizer_states": optimizer_bytes(opt, rp.shapes, opt_params) * (opt_elems / max(rp.total, 1))}
-    place = {"params": offload_param, "grads": "none", "master_weights": offload_optimizer,
+    # With the optimizer offloaded (cpu or nvme) it steps on the host, where stages 2-3 reduce the fp32 shard.
+    host_grads = "cpu" if stage >= 2 and offload_optimizer != "none" else "none"
+    place = {"params": offload_param, "grads": host_grads, "master_weights": offload_optimizer,
              "optimizer_states": offload_optimizer}
     host = sum(v for k, v in kinds.items() if place[k] == "cpu")
     disk = sum(v for k, v in kinds.items() if place[k] == "nvme")

@@ -40,9 +40,18 @@ presets: dict[str, LlamaConfig] = {
 }
 
 
+def canonical_name(name: str) -> str:
+    """The preset key of a name, accepting the usual prefixes: llama-13b, llama2-7b, llama-3.2-1b -> 13b, 7b, 1b."""
+    key = str(name).lower()
+    for prefix in ("llama-3.2-", "llama3.2-", "llama-2-", "llama2-", "llama-"):
+        if key.startswith(prefix) and key[len(prefix):] in presets:
+            return key[len(prefix):]
+    return key
+
+
 def get_preset(name: str) -> LlamaConfig:
     """A fresh copy of a preset (mutating it never changes ``presets``)."""
-    key = str(name).lower()
+    key = canonical_name(name)
     if key not in presets:
         close = difflib.get_close_matches(key, list(presets), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

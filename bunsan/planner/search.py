@@ -1,0 +1,210 @@
+"""`bunsan.plan`: every layout of a model on some GPUs, those that fit, ranked by estimated step time.
+
+The search walks tensor-parallel sizes inside a node, pipeline depths, ZeRO stages,
+micro-batches (the accumulation makes up the global batch), checkpointing, sequence
+parallelism and offload. Each candidate is priced in bytes by the estimator (the same code
+`bunsan estimate` runs) and in seconds by cost.py; the ones that fit with `margin` of the
+memory free are ranked by step time. When none fits, the plan says what would.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, field
+
+from ..estimator.estimate import Estimate, estimate_layout
+from ..estimator.shape import ModelShape, load_shape, rank_params
+from .cost import StepTime, step_time, train_time
+from .hardware import GPU, gpu_spec, interconnect
+from .layout import Layout
+
+GiB = 1024 ** 3
+MARGIN = 0.10   # memory kept free for the allocator's fragmentation and what the estimate leaves out
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    estimate: Estimate
+    step: StepTime | None = None
+    why: str = ""               # why it lost to the best (or that it is the best)
+
+    @property
+    def peak(self) -> float:
+        return self.estimate.peak
+
+
+@dataclass
+class Plan:
+    model: str
+    n_params: int
+    gpus: int
+    nodes: int
+    gpu: GPU
+    gpu_memory: float
+    margin: float
+    ranked: list[Candidate]                       # fit, fastest first
+    considered: int
+    too_big: int
+    smallest: Candidate | None = None             # the least memory of all candidates (when none fits)
+    suggestions: list[str] = field(default_factory=list)
+    total_tokens: int | None = None
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+    def days(self, c: Candidate) -> float | None:
+        if self.total_tokens is None or c.step is None:
+            return None
+        return train_time(c.step, c.layout, self.total_tokens) / 86400
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_sizes(shape: ModelShape, gpus_per_node: int, gpus: int) -> list[int]:
+    c = shape.llama
+    if c is None:
+        return [1]
+    return [t for t in _divisors(min(gpus_per_node, gpus)) if gpus % t == 0 and t <= 8
+            and c.num_attention_heads % t == 0 and c.num_key_value_heads % t == 0 and c.intermediate_size % t == 0]
+
+
+def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int,
+            precision: str, optimizer: str = "AdamW"):
+    """Every layout worth pricing (bunsan can run each one)."""
+    layers = shape.llama.num_hidden_layers if shape.llama else 1
+    for tp in _tp_sizes(shape, gpus_per_node, gpus):
+        for pp in _divisors(gpus // tp):
+            if pp > 1 and (shape.llama is None or pp > layers):
+                continue
+            dp = gpus // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_rank = global_batch // dp
+            for mb in (m for m in (1, 2, 4, 8, 16, 32) if per_rank % m == 0):
+                accum = per_rank // mb
+                if pp > 1 and accum < pp:
+                    continue          # fewer micro-batches than stages leaves stages idle
+                scheds = [("1f1b", 1)]
+                if pp > 1 and accum % pp == 0 and layers % (2 * pp) == 0:
+                    scheds.append(("interleaved", 2))
+                for (sched, v), ckpt, zero in itertools.product(scheds, (False, True), (0, 1, 2, 3)):
+                    if pp > 1 and zero > 1 or optimizer == "Adafactor" and zero:
+                        continue
+                    for sp in ((False, True) if tp > 1 and seq_len % tp == 0 else (False,)):
+                        offloads = [("none", "none")]
+                        if zero >= 1:
+                            offloads.append(("cpu", "none"))
+                        if zero == 3:
+                            offloads.append(("cpu", "cpu"))
+                        if dp == 1 and zero:
+                            offloads.remove(("none", "none"))   # one rank: ZeRO only to offload (ZeRO-Offload)
+                        for off_opt, off_par in offloads:
+                            yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, grad_accum=accum,
+                                         seq_len=seq_len, precision=precision, optimizer=optimizer,
+                                         checkpointing=ckpt, sequence_parallel=sp, schedule=sched,
+                                         virtual_stages=v, offload_optimizer=off_opt, offload_param=off_par)
+
+
+def _why(c: Candidate, best: Candidate) -> str:
+    if c is best:
+        return "fastest that fits"
+    parts = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "offload")
+    deltas = {p: getattr(c.step, p) - getattr(best.step, p) for p in parts}
+    worst = max(deltas, key=deltas.get)
+    slower = c.step.total / best.step.total - 1
+    label = {"compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel traffic",
+             "dp_comm": "exposed data-parallel traffic", "pp_comm": "pipeline sends", "bubble": "pipeline bubble",
+             "offload": "offload traffic"}[worst]
+    return f"{slower:+.0%}: more {label} (+{deltas[worst]:.3g} s)"
+
+
+def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100", nodes: int = 1,
+         seq_len: int | None = None, global_batch: int | None = None, interconnect_name: str | None = None,
+         inter_node: str = "infiniband", precision: str | None = None, optimizer: str = "AdamW",
+         margin: float = MARGIN, total_tokens: int | None = None, efficiency: float = 0.4,
+         device_type: str = "cuda", keep: int = 10, host_memory: float | None = None) -> Plan:
+    """The layouts of `model` on `gpus` GPUs (`nodes` nodes) that fit, fastest first. `host_memory` (per
+    node), when given, also rules out layouts whose offloaded states would not fit in host memory."""
+    shape = load_shape(model)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive int, got {gpus!r}")
+    if nodes < 1 or gpus % nodes:
+        raise ValueError(f"{gpus} GPUs cannot be spread evenly over {nodes} nodes; use a multiple of {nodes}")
+    spec = gpu_spec(gpu)
+    memory = float(gpu_memory if gpu_memory is not None else spec.memory_bytes)
+    if precision is None:
+        precision = "bf16" if "bf16" in spec.peak_flops else "fp16"
+    spec.flops(precision)                       # a precision the GPU lacks is an error here
+    c = shape.llama
+    seq = seq_len or (min(c.max_position_embeddings, 4096) if c else 2048)
+    batch = global_batch or max(gpus, 8)
+    per_node = gpus // nodes
+    intra = interconnect(interconnect_name or ("nvlink" if device_type == "cuda" else "loopback"))
+    inter = interconnect(inter_node)
+    ranks = functools.lru_cache(maxsize=None)(lambda tp, pp, v: rank_params(shape, tp, pp, v))
+
+    fits, considered, too_big, smallest = [], 0, 0, None
+    for lay in layouts(shape, gpus, per_node, seq, batch, precision, optimizer):
+        considered += 1
+        est = estimate_layout(shape, lay, nodes=nodes, gpu_memory=memory, device_type=device_type,
+                              ranks=ranks(lay.tp, lay.pp, lay.virtual_stages))
+        cand = Candidate(lay, est)
+        if smallest is None or est.peak < smallest.peak:
+            smallest = cand
+        if not est.fits(margin) or host_memory is not None and est.host_per_node > host_memory:
+            too_big += 1
+            continue
+        if c is not None:
+            cand.step = step_time(c, lay, spec, intra, inter, per_node, efficiency)
+        fits.append(cand)
+    fits.sort(key=lambda k: (k.step.total if k.step else 0.0, k.peak))
+    result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, margin, fits[:keep], considered, too_big,
+                  smallest, total_tokens=total_tokens)
+    for cand in result.ranked:
+        cand.why = _why(cand, result.ranked[0]) if cand.step else "fits"
+    if not fits:
+        result.suggestions = _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precision, smallest,
+                                             device_type)
+    return result
+
+
+def _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precision, smallest, device_type) -> list[str]:
+    out = []
+    if smallest is not None:
+        out.append(f"the leanest layout, {smallest.layout.describe()}, peaks at {smallest.peak / GiB:.1f} GiB "
+                   f"per GPU against {memory * (1 - margin) / GiB:.1f} GiB usable")
+        lay = smallest.layout
+        if lay.zero == 3:
+            nvme = lay.replace(offload_optimizer="nvme", offload_param="nvme")
+            e = estimate_layout(shape, nvme, nodes=nodes, gpu_memory=memory, device_type=device_type)
+            if e.fits(margin):
+                out.append(f"offload optimizer states and parameters to NVMe: {nvme.describe()} peaks at "
+                           f"{e.peak / GiB:.1f} GiB (set offload_*.nvme_path to a local NVMe drive)")
+        per_node = gpus // nodes
+        for factor in (2, 4, 8, 16, 32):
+            lean = None
+            for more in layouts(shape, gpus * factor, per_node, seq, batch * factor, precision):
+                if more.micro_batch == 1 and more.checkpointing and more.offload_param == "none":
+                    e = estimate_layout(shape, more, nodes=nodes * factor, gpu_memory=memory, device_type=device_type)
+                    if lean is None or e.peak < lean.peak:
+                        lean = e
+            if lean is not None and lean.fits(margin):
+                out.append(f"{gpus * factor} GPUs (global batch {batch * factor}): {lean.layout.describe()} "
+                           f"peaks at {lean.peak / GiB:.1f} GiB")
+                break
+        if seq > 256:
+            short = lay.replace(seq_len=seq // 2)
+            e = estimate_layout(shape, short, nodes=nodes, gpu_memory=memory, device_type=device_type)
+            out.append(f"sequence length {seq // 2}: {e.peak / GiB:.1f} GiB" + (" (fits)" if e.fits(margin) else ""))
+    if shape.llama is not None:
+        # LoRA: frozen 16-bit weights, no gradients or optimizer states for them (adapters are ~0.1-1%).
+        frozen = shape.n_params * 2
+        out.append(f"LoRA fine-tuning (bunsan issue #8) keeps the {shape.n_params / 1e9:.1f}B weights frozen in "
+                   f"16-bit: {frozen / GiB:.1f} GiB of weights on one GPU, {frozen / gpus / GiB:.1f} GiB each "
+                   f"split {gpus} ways, plus activations and the small adapters' states")
+    return out
