@@ -1,0 +1,85 @@
+"""The planner's search and the `bunsan estimate` / `bunsan plan` commands."""
+
+import json
+
+import pytest
+
+from bunsan.cli import main
+from bunsan.config import Config
+from bunsan.estimator import estimate_layout
+from bunsan.planner.layout import Layout
+from bunsan.planner.search import layouts, plan
+from bunsan.estimator import load_shape
+
+GiB = 1024 ** 3
+
+
+def test_every_ranked_layout_fits_and_is_sorted():
+    p = plan("1b", 8, 40 * GiB, gpu="a100", seq_len=2048, global_batch=64, total_tokens=10 ** 9)
+    assert p.ranked and p.considered > len(p.ranked)
+    times = [c.step.total for c in p.ranked]
+    assert times == sorted(times)
+    for c in p.ranked:
+        assert c.peak <= 40 * GiB * (1 - p.margin)
+        assert c.layout.gpus == 8 and c.layout.global_batch == 64
+        # The planner's number is the estimator's number for that layout.
+        assert estimate_layout("1b", c.layout, gpu_memory=40 * GiB).peak == pytest.approx(c.peak)
+    assert p.ranked[0].why == "fastest that fits" and p.ranked[1].why.startswith("+")
+    assert p.days(p.ranked[0]) > 0
+
+
+def test_layouts_are_ones_bunsan_runs():
+    shape = load_shape("tiny")
+    seen = list(layouts(shape, 4, 4, 64, 8, "bf16"))
+    assert seen
+    for lay in seen:
+        cfg = Config.load(lay.to_config({"model": {"preset": "tiny"}}))
+        assert not cfg.unimplemented(), lay.describe()
+        assert Layout.from_config(cfg, 4) == lay
+        assert not (lay.pp > 1 and lay.grad_accum < lay.pp)
+
+
+def test_nothing_fits_says_what_would():
+    p = plan("70b", 1, 24 * GiB, gpu="rtx4090", seq_len=4096, global_batch=8, host_memory=256 * GiB)
+    assert not p.ranked
+    text = "\n".join(p.suggestions)
+    assert "leanest layout" in text and "GPUs (global batch" in text and "LoRA" in text
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="unknown GPU 'h1000'.*did you mean 'h100'"):
+        plan("tiny", 2, gpu="h1000")
+    with pytest.raises(ValueError, match="gpus must be a positive int"):
+        plan("tiny", 0)
+    with pytest.raises(ValueError, match="cannot be spread evenly over 2 nodes"):
+        plan("tiny", 3, nodes=2)
+
+
+def test_cli_estimate_prints_the_table(capsys):
+    assert main(["estimate", "--model", "7b", "--gpus", "8", "--zero", "3", "--bf16", "--seq-len", "2048",
+                 "--micro-batch", "1", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    for word in ("optimizer_states", "activations", "ZeRO-3 gathered", "peak", "ZeRO paper", "fits"):
+        assert word in out
+    assert main(["estimate", "--model", "tiny", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["params"] == load_shape("tiny").n_params and data["peak_bytes"] > 0
+
+
+def test_cli_plan_writes_a_config_train_accepts(tmp_path, capsys):
+    out = tmp_path / "best.json"
+    assert main(["plan", "--model", "llama-1b", "--gpus", "4", "--gpu", "a100", "--seq-len", "1024",
+                 "--global-batch", "32", "--tokens", "1e9", "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "fastest that fits" in text and "tokens/s" in text and "days" in text
+    cfg = Config.load(out)
+    assert cfg.model.preset == "1b"
+    lay = Layout.from_config(cfg, 4)
+    assert lay.global_batch == 32 and lay.seq_len == 1024
+
+
+def test_cli_errors_exit_2(capsys):
+    assert main(["plan", "--model", "tinny", "--gpus", "2"]) == 2
+    assert "did you mean 'tiny'" in capsys.readouterr().err
+    assert main(["estimate", "--model", "tiny", "--gpu-memory", "lots"]) == 2
+    assert "lots" in capsys.readouterr().err
