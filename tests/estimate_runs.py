@@ -56,8 +56,9 @@ def base_config(extra: dict, tmp: str) -> dict:
     return cfg
 
 
-def run_layout(rank: int, extra: dict) -> dict:
-    """One layout on this rank: (estimate inputs, measured report); called in every pool worker."""
+def run_layout(rank: int, extra: dict, timed_steps: int = 1) -> dict:
+    """One layout on this rank: (estimate inputs, measured report); called in every pool worker.
+    The peak is that of the first timed step; `seconds` is the median of `timed_steps` steps."""
     import torch
     import bunsan
     from bunsan.memory import current_rss_bytes, reset_peak_memory
@@ -79,10 +80,14 @@ def run_layout(rank: int, extra: dict) -> dict:
         engine.train_batch(batch)
         gc.collect()
         reset_peak_memory()
-        t0 = time.perf_counter()
-        engine.train_batch(batch)
-        seconds = time.perf_counter() - t0
-        report = engine.memory_report()
+        times = []
+        for k in range(timed_steps):
+            t0 = time.perf_counter()
+            engine.train_batch(batch)
+            times.append(time.perf_counter() - t0)
+            if k == 0:
+                report = engine.memory_report()
+        seconds = sorted(times)[len(times) // 2]
         out = {"baseline": baseline, "peak": report["peak_rss"], "model_states": report["model_states"],
                "disk": report["disk"], "seconds": seconds, "tokens": rows * SEQ * engine.dp_size,
                "pp_rank": engine.pp_rank, "world": int(os.environ.get("WORLD_SIZE", "1"))}

@@ -117,6 +117,8 @@ def _why(c: Candidate, best: Candidate) -> str:
     deltas = {p: getattr(c.step, p) - getattr(best.step, p) for p in parts}
     worst = max(deltas, key=deltas.get)
     slower = c.step.total / best.step.total - 1
+    if deltas[worst] <= 1e-9 * best.step.total:
+        return "same estimated time; ranked by ZeRO stage, offload, micro-batch, memory"
     label = {"compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel traffic",
              "dp_comm": "exposed data-parallel traffic", "pp_comm": "pipeline sends", "bubble": "pipeline bubble",
              "offload": "offload traffic"}[worst]
@@ -137,8 +139,8 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100"
         raise ValueError(f"{gpus} GPUs cannot be spread evenly over {nodes} nodes; use a multiple of {nodes}")
     spec = gpu_spec(gpu)
     memory = float(gpu_memory if gpu_memory is not None else spec.memory_bytes)
-    if precision is None:
-        precision = "bf16" if "bf16" in spec.peak_flops else "fp16"
+    if precision is None:   # CPUs run bf16 matmuls far slower than fp32 (5x on the test machines)
+        precision = "fp32" if spec.name == "cpu" else "bf16" if "bf16" in spec.peak_flops else "fp16"
     spec.flops(precision)                       # a precision the GPU lacks is an error here
     c = shape.llama
     seq = seq_len or (min(c.max_position_embeddings, 4096) if c else 2048)
@@ -162,7 +164,10 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100"
         if c is not None:
             cand.step = step_time(c, lay, spec, intra, inter, per_node, efficiency)
         fits.append(cand)
-    fits.sort(key=lambda k: (k.step.total if k.step else 0.0, k.peak))
+    # Ties on time go to less traffic (lower ZeRO stage, no offload), then bigger micro-batches (better
+    # matmul efficiency, which the FLOP count does not see), then less memory.
+    fits.sort(key=lambda k: (round(k.step.total, 9) if k.step else 0.0, k.layout.zero,
+                             k.layout.offload_optimizer != "none", -k.layout.micro_batch, k.peak))
     result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, margin, fits[:keep], considered, too_big,
                   smallest, total_tokens=total_tokens)
     for cand in result.ranked:
