@@ -16,7 +16,8 @@ from ..pipeline import schedules
 from ..planner.layout import Layout
 from .activations import Micro, stage_activation_bytes
 from .shape import ModelShape, RankParams, load_shape, rank_params
-from .states import model_states
+from .states import bucket_sizes, model_states
+from ..zero.reduce import IN_FLIGHT
 
 GiB = 1024 ** 3
 # Not visible to torch.cuda.max_memory_allocated but taken from the GPU: CUDA context, kernels, cuBLAS and
@@ -138,16 +139,25 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
             items.append(Item("pipeline buffers", device=2 * msg * flight, phase="backward",
                               note="stage input and output per micro-batch in flight"))
     biggest = max(rp.numels, default=0)
-    items.append(Item("weight gradient", device=biggest * (4 if stage >= 2 else d), phase="backward",
+    items.append(Item("weight gradient", device=biggest * d, phase="backward",
                       note="the largest weight's fresh gradient before it is accumulated"))
     if stage == 3:
         unit = max(rp.units, default=0)
-        gathered = (rp.root + 2 * unit) * d
-        items.append(Item("ZeRO-3 gathered", device=gathered, phase="backward", note="root unit + a block and its prefetch"))
-        items.append(Item("gradient buckets", device=2 * unit * d, phase="backward", note="a unit's gradients, 2 in flight"))
-    elif stage == 2:
-        items.append(Item("gradient buckets", device=2 * min(bucket, rp.total) * d, phase="backward",
-                          note="2 buckets in flight"))
+        items.append(Item("ZeRO-3 gathered", device=(rp.root + 2 * unit) * d, phase="backward",
+                          note="root unit + a block and its prefetch"))
+    if stage >= 1:
+        # The reducer keeps IN_FLIGHT buckets in flight and launches one more before it waits: each has a
+        # reduce-scatter output (1/N of it) and, at stages 2-3, the full staging bucket autograd copied into.
+        sizes = sorted(bucket_sizes(rp.numels, bucket, stage, rp.units + ([rp.root] if rp.root else [])))
+        live = sum(sizes[-(IN_FLIGHT + 1):])
+        held = live * d * ((1 if stage >= 2 else 0) + 1 / n)
+        items.append(Item("gradient buckets", device=held, phase="backward",
+                          note=f"{IN_FLIGHT + 1} buckets being reduced" + (" (outputs)" if stage == 1 else "")))
+    if layout.offload_optimizer == "nvme":
+        sub = min(int(zero.get("sub_group_size", 10 ** 9)), shard)
+        k = st["on_disk"].get("optimizer_states", 0.0) / max(shard, 1)
+        items.append(Item("NVMe swap-in", device=0.0 if not on_cpu else sub * (4 + k), host=0.0 if on_cpu else sub * (4 + k),
+                          phase="step", note="one sub-group's master and states read back for its step"))
     if stage == 1:
         on_host = layout.offload_optimizer != "none" and not on_cpu
         items.append(Item("fp32 gradient shard", device=0.0 if on_host else shard * 4, host=shard * 4 if on_host else 0.0,

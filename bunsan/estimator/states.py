@@ -31,21 +31,27 @@ def optimizer_bytes(opt: str, shapes: list[tuple[int, ...]], params: dict | None
     return optimizer_state_bytes_per_param(t, params) * sum(numels)
 
 
+def bucket_sizes(numels: list[int], bucket_elems: int, stage: int, units: list[int] | None = None) -> list[int]:
+    """Elements of each gradient bucket: stage 3 reduces unit by unit, stages 0-2 group parameters in
+    backward order into runs of at least `bucket_elems` (zero/layout.py's greedy_buckets)."""
+    if stage == 3 and units is not None:
+        return list(units)
+    groups, size = [], 0
+    for k in reversed(numels):
+        size += k
+        if size >= bucket_elems:
+            groups.append(size)
+            size = 0
+    if size:
+        groups.append(size)
+    return groups
+
+
 def padded(numels: list[int], n: int, bucket_elems: int, stage: int, units: list[int] | None = None) -> int:
     """Elements of the flat buffer: buckets padded to n x ALIGN (stage 0: one rank, no padding)."""
     if stage == 0:
         return sum(numels)
-    if stage == 3 and units is not None:
-        groups = units
-    else:
-        groups, size = [], 0
-        for k in numels:
-            size += k
-            if size >= bucket_elems:
-                groups.append(size)
-                size = 0
-        if size:
-            groups.append(size)
+    groups = bucket_sizes(numels, bucket_elems, stage, units)
     step = n * ALIGN
     return sum(-(-g // step) * step for g in groups)
 
