@@ -150,15 +150,18 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100"
     inter = interconnect(inter_node)
     ranks = functools.lru_cache(maxsize=None)(lambda tp, pp, v: rank_params(shape, tp, pp, v))
 
+    def host_ok(e: Estimate) -> bool:
+        return host_memory is None or e.host_per_node <= host_memory
+
     fits, considered, too_big, smallest = [], 0, 0, None
     for lay in layouts(shape, gpus, per_node, seq, batch, precision, optimizer):
         considered += 1
         est = estimate_layout(shape, lay, nodes=nodes, gpu_memory=memory, device_type=device_type,
                               ranks=ranks(lay.tp, lay.pp, lay.virtual_stages))
         cand = Candidate(lay, est)
-        if smallest is None or est.peak < smallest.peak:
+        if host_ok(est) and (smallest is None or est.peak < smallest.peak):
             smallest = cand
-        if not est.fits(margin) or host_memory is not None and est.host_per_node > host_memory:
+        if not est.fits(margin) or not host_ok(est):
             too_big += 1
             continue
         if c is not None:
@@ -174,42 +177,52 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100"
         cand.why = _why(cand, result.ranked[0]) if cand.step else "fits"
     if not fits:
         result.suggestions = _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precision, smallest,
-                                             device_type)
+                                             device_type, host_ok, host_memory)
     return result
 
 
-def _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precision, smallest, device_type) -> list[str]:
+def _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precision, smallest, device_type,
+                    host_ok, host_memory) -> list[str]:
+    def ok(e: Estimate) -> bool:
+        return e.fits(margin) and host_ok(e)
+
     out = []
+    if smallest is None and host_memory is not None:
+        out.append(f"every layout needs more than the {host_memory / GiB:.0f} GiB of host memory per node given")
     if smallest is not None:
         out.append(f"the leanest layout, {smallest.layout.describe()}, peaks at {smallest.peak / GiB:.1f} GiB "
                    f"per GPU against {memory * (1 - margin) / GiB:.1f} GiB usable")
         lay = smallest.layout
-        if lay.zero == 3:
-            nvme = lay.replace(offload_optimizer="nvme", offload_param="nvme")
+        if batch % gpus == 0:
+            nvme = Layout(dp=gpus, zero=3, micro_batch=1, grad_accum=batch // gpus, seq_len=seq, precision=precision,
+                          checkpointing=True, offload_optimizer="nvme", offload_param="nvme")
             e = estimate_layout(shape, nvme, nodes=nodes, gpu_memory=memory, device_type=device_type)
-            if e.fits(margin):
+            if ok(e):
                 out.append(f"offload optimizer states and parameters to NVMe: {nvme.describe()} peaks at "
-                           f"{e.peak / GiB:.1f} GiB (set offload_*.nvme_path to a local NVMe drive)")
+                           f"{e.peak / GiB:.1f} GiB and puts {e.disk_per_node / GiB:,.0f} GiB on each node's "
+                           "NVMe (set offload_*.nvme_path to a local drive)")
         per_node = gpus // nodes
-        for factor in (2, 4, 8, 16, 32):
+        for factor in (2, 4, 8, 16, 32, 64):
             lean = None
             for more in layouts(shape, gpus * factor, per_node, seq, batch * factor, precision):
-                if more.micro_batch == 1 and more.checkpointing and more.offload_param == "none":
+                if more.micro_batch == 1 and more.checkpointing:
                     e = estimate_layout(shape, more, nodes=nodes * factor, gpu_memory=memory, device_type=device_type)
-                    if lean is None or e.peak < lean.peak:
+                    if host_ok(e) and (lean is None or e.peak < lean.peak):
                         lean = e
-            if lean is not None and lean.fits(margin):
+            if lean is not None and ok(lean):
                 out.append(f"{gpus * factor} GPUs (global batch {batch * factor}): {lean.layout.describe()} "
                            f"peaks at {lean.peak / GiB:.1f} GiB")
                 break
         if seq > 256:
             short = lay.replace(seq_len=seq // 2)
             e = estimate_layout(shape, short, nodes=nodes, gpu_memory=memory, device_type=device_type)
-            out.append(f"sequence length {seq // 2}: {e.peak / GiB:.1f} GiB" + (" (fits)" if e.fits(margin) else ""))
+            if ok(e):
+                out.append(f"sequence length {seq // 2}: {short.describe()} peaks at {e.peak / GiB:.1f} GiB")
     if shape.llama is not None:
         # LoRA: frozen 16-bit weights, no gradients or optimizer states for them (adapters are ~0.1-1%).
         frozen = shape.n_params * 2
+        split = f", {frozen / gpus / GiB:.1f} GiB each split {gpus} ways" if gpus > 1 else ""
         out.append(f"LoRA fine-tuning (bunsan issue #8) keeps the {shape.n_params / 1e9:.1f}B weights frozen in "
-                   f"16-bit: {frozen / GiB:.1f} GiB of weights on one GPU, {frozen / gpus / GiB:.1f} GiB each "
-                   f"split {gpus} ways, plus activations and the small adapters' states")
+                   f"16-bit: {frozen / GiB:.1f} GiB of weights on one GPU{split}, plus activations and the small "
+                   "adapters' states")
     return out
