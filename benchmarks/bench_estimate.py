@@ -1,6 +1,6 @@
 """Estimate vs measurement, and the planner's ranking vs measured throughput, on CPU (gloo, 2 ranks).
 
-    python benchmarks/bench_estimate.py [--skip-sweep] [--top 6] [--steps 4]
+    python benchmarks/bench_estimate.py [--skip-sweep] [--skip-ranking] [--top 6] [--steps 4]
 
 Part 1 runs the 14 layouts of tests/estimate_runs.py (a 20M-parameter Llama, fresh processes per layout)
 and prints estimated vs measured model states and peak resident set per rank. Part 2 asks the planner for
@@ -84,6 +84,7 @@ def ranking(pools, top: int, steps: int) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--skip-ranking", action="store_true")
     ap.add_argument("--top", type=int, default=6)
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
@@ -92,7 +93,8 @@ def main() -> None:
     print(f"# bench_estimate {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}, {os.cpu_count()} CPUs")
     try:
         out = [] if args.skip_sweep else sweep(pools)
-        out += [""] + ranking(pools, args.top, args.steps)
+        if not args.skip_ranking:
+            out += [""] + ranking(pools, args.top, args.steps)
     finally:
         pools.close()
     print("\n".join(out))

@@ -14,9 +14,12 @@ from .distributed import Mesh, init_distributed
 from .engine import Engine
 from .tensor_parallel import TPContext, apply_tensor_parallel
 from .transforms import apply_activation_checkpointing, apply_compile
+from .estimator import estimate
+from .planner.search import plan
 
 __version__ = "0.1.0"
-__all__ = ["initialize", "init_distributed", "Config", "ConfigError", "Engine", "Mesh", "CommError", "models", "zero"]
+__all__ = ["initialize", "init_distributed", "Config", "ConfigError", "Engine", "Mesh", "CommError", "models", "zero",
+           "estimate", "plan"]
 
 
 def initialize(model: nn.Module | None = None, config=None, optimizer: torch.optim.Optimizer | None = None,

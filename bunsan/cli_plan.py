@@ -23,7 +23,7 @@ ESTIMATE_SWITCHES = {"bf16": "bf16.enabled", "fp16": "fp16.enabled", "checkpoint
 def add_parsers(sub) -> None:
     e = sub.add_parser("estimate", help="memory per GPU and per host of a model under a layout")
     e.add_argument("--model", required=True, help="preset (tiny, small, 135m, 1b, 7b, 13b, 70b), a Hugging Face "
-                   "config.json or model directory")
+                   "config.json or model directory, or a parameter count (7.5B: model states only)")
     e.add_argument("--config", help="bunsan/DeepSpeed config file for the layout (default: bunsan's defaults)")
     e.add_argument("--gpus", type=int, help="GPUs in all (default: tp x pp of the config)")
     e.add_argument("--nodes", type=int, default=1)
@@ -143,16 +143,9 @@ def _states_at(est, stage: int) -> float | None:
     lay = est.layout
     if stage and lay.optimizer.lower() == "adafactor":
         return None
-    rp = max(rank_params(_shape(est), lay.tp, lay.pp, lay.virtual_stages), key=lambda r: r.total)
+    rp = max(rank_params(est.shape, lay.tp, lay.pp, lay.virtual_stages), key=lambda r: r.total)
     st = model_states(rp, lay.dp, stage, lay.dtype_bytes, lay.optimizer)
     return st["model_states"] + st["disk"]
-
-
-def _shape(est):
-    from .estimator.shape import load_shape
-    if not hasattr(est, "_shape"):
-        est._shape = load_shape(est.model)
-    return est._shape
 
 
 def cmd_plan(args) -> int:

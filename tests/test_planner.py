@@ -68,6 +68,13 @@ def test_cli_estimate_prints_the_table(capsys):
     assert data["params"] == load_shape("tiny").n_params and data["peak_bytes"] > 0
 
 
+def test_cli_estimate_shows_the_zero_paper_example(capsys):
+    assert main(["estimate", "--model", "7.5B", "--gpus", "64", "--fp16"]) == 0
+    rows = [line.split("│") for line in capsys.readouterr().out.splitlines() if line.count("│") == 4]
+    paper = [r[2].strip() for r in rows if r[1].strip() in "0123"]
+    assert paper == ["120.0", "31.4", "16.6", "1.9"]
+
+
 def test_cli_plan_writes_a_config_train_accepts(tmp_path, capsys):
     out = tmp_path / "best.json"
     assert main(["plan", "--model", "llama-1b", "--gpus", "4", "--gpu", "a100", "--seq-len", "1024",

@@ -56,6 +56,7 @@ class Estimate:
     model_states: dict                        # its resident model-state bytes by kind, device/host/disk
     stage_peaks: list[float] = field(default_factory=list)    # peak of every pipeline rank
     stage_states: list[dict] = field(default_factory=list)    # model states of every pipeline rank
+    shape: ModelShape | None = field(default=None, repr=False)
 
     def _sum(self, phase: str, where: str = "device") -> float:
         return sum(getattr(i, where) for i in self.items if i.phase == phase)
@@ -139,18 +140,24 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
             items.append(Item("pipeline buffers", device=2 * msg * flight, phase="backward",
                               note="stage input and output per micro-batch in flight"))
     biggest = max(rp.numels, default=0)
-    items.append(Item("weight gradient", device=biggest * d, phase="backward",
-                      note="the largest weight's fresh gradient before it is accumulated"))
+    if not shape.bare:
+        items.append(Item("weight gradient", device=biggest * d, phase="backward",
+                          note="the largest weight's fresh gradient before it is accumulated"))
     if stage == 3:
         unit = max(rp.units, default=0)
         items.append(Item("ZeRO-3 gathered", device=(rp.root + 2 * unit) * d, phase="backward",
                           note="root unit + a block and its prefetch"))
-    if stage >= 1:
+    if stage == 3:
+        # The root unit's staging bucket opens with the head's gradient, first in backward, and closes with the
+        # embedding's, last: it and the block being filled are what stand beside the activations.
+        items.append(Item("gradient buckets", device=(rp.root + max(rp.units, default=0)) * d, phase="backward",
+                          note="root unit's and one block's gradients"))
+    elif stage >= 1:
         # The reducer keeps IN_FLIGHT buckets in flight and launches one more before it waits: each has a
-        # reduce-scatter output (1/N of it) and, at stages 2-3, the full staging bucket autograd copied into.
-        sizes = sorted(bucket_sizes(rp.numels, bucket, stage, rp.units + ([rp.root] if rp.root else [])))
+        # reduce-scatter output (1/N of it) and, at stage 2, the full staging bucket autograd copied into.
+        sizes = sorted(bucket_sizes(rp.numels, bucket, stage))
         live = sum(sizes[-(IN_FLIGHT + 1):])
-        held = live * d * ((1 if stage >= 2 else 0) + 1 / n)
+        held = live * d * ((1 if stage == 2 else 0) + 1 / n)
         items.append(Item("gradient buckets", device=held, phase="backward",
                           note=f"{IN_FLIGHT + 1} buckets being reduced" + (" (outputs)" if stage == 1 else "")))
     if layout.offload_optimizer == "nvme":
@@ -163,7 +170,7 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
         items.append(Item("fp32 gradient shard", device=0.0 if on_host else shard * 4, host=shard * 4 if on_host else 0.0,
                           phase="step", note="from the reduce to the step"))
     largest = biggest if stage == 0 else min(biggest, shard)
-    if on_cpu and layout.optimizer.lower() in ("adamw", "adam"):
+    if on_cpu and not shape.bare and layout.optimizer.lower() in ("adamw", "adam"):
         items.append(Item("optimizer temporaries", device=2 * 4 * largest, phase="step",
                           note="per-tensor AdamW on CPU"))
     return items, st
@@ -192,7 +199,7 @@ def estimate_layout(model, layout: Layout, *, nodes: int = 1, gpu_memory: float 
     worst = max(range(len(peaks)), key=peaks.__getitem__)
     items, st = priced[worst]
     return Estimate(shape.name, shape.n_params, layout, nodes, device_type, gpu_memory, items, worst, st, peaks,
-                    [s for _, s in priced])
+                    [s for _, s in priced], shape)
 
 
 def estimate(model, config=None, *, gpus: int | None = None, nodes: int = 1, gpu_memory: float | None = None,

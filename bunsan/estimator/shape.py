@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,7 @@ class ModelShape:
     name: str
     module: nn.Module                 # on the meta device
     llama: LlamaConfig | None = None  # the shape activations are computed from; None for other modules
+    bare: bool = False                # known only by its parameter count: no per-tensor transients
 
     @property
     def n_params(self) -> int:
@@ -40,8 +42,20 @@ def _llama_shape(cfg: LlamaConfig, name: str) -> ModelShape:
         return ModelShape(name, Llama(cfg), cfg)
 
 
+_COUNT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmbt])\s*$", re.IGNORECASE)
+_SCALE = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+
+
+def _bare(count: float, name: str) -> ModelShape:
+    """A model known only by its parameter count ("7.5B"): model states, no activations."""
+    module = nn.Module()
+    module.weight = nn.Parameter(torch.empty(int(count), device="meta"))
+    return ModelShape(f"{name} parameters", module, bare=True)
+
+
 def load_shape(model, overrides: dict | None = None) -> ModelShape:
-    """A ModelShape from a preset name, a config.json path or HF directory, a LlamaConfig or an nn.Module."""
+    """A ModelShape from a preset name, a config.json path or HF directory, a LlamaConfig, an nn.Module,
+    or a bare parameter count such as "7.5B" (model states only)."""
     if isinstance(model, ModelShape):
         return model
     if isinstance(model, LlamaConfig):
@@ -52,6 +66,9 @@ def load_shape(model, overrides: dict | None = None) -> ModelShape:
     if not isinstance(model, (str, Path)):
         raise TypeError(f"model must be a preset name, a config.json path, a LlamaConfig or an nn.Module, "
                         f"got {type(model).__name__}")
+    from ..models.presets import canonical_name, presets
+    if canonical_name(str(model)) not in presets and (m := _COUNT.match(str(model))):
+        return _bare(float(m[1]) * _SCALE[m[2].lower()], str(model))
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"

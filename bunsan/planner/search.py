@@ -139,9 +139,12 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100"
         raise ValueError(f"{gpus} GPUs cannot be spread evenly over {nodes} nodes; use a multiple of {nodes}")
     spec = gpu_spec(gpu)
     memory = float(gpu_memory if gpu_memory is not None else spec.memory_bytes)
-    if precision is None:   # CPUs run bf16 matmuls far slower than fp32 (5x on the test machines)
-        precision = "fp32" if spec.name == "cpu" else "bf16" if "bf16" in spec.peak_flops else "fp16"
-    spec.flops(precision)                       # a precision the GPU lacks is an error here
+    if precision is None:   # 16-bit (bf16 where the GPU has it) and fp32; CPUs run bf16 matmuls 5x slower
+        half = "bf16" if "bf16" in spec.peak_flops else "fp16"
+        precisions = ["fp32"] if spec.name == "cpu" else [half, "fp32"]
+    else:
+        spec.flops(precision)                   # a precision the GPU lacks is an error here
+        precisions = [precision]
     c = shape.llama
     seq = seq_len or (min(c.max_position_embeddings, 4096) if c else 2048)
     batch = global_batch or max(gpus, 8)
@@ -154,7 +157,9 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100"
         return host_memory is None or e.host_per_node <= host_memory
 
     fits, considered, too_big, smallest = [], 0, 0, None
-    for lay in layouts(shape, gpus, per_node, seq, batch, precision, optimizer):
+    candidates = itertools.chain.from_iterable(layouts(shape, gpus, per_node, seq, batch, p, optimizer)
+                                               for p in precisions)
+    for lay in candidates:
         considered += 1
         est = estimate_layout(shape, lay, nodes=nodes, gpu_memory=memory, device_type=device_type,
                               ranks=ranks(lay.tp, lay.pp, lay.virtual_stages))
@@ -176,7 +181,7 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100"
     for cand in result.ranked:
         cand.why = _why(cand, result.ranked[0]) if cand.step else "fits"
     if not fits:
-        result.suggestions = _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precision, smallest,
+        result.suggestions = _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precisions[0], smallest,
                                              device_type, host_ok, host_memory)
     return result
 
