@@ -66,6 +66,16 @@ class Strategy:
     def consolidated_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
+    # -- checkpoints (checkpoint/pieces.py) --------------------------------------------------------
+    def visit_state(self, fn, create: dict | None = None) -> None:
+        """fn(param index, first element, fp32 master values (1-D view), optimizer state dict) for every
+        piece of weights and optimizer state this rank steps; `create` makes missing states first."""
+        raise NotImplementedError
+
+    def sync_params_from_master(self) -> None:
+        """After masters were loaded: the model's weights (every rank's copy) from them."""
+        raise NotImplementedError
+
     def bytes_by_kind(self) -> dict:
         raise NotImplementedError
 
@@ -81,6 +91,10 @@ class Sharded(Strategy):
 
     def clip(self, coef: float) -> None:
         self.opt.grad.mul_(coef)
+
+    def visit_state(self, fn, create: dict | None = None) -> None:
+        frags = self.layout.fragments
+        self.opt.visit(lambda j, master, state: fn(frags[j].param, frags[j].param_offset, master, state), create)
 
 
 class Replicated(Strategy):
@@ -151,6 +165,20 @@ class Replicated(Strategy):
     def zero_grad(self) -> None:
         self._g32 = None
         self.flat.grad.zero_()   # not flat.zero_grad(): stage 0 keeps DDP's speed (no page faults per step)
+
+    def visit_state(self, fn, create: dict | None = None) -> None:
+        for i, p in enumerate(self.params):
+            t = self.masters[i] if self.mixed else p
+            state = self.optimizer.state[t]
+            if create and not state:
+                for name, dtype in create.items():
+                    state[name] = (torch.zeros((), dtype=torch.float32) if dtype is None
+                                   else torch.zeros_like(t, dtype=dtype))
+            fn(i, 0, t.detach().view(-1), state)
+
+    def sync_params_from_master(self) -> None:
+        if self.mixed:
+            self.flat.data.copy_(self.master)
 
     def bytes_by_kind(self) -> dict:
         opt = [v for s in self.optimizer.state.values() for v in s.values()

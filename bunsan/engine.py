@@ -264,3 +264,15 @@ class Engine:
 
     def memory_report(self) -> dict:
         return measured_memory(self)
+
+    # -- checkpoints (checkpoint/) ---------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
+                        keep_last: int | None = None):
+        """Every rank: its shards as safetensors, atomically; `client_state` (JSON-able) comes back on load."""
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag, client_state, keep_last)
+
+    def load_checkpoint(self, load_dir, tag: str | None = None, load_optimizer_states: bool = True):
+        """Every rank: (path, client_state). Any layout's checkpoint loads into this one."""
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag, load_optimizer_states)

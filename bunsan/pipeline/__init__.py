@@ -31,6 +31,7 @@ class Pipe:
     tied: list = field(default_factory=list)        # (parameter name here, Group): gradients summed over it
     duplicates: set = field(default_factory=set)    # tied copies counted in the gradient norm elsewhere
     recorder: Recorder | None = None
+    canonical: dict = field(default_factory=dict)  # parameter name -> the name its tensor has first in the model
 
     def start(self, comm, mesh, device) -> None:
         p2p = P2P(comm, mesh.pp_group, self.p, self.p * self.v, self.n_micro)
@@ -86,7 +87,7 @@ def setup(model: nn.Module, mesh, cfg, device: torch.device, seed: int) -> Pipe:
     if any(prm.is_meta for prm in stage.parameters()):
         _materialize(stage, canonical, device, seed)
     return Pipe(stage, pcfg.schedule, p, v, m, schedule[r], tied=tied, duplicates=duplicates,
-                recorder=Recorder())
+                recorder=Recorder(), canonical=canonical)
 
 
 @torch.no_grad()

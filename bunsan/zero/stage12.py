@@ -103,6 +103,11 @@ class ShardedGrads(Sharded):
         for h in pending:
             h.wait()
 
+    def sync_params_from_master(self) -> None:
+        if not self.opt.aliased:
+            self.opt.visit(lambda j, master, state: self._write_back(self.layout.fragments[j], master))
+        self._all_gather()
+
     def zero_grad(self) -> None:
         if self.stage == 1:
             # Zeroed in place, not dropped (flat.zero_grad()): refaulting 4Ψ bytes of pages in every backward

@@ -317,6 +317,15 @@ class FullyShardedDP(Sharded):
     def zero_grad(self) -> None:
         self.opt.drop_grad()
 
+    def sync_params_from_master(self) -> None:
+        for k in range(len(self.units)):
+            self.release(k, force=True)   # gathered copies (persistent units) would be stale
+        if not self.opt.aliased:
+            self.opt.visit(lambda j, master, state: self._write_back(self.layout.fragments[j], master))
+        for k, shard in self._dirty.items():
+            self.param_swap.write(f"u{k}", shard)
+        self._dirty.clear()
+
     def consolidated_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         with self.gathered():
             return super().consolidated_state_dict(module)

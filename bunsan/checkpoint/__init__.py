@@ -1,0 +1,201 @@
+"""Checkpoints that resume exactly and load on any layout: `engine.save_checkpoint` / `engine.load_checkpoint`.
+
+Each rank writes only what it steps (pieces.py) as safetensors, with an index in global coordinates;
+store.py makes the directory appear atomically with checksums; assemble.py reads any layout's pieces
+into this layout's. Weights are saved once, as the fp32 master copy (a 16-bit model's weights are its
+cast), with the optimizer states beside them; engine counters, the loss scaler and the caller's state
+(data position) go to meta.json, each rank's RNG state into its own file. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from . import store
+from .assemble import read_local
+from .pieces import frozen_of, locals_of
+from .store import CheckpointError
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
+
+SCALER_FIELDS = ("scale", "cur_hysteresis", "iter", "last_overflow_iter", "skipped_steps")
+
+
+def _barrier(engine) -> None:
+    engine.comm.all_reduce_scalars([0.0], engine.mesh.world)
+
+
+def _rank_state(engine) -> tuple[dict, dict]:
+    """(tensors, index) this rank writes."""
+    params, writes = locals_of(engine)
+    stage0_copy = engine.dp.stage == 0 and engine.mesh.dp_rank != 0
+    tensors, pieces, scalars = {}, [], {}
+
+    def take(i, lo, master, state):
+        t = params[i]
+        if not writes[i] or stage0_copy:
+            return
+        hi = lo + master.numel()
+        for kind, value in [("master", master)] + sorted(state.items()):
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                if lo == 0:
+                    scalars.setdefault(t.name, {})[kind] = float(value)
+                continue
+            key = f"{kind}/{i}.{lo}"
+            flat = value.detach().reshape(-1)
+            entry = {"key": key, "kind": kind, "lo": lo, "hi": hi, **t.to_json()}
+            if flat.numel() != hi - lo:   # a factored state (Adafactor): stored as is, read back only in place
+                entry.update(opaque=list(value.shape))
+            tensors[key] = flat.to("cpu", copy=True)
+            pieces.append(entry)
+    engine.dp.visit_state(take)
+    for local, t, w in frozen_of(engine):
+        if w:
+            key = f"frozen/{local.name}"
+            tensors[key] = t.detach().reshape(-1).to("cpu", copy=True)
+            pieces.append({"key": key, "kind": "frozen", "lo": 0, "hi": t.numel(), **local.to_json()})
+    tensors["rng/torch"] = torch.get_rng_state()
+    if engine.device.type == "cuda":
+        tensors["rng/cuda"] = torch.cuda.get_rng_state(engine.device)
+    return tensors, {"pieces": pieces, "scalars": scalars}
+
+
+def save_checkpoint(engine, save_dir, tag: str | None = None, client_state: dict | None = None,
+                    keep_last: int | None = None) -> Path:
+    """Every rank calls it. Returns the checkpoint directory (ROOT/tag)."""
+    root = Path(save_dir)
+    tag = tag or store.tag_for(engine.global_step)
+    if "/" in tag or tag.startswith(".") or tag == "latest":
+        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name, not hidden and not 'latest'")
+    if engine.micro_steps:
+        raise RuntimeError(f"save_checkpoint in the middle of an optimizer step ({engine.micro_steps} of "
+                           f"{engine.grad_accum} micro-batches done): save after engine.step() completes one")
+    rank, world = engine.mesh.rank, engine.mesh.world.size
+    if rank == 0:
+        store.begin(root, tag)
+    _barrier(engine)
+    tensors, index = _rank_state(engine)
+    store.write_rank(root, tag, rank, tensors, index)
+    _barrier(engine)
+    if rank == 0:
+        scaler = engine.scaler
+        meta = {"step": engine.global_step, "config": engine.cfg.to_dict(),
+                "layout": {"dp": engine.mesh.dp, "tp": engine.mesh.tp, "pp": engine.mesh.pp,
+                           "zero": engine.dp.stage, "dtype": str(engine.dtype).removeprefix("torch.")},
+                "engine": {"global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
+                           "scaler": {k: getattr(scaler, k) for k in SCALER_FIELDS} if scaler else None},
+                "model": _model_config(engine), "client_state": client_state or {}}
+        store.commit(root, tag, world, meta, keep_last or engine.cfg.checkpoint.keep_last)
+    _barrier(engine)
+    return root / tag
+
+
+def _model_config(engine) -> dict | None:
+    cfg = getattr(engine.module, "config", None)
+    return cfg.to_hf() if hasattr(cfg, "to_hf") else None
+
+
+def _verified(engine, root: Path, tags: list[str]) -> tuple[str, dict]:
+    """The first tag whose every file is whole (checked by all ranks together), and its meta."""
+    rank, world = engine.mesh.rank, engine.mesh.world.size
+    problems = []
+    for tag in tags:
+        try:
+            meta = store.read_meta(root, tag)
+            files = sorted(meta["files"])
+            bad = [0.0] * len(files)
+            for k in range(rank, len(files), world):   # each rank checks its share of the files
+                if store.check_file(root, tag, files[k], meta["files"][files[k]]) is not None:
+                    bad[k] = 1.0
+            bad = engine.comm.all_reduce_scalars(bad, engine.mesh.world) if bad else bad
+        except CheckpointError as e:
+            meta, files, bad = None, [], [1.0]
+            reason = str(e)
+        if meta is not None and not any(bad):
+            return tag, meta
+        if meta is not None:
+            k = next(k for k, b in enumerate(bad) if b)
+            reason = store.check_file(root, tag, files[k], meta["files"][files[k]]) or f"{files[k]} is damaged"
+        problems.append(f"{tag}: {reason}")
+        if rank == 0:
+            print(f"bunsan: checkpoint {root / tag} refused: {reason}", file=sys.stderr)
+    raise CheckpointError(f"no loadable checkpoint in {root}: " + ("; ".join(problems) or "none was saved"))
+
+
+def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_states: bool = True):
+    """Every rank calls it. Returns (checkpoint path, client_state), as DeepSpeed does. A damaged checkpoint
+    is refused (naming the file) and the previous complete one loaded instead."""
+    root = Path(load_dir)
+    tags = store.candidates(root, tag)
+    if not tags:
+        raise CheckpointError(f"no checkpoint in {root} (no `latest` and no tag directory with a meta.json); "
+                              "save one with engine.save_checkpoint or check the path")
+    tag, meta = _verified(engine, root, tags)
+    reader = store.Reader(root, tag, meta)
+    params, _ = locals_of(engine)
+    create, kinds = {}, {}
+    for t in params:
+        have = reader.kinds_of(t.name) - {"master", "frozen"}
+        kinds[t.name] = sorted(have) if load_optimizer_states else []
+        for k in kinds[t.name]:
+            if "opaque" not in reader.pieces(t.name, k)[0]:   # factored states are put in whole, not filled
+                create[k] = torch.float32
+        for k in (meta["scalars"].get(t.name, {}) if load_optimizer_states else {}):
+            create[k] = None
+
+    def put(i, lo, master, state):
+        t = params[i]
+        hi = lo + master.numel()
+        master.copy_(read_local(reader, t, "master", lo, hi))
+        for kind in kinds[t.name]:
+            if kind not in state and kind in create:
+                raise CheckpointError(f"the checkpoint has optimizer state {kind!r} for {t.name!r}, which this "
+                                      f"optimizer ({type(engine.optimizer).__name__}) does not keep; load with "
+                                      "load_optimizer_states=False or use the optimizer it was saved with")
+            _load_state(reader, t, kind, lo, hi, state)
+        for kind, value in (meta["scalars"].get(t.name, {}) if load_optimizer_states else {}).items():
+            old = state.get(kind)
+            state[kind] = (torch.tensor(value, dtype=old.dtype, device=old.device)
+                           if isinstance(old, torch.Tensor) else value)
+    with torch.no_grad():
+        engine.dp.visit_state(put, create if load_optimizer_states else None)
+        engine.dp.sync_params_from_master()
+        for local, t, _ in frozen_of(engine):
+            t.copy_(read_local(reader, local, "frozen", 0, t.numel()).view(t.shape))
+    _restore_engine(engine, meta, reader)
+    _barrier(engine)
+    return root / tag, meta.get("client_state", {})
+
+
+def _load_state(reader, t, kind, lo, hi, state) -> None:
+    pieces = reader.pieces(t.name, kind)
+    if "opaque" in pieces[0]:
+        same = [p for p in pieces if p["lo"] == lo and tuple(p["local_shape"]) == t.local_shape
+                and p["start"] == t.start and p["tp_dim"] == t.tp_dim]
+        if not same:
+            raise CheckpointError(f"optimizer state {kind!r} of {t.name!r} is factored (Adafactor) and cannot be "
+                                  "cut for another layout; load it on the layout it was saved with, or load with "
+                                  "load_optimizer_states=False")
+        device = state[kind].device if isinstance(state.get(kind), torch.Tensor) else "cpu"
+        state[kind] = reader.read(same[0]).view(same[0]["opaque"]).to(device)
+        return
+    state[kind].view(-1).copy_(read_local(reader, t, kind, lo, hi))
+
+
+def _restore_engine(engine, meta: dict, reader) -> None:
+    e = meta["engine"]
+    engine.global_step, engine.skipped_steps, engine.micro_steps = e["global_step"], e["skipped_steps"], 0
+    if engine.scaler is not None and e.get("scaler"):
+        for k, v in e["scaler"].items():
+            setattr(engine.scaler, k, v)
+    engine._set_lr()
+    if meta["world"] == engine.mesh.world.size:   # same processes: each continues its own random stream
+        rng = reader.tensor("rng/torch", store.rank_file(engine.mesh.rank))
+        if rng is not None:
+            torch.set_rng_state(rng)
+        cuda = reader.tensor("rng/cuda", store.rank_file(engine.mesh.rank))
+        if cuda is not None and engine.device.type == "cuda":
+            torch.cuda.set_rng_state(cuda, engine.device)

@@ -1,0 +1,105 @@
+"""What one rank holds of every logical tensor, in coordinates any other layout can read.
+
+A logical tensor is (name, kind): the plain model's parameter name (tied weights under their first
+name) and `master` (fp32 weights), an optimizer state (`exp_avg`, ...), or `frozen` (a weight
+nothing trains). A rank holds a *local* tensor: the whole parameter, or its tensor-parallel slice
+along `tp_dim` starting at global index `start` (vocabulary slices are padded at the end). Of that
+local tensor, flattened, it steps the elements [lo, hi): ZeRO's fragments, or all of it.
+
+A piece records exactly that: name, kind, global shape, local shape, tp_dim, start, [lo, hi).
+Writers are chosen so every element is written once: data-parallel replicas (stage 0) write from
+dp rank 0, tensor-parallel replicas (norms) from tp rank 0, a weight tied across pipeline stages
+from the stage that owns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Local:
+    """A rank's local tensor of one parameter, placed in the global tensor."""
+    name: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    tp_dim: int | None = None
+    start: int = 0
+
+    @property
+    def valid(self) -> int:
+        """Rows along tp_dim that are real (the rest is vocabulary padding)."""
+        if self.tp_dim is None:
+            return self.local_shape[0] if self.local_shape else 1
+        return max(0, min(self.local_shape[self.tp_dim], self.global_shape[self.tp_dim] - self.start))
+
+    def region(self) -> list[tuple[int, int]]:
+        """Global [lo, hi) per dimension of the local tensor's real part."""
+        out = [(0, n) for n in self.global_shape]
+        if self.tp_dim is not None:
+            out[self.tp_dim] = (self.start, self.start + self.valid)
+        return out
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.global_shape), "local_shape": list(self.local_shape),
+                "tp_dim": self.tp_dim, "start": self.start}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Local:
+        return cls(d["name"], tuple(d["shape"]), tuple(d["local_shape"]), d["tp_dim"], d["start"])
+
+
+def _tp_place(module: nn.Module, param: torch.Tensor, local_shape: tuple,
+              tp_rank: int) -> tuple[tuple[int, ...], int | None, int]:
+    """(global shape, tp_dim, start) of a parameter of `module` whose local shape is `local_shape`."""
+    style = getattr(module, "tp_style", None)
+    if style is None or getattr(module, "weight", None) is not param:
+        return tuple(local_shape), None, 0
+    dim = module.tp_dim
+    return tuple(module.full_shape), dim, tp_rank * local_shape[dim]
+
+
+def locals_of(engine) -> tuple[list[Local], list[bool]]:
+    """The Local of every parameter the strategy steps (strategy order) and whether this rank writes it."""
+    module, pipe, mesh = engine.module, engine.pipe, engine.mesh
+    canonical = pipe.canonical if pipe is not None else {}
+    duplicates = pipe.duplicates if pipe is not None else set()
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    shapes = getattr(engine.dp, "_shapes", None)   # ZeRO-3: released parameters are empty, the layout knows
+    out, writes = [], []
+    for i, p in enumerate(engine.dp.params):
+        name = names[id(p)]
+        owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        local_shape = tuple(shapes[i]) if shapes is not None else tuple(p.shape)
+        shape, dim, start = _tp_place(owner, p, local_shape, mesh.tp_rank)
+        out.append(Local(canonical.get(name, name), shape, local_shape, dim, start))
+        replicated_tp = dim is None and mesh.tp > 1
+        writes.append(name not in duplicates and not (replicated_tp and mesh.tp_rank != 0))
+    return out, writes
+
+
+def frozen_of(engine) -> list[tuple[Local, torch.Tensor, bool]]:
+    """Parameters nothing trains (and persistent buffers): (Local, tensor, this rank writes it)."""
+    module, mesh = engine.module, engine.mesh
+    trained = {id(p) for p in engine.dp.params}
+    canonical = engine.pipe.canonical if engine.pipe is not None else {}
+    out, seen = [], set()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in trained or id(p) in seen:
+            continue
+        seen.add(id(p))
+        owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        shape, dim, start = _tp_place(owner, p, tuple(p.shape), mesh.tp_rank)
+        writes = mesh.dp_rank == 0 and (dim is not None or mesh.tp_rank == 0)
+        out.append((Local(canonical.get(name, name), shape, tuple(p.shape), dim, start), p, writes))
+    persistent = set(module.state_dict().keys())
+    for name, b in module.named_buffers():
+        if name in persistent and b is not None:
+            writes = mesh.dp_rank == 0 and mesh.tp_rank == 0
+            out.append((Local(name, tuple(b.shape), tuple(b.shape)), b, writes))
+    return out

@@ -1,0 +1,215 @@
+"""Checkpoint directories on disk: written atomically, checksummed, read without pickle.
+
+    ROOT/latest                    the tag of the newest complete checkpoint (written last)
+    ROOT/global_step120/meta.json  layout, step, config, engine and client state, every file's sha256,
+                                   and the index of every piece (see pieces.py)
+    ROOT/global_step120/rank00000.safetensors  what rank 0 wrote
+    ROOT/.tmp-global_step130/      a save in progress (ignored by readers, removed by the next save)
+
+Save: every rank writes its safetensors file and a JSON index into the temporary directory and
+fsyncs them; rank 0 then writes meta.json, renames the directory into place, fsyncs, and only then
+updates `latest` (itself written to a temporary file and renamed). A crash at any point leaves the
+previous checkpoint and `latest` as they were.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT, VERSION = "bunsan-checkpoint", 1
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def tag_for(step: int) -> str:
+    return f"global_step{step}"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, obj) -> None:
+    """Write, fsync, rename: a reader sees the old file or the whole new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    _fsync(tmp)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def temp_dir(root: Path, tag: str) -> Path:
+    return root / f".tmp-{tag}"
+
+
+def begin(root: Path, tag: str) -> None:
+    """Rank 0, before anyone writes: a fresh temporary directory (a crashed save's is discarded)."""
+    tmp = temp_dir(root, tag)
+    root.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+
+def write_rank(root: Path, tag: str, rank: int, tensors: dict[str, torch.Tensor], index: dict) -> None:
+    """This rank's tensors and its index (pieces, scalars, checksum) into the temporary directory."""
+    tmp = temp_dir(root, tag)
+    path = tmp / rank_file(rank)
+    save_file(tensors, str(path), metadata={"format": FORMAT, "rank": str(rank)})
+    _fsync(path)
+    index = {**index, "file": path.name, "sha256": sha256(path), "bytes": path.stat().st_size}
+    write_json(tmp / f"rank{rank:05d}.json", index)
+
+
+def commit(root: Path, tag: str, world: int, meta: dict, keep_last: int) -> Path:
+    """Rank 0, after every rank wrote: meta.json, rename into place, then `latest`, then prune."""
+    tmp = temp_dir(root, tag)
+    ranks = [json.loads((tmp / f"rank{r:05d}.json").read_text()) for r in range(world)]
+    meta = {**meta, "format": FORMAT, "version": VERSION, "tag": tag, "world": world,
+            "files": {r["file"]: {"sha256": r["sha256"], "bytes": r["bytes"]} for r in ranks},
+            "pieces": [{**p, "file": r["file"]} for r in ranks for p in r["pieces"]],
+            "scalars": {k: v for r in ranks for k, v in r["scalars"].items()}}
+    for r in range(world):
+        (tmp / f"rank{r:05d}.json").unlink()
+    write_json(tmp / "meta.json", meta)
+    final = root / tag
+    if final.exists():                       # saving the same step again: replace it, never half of it
+        old = root / f".old-{tag}"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync(root)
+    (root / "latest").with_name("latest.tmp").write_text(tag)
+    _fsync(root / "latest.tmp")
+    os.replace(root / "latest.tmp", root / "latest")
+    _fsync(root)
+    prune(root, keep_last, keep=tag)
+    return final
+
+
+def complete_tags(root: Path) -> list[str]:
+    """Tags with a meta.json, newest step first."""
+    if not root.is_dir():
+        return []
+    out = []
+    for d in root.iterdir():
+        meta = d / "meta.json"
+        if d.is_dir() and not d.name.startswith(".") and meta.is_file():
+            try:
+                out.append((json.loads(meta.read_text()).get("step", -1), d.name))
+            except (OSError, json.JSONDecodeError):
+                out.append((-1, d.name))
+    return [t for _, t in sorted(out, reverse=True)]
+
+
+def prune(root: Path, keep_last: int, keep: str) -> None:
+    for tag in complete_tags(root)[keep_last:]:
+        if tag != keep:
+            shutil.rmtree(root / tag, ignore_errors=True)
+
+
+def candidates(root: Path, tag: str | None) -> list[str]:
+    """Tags to try, in order: the one asked for (or `latest`), then older complete ones."""
+    tags = complete_tags(root)
+    first = tag
+    if first is None and (root / "latest").is_file():
+        first = (root / "latest").read_text().strip()
+    if first is None:
+        return tags
+    return [first] + [t for t in tags if t != first]
+
+
+def read_meta(root: Path, tag: str) -> dict:
+    path = root / tag / "meta.json"
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} does not exist") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is unreadable: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a bunsan checkpoint (format {meta.get('format')!r})")
+    if meta.get("version", 0) > VERSION:
+        raise CheckpointError(f"{path} has format version {meta['version']}; this bunsan reads up to {VERSION}")
+    return meta
+
+
+def check_file(root: Path, tag: str, name: str, expect: dict) -> str | None:
+    """None if the file is whole, else what is wrong with it."""
+    path = root / tag / name
+    if not path.is_file():
+        return f"{path} is missing"
+    size = path.stat().st_size
+    if size != expect["bytes"]:
+        return f"{path} has {size} bytes, {expect['bytes']} were written (truncated or altered)"
+    if sha256(path) != expect["sha256"]:
+        return f"{path} does not match its sha256 recorded in meta.json (altered or corrupted)"
+    return None
+
+
+class Reader:
+    """The pieces of one checkpoint, by (name, kind), read lazily from their files."""
+
+    def __init__(self, root: Path, tag: str, meta: dict):
+        self.dir, self.meta = root / tag, meta
+        self.by_key: dict[tuple[str, str], list[dict]] = {}
+        for p in meta["pieces"]:
+            self.by_key.setdefault((p["name"], p["kind"]), []).append(p)
+        self._files: dict[str, object] = {}
+        self.cache: dict = {}
+
+    def kinds_of(self, name: str) -> set[str]:
+        return {k for (n, k) in self.by_key if n == name}
+
+    def pieces(self, name: str, kind: str) -> list[dict]:
+        out = self.by_key.get((name, kind))
+        if not out:
+            raise CheckpointError(f"checkpoint {self.dir} has no {kind} for parameter {name!r}; it was written "
+                                  "for another model (or without optimizer states)")
+        return out
+
+    def read(self, piece: dict, a: int | None = None, b: int | None = None) -> torch.Tensor:
+        """Elements [a, b) of a piece's stored 1-D tensor (all of it by default)."""
+        f = self._files.get(piece["file"])
+        if f is None:
+            f = self._files[piece["file"]] = safe_open(str(self.dir / piece["file"]), framework="pt")
+        if a is None:
+            return f.get_tensor(piece["key"])
+        return f.get_slice(piece["key"])[a:b]
+
+    def tensor(self, key: str, file: str) -> torch.Tensor | None:
+        path = self.dir / file
+        if not path.is_file():
+            return None
+        with safe_open(str(path), framework="pt") as f:
+            return f.get_tensor(key) if key in f.keys() else None
