@@ -1,4 +1,4 @@
-"""The `bunsan` command: run | train | generate | estimate | plan.
+"""The `bunsan` command: run | train | generate | estimate | plan | convert.
 
 Process management is torchrun's (`torch.distributed.run`): `bunsan run` hands it
 the script, `bunsan train --nproc N` hands it `python -m bunsan.cli train ...`.
@@ -32,6 +32,9 @@ TRAIN_FLAGS = {
     "output": ("train.output_dir", str, "output directory (metrics, final weights)"),
     "tokenizer": ("data.tokenizer", str, "Hugging Face tokenizer.json (default: bytes)"),
     "timeout": ("train.timeout_s", float, "collective timeout in seconds"),
+    "init_from": ("train.init_from", str, "Hugging Face Llama directory whose shape and weights start the run"),
+    "checkpoint_dir": ("checkpoint.dir", str, "save checkpoints here, and resume from the newest one"),
+    "save_interval": ("checkpoint.save_interval", int, "steps between checkpoints (0: at the end only)"),
 }
 TRAIN_SWITCHES = {"fp16": "fp16.enabled", "bf16": "bf16.enabled", "compile": "train.compile",
                   "checkpointing": "activation_checkpointing.enabled", "sp": "tensor_parallel.sequence_parallel"}
@@ -170,7 +173,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (KV cache sharded by heads)")
     from .cli_plan import add_parsers
     add_parsers(sub)
+
+    c = sub.add_parser("convert", help="a sharded checkpoint to one safetensors file or a Hugging Face directory")
+    c.add_argument("checkpoint", help="checkpoint directory (the one holding `latest`)")
+    c.add_argument("out", help="output file (--to safetensors) or directory (--to hf)")
+    c.add_argument("--to", choices=("safetensors", "hf"), default="safetensors")
+    c.add_argument("--tag", help="which checkpoint (default: latest, or the newest whole one)")
+    c.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
     return p
+
+
+def cmd_convert(args) -> int:
+    from .checkpoint.convert import convert
+    out = convert(args.checkpoint, args.out, args.to, args.tag, args.dtype)
+    print(f"bunsan convert: wrote {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,12 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd in ("estimate", "plan"):
             from .cli_plan import cmd_estimate, cmd_plan
             return cmd_estimate(args) if args.cmd == "estimate" else cmd_plan(args)
+        if args.cmd == "convert":
+            return cmd_convert(args)
         return cmd_generate(args)
     except ConfigError as e:
         print(f"bunsan: config error:\n{e}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError) as e:
-        if args.cmd not in ("estimate", "plan"):
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        if args.cmd not in ("estimate", "plan", "convert"):
             raise
         print(f"bunsan {args.cmd}: {e}", file=sys.stderr)
         return 2

@@ -51,9 +51,6 @@ UNIMPLEMENTED: list[tuple[typing.Callable[[Config], bool], str]] = [
     (lambda c: c.activation_checkpointing.cpu_checkpointing,
      "activation_checkpointing.cpu_checkpointing=true: offloading checkpointed activations to CPU is not "
      "planned; set it to false (activation_checkpointing.enabled recomputes activations instead)"),
-    (lambda c: c.checkpoint.save_interval > 0,
-     "checkpoint.save_interval={c.checkpoint.save_interval}: periodic checkpoints are not implemented yet "
-     "(they land with the checkpoint issue #7); set checkpoint.save_interval to 0"),
 ]
 
 

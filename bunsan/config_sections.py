@@ -344,15 +344,24 @@ class Data(Section):
 
 
 class Checkpoint(Section):
-    dir: Optional[str] = None
-    save_interval: Int = Field(0, ge=0)
+    dir: Optional[str] = None          # where `bunsan train` saves (and resumes from)
+    save_interval: Int = Field(0, ge=0)  # optimizer steps between saves; 0 = only at the end (with dir set)
     keep_last: Int = Field(3, ge=1)
+    resume: bool = True                # `bunsan train` continues from the newest whole checkpoint in dir
+
+    @model_validator(mode="after")
+    def _dir(self) -> Checkpoint:
+        if self.save_interval and not self.dir:
+            raise Rule(("save_interval", f"save_interval {self.save_interval} needs a directory to save into; "
+                                         "set checkpoint.dir (e.g. runs/bunsan/checkpoints) or save_interval 0"))
+        return self
 
 
 class Train(Section):
     steps: Int = Field(200, ge=1)
     seed: Int = Field(1234, ge=0)
     output_dir: str = "runs/bunsan"
+    init_from: Optional[str] = None    # a Hugging Face Llama directory: its shape and weights start the run
     compile: bool = False
     tf32: bool = True
     eval_interval: Int = Field(0, ge=0)

@@ -16,11 +16,14 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from . import initialize
+from .checkpoint import store
+from .checkpoint.hf import load_hf_into_engine
 from .config import Config
 from .data import TokenBatches, load_tokenizer, load_tokens, make_loader, resolve_paths, unigram_entropy
 from .distributed import init_distributed
 from .metrics import Metrics, peak_flops
 from .models import Llama, build_config, flops_per_token
+from .models.hf import read_config
 from .pipeline import write_timeline
 
 # `bunsan train` without a config file: the small preset learns Python source in a few minutes on 2 cores.
@@ -96,6 +99,12 @@ def run_training(cfg: Config) -> dict:
     # Rank 0 tokenises (once, cached); the others wait for the cache file to appear and map it.
     tokens = load_tokens(files, tokenizer, cfg.data.cache_dir, cfg.data.max_bytes, build=rank == 0)
     mcfg = model_config(cfg, tokenizer.vocab_size)
+    if cfg.train.init_from:       # the Hugging Face model's shape; its weights are loaded once the layout exists
+        mcfg = read_config(cfg.train.init_from)
+        if mcfg.vocab_size < tokenizer.vocab_size or mcfg.max_position_embeddings < cfg.data.seq_len:
+            raise ValueError(f"{cfg.train.init_from} has vocab_size {mcfg.vocab_size} and max_position_embeddings "
+                             f"{mcfg.max_position_embeddings}; the data needs at least {tokenizer.vocab_size} and "
+                             f"{cfg.data.seq_len}: use its tokenizer (data.tokenizer) or a shorter data.seq_len")
     if cfg.pipeline.stages > 1:   # each rank allocates and initialises only its own stages
         with torch.device("meta"):
             model = Llama(mcfg)
@@ -107,6 +116,9 @@ def run_training(cfg: Config) -> dict:
                            seed=cfg.train.seed, val_fraction=cfg.data.val_fraction)
     loader = make_loader(batches, cfg.data.num_workers, cfg.data.pin_memory, cfg.data.prefetch_factor)
     val = val_batches(tokens, cfg, engine)
+    if cfg.train.init_from:
+        load_hf_into_engine(engine, cfg.train.init_from)
+    start, first_loss = resume(engine, cfg, loader)
 
     out_dir = Path(cfg.train.output_dir)
     metrics = Metrics(out_dir, cfg.train.metrics_file, cfg.train.steps, rank, cfg.tensorboard)
@@ -123,12 +135,17 @@ def run_training(cfg: Config) -> dict:
             f"{engine.grad_accum}), {len(tokens):,} corpus tokens, unigram entropy {entropy:.3f} nats")
     losses, t_start, t_last, steps_timed = [], None, time.perf_counter(), 0
     it = iter(loader)
-    for step in range(1, cfg.train.steps + 1):
+    for step in range(start + 1, cfg.train.steps + 1):
         batch = next(it)
         loss = engine.train_batch(batch)
         losses.append(loss)
+        first_loss = loss if first_loss is None else first_loss
+        save_every = cfg.checkpoint.save_interval
+        if cfg.checkpoint.dir and (step == cfg.train.steps or save_every and step % save_every == 0):
+            engine.save_checkpoint(cfg.checkpoint.dir, client_state={"data": loader.state_dict(),
+                                                                     "first_loss": first_loss})
         now = time.perf_counter()
-        if step == 2:  # the first step pays for warm-up (allocation, compile): time from step 2 on
+        if step == start + 2:  # the first step pays for warm-up (allocation, compile): time from the next on
             t_start, steps_timed = t_last, 0
         steps_timed += 1 if t_start is not None else 0
         t_last = now
@@ -154,6 +171,8 @@ def run_training(cfg: Config) -> dict:
                                              f"({t['schedule']}; {out_dir / 'timeline.png'})"}
     else:
         extra_timeline = {}
+    if not losses:    # resumed a finished run: nothing left to train
+        losses = [float("nan")]
     final = save_weights(engine, cfg, mcfg, out_dir, {"steps": cfg.train.steps, "final_loss": losses[-1]})
     mfu = tps * fpt / (peak * dist.get_world_size()) if peak else None
     tail = losses[-10:]
@@ -163,10 +182,22 @@ def run_training(cfg: Config) -> dict:
         extra["held-out loss"] = f"{val_loss:.4f} ({cfg.train.eval_batches} validation batches)"
         metrics.log({"step": cfg.train.steps, "val_loss": val_loss})
     extra.update({"weights": str(final / "model.safetensors"), "metrics": str(out_dir / cfg.train.metrics_file)})
-    metrics.summary(losses[0], losses[-1], entropy, tps, mfu, memory, extra)
+    metrics.summary(first_loss, losses[-1], entropy, tps, mfu, memory, extra)
     metrics.close()
-    return {"first_loss": losses[0], "last_loss": losses[-1], "val_loss": val_loss, "entropy": entropy,
+    return {"first_loss": first_loss, "last_loss": losses[-1], "resumed_from": start, "val_loss": val_loss, "entropy": entropy,
             "tokens_per_s": tps, "memory": memory, "final": str(final)}
+
+
+def resume(engine, cfg: Config, loader) -> tuple[int, float | None]:
+    """(steps already done, first loss of the run) from the newest whole checkpoint in checkpoint.dir."""
+    ck = cfg.checkpoint
+    if not (ck.dir and ck.resume and store.candidates(Path(ck.dir), None)):
+        return 0, None
+    path, client = engine.load_checkpoint(ck.dir)
+    loader.load_state_dict(client["data"])
+    if engine.mesh.rank == 0:
+        print(f"bunsan train: resumed from {path} at step {engine.global_step}", flush=True)
+    return engine.global_step, client.get("first_loss")
 
 
 def val_batches(tokens, cfg: Config, engine) -> TokenBatches | None:

@@ -42,11 +42,20 @@ def _run(rank, world, cfg, ckpt, mode, tied=False):
 
 @pytest.mark.parametrize("layout", [
     dict(world=2, zero=0), dict(world=2, zero=1), dict(world=2, zero=2), dict(world=2, zero=3),
-    dict(world=2, tp=2), dict(world=2, pp=2),
+    dict(world=2, tp=2), dict(world=2, pp=2), dict(world=2, zero=1, bf16=True),
+    dict(world=2, zero=0, fp16={"enabled": True, "initial_scale_power": 8}),
+    dict(world=2, zero=2, offload="nvme"), dict(world=2, zero=3, offload="cpu"),
 ])
 def test_resume_is_bit_exact_on_the_same_layout(pools, tmp_path, layout):
+    layout = dict(layout)
     world = layout.pop("world")
+    offload = layout.pop("offload", None)
     cfg = _cfg(**layout)
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": offload, "nvme_path": str(tmp_path / "swap")}
+        if offload == "cpu":
+            cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    tmp_path = tmp_path / "ckpt"
     whole = pools.run(world, _run, world, cfg, None, "all")
     pools.run(world, _run, world, cfg, str(tmp_path), "save")
     resumed = pools.run(world, _run, world, cfg, str(tmp_path), "load")

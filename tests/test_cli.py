@@ -108,9 +108,9 @@ def test_train_pipeline_writes_the_timeline(tmp_path, corpus):
 
 
 def test_unimplemented_feature_is_a_clear_error(tmp_path, corpus):
-    r = _run(["train", "--nproc", "1", "--set", "checkpoint.save_interval=5", "--data", str(corpus / "*.py")],
-             cwd=tmp_path)
-    assert r.returncode == 2 and "checkpoint.save_interval" in r.stderr
+    r = _run(["train", "--nproc", "1", "--set", "activation_checkpointing.cpu_checkpointing=true",
+              "--data", str(corpus / "*.py")], cwd=tmp_path)
+    assert r.returncode == 2 and "cpu_checkpointing" in r.stderr
 
 
 def test_generate_on_a_missing_checkpoint(tmp_path):

@@ -273,16 +273,20 @@ def test_round_trip():
 def test_unimplemented_table():
     cfg = Config.load({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
                        "tensor_parallel": {"size": 2}, "pipeline": {"stages": 2},
-                       "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True},
-                       "checkpoint": {"save_interval": 100}})
+                       "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}})
     msgs = cfg.unimplemented()
-    assert len(msgs) == 4
+    assert len(msgs) == 3
     expect = [("pipeline.stages=2 with zero_optimization.stage=2", "ZeRO-1"),
-              ("partition_activations=true", "sequence_parallel"), ("cpu_checkpointing=true", "not planned"),
-              ("checkpoint.save_interval=100", "#7")]
+              ("partition_activations=true", "sequence_parallel"), ("cpu_checkpointing=true", "not planned")]
     for (key, issue), msg in zip(expect, msgs):
         assert key in msg and issue in msg and ("set " in msg or "remove " in msg), msg
     assert Config.load({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "none"}}}).unimplemented() == []
+
+
+def test_periodic_checkpoints_need_a_directory():
+    with pytest.raises(ConfigError, match=r"checkpoint.save_interval.*set checkpoint.dir"):
+        Config.load({"checkpoint": {"save_interval": 100}})
+    assert Config.load({"checkpoint": {"save_interval": 100, "dir": "ck"}}).checkpoint.save_interval == 100
 
 
 def test_nan_rejected_everywhere_numbers_live():

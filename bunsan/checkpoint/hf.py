@@ -1,0 +1,64 @@
+"""A Hugging Face Llama directory into a running engine of any layout, each rank reading only its slices;
+and an engine (or a bunsan checkpoint) out to one."""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.hf import HFWeights, read_config, save_llama
+from .pieces import frozen_of, locals_of
+
+
+def _local(weights: HFWeights, t) -> torch.Tensor:
+    """This rank's local tensor of parameter t: its tensor-parallel rows only, padded as the layer pads."""
+    shape = weights.shape(t.name)
+    if tuple(shape) != t.global_shape:
+        raise ValueError(f"{weights.dir}: {t.name} has shape {shape} there and {list(t.global_shape)} in this "
+                         "model; build the model from the same config.json (bunsan.models.hf.read_config)")
+    if t.tp_dim is None:
+        return weights.read(t.name)
+    out = torch.zeros(t.local_shape)
+    if t.valid:
+        part = weights.read(t.name, t.tp_dim, t.start, t.start + t.valid)
+        out.narrow(t.tp_dim, 0, t.valid).copy_(part)
+    return out
+
+
+@torch.no_grad()
+def load_hf_into_engine(engine, path) -> None:
+    """Replace the engine's weights (fp32 masters and the model's copy) with a HF directory's. Optimizer
+    states are left as they are: fresh, for a fine-tuning run."""
+    weights = HFWeights(path)
+    params, _ = locals_of(engine)
+    cache: dict[int, torch.Tensor] = {}
+
+    def put(i, lo, master, state):
+        if i not in cache:
+            cache.clear()
+            cache[i] = _local(weights, params[i]).reshape(-1).float()
+        master.copy_(cache[i][lo:lo + master.numel()])
+    engine.dp.visit_state(put)
+    engine.dp.sync_params_from_master()
+    for local, t, _ in frozen_of(engine):
+        if local.name in ("rope_cos", "rope_sin"):
+            continue
+        t.copy_(_local(weights, local).view(t.shape))
+
+
+def export_engine(engine, out_dir, dtype: torch.dtype | None = None) -> None:
+    """Every rank calls it (the weights are gathered); rank 0 writes the HF directory."""
+    state = engine.consolidated_state_dict()
+    config = getattr(engine.module, "config", None)
+    if config is None or not hasattr(config, "to_hf"):
+        raise ValueError("exporting to Hugging Face needs a bunsan Llama (its config becomes config.json)")
+    if engine.mesh.rank == 0:
+        save_llama(state, config, out_dir, dtype=dtype)
+
+
+def check_config(model_config, path) -> None:
+    """The model about to be trained must have the HF directory's shape."""
+    theirs = read_config(path)
+    if theirs != model_config:
+        diff = [f"{k}: {getattr(theirs, k)!r} there, {getattr(model_config, k)!r} here"
+                for k in vars(theirs) if getattr(theirs, k) != getattr(model_config, k)]
+        raise ValueError(f"the model does not have the shape of {path}: " + "; ".join(diff))

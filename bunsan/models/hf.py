@@ -1,0 +1,134 @@
+"""Hugging Face Llama directories: config.json plus safetensors (one file, or shards with an index).
+
+bunsan's parameter names are HF's without the leading `model.` (the LM head keeps `lm_head.`), and its
+rotary embedding is HF's, so weights move across with a rename. Reading goes tensor by tensor, or
+slice by slice (`HFWeights.read(name, dim, start, stop)`), so a tensor-parallel rank reads only its rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .llama import Llama, LlamaConfig
+
+CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
+
+
+def hf_key(name: str) -> str:
+    return name if name.startswith("lm_head.") else f"model.{name}"
+
+
+def read_config(path) -> LlamaConfig:
+    d = Path(path)
+    cfg = d / CONFIG if d.is_dir() else d
+    if not cfg.is_file():
+        raise FileNotFoundError(f"{d} has no {CONFIG}: point at a Hugging Face model directory "
+                                "(config.json + model.safetensors, or shards with model.safetensors.index.json)")
+    data = json.loads(cfg.read_text())
+    if data.get("model_type", "llama") != "llama":
+        raise ValueError(f"{cfg}: model_type {data['model_type']!r} is not a Llama; bunsan reads Llama checkpoints")
+    return LlamaConfig.from_hf(data)
+
+
+class HFWeights:
+    """The tensors of a HF directory, opened lazily, by bunsan parameter name."""
+
+    def __init__(self, path):
+        self.dir = Path(path)
+        if (self.dir / INDEX).is_file():
+            self.where = json.loads((self.dir / INDEX).read_text())["weight_map"]
+        elif (self.dir / SINGLE).is_file():
+            with safe_open(str(self.dir / SINGLE), framework="pt") as f:
+                self.where = {k: SINGLE for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{self.dir} has neither {SINGLE} nor {INDEX}; bunsan reads safetensors "
+                                    "weights only (convert .bin files with transformers' save_pretrained first)")
+        self._open: dict[str, object] = {}
+        self.tied = read_config(self.dir).tie_word_embeddings
+
+    def _key(self, name: str) -> str:
+        key = hf_key(name)
+        if key not in self.where and name == "lm_head.weight" and self.tied:
+            key = hf_key("embed_tokens.weight")          # a tied head is often saved once, as the embedding
+        if key not in self.where:
+            raise KeyError(f"{self.dir} has no tensor {key!r} (bunsan parameter {name!r})")
+        return key
+
+    def _file(self, key: str):
+        name = self.where[key]
+        if name not in self._open:
+            self._open[name] = safe_open(str(self.dir / name), framework="pt")
+        return self._open[name]
+
+    def shape(self, name: str) -> list[int]:
+        key = self._key(name)
+        return list(self._file(key).get_slice(key).get_shape())
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The tensor, or its [start, stop) along `dim` (read from disk alone)."""
+        key = self._key(name)
+        if dim is None:
+            return self._file(key).get_tensor(key)
+        sl = self._file(key).get_slice(key)
+        index = tuple([slice(None)] * dim + [slice(start, stop)])
+        return sl[index]
+
+
+def load_llama(path, dtype: torch.dtype = torch.float32) -> Llama:
+    """A bunsan Llama with the weights of a HF Llama directory."""
+    cfg = read_config(path)
+    weights = HFWeights(path)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            t = weights.read(name)
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{path}: {hf_key(name)} has shape {list(t.shape)}, the config says {list(p.shape)}")
+            p.copy_(t)
+    model.reset_rope()
+    return model.to(dtype)
+
+
+def save_llama(state: dict[str, torch.Tensor], config: LlamaConfig, out_dir, dtype: torch.dtype | None = None,
+               max_shard_bytes: int = 5 * 1024 ** 3) -> Path:
+    """Write a HF Llama directory (config.json, safetensors shards and index) from bunsan's state dict."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in state.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue                                   # HF ties it back to the embedding on load
+        tensors[hf_key(name)] = (t.to(dtype) if dtype is not None else t).contiguous()
+    shards, cur, size = [], {}, 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if cur and size + nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[key], size = t, size + nbytes
+    shards.append(cur)
+    if len(shards) == 1:
+        names = [SINGLE]
+    else:
+        names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+                 "weight_map": {k: n for n, shard in zip(names, shards) for k in shard}}
+        (out / INDEX).write_text(json.dumps(index, indent=2))
+    hf = config.to_hf()
+    hf["torch_dtype"] = str(dtype or next(iter(tensors.values())).dtype).removeprefix("torch.")
+    (out / CONFIG).write_text(json.dumps(hf, indent=2))
+    for f in out.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    return out
