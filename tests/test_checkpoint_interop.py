@@ -169,3 +169,22 @@ def test_convert_consolidates_any_layout(pools, tmp_path):
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     torch.testing.assert_close(hf.model.embed_tokens.weight, want["embed_tokens.weight"])
     assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "x.safetensors")]) == 2
+
+
+def test_fine_tuning_a_hugging_face_checkpoint_end_to_end(tmp_path, corpus):
+    hf, path = _hf_model(tmp_path, tied=False)
+    out = tmp_path / "tuned"
+    r = subprocess.run([sys.executable, "-m", "bunsan.cli", "train", "--nproc", "2", "--init-from", str(path),
+                        "--steps", "3", "--micro-batch", "2", "--seq-len", "64", "--zero", "1", "--lr", "1e-3",
+                        "--data", str(corpus / "*.py"), "--output", str(out), "--set", f"data.cache_dir={tmp_path / 'c'}",
+                        "--set", "steps_per_print=1", "--set", "data.val_fraction=0"],
+                       capture_output=True, text=True, timeout=240, env=ENV, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tuned = load_file(str(out / "final" / "model.safetensors"))
+    start = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    moved = [k for k in start if not torch.equal(tuned[k], start[k])]
+    assert moved and all((tuned[k] - start[k]).abs().max() < 0.05 for k in start)   # from HF's weights, trained
+    import json
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first = next(rec["loss"] for rec in records if rec.get("step") == 1 and "loss" in rec)
+    assert abs(first - 5.545) < 0.05      # ln(256): HF's random init predicts uniformly, bunsan's init would not
