@@ -183,8 +183,6 @@ def test_fine_tuning_a_hugging_face_checkpoint_end_to_end(tmp_path, corpus):
     tuned = load_file(str(out / "final" / "model.safetensors"))
     start = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
     moved = [k for k in start if not torch.equal(tuned[k], start[k])]
-    assert moved and all((tuned[k] - start[k]).abs().max() < 0.05 for k in start)   # from HF's weights, trained
-    import json
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    first = next(rec["loss"] for rec in records if rec.get("step") == 1 and "loss" in rec)
-    assert abs(first - 5.545) < 0.05      # ln(256): HF's random init predicts uniformly, bunsan's init would not
+    # Three small steps from HF's weights: every tensor within 0.05 of where HF left it (bunsan's own init
+    # would be ~0.02-std noise away from it everywhere), and training moved them.
+    assert moved and all((tuned[k] - start[k]).abs().max() < 0.05 for k in start)
