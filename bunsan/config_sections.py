@@ -59,15 +59,15 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-OPTIMIZERS = {n.lower(): n for n in ("AdamW", "Adam", "SGD", "Adafactor")}
+OPTIMIZERS = {n.lower(): n for n in ("AdamW", "Adam", "SGD", "Adafactor", "AdamW8bit")}
 
 
 @functools.lru_cache(maxsize=None)
 def optimizer_signature(name: str) -> dict[str, Any]:
-    """Constructor keywords of the torch optimizer (minus `params`) and their defaults."""
-    import torch  # lazy: keeps `import bunsan.config` light
+    """Constructor keywords of the optimizer (minus `params`) and their defaults."""
+    from .optim import optimizer_class  # lazy: keeps `import bunsan.config` light
 
-    sig = inspect.signature(getattr(torch.optim, name))
+    sig = inspect.signature(optimizer_class(name))
     return {k: p.default for k, p in sig.parameters.items() if k != "params"}
 
 

@@ -23,6 +23,8 @@ def optimizer_state_bytes_per_param(opt_type: str, params: dict | None = None) -
         return 12.0 if params.get("amsgrad") else 8.0
     if t == "sgd":
         return 4.0 if params.get("momentum", 0) else 0.0
+    if t == "adamw8bit":   # two 1-byte moments plus an fp32 absmax per block of 256 each
+        return 2.0 + 8.0 / 256
     return 0.0  # Adafactor: factored, depends on shapes -> see adafactor_state_bytes
 
 

@@ -17,9 +17,21 @@ OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch
               "adafactor": torch.optim.Adafactor}
 
 
+def optimizer_class(name: str):
+    """torch's optimizer of that name, or bitsandbytes' AdamW8bit (blockwise 8-bit moments)."""
+    if name.lower() == "adamw8bit":
+        try:
+            import bitsandbytes
+        except ImportError:
+            raise ValueError("optimizer.type AdamW8bit needs the bitsandbytes package (pip install "
+                             "'bitsandbytes>=0.50', which has CPU kernels too); install it or use AdamW") from None
+        return bitsandbytes.optim.AdamW8bit
+    return OPTIMIZERS[name.lower()]
+
+
 def _configured(opt_cfg, device: torch.device):
     """The optimizer class and constructor keywords from the config (fused on CUDA unless the user chose)."""
-    cls = OPTIMIZERS[opt_cfg.type.lower()]
+    cls = optimizer_class(opt_cfg.type)
     kwargs = dict(opt_cfg.params)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])

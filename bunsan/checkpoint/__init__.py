@@ -42,13 +42,15 @@ def _rank_state(engine) -> tuple[dict, dict]:
         for kind, value in [("master", master)] + sorted(state.items()):
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 if lo == 0:
-                    scalars.setdefault(t.name, {})[kind] = float(value)
+                    v = value.item() if isinstance(value, torch.Tensor) else value
+                    scalars.setdefault(t.name, {})[kind] = v if isinstance(v, int) else float(v)
                 continue
             key = f"{kind}/{i}.{lo}"
             flat = value.detach().reshape(-1)
-            entry = {"key": key, "kind": kind, "lo": lo, "hi": hi, **t.to_json()}
-            if flat.numel() != hi - lo:   # a factored state (Adafactor): stored as is, read back only in place
-                entry.update(opaque=list(value.shape))
+            entry = {"key": key, "kind": kind, "lo": lo, "hi": hi, "dtype": str(value.dtype).removeprefix("torch."),
+                     **t.to_json()}
+            if flat.numel() != hi - lo:   # not one value per element (Adafactor's factored moments, 8-bit AdamW's
+                entry.update(opaque=list(value.shape))   # block scales): stored as is, read back only in place
             tensors[key] = flat.to("cpu", copy=True)
             pieces.append(entry)
     engine.dp.visit_state(take)
@@ -141,10 +143,12 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
         have = reader.kinds_of(t.name) - {"master", "frozen"}
         kinds[t.name] = sorted(have) if load_optimizer_states else []
         for k in kinds[t.name]:
-            if "opaque" not in reader.pieces(t.name, k)[0]:   # factored states are put in whole, not filled
-                create[k] = torch.float32
-        for k in (meta["scalars"].get(t.name, {}) if load_optimizer_states else {}):
-            create[k] = None
+            first = reader.pieces(t.name, k)[0]
+            if "opaque" not in first:   # factored states and block scales are put in whole, not filled
+                create[k] = getattr(torch, first.get("dtype", "float32"))
+
+    defaults = getattr(engine.dp, "opt_defaults", None) or getattr(engine.optimizer, "defaults", {})
+    fused = bool(defaults.get("fused"))
 
     def put(i, lo, master, state):
         t = params[i]
@@ -158,8 +162,13 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
             _load_state(reader, t, kind, lo, hi, state)
         for kind, value in (meta["scalars"].get(t.name, {}) if load_optimizer_states else {}).items():
             old = state.get(kind)
-            state[kind] = (torch.tensor(value, dtype=old.dtype, device=old.device)
-                           if isinstance(old, torch.Tensor) else value)
+            if isinstance(old, torch.Tensor) or (old is None and isinstance(value, float)):
+                # torch keeps `step` as an fp32 tensor, on the parameter's device only for fused optimizers
+                device = old.device if old is not None else (master.device if fused else "cpu")
+                state[kind] = torch.tensor(value, dtype=old.dtype if old is not None else torch.float32,
+                                           device=device)
+            else:
+                state[kind] = value                    # a plain number (bitsandbytes keeps its step as an int)
     with torch.no_grad():
         engine.dp.visit_state(put, create if load_optimizer_states else None)
         engine.dp.sync_params_from_master()
@@ -176,8 +185,9 @@ def _load_state(reader, t, kind, lo, hi, state) -> None:
         same = [p for p in pieces if p["lo"] == lo and tuple(p["local_shape"]) == t.local_shape
                 and p["start"] == t.start and p["tp_dim"] == t.tp_dim]
         if not same:
-            raise CheckpointError(f"optimizer state {kind!r} of {t.name!r} is factored (Adafactor) and cannot be "
-                                  "cut for another layout; load it on the layout it was saved with, or load with "
+            raise CheckpointError(f"optimizer state {kind!r} of {t.name!r} is not one value per element "
+                                  "(Adafactor's factored moments, 8-bit AdamW's block scales) and cannot be cut for "
+                                  "another layout; load it on the layout it was saved with, or load with "
                                   "load_optimizer_states=False")
         device = state[kind].device if isinstance(state.get(kind), torch.Tensor) else "cpu"
         state[kind] = reader.read(same[0]).view(same[0]["opaque"]).to(device)

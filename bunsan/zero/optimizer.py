@@ -22,6 +22,9 @@ from .layout import ShardLayout
 from .swap import SwapFile
 
 ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+# Elementwise updates with blockwise-quantised states: each fragment is quantised in blocks of its own
+# (bitsandbytes, blocks of 256), so a shard's states differ from the whole tensor's only in block scales.
+BLOCKWISE = ("AdamW8bit",)
 
 
 class SubGroup:
@@ -44,7 +47,7 @@ class ShardedOptimizer:
             indexed by flat offsets) or the parameter shard (stage 3, indexed by shard offsets); see alias_by.
         init_shard: this rank's shard of the current weights (any dtype) to seed a separate master.
         """
-        if opt_class not in ELEMENTWISE:
+        if opt_class not in ELEMENTWISE and opt_class.__name__ not in BLOCKWISE:
             raise ValueError(f"{opt_class.__name__} cannot step parameter fragments: ZeRO stages 1-3 cut parameters "
                              "across ranks, and only elementwise optimizers (AdamW, Adam, SGD) give the same result "
                              "on a fragment as on the whole tensor; use zero_optimization.stage 0 with it")
