@@ -88,6 +88,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="135m")
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--pairs", help="saving-loading layouts to run, e.g. zero0-zero0,zero3-zero0 (default: all)")
+    ap.add_argument("--skip-dcp", action="store_true")
     args = ap.parse_args()
     from dist_harness import Pools
     pools = Pools()
@@ -98,6 +100,8 @@ def main() -> None:
     print(f"# bench_checkpoint {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}, {os.cpu_count()} CPUs, "
           f"{args.preset}, {args.world} ranks", flush=True)
     try:
+        if args.pairs:
+            pairs = [tuple(p.split("-")) for p in args.pairs.split(",")]
         for save, load in pairs:
             root = os.path.join(base, f"{save}-{load}")
             res = pools.run(args.world, bunsan_run, args.world, args.preset, save, load, root, timeout=900)
@@ -106,10 +110,11 @@ def main() -> None:
             rows.append(f"| bunsan {save} | bunsan {load} | {s:.2f} | {lo:.2f} | {_dir_bytes(root) / GiB:.3f} |")
             print(rows[-1], flush=True)
             shutil.rmtree(root)
-        root = os.path.join(base, "dcp")
-        res = pools.run(args.world, dcp_run, args.world, args.preset, root, timeout=900)
-        s, lo = max(r[0] for r in res), max(r[1] for r in res)
-        rows.append(f"| torch DCP (DDP) | torch DCP (DDP) | {s:.2f} | {lo:.2f} | {_dir_bytes(root) / GiB:.3f} |")
+        if not args.skip_dcp:
+            root = os.path.join(base, "dcp")
+            res = pools.run(args.world, dcp_run, args.world, args.preset, root, timeout=900)
+            s, lo = max(r[0] for r in res), max(r[1] for r in res)
+            rows.append(f"| torch DCP (DDP) | torch DCP (DDP) | {s:.2f} | {lo:.2f} | {_dir_bytes(root) / GiB:.3f} |")
     finally:
         pools.close()
         shutil.rmtree(base, ignore_errors=True)

@@ -31,12 +31,13 @@ def _barrier(engine) -> None:
 def _rank_state(engine) -> tuple[dict, dict]:
     """(tensors, index) this rank writes."""
     params, writes = locals_of(engine)
-    stage0_copy = engine.dp.stage == 0 and engine.mesh.dp_rank != 0
+    dp, dp_rank = engine.mesh.dp, engine.mesh.dp_rank
+    replicated = engine.dp.stage == 0     # every dp rank holds everything: they take turns by parameter
     tensors, pieces, scalars = {}, [], {}
 
     def take(i, lo, master, state):
         t = params[i]
-        if not writes[i] or stage0_copy:
+        if not writes[i] or replicated and i % dp != dp_rank:
             return
         hi = lo + master.numel()
         for kind, value in [("master", master)] + sorted(state.items()):
