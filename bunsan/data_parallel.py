@@ -67,9 +67,10 @@ class Strategy:
         return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
     # -- checkpoints (checkpoint/pieces.py) --------------------------------------------------------
-    def visit_state(self, fn, create: dict | None = None) -> None:
+    def visit_state(self, fn, create=None) -> None:
         """fn(param index, first element, fp32 master values (1-D view), optimizer state dict) for every
-        piece of weights and optimizer state this rank steps; `create` makes missing states first."""
+        piece of weights and optimizer state this rank steps; `create(param index, lo, hi)` ({state name:
+        dtype}) makes missing states first."""
         raise NotImplementedError
 
     def sync_params_from_master(self) -> None:
@@ -92,7 +93,7 @@ class Sharded(Strategy):
     def clip(self, coef: float) -> None:
         self.opt.grad.mul_(coef)
 
-    def visit_state(self, fn, create: dict | None = None) -> None:
+    def visit_state(self, fn, create=None) -> None:
         frags = self.layout.fragments
         self.opt.visit(lambda j, master, state: fn(frags[j].param, frags[j].param_offset, master, state), create)
 
@@ -166,14 +167,13 @@ class Replicated(Strategy):
         self._g32 = None
         self.flat.grad.zero_()   # not flat.zero_grad(): stage 0 keeps DDP's speed (no page faults per step)
 
-    def visit_state(self, fn, create: dict | None = None) -> None:
+    def visit_state(self, fn, create=None) -> None:
         for i, p in enumerate(self.params):
             t = self.masters[i] if self.mixed else p
             state = self.optimizer.state[t]
-            if create and not state:
-                for name, dtype in create.items():
-                    state[name] = (torch.zeros((), dtype=torch.float32) if dtype is None
-                                   else torch.zeros_like(t, dtype=dtype))
+            if create is not None and not state:
+                for name, dtype in create(i, 0, t.numel()).items():
+                    state[name] = torch.zeros_like(t, dtype=dtype)
             fn(i, 0, t.detach().view(-1), state)
 
     def sync_params_from_master(self) -> None:

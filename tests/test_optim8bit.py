@@ -9,9 +9,10 @@ from reference import batches, rank_slice, tiny_model
 pytest.importorskip("bitsandbytes")
 
 STEPS, ROWS = 50, 8
-# Over 50 steps of the tiny preset at lr 3e-3 the 8-bit run's loss stays within 2% of fp32 AdamW's at every step
-# (measured: 0.3% at most on these machines); the block scales are what separates them.
-TRACK = 0.02
+# Over 50 steps of the tiny preset at lr 3e-3 (the loss falls from 5.56 to 4.17) the 8-bit run's loss stays within
+# 4% of fp32 AdamW's at every step and ends within 2% (measured: 2.4% at most, 1.2% at the end); under ZeRO the
+# 8-bit runs stay within 1% of the one-process 8-bit run (measured 0.08% at stages 1-2, 0.4% at stage 3).
+TRACK, FINAL, SHARDED = 0.04, 0.02, 0.01
 
 
 def _cfg(opt, zero=0, steps=STEPS):
@@ -22,7 +23,7 @@ def _cfg(opt, zero=0, steps=STEPS):
 def _train(rank, world, opt, zero, steps=STEPS, ckpt=None, mode="all"):
     import bunsan
     engine = bunsan.initialize(tiny_model(0), _cfg(opt, zero))
-    data = batches(steps, ROWS)
+    data = batches(4, ROWS) * (steps // 4 + 1)   # four batches, seen over and over: there is something to learn
     start, stop = 0, steps
     if mode == "load":
         start = engine.load_checkpoint(ckpt)[1]["next"]
@@ -39,7 +40,7 @@ def test_8bit_adamw_tracks_fp32_adamw(pools):
     fp32 = pools.run(1, _train, 1, "AdamW", 0)[0]
     q8 = pools.run(1, _train, 1, "AdamW8bit", 0)[0]
     rel = [abs(a - b) / a for a, b in zip(q8[0], fp32[0])]
-    assert max(rel) < TRACK, max(rel)
+    assert max(rel) < TRACK and rel[-1] < FINAL, (max(rel), rel[-1])
     assert q8[0][-1] < q8[0][0] - 1.0                       # and it learns
     # State bytes: 2 per element of the big matrices plus block scales; small tensors (< 4096) keep fp32 states.
     assert q8[1] < 0.3 * fp32[1], (q8[1], fp32[1])
@@ -50,7 +51,7 @@ def test_8bit_adamw_under_zero(pools, zero):
     ref = pools.run(1, _train, 1, "AdamW8bit", 0)[0][0]
     for losses, _, _ in pools.run(2, _train, 2, "AdamW8bit", zero):
         rel = [abs(a - b) / a for a, b in zip(losses, ref)]
-        assert max(rel) < TRACK, max(rel)   # each shard is quantised in blocks of its own
+        assert max(rel) < SHARDED, max(rel)   # each shard is quantised in blocks of its own
 
 
 @pytest.mark.parametrize("zero", [0, 2])

@@ -139,14 +139,33 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
     tag, meta = _verified(engine, root, tags)
     reader = store.Reader(root, tag, meta)
     params, _ = locals_of(engine)
-    create, kinds = {}, {}
-    for t in params:
-        have = reader.kinds_of(t.name) - {"master", "frozen"}
-        kinds[t.name] = sorted(have) if load_optimizer_states else []
+    kinds = {t.name: sorted(reader.kinds_of(t.name) - {"master", "frozen"}) if load_optimizer_states else []
+             for t in params}
+
+    def covering(t, lo: int, hi: int) -> dict:
+        """The optimizer states the checkpoint has for elements [lo, hi) of t, each with a piece that tells its
+        dtype: states are per fragment (8-bit AdamW keeps fp32 states for small fragments, uint8 for large).
+        A state that is not one value per element comes whole from the piece of exactly this fragment."""
+        out = {}
         for k in kinds[t.name]:
-            first = reader.pieces(t.name, k)[0]
-            if "opaque" not in first:   # factored states and block scales are put in whole, not filled
-                create[k] = getattr(torch, first.get("dtype", "float32"))
+            pieces = reader.pieces(t.name, k)
+            here = [p for p in pieces if _same_place(p, t) and p["lo"] < hi and p["hi"] > lo]
+            if "opaque" in pieces[0]:
+                exact = [p for p in here if (p["lo"], p["hi"]) == (lo, hi)]
+                if exact:
+                    out[k] = exact[0]
+                elif here or not any(_same_place(p, t) for p in pieces):
+                    raise CheckpointError(
+                        f"optimizer state {k!r} of {t.name!r} is not one value per element (Adafactor's factored "
+                        "moments, 8-bit AdamW's block scales) and cannot be cut for another layout; load it on "
+                        "the layout it was saved with, or load with load_optimizer_states=False")
+            elif here or not any(_same_place(p, t) for p in pieces):
+                out[k] = here[0] if here else pieces[0]
+        return out
+
+    def create(i, lo, hi) -> dict:   # factored states and block scales are put in whole, not filled
+        return {k: getattr(torch, p.get("dtype", "float32")) for k, p in covering(params[i], lo, hi).items()
+                if "opaque" not in p}
 
     defaults = getattr(engine.dp, "opt_defaults", None) or getattr(engine.optimizer, "defaults", {})
     fused = bool(defaults.get("fused"))
@@ -155,12 +174,16 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
         t = params[i]
         hi = lo + master.numel()
         master.copy_(read_local(reader, t, "master", lo, hi))
-        for kind in kinds[t.name]:
-            if kind not in state and kind in create:
+        have = covering(t, lo, hi)
+        for kind in have:
+            if kind not in state and "opaque" not in have[kind]:
                 raise CheckpointError(f"the checkpoint has optimizer state {kind!r} for {t.name!r}, which this "
                                       f"optimizer ({type(engine.optimizer).__name__}) does not keep; load with "
                                       "load_optimizer_states=False or use the optimizer it was saved with")
-            _load_state(reader, t, kind, lo, hi, state)
+            _load_state(reader, t, kind, lo, hi, state, have[kind])
+        if "state1" in state and "qmap1" not in state and state["state1"].dtype == torch.uint8:
+            raise CheckpointError(f"8-bit optimizer states of {t.name!r} are missing their block scales in the "
+                                  "checkpoint; it was not written by this optimizer on this layout")
         for kind, value in (meta["scalars"].get(t.name, {}) if load_optimizer_states else {}).items():
             old = state.get(kind)
             if isinstance(old, torch.Tensor) or (old is None and isinstance(value, float)):
@@ -180,18 +203,15 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
     return root / tag, meta.get("client_state", {})
 
 
-def _load_state(reader, t, kind, lo, hi, state) -> None:
-    pieces = reader.pieces(t.name, kind)
-    if "opaque" in pieces[0]:
-        same = [p for p in pieces if p["lo"] == lo and tuple(p["local_shape"]) == t.local_shape
-                and p["start"] == t.start and p["tp_dim"] == t.tp_dim]
-        if not same:
-            raise CheckpointError(f"optimizer state {kind!r} of {t.name!r} is not one value per element "
-                                  "(Adafactor's factored moments, 8-bit AdamW's block scales) and cannot be cut for "
-                                  "another layout; load it on the layout it was saved with, or load with "
-                                  "load_optimizer_states=False")
+def _same_place(p: dict, t) -> bool:
+    """The piece was cut from a local tensor placed as t's (same tensor-parallel slice)."""
+    return tuple(p["local_shape"]) == t.local_shape and p["start"] == t.start and p["tp_dim"] == t.tp_dim
+
+
+def _load_state(reader, t, kind, lo, hi, state, piece: dict) -> None:
+    if "opaque" in piece:     # put in whole (covering() checked it is this very fragment's)
         device = state[kind].device if isinstance(state.get(kind), torch.Tensor) else "cpu"
-        state[kind] = reader.read(same[0]).view(same[0]["opaque"]).to(device)
+        state[kind] = reader.read(piece).view(piece["opaque"]).to(device)
         return
     state[kind].view(-1).copy_(read_local(reader, t, kind, lo, hi))
 

@@ -78,8 +78,8 @@ def read_local(reader: Reader, t: Local, kind: str, lo: int, hi: int) -> torch.T
     """Elements [lo, hi) of the target's local tensor of `kind`, from whatever layout wrote them."""
     pieces = reader.pieces(t.name, kind)
     _check_shape(pieces, t, kind)
-    same = [p for p in pieces if _same_place(p, t)]
-    if same:
+    same = [p for p in pieces if _same_place(p, t) and p["lo"] < hi and p["hi"] > lo]
+    if same:   # dtype from a piece of this very range: 8-bit AdamW's states are uint8 or fp32 by fragment size
         out = torch.empty(hi - lo, dtype=reader.read(same[0], 0, 1).dtype)
         if _covered(same, lo, hi, out, reader) == hi - lo:
             return out

@@ -187,19 +187,19 @@ class ShardedOptimizer:
     zero_grad = drop_grad
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def visit(self, fn, create: dict | None = None) -> None:
+    def visit(self, fn, create=None) -> None:
         """fn(fragment index, fp32 master view, optimizer state dict) for every fragment, sub-group by
-        sub-group (swapped in from NVMe and back). `create` ({state name: dtype, or None for a 0-d fp32
-        scalar}) makes missing states first, so a checkpoint can be loaded before the first step."""
+        sub-group (swapped in from NVMe and back). `create(param index, lo, hi)` ({state name: dtype}) makes
+        missing states first, so a checkpoint can be loaded before the first step."""
         for k, sg in enumerate(self.subgroups):
             master = self._swap_in(k, sg) if self.swap else None
             for i in sg.frags:
                 t = self.frag_tensors[i]
                 state = sg.optimizer.state[t]
-                if create and not state:
-                    for name, dtype in create.items():
-                        state[name] = (torch.zeros((), dtype=torch.float32) if dtype is None
-                                       else torch.zeros_like(t, dtype=dtype))
+                if create is not None and not state:
+                    f = self.layout.fragments[i]
+                    for name, dtype in create(f.param, f.param_offset, f.param_offset + f.numel).items():
+                        state[name] = torch.zeros_like(t, dtype=dtype)
                 fn(i, t, state)
             if self.swap:
                 self._swap_out(k, sg, master)
