@@ -2,7 +2,6 @@
 and resumes exactly from a checkpoint."""
 
 import pytest
-import torch
 
 from reference import batches, rank_slice, tiny_model
 
@@ -33,7 +32,7 @@ def _train(rank, world, opt, zero, steps=STEPS, ckpt=None, mode="all"):
     if mode == "save":
         engine.save_checkpoint(ckpt, client_state={"next": stop})
     mem = engine.memory_report()
-    return losses, mem["optimizer_states"], sum(p.numel() for p in engine.dp.params) if zero < 3 else None
+    return losses, mem["optimizer_states"], mem["model_states"]
 
 
 def test_8bit_adamw_tracks_fp32_adamw(pools):
@@ -44,6 +43,10 @@ def test_8bit_adamw_tracks_fp32_adamw(pools):
     assert q8[0][-1] < q8[0][0] - 1.0                       # and it learns
     # State bytes: 2 per element of the big matrices plus block scales; small tensors (< 4096) keep fp32 states.
     assert q8[1] < 0.3 * fp32[1], (q8[1], fp32[1])
+    from bunsan.estimator import estimate
+    est = estimate(tiny_model(0), _cfg("AdamW8bit"), gpus=1, device_type="cpu").model_states
+    assert est["optimizer_states"] == pytest.approx(q8[1], rel=0.01)     # the estimator knows the layout too
+    assert est["model_states"] == pytest.approx(q8[2], rel=0.01)
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])

@@ -26,8 +26,8 @@ def optimizer_bytes(opt: str, shapes: list[tuple[int, ...]], params: dict | None
     numels = [math.prod(s) for s in shapes]
     if t == "adafactor":
         return adafactor_state_bytes(shapes)
-    if t in ("adamw8bit", "adamw_8bit", "adam8bit"):
-        return sum(2 * n + 2 * 4 * -(-n // BNB_BLOCK) if n >= BNB_MIN_8BIT else 8 * n for n in numels)
+    if t in ("adamw8bit", "adamw_8bit", "adam8bit"):   # + two 256-entry fp32 quantisation maps per tensor
+        return sum(2 * n + 2 * 4 * -(-n // BNB_BLOCK) + 2 * 256 * 4 if n >= BNB_MIN_8BIT else 8 * n for n in numels)
     return optimizer_state_bytes_per_param(t, params) * sum(numels)
 
 
