@@ -184,8 +184,8 @@ def run_training(cfg: Config) -> dict:
     extra.update({"weights": str(final / "model.safetensors"), "metrics": str(out_dir / cfg.train.metrics_file)})
     metrics.summary(first_loss, losses[-1], entropy, tps, mfu, memory, extra)
     metrics.close()
-    return {"first_loss": first_loss, "last_loss": losses[-1], "resumed_from": start, "val_loss": val_loss, "entropy": entropy,
-            "tokens_per_s": tps, "memory": memory, "final": str(final)}
+    return {"first_loss": first_loss, "last_loss": losses[-1], "resumed_from": start, "val_loss": val_loss,
+            "entropy": entropy, "tokens_per_s": tps, "memory": memory, "final": str(final)}
 
 
 def resume(engine, cfg: Config, loader) -> tuple[int, float | None]:

@@ -163,12 +163,13 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
     if layout.offload_optimizer == "nvme":
         sub = min(int(zero.get("sub_group_size", 10 ** 9)), shard)
         k = st["on_disk"].get("optimizer_states", 0.0) / max(shard, 1)
-        items.append(Item("NVMe swap-in", device=0.0 if not on_cpu else sub * (4 + k), host=0.0 if on_cpu else sub * (4 + k),
+        swapped = sub * (4 + k)       # read back into host memory (which is the device on a CPU run)
+        items.append(Item("NVMe swap-in", device=swapped if on_cpu else 0.0, host=0.0 if on_cpu else swapped,
                           phase="step", note="one sub-group's master and states read back for its step"))
     if stage == 1:
         on_host = layout.offload_optimizer != "none" and not on_cpu
-        items.append(Item("fp32 gradient shard", device=0.0 if on_host else shard * 4, host=shard * 4 if on_host else 0.0,
-                          phase="step", note="from the reduce to the step"))
+        items.append(Item("fp32 gradient shard", device=0.0 if on_host else shard * 4,
+                          host=shard * 4 if on_host else 0.0, phase="step", note="from the reduce to the step"))
     largest = biggest if stage == 0 else min(biggest, shard)
     if on_cpu and not shape.bare and layout.optimizer.lower() in ("adamw", "adam"):
         items.append(Item("optimizer temporaries", device=2 * 4 * largest, phase="step",
