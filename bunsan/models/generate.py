@@ -91,7 +91,9 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
     cache = None
     if use_cache:
         p = next(model.parameters())
-        cache = KVCache(cfg, b, total, device=p.device, dtype=p.dtype, num_kv_heads=kv_heads)
+        # the rope tables sit where the model computes (a block offloaded to disk has meta parameters)
+        device = model.rope_cos.device if hasattr(model, "rope_cos") else p.device
+        cache = KVCache(cfg, b, total, device=device, dtype=p.dtype, num_kv_heads=kv_heads)
     step_input = input_ids
     try:
         for _ in range(max_new_tokens):

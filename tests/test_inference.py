@@ -1,0 +1,44 @@
+"""A Hugging Face Llama spread over CPU and disk generates exactly what the whole model in memory does."""
+
+import pytest
+import torch
+
+from bunsan.inference import load, model_blocks, summary
+from bunsan.models import generate
+from bunsan.models.hf import load_llama
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cpu_and_disk_placement_generates_like_one_device(tmp_path, tied):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=tied)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path, max_shard_size="100KB")
+    whole = load_llama(tmp_path).eval()
+    ids = torch.randint(0, 256, (2, 12))
+    want = generate(whole, ids, 24)
+    blocks = model_blocks(whole, torch.float32)
+    budget = sum(b.bytes for b in blocks) // 2
+    model, dmap = load(tmp_path, "sequential", {"cpu": budget})
+    placed = summary(blocks, dmap)
+    assert placed["cpu"] <= budget and placed["disk"] > 0
+    assert dmap["embed_tokens"] == dmap["lm_head"] or not tied
+    assert torch.equal(generate(model, ids, 24), want)                  # greedy, token for token
+    on_disk = [n for n, w in dmap.items() if w == "disk"]
+    for name in on_disk:                                                 # read for each use, dropped after
+        assert all(p.is_meta for p in model.get_submodule(name).parameters())
+
+
+def test_device_map_errors(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="leaves out"):
+        load(tmp_path, {"embed_tokens": "cpu"})
+    full = {"embed_tokens": "cpu", "layers.0": "cpu", "layers.1": "disk", "norm": "cpu", "lm_head": "disk"}
+    with pytest.raises(ValueError, match="share one weight"):
+        load(tmp_path, full)
