@@ -10,7 +10,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 WORKER_ARGV = "BUNSAN_WORKER_ARGV"
 
@@ -98,52 +97,6 @@ def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
-def cmd_generate(args) -> int:
-    import torch
-    from safetensors.torch import load_file
-
-    from .config import Config
-    from .data import load_tokenizer
-    from .models import Llama, LlamaConfig, generate
-
-    if args.tp > 1 and not _under_torchrun():
-        return _relaunch(args, args.tp)
-
-    ckpt = Path(args.checkpoint)
-    if (ckpt / "final").is_dir():
-        ckpt = ckpt / "final"
-    weights, meta_path = ckpt / "model.safetensors", ckpt / "config.json"
-    if not weights.is_file() or not meta_path.is_file():
-        raise SystemExit(f"bunsan generate: {ckpt} has no model.safetensors + config.json; point --checkpoint at "
-                         "the output directory of `bunsan train` (or its final/ folder)")
-    meta = json.loads(meta_path.read_text())
-    cfg = Config.load(meta.get("bunsan_config", {}))
-    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer)
-    model = Llama(LlamaConfig.from_hf(meta["model"]))
-    model.load_state_dict(load_file(str(weights)), strict=False)
-    model.eval()
-    ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
-    if ids.numel() == 0:
-        raise SystemExit("bunsan generate: --prompt is empty; give some text to continue")
-    kv_heads, rank = None, 0
-    if args.tp > 1:   # every rank holds 1/tp of the heads (and of the KV cache) and of the vocabulary
-        from .comm import Comm
-        from .distributed import Mesh, init_distributed
-        from .tensor_parallel import TPContext, apply_tensor_parallel
-        init_distributed()
-        mesh = Mesh.create(tp=args.tp)
-        ctx = TPContext(Comm(), mesh.tp_group)
-        apply_tensor_parallel(model, ctx).gather_output = True
-        kv_heads, rank = model.config.num_key_value_heads // args.tp, mesh.rank
-    g = torch.Generator().manual_seed(args.seed)
-    with torch.no_grad():
-        out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       eos_token_id=tokenizer.eos_token_id, generator=g, kv_heads=kv_heads)
-    if rank == 0:
-        print(tokenizer.decode(out[0].tolist()))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bunsan", description="Distributed training and inference of LLMs.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -171,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--tokenizer", default=None, help="override the tokenizer recorded in the checkpoint")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (KV cache sharded by heads)")
+    g.add_argument("--device-map", choices=("auto", "balanced", "sequential"),
+                   help="spread a Hugging Face Llama directory over devices, CPU and disk (blocks whole)")
+    g.add_argument("--max-memory", help="budgets for --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB (default: all CPU)")
     from .cli_plan import add_parsers
     add_parsers(sub)
 
@@ -212,12 +168,13 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_estimate(args) if args.cmd == "estimate" else cmd_plan(args)
         if args.cmd == "convert":
             return cmd_convert(args)
+        from .cli_generate import cmd_generate
         return cmd_generate(args)
     except ConfigError as e:
         print(f"bunsan: config error:\n{e}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        if args.cmd not in ("estimate", "plan", "convert"):
+        if args.cmd not in ("estimate", "plan", "convert") and not getattr(args, "device_map", None):
             raise
         print(f"bunsan {args.cmd}: {e}", file=sys.stderr)
         return 2

@@ -42,3 +42,20 @@ def test_device_map_errors(tmp_path):
     full = {"embed_tokens": "cpu", "layers.0": "cpu", "layers.1": "disk", "norm": "cpu", "lm_head": "disk"}
     with pytest.raises(ValueError, match="share one weight"):
         load(tmp_path, full)
+
+
+def test_generate_command_with_a_device_map(tmp_path, capsys):
+    from bunsan.cli import main
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    args = ["generate", "--checkpoint", str(tmp_path), "--prompt", "def ", "--max-new-tokens", "12"]
+    assert main(args + ["--device-map", "sequential", "--max-memory", "cpu=300KB"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu:" in out and "disk:" in out and "predicted" in out and "measured" in out
+    text = out.strip().splitlines()[-1]
+    whole = generate(load_llama(tmp_path).eval(), torch.tensor([list(b"def ")]), 12)
+    assert text == bytes(whole[0].tolist()).decode("utf-8", errors="replace")
+    assert main(args + ["--device-map", "auto", "--max-memory", "cpu300KB"]) == 2
+    assert "not DEVICE=SIZE" in capsys.readouterr().err

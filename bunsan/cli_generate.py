@@ -1,0 +1,106 @@
+"""`bunsan generate`: sample from a trained checkpoint, on one process, tensor-parallel ranks, or a Hugging Face
+Llama spread over devices, CPU and disk (--device-map)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GiB = 1024 ** 3
+
+
+def _memory(text: str | None) -> dict | None:
+    """'0=20GiB,cpu=64GiB' -> {0: bytes, 'cpu': bytes}."""
+    from .planner.hardware import parse_bytes
+    if not text:
+        return None
+    out = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--max-memory item {item!r} is not DEVICE=SIZE; write e.g. 0=20GiB,cpu=64GiB")
+        key = key.strip()
+        out[int(key) if key.isdigit() else key] = parse_bytes(value)
+    return out
+
+
+def _generate_placed(args) -> int:
+    import torch
+
+    from .data import load_tokenizer
+    from .inference import load, model_blocks, summary
+    from .memory import current_rss_bytes
+    from .models import generate
+
+    before = current_rss_bytes()
+    model, dmap = load(args.checkpoint, args.device_map, _memory(args.max_memory))
+    after = current_rss_bytes()
+    placed = summary(model_blocks(model, torch.float32), dmap)
+    for device in sorted(placed, key=str):
+        names = [n for n, d in dmap.items() if d == device]
+        measured = (after - before) if device == "cpu" else (
+            torch.cuda.memory_allocated(device) if isinstance(device, int) else None)
+        line = f"{device}: {len(names)} blocks ({names[0]} .. {names[-1]}), predicted {placed[device] / GiB:.3f} GiB"
+        if measured is not None:
+            line += f", measured {measured / GiB:.3f} GiB"
+        print(line)
+    tok = Path(args.checkpoint) / "tokenizer.json"
+    tokenizer = load_tokenizer(args.tokenizer or (str(tok) if tok.is_file() else None))
+    ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
+    g = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():
+        out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       eos_token_id=tokenizer.eos_token_id, generator=g)
+    print(tokenizer.decode(out[0].tolist()))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+    from safetensors.torch import load_file
+
+    from .config import Config
+    from .data import load_tokenizer
+    from .cli import _relaunch, _under_torchrun
+    from .models import Llama, LlamaConfig, generate
+
+    if args.device_map:
+        return _generate_placed(args)
+    if args.tp > 1 and not _under_torchrun():
+        return _relaunch(args, args.tp)
+
+    ckpt = Path(args.checkpoint)
+    if (ckpt / "final").is_dir():
+        ckpt = ckpt / "final"
+    weights, meta_path = ckpt / "model.safetensors", ckpt / "config.json"
+    if not weights.is_file() or not meta_path.is_file():
+        raise SystemExit(f"bunsan generate: {ckpt} has no model.safetensors + config.json; point --checkpoint at "
+                         "the output directory of `bunsan train` (or its final/ folder)")
+    meta = json.loads(meta_path.read_text())
+    cfg = Config.load(meta.get("bunsan_config", {}))
+    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer)
+    model = Llama(LlamaConfig.from_hf(meta["model"]))
+    model.load_state_dict(load_file(str(weights)), strict=False)
+    model.eval()
+    ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
+    if ids.numel() == 0:
+        raise SystemExit("bunsan generate: --prompt is empty; give some text to continue")
+    kv_heads, rank = None, 0
+    if args.tp > 1:   # every rank holds 1/tp of the heads (and of the KV cache) and of the vocabulary
+        from .comm import Comm
+        from .distributed import Mesh, init_distributed
+        from .tensor_parallel import TPContext, apply_tensor_parallel
+        init_distributed()
+        mesh = Mesh.create(tp=args.tp)
+        ctx = TPContext(Comm(), mesh.tp_group)
+        apply_tensor_parallel(model, ctx).gather_output = True
+        kv_heads, rank = model.config.num_key_value_heads // args.tp, mesh.rank
+    g = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():
+        out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       eos_token_id=tokenizer.eos_token_id, generator=g, kv_heads=kv_heads)
+    if rank == 0:
+        print(tokenizer.decode(out[0].tolist()))
+    return 0
+
+
