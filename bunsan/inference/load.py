@@ -92,5 +92,6 @@ def load(path, device_map="auto", max_memory: dict | None = None, dtype: torch.d
             _read_into(module, name, weights, device, dtype)
     if cfg.tie_word_embeddings and dmap["lm_head"] != "disk":
         model.lm_head.weight = model.embed_tokens.weight          # one tensor, as in the model
+    model.layer_devices = [_device(dmap[f"layers.{i}"]) for i in range(cfg.num_hidden_layers)]   # KV caches
     model.eval()
     return model, dmap

@@ -30,11 +30,13 @@ class KVCache:
     """
 
     def __init__(self, config: LlamaConfig, batch_size: int, max_len: int,
-                 device=None, dtype=torch.float32, num_kv_heads: int | None = None):
+                 device=None, dtype=torch.float32, num_kv_heads: int | None = None, layer_devices=None):
         kv = num_kv_heads or config.num_key_value_heads
         shape = (batch_size, kv, max_len, config.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        # a model spread over devices (bunsan.inference) keeps each layer's cache beside the layer
+        devices = layer_devices or [device] * config.num_hidden_layers
+        self.k = [torch.zeros(shape, device=d, dtype=dtype) for d in devices]
+        self.v = [torch.zeros(shape, device=d, dtype=dtype) for d in devices]
         self.max_len = max_len
         self.pos = 0
 
@@ -93,12 +95,13 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
         p = next(model.parameters())
         # the rope tables sit where the model computes (a block offloaded to disk has meta parameters)
         device = model.rope_cos.device if hasattr(model, "rope_cos") else p.device
-        cache = KVCache(cfg, b, total, device=device, dtype=p.dtype, num_kv_heads=kv_heads)
+        cache = KVCache(cfg, b, total, device=device, dtype=p.dtype, num_kv_heads=kv_heads,
+                        layer_devices=getattr(model, "layer_devices", None))
     step_input = input_ids
     try:
         for _ in range(max_new_tokens):
             logits = model(step_input if use_cache else out, kv_cache=cache)[:, -1]
-            nxt = _next_token(logits, temperature, top_k, generator)
+            nxt = _next_token(logits, temperature, top_k, generator).to(out.device)   # the head may sit elsewhere
             if eos_token_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
                 done |= nxt == eos_token_id
