@@ -59,3 +59,12 @@ def test_generate_command_with_a_device_map(tmp_path, capsys):
     assert text == bytes(whole[0].tolist()).decode("utf-8", errors="replace")
     assert main(args + ["--device-map", "auto", "--max-memory", "cpu300KB"]) == 2
     assert "not DEVICE=SIZE" in capsys.readouterr().err
+
+
+def test_without_budgets_everything_stays_on_the_cpu(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    _, dmap = load(tmp_path)
+    assert set(dmap.values()) == {"cpu"}

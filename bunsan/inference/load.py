@@ -74,7 +74,7 @@ def load(path, device_map="auto", max_memory: dict | None = None, dtype: torch.d
             raise ValueError(f"device_map leaves out {missing}; give every block a device (index, 'cpu' or 'disk')")
         dmap = dict(device_map)
     else:
-        dmap = place(blocks, max_memory if max_memory is not None else {"cpu": float("inf")}, device_map, headroom)
+        dmap = place(blocks, max_memory if max_memory is not None else {"cpu": 1 << 62}, device_map, headroom)
     if cfg.tie_word_embeddings and dmap["embed_tokens"] != dmap["lm_head"]:
         raise ValueError("embed_tokens and lm_head share one weight (tie_word_embeddings): put them on one device")
     model.rope_cos = torch.empty(model.rope_cos.shape)
