@@ -59,6 +59,12 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
             held = {id(p) for p in model.parameters()}
             for g in optimizer.param_groups:
                 g["params"] = [p for p in g["params"] if id(p) in held]
+    if cfg.lora.enabled:   # before the engine: only the adapters are trainable, so only they get grads and states
+        from .lora import apply_lora
+        apply_lora(model, cfg.lora)
+        if optimizer is not None:
+            raise ValueError("lora.enabled with an optimizer passed in: the adapters are made after it, so let "
+                             "bunsan build the optimizer from the config's optimizer section")
     meta = any(p.is_meta for p in model.parameters())
     if meta and (cfg.zero_optimization.stage < 3 or mesh.tp > 1):
         _materialize(model, device, cfg.train.seed)   # stage 3 alone materialises each rank's shard only

@@ -35,7 +35,7 @@ TRAIN_FLAGS = {
     "checkpoint_dir": ("checkpoint.dir", str, "save checkpoints here, and resume from the newest one"),
     "save_interval": ("checkpoint.save_interval", int, "steps between checkpoints (0: at the end only)"),
 }
-TRAIN_SWITCHES = {"fp16": "fp16.enabled", "bf16": "bf16.enabled", "compile": "train.compile",
+TRAIN_SWITCHES = {"fp16": "fp16.enabled", "bf16": "bf16.enabled", "compile": "train.compile", "lora": "lora.enabled",
                   "checkpointing": "activation_checkpointing.enabled", "sp": "tensor_parallel.sequence_parallel"}
 
 
@@ -136,12 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--to", choices=("safetensors", "hf"), default="safetensors")
     c.add_argument("--tag", help="which checkpoint (default: latest, or the newest whole one)")
     c.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    c.add_argument("--merge-lora", action="store_true", help="fold LoRA adapters into the base weights")
     return p
 
 
 def cmd_convert(args) -> int:
     from .checkpoint.convert import convert
-    out = convert(args.checkpoint, args.out, args.to, args.tag, args.dtype)
+    out = convert(args.checkpoint, args.out, args.to, args.tag, args.dtype, args.merge_lora)
     print(f"bunsan convert: wrote {out}")
     return 0
 

@@ -16,7 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from .config_errors import ConfigError, Rule, convert, lookup, unwrap
-from .config_sections import (BF16, FP16, OPTIMIZERS, SCHEDULERS, ActivationCheckpointing, Checkpoint, Data,
+from .config_sections import (BF16, FP16, OPTIMIZERS, SCHEDULERS, ActivationCheckpointing, Checkpoint, Data, Lora,
                               Int, ModelOverrides, OptInt, Optimizer, Pipeline, Scheduler, Section, TensorParallel,
                               Tensorboard, Train, Zero, optimizer_signature)
 
@@ -44,6 +44,12 @@ UNIMPLEMENTED: list[tuple[typing.Callable[[Config], bool], str]] = [
      "reduce gradients (and ZeRO-3 gathers parameters) inside every backward, while a pipeline splits each "
      "micro-batch's backward into pieces spread over its schedule and reduces once after it; bunsan (like "
      "DeepSpeed and Megatron) combines pipelines with ZeRO-1 at most; set zero_optimization.stage to 0 or 1"),
+    (lambda c: c.lora.enabled and (c.tensor_parallel.size > 1 or c.pipeline.stages > 1
+                                   or c.zero_optimization.stage == 3),
+     "lora.enabled with tensor_parallel.size={c.tensor_parallel.size}, pipeline.stages={c.pipeline.stages}, "
+     "zero_optimization.stage={c.zero_optimization.stage}: LoRA runs with data parallelism and ZeRO 0-2 so far "
+     "(adapters split with their TP layer, PP stages and a sharded frozen base are issue #8's next part); use "
+     "tensor_parallel.size 1, pipeline.stages 1 and zero_optimization.stage 0-2"),
     (lambda c: c.activation_checkpointing.partition_activations,
      "activation_checkpointing.partition_activations=true: partitioning checkpointed activations across "
      "tensor-parallel ranks is not implemented; use tensor_parallel.sequence_parallel, which shards the "
@@ -105,6 +111,7 @@ class Config(Section):
     tensorboard: Tensorboard = Field(default_factory=Tensorboard)
     tensor_parallel: TensorParallel = Field(default_factory=TensorParallel)
     pipeline: Pipeline = Field(default_factory=Pipeline)
+    lora: Lora = Field(default_factory=Lora)
     model: ModelOverrides = Field(default_factory=ModelOverrides)
     data: Data = Field(default_factory=Data)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint)

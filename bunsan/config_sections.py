@@ -266,6 +266,15 @@ class ActivationCheckpointing(Section):
     profile: bool = False
 
 
+class Lora(Section):
+    """Low-rank adapters (peft) on the named linear layers; the base weights are frozen."""
+    enabled: bool = False
+    r: Int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
 class Tensorboard(Section):
     enabled: bool = False
     output_path: str = ""

@@ -21,6 +21,7 @@ from .checkpoint.hf import load_hf_into_engine
 from .config import Config
 from .data import TokenBatches, load_tokenizer, load_tokens, make_loader, resolve_paths, unigram_entropy
 from .distributed import init_distributed
+from .lora import merge_lora
 from .metrics import Metrics, peak_flops
 from .models import Llama, build_config, flops_per_token
 from .models.hf import read_config
@@ -67,6 +68,8 @@ def gather_memory(engine) -> list[dict]:
 def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
     """Rank 0 writes model.safetensors + config.json into out_dir/final, atomically (tmp dir + rename)."""
     state = engine.consolidated_state_dict()
+    if cfg.lora.enabled:   # the plain model's weights: adapters folded in
+        state = merge_lora(state, cfg.lora.alpha, cfg.lora.r)
     final = out_dir / "final"
     if engine.mesh.rank == 0:
         tmp = out_dir / f".final.tmp{os.getpid()}"

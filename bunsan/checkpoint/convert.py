@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..models.hf import save_llama
+from ..lora import merge_lora as merge_lora_into
 from ..models.llama import LlamaConfig
 from . import store
 from .assemble import read_local
@@ -45,10 +46,17 @@ def consolidate(root, tag: str | None = None) -> tuple[dict[str, torch.Tensor], 
     raise CheckpointError(f"no loadable checkpoint in {root}: " + ("; ".join(problems) or "none was saved"))
 
 
-def convert(src, out, to: str = "safetensors", tag: str | None = None, dtype: str = "fp32") -> Path:
+def convert(src, out, to: str = "safetensors", tag: str | None = None, dtype: str = "fp32",
+            merge_lora: bool = False) -> Path:
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     state, meta, tag = consolidate(src, tag)
+    has_lora = any(".lora_A." in k for k in state)
+    if merge_lora or (to == "hf" and has_lora):
+        if not has_lora:
+            raise CheckpointError(f"{src}/{tag} has no LoRA adapters to merge")
+        lora = meta["config"]["lora"]
+        state = merge_lora_into(state, lora["alpha"], lora["r"])
     state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in state.items()}
     out = Path(out)
     if to == "safetensors":
