@@ -36,6 +36,10 @@ def test_only_adapters_train(pools, zero):
         want = 8 * trainable / (2 if zero else 1)
         assert mem["optimizer_states"] == pytest.approx(want, rel=0.01)
         assert mem["grads"] <= 4 * trainable * 1.01
+        from bunsan.estimator import estimate     # the estimate knows: frozen base, trainable adapters
+        est = estimate(tiny_model(0), {"zero_optimization": {"stage": zero}, "lora": LORA,
+                                       "train_batch_size": 8}, gpus=2, device_type="cpu")
+        assert est.model_states["model_states"] == pytest.approx(mem["model_states"], rel=0.05)
 
 
 def test_merged_adapters_give_the_same_logits():

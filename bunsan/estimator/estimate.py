@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..pipeline import schedules
 from ..planner.layout import Layout
 from .activations import Micro, stage_activation_bytes
-from .shape import ModelShape, RankParams, load_shape, rank_params
+from .shape import ModelShape, RankParams, load_shape, lora_rank_params, rank_params
 from .states import bucket_sizes, model_states
 from ..zero.reduce import IN_FLIGHT
 
@@ -91,12 +91,15 @@ def _in_flight(layout: Layout, rank: int) -> int:
 
 
 def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, device_type: str,
-                runtime: float, zero: dict, opt_params: dict) -> tuple[list[Item], dict]:
+                runtime: float, zero: dict, opt_params: dict, frozen: int = 0) -> tuple[list[Item], dict]:
     on_cpu = device_type == "cpu"
     d, n, stage = layout.dtype_bytes, layout.dp, layout.zero
     bucket = int(zero.get("reduce_bucket_size", 10_000_000))
     st = model_states(rp, n, stage, d, layout.optimizer, opt_params, bucket,
                       layout.offload_optimizer, layout.offload_param, on_cpu=on_cpu)
+    if frozen:   # LoRA: the base weights are held (in the model dtype) but get no gradients or optimizer states
+        st = {**st, "params": st["params"] + frozen * d, "model_states": st["model_states"] + frozen * d,
+              "device": st["device"] + frozen * d}
     place = {"params": layout.offload_param, "master_weights": layout.offload_optimizer,
              "optimizer_states": layout.offload_optimizer,
              "grads": "cpu" if stage >= 2 and layout.offload_optimizer != "none" else "none"}
@@ -106,7 +109,8 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
         items.append(Item("math library workspace", device=CPU_WORKSPACE_BYTES, note="measured after a first step"))
     else:
         items.append(Item("host process", host=HOST_PROCESS_BYTES, note="CUDA libraries, pinned buffers (assumed)"))
-    notes = {"params": f"{rp.total:,} elements" + (f", sharded over {n}" if stage == 3 else ""),
+    notes = {"params": f"{rp.total + frozen:,} elements" + (f", sharded over {n}" if stage == 3 else "")
+             + (f" ({frozen:,} frozen base, {rp.total:,} LoRA adapters)" if frozen else ""),
              "grads": "fp32 shard" if stage >= 2 else f"{layout.precision}, full",
              "master_weights": "fp32" + (", sharded" if stage else ""),
              "optimizer_states": layout.optimizer + (", sharded" if stage else "")}
@@ -185,16 +189,23 @@ def _peak(items: list[Item]) -> float:
 def estimate_layout(model, layout: Layout, *, nodes: int = 1, gpu_memory: float | None = None,
                     device_type: str = "cuda", runtime_bytes: float | None = None, zero: dict | None = None,
                     optimizer_params: dict | None = None, partition: str = "uniform",
-                    ranks: list[RankParams] | None = None) -> Estimate:
-    """Estimate for a Layout (the planner's entry point; it passes `ranks` cached per tp x pp)."""
+                    ranks: list[RankParams] | None = None, lora=None) -> Estimate:
+    """Estimate for a Layout (the planner's entry point; it passes `ranks` cached per tp x pp). `lora`: a config
+    lora section (enabled, r, target_modules): only the adapters train."""
     shape = load_shape(model)
     if layout.gpus % nodes:
         raise ValueError(f"{layout.gpus} GPUs do not split evenly over {nodes} nodes; use a multiple of {nodes}")
     runtime = runtime_bytes if runtime_bytes is not None else (
         CPU_RUNTIME_BYTES if device_type == "cpu" else CUDA_RUNTIME_BYTES)
-    if ranks is None:
+    frozen = 0
+    if lora is not None and lora.enabled:
+        if layout.tp > 1 or layout.pp > 1:
+            raise ValueError("the estimate of LoRA covers data parallelism and ZeRO 0-2, as bunsan runs it")
+        adapters, frozen = lora_rank_params(shape, lora.r, list(lora.target_modules))
+        ranks = [adapters]
+    elif ranks is None:
         ranks = rank_params(shape, layout.tp, layout.pp, layout.virtual_stages, partition)
-    priced = [_rank_items(shape, rp, r, layout, device_type, runtime, zero or {}, optimizer_params or {})
+    priced = [_rank_items(shape, rp, r, layout, device_type, runtime, zero or {}, optimizer_params or {}, frozen)
               for r, rp in enumerate(ranks)]
     peaks = [_peak(items) for items, _ in priced]
     worst = max(range(len(peaks)), key=peaks.__getitem__)
@@ -215,4 +226,5 @@ def estimate(model, config=None, *, gpus: int | None = None, nodes: int = 1, gpu
         device_type = "cuda"
     return estimate_layout(model, layout, nodes=nodes, gpu_memory=gpu_memory, device_type=device_type,
                            runtime_bytes=runtime_bytes, zero=cfg.zero_optimization.model_dump(),
-                           optimizer_params=cfg.optimizer.params, partition=cfg.pipeline.partition)
+                           optimizer_params=cfg.optimizer.params, partition=cfg.pipeline.partition,
+                           lora=cfg.lora)

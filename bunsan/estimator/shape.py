@@ -170,3 +170,23 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
         has_head = shape.llama is not None and (pp == 1 or "lm_head" in paths[r])
         out.append(RankParams(shapes, list(blocks.values()), root, len(blocks), has_emb, has_head, tied))
     return out
+
+
+def lora_rank_params(shape: ModelShape, r: int, targets: list[str]) -> tuple[RankParams, int]:
+    """(the adapters as the trainable RankParams, frozen base elements) for LoRA on the named linear layers."""
+    shapes, blocks, root = [], {}, 0
+    for name, m in shape.module.named_modules():
+        if isinstance(m, nn.Linear) and name.rpartition(".")[2] in targets:
+            pair = [(r, m.in_features), (m.out_features, r)]
+            shapes += pair
+            n = sum(math.prod(s) for s in pair)
+            parts = name.split(".")
+            if parts[0] == "layers" and len(parts) > 2:
+                blocks[parts[1]] = blocks.get(parts[1], 0) + n
+            else:
+                root += n
+    if not shapes:
+        raise ValueError(f"lora.target_modules {targets} name no nn.Linear in {shape.name}")
+    llama = shape.llama is not None
+    rp = RankParams(shapes, list(blocks.values()), root, shape.llama.num_hidden_layers if llama else 0, llama, llama, 0)
+    return rp, shape.n_params
