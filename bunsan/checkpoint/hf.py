@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.hf import HFWeights, read_config, save_llama
+from ..models.hf import HFWeights, save_llama
 from .pieces import frozen_of, locals_of
 
 
@@ -53,12 +53,3 @@ def export_engine(engine, out_dir, dtype: torch.dtype | None = None) -> None:
         raise ValueError("exporting to Hugging Face needs a bunsan Llama (its config becomes config.json)")
     if engine.mesh.rank == 0:
         save_llama(state, config, out_dir, dtype=dtype)
-
-
-def check_config(model_config, path) -> None:
-    """The model about to be trained must have the HF directory's shape."""
-    theirs = read_config(path)
-    if theirs != model_config:
-        diff = [f"{k}: {getattr(theirs, k)!r} there, {getattr(model_config, k)!r} here"
-                for k in vars(theirs) if getattr(theirs, k) != getattr(model_config, k)]
-        raise ValueError(f"the model does not have the shape of {path}: " + "; ".join(diff))

@@ -58,13 +58,10 @@ class Estimate:
     stage_states: list[dict] = field(default_factory=list)    # model states of every pipeline rank
     shape: ModelShape | None = field(default=None, repr=False)
 
-    def _sum(self, phase: str, where: str = "device") -> float:
-        return sum(getattr(i, where) for i in self.items if i.phase == phase)
-
     @property
     def peak(self) -> float:
         """Peak bytes on one GPU (on a CPU run: the process's resident set)."""
-        return self._sum("always") + max(self._sum("backward"), self._sum("step"))
+        return _peak(self.items)
 
     @property
     def host_per_node(self) -> float:

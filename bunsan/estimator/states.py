@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from ..memory import adafactor_state_bytes, optimizer_state_bytes_per_param
-from ..zero.layout import ALIGN
+from ..zero.layout import ALIGN, ShardLayout
 from .shape import RankParams
 
 # bitsandbytes 8-bit AdamW: two 1-byte states per element plus an fp32 absmax per block of 256; tensors
@@ -33,18 +33,11 @@ def optimizer_bytes(opt: str, shapes: list[tuple[int, ...]], params: dict | None
 
 def bucket_sizes(numels: list[int], bucket_elems: int, stage: int, units: list[int] | None = None) -> list[int]:
     """Elements of each gradient bucket: stage 3 reduces unit by unit, stages 0-2 group parameters in
-    backward order into runs of at least `bucket_elems` (zero/layout.py's greedy_buckets)."""
+    backward order as the strategies do (ShardLayout.greedy_buckets)."""
     if stage == 3 and units is not None:
         return list(units)
-    groups, size = [], 0
-    for k in reversed(numels):
-        size += k
-        if size >= bucket_elems:
-            groups.append(size)
-            size = 0
-    if size:
-        groups.append(size)
-    return groups
+    back = list(reversed(numels))
+    return [sum(back[i] for i in group) for group in ShardLayout.greedy_buckets(back, bucket_elems)]
 
 
 def padded(numels: list[int], n: int, bucket_elems: int, stage: int, units: list[int] | None = None) -> int:

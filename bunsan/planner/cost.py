@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..config_sections import OPTIMIZERS
+from ..memory import optimizer_state_bytes_per_param
 from ..models.llama import LlamaConfig
 from ..pipeline.schedules import theory_bubble
 from ..tensor_parallel.plan import check_llama
@@ -41,7 +43,6 @@ RECOMPUTE_FRACTION = 1 / 3
 FORWARD_FRACTION = 1 / 3   # forward share of forward + backward; backward is the other 2/3
 # fp32 optimizer-state bytes per parameter besides the 4-byte master copy (as memory.py's K;
 # 8-bit AdamW keeps two 1-byte moments; Adafactor's factored moments are negligible).
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "adafactor": 0, "adamw8bit": 2}
 MASTER_BYTES = 4
 GRAD_SHARD_BYTES = 4   # bunsan keeps the reduced gradient shard in fp32 (zero/optimizer.py)
 # Host-side figures (estimates; see hardware.py).
@@ -221,7 +222,7 @@ def _offload(layout: Layout, psi: float) -> float:
         seconds += shard * (GRAD_SHARD_BYTES + b) / HOST_LINK_BYTES_PER_S   # gradients down, weights up
         seconds += shard / CPU_ADAM_PARAMS_PER_S
         if layout.offload_optimizer == "nvme":
-            states = shard * (MASTER_BYTES + OPTIMIZER_STATE_BYTES[layout.optimizer.lower()])
+            states = shard * (MASTER_BYTES + optimizer_state_bytes_per_param(layout.optimizer))
             seconds += states / NVME_READ_BYTES_PER_S + states / NVME_WRITE_BYTES_PER_S
     if layout.offload_param != "none":
         reads, writes = 2 * m * shard * b, shard * b   # forward and backward gathers; updated shard back
@@ -257,9 +258,9 @@ def _validate(model: LlamaConfig, layout: Layout, gpu: GPU, gpus_per_node: int, 
     if layout.offload_param != "none" and layout.zero != 3:
         raise ValueError(f"offload_param {layout.offload_param!r} needs ZeRO stage 3 (sharded parameters), got "
                          f"zero {layout.zero}; set zero to 3 or offload_param to 'none'")
-    if layout.optimizer.lower() not in OPTIMIZER_STATE_BYTES:
+    if layout.optimizer.lower() not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {layout.optimizer!r}; the cost model knows "
-                         f"{', '.join(OPTIMIZER_STATE_BYTES)}")
+                         f"{', '.join(OPTIMIZERS.values())}")
     return peak
 
 
