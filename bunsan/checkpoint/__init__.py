@@ -181,9 +181,6 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
                                       f"optimizer ({type(engine.optimizer).__name__}) does not keep; load with "
                                       "load_optimizer_states=False or use the optimizer it was saved with")
             _load_state(reader, t, kind, lo, hi, state, have[kind])
-        if "state1" in state and "qmap1" not in state and state["state1"].dtype == torch.uint8:
-            raise CheckpointError(f"8-bit optimizer states of {t.name!r} are missing their block scales in the "
-                                  "checkpoint; it was not written by this optimizer on this layout")
         for kind, value in (meta["scalars"].get(t.name, {}) if load_optimizer_states else {}).items():
             old = state.get(kind)
             if isinstance(old, torch.Tensor) or (old is None and isinstance(value, float)):
