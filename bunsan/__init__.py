@@ -52,6 +52,9 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
     mesh = Mesh.create(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size)
     comm = Comm(timeout_s=cfg.train.timeout_s, gloo_collectives=cfg.train.gloo_collectives)
     pipe = None
+    if cfg.lora.enabled:   # against the whole model, before a pipeline keeps this rank's part of it
+        from .lora import check_targets
+        check_targets(model, cfg.lora)
     if mesh.pp > 1:   # keep (and build) only this rank's stages; the rest of the model is never allocated
         pipe = pipeline.setup(model, mesh, cfg, device, cfg.train.seed)
         model = pipe.stage
@@ -60,8 +63,10 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
             for g in optimizer.param_groups:
                 g["params"] = [p for p in g["params"] if id(p) in held]
     if cfg.lora.enabled:   # before the engine: only the adapters are trainable, so only they get grads and states
-        from .lora import apply_lora
-        apply_lora(model, cfg.lora)
+        from .lora import adapter_aware, apply_lora
+        apply_lora(model, cfg.lora, cfg.train.seed, check=False)
+        if callable(getattr(model, "init_parameter", None)):   # a meta model is drawn later, adapters included
+            model.init_parameter = adapter_aware(model.init_parameter)
         if optimizer is not None:
             raise ValueError("lora.enabled with an optimizer passed in: the adapters are made after it, so let "
                              "bunsan build the optimizer from the config's optimizer section")

@@ -57,6 +57,10 @@ class Engine:
             model.to(device=device, dtype=self.dtype)
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
+            if cfg.lora.enabled:
+                raise ValueError(f"rank {mesh.rank} holds no layer named in lora.target_modules "
+                                 f"{list(cfg.lora.target_modules)} (a pipeline stage of only the embedding or "
+                                 "head?): target more modules, or use fewer pipeline stages")
             raise ValueError("the model has no parameters with requires_grad=True; nothing to train")
         self.dp = make_strategy(trainable, comm, mesh.dp_group, cfg, device, optimizer, model)
         self.dp.set_tensor_parallel(mesh.tp_group if self.tp_ctx is not None else None)

@@ -95,8 +95,9 @@ class Runner:
                 elif a.kind == "recv_bwd":
                     grads[key] = self.p2p.recv(BWD, s, a.micro, self.device)
                 elif a.kind == "backward":
-                    out = outputs.pop(key)
-                    torch.autograd.backward(out, None if s == self.last else grads.pop(key))
+                    out, grad = outputs.pop(key), None if s == self.last else grads.pop(key)
+                    if out.requires_grad:   # (LoRA: a first stage with no adapters has nothing to backward)
+                        torch.autograd.backward(out, grad)
                 elif a.kind == "send_bwd":
                     x = received.pop(key)
                     pending += self.p2p.send(x.grad, BWD, s, a.micro)

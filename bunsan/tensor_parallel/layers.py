@@ -119,9 +119,12 @@ def parallel_input_hook(ctx: TPContext):
 
 def sum_grad_over_tp(param: nn.Parameter, ctx: TPContext) -> None:
     """A replicated weight that each rank sees only part of the data for (SP norms): sum its gradient."""
+    param._bunsan_tp_replicated = True
+    if not param.requires_grad:      # frozen (a LoRA base): no gradient to sum
+        return
+
     def hook(grad):
         grad = grad.contiguous().clone()
         ctx.comm.all_reduce(grad, ctx.group)
         return grad
     param.register_hook(hook)
-    param._bunsan_tp_replicated = True

@@ -68,6 +68,31 @@ def _set(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
+def _split_lora(name: str, m: nn.Module, style: str, ctx: TPContext) -> None:
+    """A peft LoRA layer (base + B A): split the adapter with its base so that the sum stays each rank's part.
+
+    column: base and B split by output rows, A replicated. A sees the whole input but only this rank's rows
+    of B, so its gradient is partial: summed over the group.
+    row:    base and A split by input columns, each rank's A x_r summed over the group (an r-wide all-reduce,
+    or reduce-scatter under SP) before B, which is replicated. Under SP B sees a slice of the sequence: its
+    gradient is summed over the group like a norm's.
+    """
+    base = m.base_layer
+    if style == "column":
+        _check_divisible(name, "output features", base.out_features, ctx.size, "change tensor_parallel.size")
+        m.base_layer = ColumnParallelLinear(base, ctx)
+        for key in list(m.lora_B.keys()):
+            m.lora_B[key] = ColumnParallelLinear(m.lora_B[key], ctx)
+            sum_grad_over_tp(m.lora_A[key].weight, ctx)
+    else:
+        _check_divisible(name, "input features", base.in_features, ctx.size, "change tensor_parallel.size")
+        m.base_layer = RowParallelLinear(base, ctx)
+        for key in list(m.lora_A.keys()):
+            m.lora_A[key] = RowParallelLinear(m.lora_A[key], ctx)
+            if ctx.sequence_parallel:
+                sum_grad_over_tp(m.lora_B[key].weight, ctx)
+
+
 def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | None = None):
     """Swap the layers named by `plan` (default: the Llama plan) for their tensor-parallel versions.
 
@@ -90,7 +115,9 @@ def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | None = 
             _set(model, name, embedding)
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     for name, m, style in matched:
-        if style == "column":
+        if style in ("column", "row") and hasattr(m, "base_layer") and hasattr(m, "lora_A"):
+            _split_lora(name, m, style, ctx)
+        elif style == "column":
             _check_divisible(name, "output features", m.out_features, ctx.size, "change tensor_parallel.size")
             _set(model, name, ColumnParallelLinear(m, ctx))
         elif style == "row":
