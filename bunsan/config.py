@@ -44,9 +44,6 @@ UNIMPLEMENTED: list[tuple[typing.Callable[[Config], bool], str]] = [
      "reduce gradients (and ZeRO-3 gathers parameters) inside every backward, while a pipeline splits each "
      "micro-batch's backward into pieces spread over its schedule and reduces once after it; bunsan (like "
      "DeepSpeed and Megatron) combines pipelines with ZeRO-1 at most; set zero_optimization.stage to 0 or 1"),
-    (lambda c: c.lora.enabled and c.zero_optimization.stage == 3,
-     "lora.enabled with zero_optimization.stage=3: the frozen base weights are not sharded yet; use "
-     "zero_optimization.stage 0-2 (LoRA's gradients and optimizer states are small: the base dominates)"),
     (lambda c: c.activation_checkpointing.partition_activations,
      "activation_checkpointing.partition_activations=true: partitioning checkpointed activations across "
      "tensor-parallel ranks is not implemented; use tensor_parallel.sequence_parallel, which shards the "

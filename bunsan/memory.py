@@ -99,7 +99,10 @@ def measured_memory(engine) -> dict:
     report.setdefault("host", 0)
     report.setdefault("disk", 0)
     frozen = [p for p in engine.module.parameters() if not p.requires_grad]
-    report["params"] += _tensor_bytes(frozen)
+    sharded = getattr(dp, "frozen", None) is not None      # ZeRO-3 shards frozen weights too (bytes_by_kind)
+    frozen_bytes = _tensor_bytes(frozen)
+    if not sharded:
+        report["params"] += frozen_bytes
     report["buffers"] = _tensor_bytes(engine.module.buffers())
     report["model_states"] = sum(report[k] for k in ("params", "grads", "master_weights", "optimizer_states"))
     report["device"] = report["model_states"] - report["host"]   # what stays on the compute device
@@ -111,7 +114,7 @@ def measured_memory(engine) -> dict:
     if opt_name.lower() == "adafactor":
         theory["optimizer_states"] = adafactor_state_bytes([p.shape for p in dp.params])  # stage 0 only
         theory["total"] = theory["params"] + theory["grads"] + theory["master_weights"] + theory["optimizer_states"]
-    report["theory_model_states"] = int(theory["total"])
+    report["theory_model_states"] = int(theory["total"] + frozen_bytes / (engine.mesh.dp if sharded else 1))
     report["peak_rss"] = peak_rss_bytes()
     report["rss"] = current_rss_bytes()
     if engine.device.type == "cuda":

@@ -36,7 +36,8 @@ def _train(rank, world, cfg):
     engine = bunsan.initialize(model, cfg)
     losses = [engine.train_batch(rank_slice(b, engine.dp_rank, engine.dp_size)) for b in batches(STEPS, ROWS, SEQ)]
     trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
-    return losses, to_numpy(engine.consolidated_state_dict()), engine.memory_report(), trainable
+    memory = {**engine.memory_report(), "pp_rank": engine.pp_rank}     # before the gather below
+    return losses, to_numpy(engine.consolidated_state_dict()), memory, trainable
 
 
 def _reference(meta_init: bool):
@@ -50,7 +51,8 @@ def _reference(meta_init: bool):
 
 
 CASES = {"tp2": dict(tp=2), "tp2-sp": dict(tp=2, sp=True), "pp2": dict(pp=2, m=2),
-         "tp2-dp2-zero1": dict(tp=2, dp=2, stage=1)}
+         "tp2-dp2-zero1": dict(tp=2, dp=2, stage=1), "dp2-zero3": dict(dp=2, stage=3),
+         "tp2-dp2-zero3": dict(tp=2, dp=2, stage=3)}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -65,6 +67,12 @@ def test_lora_layout_matches_single_process(pools, name):
         assert state.keys() == ref_state.keys()
         for k, v in ref_state.items():
             np.testing.assert_allclose(state[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+    # the estimator prices every rank's model states as held: adapters split or whole, base frozen (and sharded)
+    from bunsan.estimator import estimate
+    est = estimate(tiny_model(), _cfg(**kw), gpus=world, device_type="cpu")
+    for _, _, mem, _ in results:
+        want = est.stage_states[mem["pp_rank"]]["model_states"]
+        assert mem["model_states"] == pytest.approx(want, rel=0.03), name
     # the adapters did train, and the frozen base did not
     base = tiny_model().state_dict() if kw.get("pp", 1) == 1 else None
     for _, state, _, _ in results[:1]:
@@ -93,3 +101,61 @@ def test_tensor_parallel_splits_the_adapters(pools):
             if (mod in split and ".lora_B." in name) or (mod not in split and ".lora_A." in name):
                 half += p.numel() // 2
     assert half > 0 and per_rank == full - half
+
+
+def _save(rank, world, cfg, path):
+    engine = bunsan.initialize(tiny_model(), cfg)
+    for b in batches(STEPS, ROWS, SEQ):
+        engine.train_batch(rank_slice(b, engine.dp_rank, engine.dp_size))
+    engine.save_checkpoint(path)
+    return to_numpy(engine.consolidated_state_dict())
+
+
+def _load(rank, world, cfg, path):
+    engine = bunsan.initialize(tiny_model(seed=7), cfg)           # other weights: all must come from the file
+    engine.load_checkpoint(path)
+    loaded = to_numpy(engine.consolidated_state_dict())
+    loss = engine.train_batch(rank_slice(batches(1, ROWS, SEQ, seed=9)[0], engine.dp_rank, engine.dp_size))
+    return to_numpy(engine.consolidated_state_dict()), loss, loaded
+
+
+@pytest.mark.parametrize("saved,loaded", [("dp2-zero3", "tp2"), ("tp2", "dp2-zero3")])
+def test_lora_checkpoint_moves_between_layouts(pools, tmp_path, saved, loaded):
+    """A LoRA run's checkpoint (sharded frozen base and adapters, or TP-split ones) resumes on another layout."""
+    world = {"dp2-zero3": 2, "tp2": 2}
+    state = pools.run(world[saved], _save, world[saved], _cfg(**CASES[saved]), str(tmp_path / "ck"))[0]
+    again = pools.run(world[loaded], _load, world[loaded], _cfg(**CASES[loaded]), str(tmp_path / "ck"))
+    ref = pools.run(world[saved], _load, world[saved], _cfg(**CASES[saved]), str(tmp_path / "ck"))[0]
+    for _, _, loaded_state in again:                 # what was saved is what any layout loads
+        assert loaded_state.keys() == state.keys()
+        for k, v in state.items():
+            np.testing.assert_array_equal(loaded_state[k], v, err_msg=k)
+    for got, loss, _ in again:                       # and one more step agrees with the saving layout's
+        np.testing.assert_allclose(loss, ref[1], rtol=1e-5)
+        for k, v in ref[0].items():
+            np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def _from_hf(rank, world, cfg, hf_dir):
+    from bunsan.checkpoint.hf import load_hf_into_engine
+    engine = bunsan.initialize(tiny_model(seed=7), cfg)
+    load_hf_into_engine(engine, hf_dir)
+    return to_numpy(engine.consolidated_state_dict())
+
+
+@pytest.mark.parametrize("name", ["dp2-zero3", "tp2"])
+def test_lora_fine_tunes_a_hugging_face_model(pools, tmp_path, name):
+    """--init-from a HF Llama with LoRA: base weights come from the file (as `base_layer`), adapters start fresh."""
+    from bunsan.models.hf import save_llama
+    model = tiny_model(seed=3)
+    save_llama(model.state_dict(), model.config, tmp_path / "hf")
+    world = 2
+    for state in pools.run(world, _from_hf, world, _cfg(**CASES[name]), str(tmp_path / "hf")):
+        for k, v in model.state_dict().items():
+            np.testing.assert_array_equal(state[k.replace(".q_proj.", ".q_proj.base_layer.")
+                                                 .replace(".v_proj.", ".v_proj.base_layer.")
+                                                 .replace(".o_proj.", ".o_proj.base_layer.")
+                                                 .replace(".gate_proj.", ".gate_proj.base_layer.")
+                                                 .replace(".down_proj.", ".down_proj.base_layer.")], v.numpy(), err_msg=k)
+        assert all(not np.any(state[k]) for k in state if ".lora_B." in k)
+        assert all(np.any(state[k]) for k in state if ".lora_A." in k)

@@ -55,11 +55,11 @@ def _rank_state(engine) -> tuple[dict, dict]:
             tensors[key] = flat.to("cpu", copy=True)
             pieces.append(entry)
     engine.dp.visit_state(take)
-    for local, t, w in frozen_of(engine):
+    for local, lo, t, w in frozen_of(engine):
         if w:
-            key = f"frozen/{local.name}"
-            tensors[key] = t.detach().reshape(-1).to("cpu", copy=True)
-            pieces.append({"key": key, "kind": "frozen", "lo": 0, "hi": t.numel(), **local.to_json()})
+            key = f"frozen/{local.name}" + (f".{lo}" if lo else "")
+            tensors[key] = t.detach().to("cpu", copy=True)
+            pieces.append({"key": key, "kind": "frozen", "lo": lo, "hi": lo + t.numel(), **local.to_json()})
     tensors["rng/torch"] = torch.get_rng_state()
     if engine.device.type == "cuda":
         tensors["rng/cuda"] = torch.cuda.get_rng_state(engine.device)
@@ -192,9 +192,9 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
                 state[kind] = value                    # a plain number (bitsandbytes keeps its step as an int)
     with torch.no_grad():
         engine.dp.visit_state(put, create if load_optimizer_states else None)
-        engine.dp.sync_params_from_master()
-        for local, t, _ in frozen_of(engine):
-            t.copy_(read_local(reader, local, "frozen", 0, t.numel()).view(t.shape))
+        for local, lo, t, _ in frozen_of(engine):
+            t.copy_(read_local(reader, local, "frozen", lo, lo + t.numel()))
+        engine.dp.sync_params_from_master()     # (also drops gathered copies of ZeRO-3 units, frozen parts too)
     _restore_engine(engine, meta, reader)
     _barrier(engine)
     return root / tag, meta.get("client_state", {})

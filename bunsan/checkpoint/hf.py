@@ -3,14 +3,19 @@ and an engine (or a bunsan checkpoint) out to one."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from ..lora import is_adapter
 from ..models.hf import HFWeights, save_llama
 from .pieces import frozen_of, locals_of
 
 
 def _local(weights: HFWeights, t) -> torch.Tensor:
-    """This rank's local tensor of parameter t: its tensor-parallel rows only, padded as the layer pads."""
+    """This rank's local tensor of parameter t: its tensor-parallel rows only, padded as the layer pads. A LoRA
+    base weight (peft's `base_layer`) is the HF model's weight of that layer."""
+    t = dataclasses.replace(t, name=t.name.replace(".base_layer.", "."))
     shape = weights.shape(t.name)
     if tuple(shape) != t.global_shape:
         raise ValueError(f"{weights.dir}: {t.name} has shape {shape} there and {list(t.global_shape)} in this "
@@ -33,16 +38,18 @@ def load_hf_into_engine(engine, path) -> None:
     cache: dict[int, torch.Tensor] = {}
 
     def put(i, lo, master, state):
+        if is_adapter(params[i].name):         # LoRA adapters are not in a HF model: they keep their start
+            return
         if i not in cache:
             cache.clear()
             cache[i] = _local(weights, params[i]).reshape(-1).float()
         master.copy_(cache[i][lo:lo + master.numel()])
     engine.dp.visit_state(put)
-    engine.dp.sync_params_from_master()
-    for local, t, _ in frozen_of(engine):
+    for local, lo, t, _ in frozen_of(engine):
         if local.name in ("rope_cos", "rope_sin"):
             continue
-        t.copy_(_local(weights, local).view(t.shape))
+        t.copy_(_local(weights, local).reshape(-1)[lo:lo + t.numel()])
+    engine.dp.sync_params_from_master()
 
 
 def export_engine(engine, out_dir, dtype: torch.dtype | None = None) -> None:

@@ -83,23 +83,36 @@ def locals_of(engine) -> tuple[list[Local], list[bool]]:
     return out, writes
 
 
-def frozen_of(engine) -> list[tuple[Local, torch.Tensor, bool]]:
-    """Parameters nothing trains (and persistent buffers): (Local, tensor, this rank writes it)."""
+def frozen_of(engine) -> list[tuple[Local, int, torch.Tensor, bool]]:
+    """Parameters nothing trains (and persistent buffers): (Local, first element, this rank's flat part of it,
+    this rank writes it). Whole tensors from dp rank 0, or under ZeRO-3 (frozen weights sharded) each rank's
+    fragments."""
     module, mesh = engine.module, engine.mesh
     trained = {id(p) for p in engine.dp.params}
     canonical = engine.pipe.canonical if engine.pipe is not None else {}
+    sharded = getattr(engine.dp, "frozen", None)
     out, seen = [], set()
+
+    def local(name, p, shape):
+        owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
+        full, dim, start = _tp_place(owner, p, shape, mesh.tp_rank)
+        return Local(canonical.get(name, name), full, shape, dim, start)
+
+    if sharded is not None:
+        for i, lo, part in sharded.fragments():
+            t = local(sharded.names[i], sharded.params[i], sharded.shapes[i])
+            out.append((t, lo, part, t.tp_dim is not None or mesh.tp_rank == 0))
+        seen = {id(p) for p in sharded.params}
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) in trained or id(p) in seen:
             continue
         seen.add(id(p))
-        owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
-        shape, dim, start = _tp_place(owner, p, tuple(p.shape), mesh.tp_rank)
-        writes = mesh.dp_rank == 0 and (dim is not None or mesh.tp_rank == 0)
-        out.append((Local(canonical.get(name, name), shape, tuple(p.shape), dim, start), p, writes))
+        t = local(name, p, tuple(p.shape))
+        writes = mesh.dp_rank == 0 and (t.tp_dim is not None or mesh.tp_rank == 0)
+        out.append((t, 0, p.data.view(-1), writes))
     persistent = set(module.state_dict().keys())
     for name, b in module.named_buffers():
         if name in persistent and b is not None:
             writes = mesh.dp_rank == 0 and mesh.tp_rank == 0
-            out.append((Local(name, tuple(b.shape), tuple(b.shape)), b, writes))
+            out.append((Local(name, tuple(b.shape), tuple(b.shape)), 0, b.view(-1), writes))
     return out

@@ -88,15 +88,18 @@ def _in_flight(layout: Layout, rank: int) -> int:
 
 
 def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, device_type: str,
-                runtime: float, zero: dict, opt_params: dict, frozen: int = 0) -> tuple[list[Item], dict]:
+                runtime: float, zero: dict, opt_params: dict,
+                base: RankParams | None = None) -> tuple[list[Item], dict]:
     on_cpu = device_type == "cpu"
     d, n, stage = layout.dtype_bytes, layout.dp, layout.zero
     bucket = int(zero.get("reduce_bucket_size", 10_000_000))
     st = model_states(rp, n, stage, d, layout.optimizer, opt_params, bucket,
                       layout.offload_optimizer, layout.offload_param, on_cpu=on_cpu)
-    if frozen:   # LoRA: the base weights are held (in the model dtype) but get no gradients or optimizer states
-        st = {**st, "params": st["params"] + frozen * d, "model_states": st["model_states"] + frozen * d,
-              "device": st["device"] + frozen * d}
+    frozen = base.total if base is not None else 0
+    if frozen:   # LoRA: the base weights are held (in the model dtype; sharded at ZeRO-3) but get no gradients
+        held = frozen * d / (n if stage == 3 else 1)       # or optimizer states
+        st = {**st, "params": st["params"] + held, "model_states": st["model_states"] + held,
+              "device": st["device"] + held}
     place = {"params": layout.offload_param, "master_weights": layout.offload_optimizer,
              "optimizer_states": layout.offload_optimizer,
              "grads": "cpu" if stage >= 2 and layout.offload_optimizer != "none" else "none"}
@@ -144,9 +147,10 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
     if not shape.bare:
         items.append(Item("weight gradient", device=biggest * d, phase="backward",
                           note="the largest weight's fresh gradient before it is accumulated"))
-    if stage == 3:
-        unit = max(rp.units, default=0)
-        items.append(Item("ZeRO-3 gathered", device=(rp.root + 2 * unit) * d, phase="backward",
+    if stage == 3:   # (LoRA: a unit gathers its frozen base with its adapters)
+        units = [a + b for a, b in zip(rp.units, base.units)] if base is not None else rp.units
+        root = rp.root + (base.root if base is not None else 0)
+        items.append(Item("ZeRO-3 gathered", device=(root + 2 * max(units, default=0)) * d, phase="backward",
                           note="root unit + a block and its prefetch"))
     if stage == 3:
         # The root unit's staging bucket opens with the head's gradient, first in backward, and closes with the
@@ -194,16 +198,13 @@ def estimate_layout(model, layout: Layout, *, nodes: int = 1, gpu_memory: float 
         raise ValueError(f"{layout.gpus} GPUs do not split evenly over {nodes} nodes; use a multiple of {nodes}")
     runtime = runtime_bytes if runtime_bytes is not None else (
         CPU_RUNTIME_BYTES if device_type == "cpu" else CUDA_RUNTIME_BYTES)
-    frozen = 0
+    bases = None
     if lora is not None and lora.enabled:
-        if layout.tp > 1 or layout.pp > 1:
-            raise ValueError("the estimate of LoRA covers data parallelism and ZeRO 0-2, as bunsan runs it")
-        adapters, frozen = lora_rank_params(shape, lora.r, list(lora.target_modules))
-        ranks = [adapters]
+        ranks, bases = lora_rank_params(shape, lora, layout.tp, layout.pp, layout.virtual_stages, partition)
     elif ranks is None:
         ranks = rank_params(shape, layout.tp, layout.pp, layout.virtual_stages, partition)
-    priced = [_rank_items(shape, rp, r, layout, device_type, runtime, zero or {}, optimizer_params or {}, frozen)
-              for r, rp in enumerate(ranks)]
+    priced = [_rank_items(shape, rp, r, layout, device_type, runtime, zero or {}, optimizer_params or {},
+                          bases[r] if bases else None) for r, rp in enumerate(ranks)]
     peaks = [_peak(items) for items, _ in priced]
     worst = max(range(len(peaks)), key=peaks.__getitem__)
     items, st = priced[worst]

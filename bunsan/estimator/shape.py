@@ -110,12 +110,21 @@ class RankParams:
         return sum(self.numels)
 
 
+_LORA_PART = re.compile(r"\.(base_layer|lora_A\.[^.]+|lora_B\.[^.]+)$")
+
+
 def _tp_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, ...]:
     shape = tuple(shape)
     if tp == 1:
         return shape
     path = name.rpartition(".")[0]
+    lora = _LORA_PART.search(path)          # a peft layer: styled by the layer it wraps
+    part = lora.group(1).partition(".")[0] if lora else None
+    if lora:
+        path = path[:lora.start()]
     style = next((s for pat, s in LLAMA_PLAN.items() if fnmatch.fnmatchcase(path, pat)), None)
+    if (style == "column" and part == "lora_A") or (style == "row" and part == "lora_B"):
+        return shape                                   # the adapter half that stays whole (tensor_parallel/plan.py)
     if style == "column":
         return (shape[0] // tp,) + shape[1:]
     if style == "row":
@@ -126,8 +135,8 @@ def _tp_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, ...]:
 
 
 def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
-                partition_method: str = "uniform") -> list[RankParams]:
-    """One RankParams per pipeline rank."""
+                partition_method: str = "uniform", trainable: bool = True) -> list[RankParams]:
+    """One RankParams per pipeline rank: of the parameters that train (or, `trainable=False`, of the frozen)."""
     model = shape.module
     if tp > 1:
         if shape.llama is None:
@@ -155,7 +164,7 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
         for pid, names in names_of.items():
             p = params[pid]
             here = [n for n in names if holds(r, n)]
-            if not here or not p.requires_grad:
+            if not here or p.requires_grad != trainable:
                 continue
             shapes.append(_tp_shape(here[0], p.shape, tp))
             n = math.prod(shapes[-1])
@@ -172,21 +181,15 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
     return out
 
 
-def lora_rank_params(shape: ModelShape, r: int, targets: list[str]) -> tuple[RankParams, int]:
-    """(the adapters as the trainable RankParams, frozen base elements) for LoRA on the named linear layers."""
-    shapes, blocks, root = [], {}, 0
-    for name, m in shape.module.named_modules():
-        if isinstance(m, nn.Linear) and name.rpartition(".")[2] in targets:
-            pair = [(r, m.in_features), (m.out_features, r)]
-            shapes += pair
-            n = sum(math.prod(s) for s in pair)
-            parts = name.split(".")
-            if parts[0] == "layers" and len(parts) > 2:
-                blocks[parts[1]] = blocks.get(parts[1], 0) + n
-            else:
-                root += n
-    if not shapes:
-        raise ValueError(f"lora.target_modules {targets} name no nn.Linear in {shape.name}")
-    llama = shape.llama is not None
-    rp = RankParams(shapes, list(blocks.values()), root, shape.llama.num_hidden_layers if llama else 0, llama, llama, 0)
-    return rp, shape.n_params
+def lora_rank_params(shape: ModelShape, lora, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
+                     partition_method: str = "uniform") -> tuple[list[RankParams], list[RankParams]]:
+    """(adapters, frozen base) per pipeline rank for LoRA as `lora` (a config lora section) configures it: the
+    model with peft's adapters, cut by the same TP plan and partitioner (adapters split with their layer)."""
+    import copy
+
+    from ..lora import apply_lora
+    module = copy.deepcopy(shape.module)    # on meta: nothing is allocated, and the shape stays plain
+    apply_lora(module, lora)
+    with_adapters = ModelShape(shape.name, module, shape.llama, shape.bare)
+    return (rank_params(with_adapters, tp, pp, virtual_stages, partition_method),
+            rank_params(with_adapters, tp, pp, virtual_stages, partition_method, trainable=False))

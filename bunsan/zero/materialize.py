@@ -13,25 +13,24 @@ import torch
 import torch.nn as nn
 
 
-def unit_full_weights(module: nn.Module, strategy, k: int, device: torch.device, seed: int,
-                      meta: bool) -> torch.Tensor:
-    """Unit k's parameters laid out as its (padded) bucket, on the device."""
-    layout = strategy.layout
+def unit_full_weights(module: nn.Module, layout, k: int, params: list, names: list[str], dtype: torch.dtype,
+                      device: torch.device, seed: int, meta: bool) -> torch.Tensor:
+    """Bucket k's parameters (one unit's) laid out as the (padded) bucket, on the device."""
     b = layout.buckets[k]
-    full = torch.zeros(b.size, dtype=strategy.dtype, device=device)
+    full = torch.zeros(b.size, dtype=dtype, device=device)
     init = getattr(module, "init_parameter", None)
     if meta and init is None:
         raise ValueError(f"{type(module).__name__} was built on the meta device (bunsan.zero.Init) but has no "
                          "init_parameter(name, tensor, seed) method to initialise it shard by shard; add one, "
                          "or build the model normally")
     with torch.no_grad():
-        for i in strategy.units[k].params:
-            p = strategy.params[i]
+        for i in b.params:
+            p = params[i]
             off = layout.offsets[i] - b.start
             view = full[off:off + p.numel()].view(p.shape)
             if meta:
                 tmp = torch.empty(p.shape, dtype=torch.float32, device=device)
-                init(strategy.names[i], tmp, seed)
+                init(names[i], tmp, seed)
                 view.copy_(tmp)
             else:
                 view.copy_(p.data)

@@ -29,6 +29,7 @@ from ..data_parallel import Sharded
 from ..grad_sync import BucketHooks
 from .layout import ShardLayout
 from .host_buffer import TRIM_EVERY, HostBuffer, trim_heap
+from .frozen import FrozenShards
 from .materialize import replace_meta_parameters, unit_full_weights
 from .optimizer import ShardedOptimizer
 from .reduce import ShardReducer
@@ -47,6 +48,17 @@ class _PreBackward(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.owner.pre_backward(ctx.k)
         return None, None, grad
+
+
+class _Handles:
+    """One wait for a unit's all-gathers (trained and frozen parts)."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
 
 
 class Unit:
@@ -98,6 +110,7 @@ class FullyShardedDP(Sharded):
         for u in self.units:
             u.params = [remap[i] for i in u.params]
         self.layout = ShardLayout(self.params, [u.params for u in self.units], n, r)
+        frozen = [p for p in module.parameters() if not p.requires_grad]
         names = {p: name for name, p in module.named_parameters(remove_duplicate=True)}
         self.names = [names[p] for p in self.params]
         self._shapes = [tuple(p.shape) for p in self.params]
@@ -109,7 +122,8 @@ class FullyShardedDP(Sharded):
         self.slices = self.layout.shard_slices()
         meta = any(p.is_meta for p in self.params)
         for k, u in enumerate(self.units):
-            full = unit_full_weights(module, self, k, device, cfg.train.seed, meta)
+            full = unit_full_weights(module, self.layout, k, self.params, self.names, self.dtype, device,
+                                     cfg.train.seed, meta)
             comm.broadcast(full, 0, group)      # identical start on every rank, whatever each built
             lo, hi, s = self.slices[k]
             b = self.layout.buckets[k]
@@ -121,6 +135,14 @@ class FullyShardedDP(Sharded):
             for k, (lo, hi, s) in enumerate(self.slices):
                 self.param_swap.write(f"u{k}", self.param_shard[s:s + hi - lo])
         self._dirty: dict[int, torch.Tensor] = {}
+        self.frozen = None
+        if frozen:   # LoRA's base: sharded too, in units matching the trained ones
+            held = set(frozen)
+            unit_frozen = [[p for p in m.parameters() if p in held] for m, _ in order[:-1]]
+            taken = {p for g in unit_frozen for p in g}
+            unit_frozen.append([p for p in frozen if p not in taken])
+            self.frozen = FrozenShards(module, unit_frozen, comm, group, device, self.param_home, self.dtype,
+                                       cfg.train.seed)
         if meta:
             self.params = replace_meta_parameters(module, self.params, device, self.dtype)
         # Each unit owns one buffer for its whole life and its parameters are views of it. Releasing frees
@@ -129,7 +151,7 @@ class FullyShardedDP(Sharded):
         # (W.t() in a matmul) until backward, and those views must not pin a stale copy of the unit.
         for k, u in enumerate(self.units):
             size = self.layout.buckets[k].size
-            if device.type == "cpu":
+            if device.type == "cpu" and size:    # (LoRA: a unit may hold no trained weight)
                 u.host = HostBuffer(size, self.dtype)
                 u.full = u.host.tensor
             else:
@@ -139,8 +161,8 @@ class FullyShardedDP(Sharded):
                 off = self.layout.offsets[i] - start
                 self.params[i].data = u.full[off:off + self.layout.numels[i]].view(self._shapes[i])
             self._free(u)
-        for u in self.units:
-            u.persistent = self.layout.buckets[self.units.index(u)].size <= zero.stage3_param_persistence_threshold
+        for k, u in enumerate(self.units):
+            u.persistent = self._size(k) <= zero.stage3_param_persistence_threshold
 
         cls, defaults, groups = opt_spec
         self.opt_class, self.opt_defaults = cls, defaults
@@ -161,6 +183,10 @@ class FullyShardedDP(Sharded):
         self._install_hooks(module)
 
     # -- gather / release ------------------------------------------------------------------------
+    def _size(self, k: int) -> int:
+        """Elements of unit k gathered: trained and frozen."""
+        return self.layout.buckets[k].size + (self.frozen.size(k) if self.frozen is not None else 0)
+
     def unit_shard(self, k: int) -> torch.Tensor:
         """This rank's slice of unit k, wherever it lives (device, host, or the NVMe swap file)."""
         lo, hi, s = self.slices[k]
@@ -179,12 +205,15 @@ class FullyShardedDP(Sharded):
 
     def _launch_gather(self, k: int):
         u = self.units[k]
-        if u.host is None:
-            u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
-        mine = self.unit_shard(k).to(self.device, non_blocking=True)
-        # .data: a separate version counter, so filling the buffer does not look like an in-place
-        # change to the weights autograd saved for backward.
-        return self.comm.all_gather(u.full.data, mine, self.group, async_op=True)
+        handles = [self.frozen.launch_gather(k)] if self.frozen is not None else []
+        if u.full.numel():
+            if u.host is None:
+                u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
+            mine = self.unit_shard(k).to(self.device, non_blocking=True)
+            # .data: a separate version counter, so filling the buffer does not look like an in-place
+            # change to the weights autograd saved for backward.
+            handles.append(self.comm.all_gather(u.full.data, mine, self.group, async_op=True))
+        return _Handles([h for h in handles if h is not None])
 
     def gather(self, k: int) -> None:
         u = self.units[k]
@@ -199,7 +228,10 @@ class FullyShardedDP(Sharded):
         u = self.units[k]
         if not u.gathered or (u.persistent and not force):
             return
-        self._free(u)
+        if u.full.numel():
+            self._free(u)
+        if self.frozen is not None:
+            self.frozen.free(k)
         u.gathered = False
         self._released += 1
         if self._trim and self._released % TRIM_EVERY == 0:
@@ -207,16 +239,18 @@ class FullyShardedDP(Sharded):
 
     def prefetch(self, k: int) -> None:
         u = self.units[k]
-        size = self.layout.buckets[k].size
+        size = self._size(k)
         if u.gathered or u.pending is not None or size > self.zero.stage3_prefetch_bucket_size:
             return
-        live = sum(self.layout.buckets[j].size for j, v in enumerate(self.units)
-                   if v.gathered or v.pending is not None)
+        live = sum(self._size(j) for j, v in enumerate(self.units) if v.gathered or v.pending is not None)
         if live + size <= self.zero.stage3_max_live_parameters:
             u.pending = self._launch_gather(k)
 
     def resident_bytes(self, param: torch.Tensor) -> int:
         """Bytes of the buffer of the unit holding `param` that occupy memory now (0 when released)."""
+        k = self.frozen.holds(param) if self.frozen is not None else None
+        if k is not None:
+            return self.frozen.resident_bytes(k)
         u = next(u for u in self.units if any(self.params[i] is param for i in u.params))
         return u.host.resident_bytes() if u.host is not None else u.full.untyped_storage().nbytes()
 
@@ -277,10 +311,18 @@ class FullyShardedDP(Sharded):
         pos = self.forward_order.index(k)
         if pos > 0:
             self.prefetch(self.forward_order[pos - 1])
+        if pos + 1 < len(self.forward_order) and self._holds_frozen(self.forward_order[pos + 1]):
+            # The gradient reached this unit's output, the next unit's input: that unit's backward is over.
+            self.release(self.forward_order[pos + 1])
+
+    def _holds_frozen(self, k: int) -> bool:
+        return self.frozen is not None and self.frozen.size(k) > 0
 
     def _after_reduce(self, k: int) -> None:
         self.units[k].in_backward = False
-        if k != self._root:            # the root stays gathered until the step is done
+        # The root stays gathered until the step is done. A unit with frozen weights may still need them for
+        # its input's gradient after its last trained gradient: pre_backward of the unit before releases it.
+        if k != self._root and not self._holds_frozen(k):
             self.release(k)
 
     # -- the step --------------------------------------------------------------------------------
@@ -332,8 +374,10 @@ class FullyShardedDP(Sharded):
 
     def bytes_by_kind(self) -> dict:
         item = self.dtype.itemsize
-        gathered = sum(u.full.numel() for u in self.units if u.gathered) * item
+        gathered = sum(self._size(k) for k, u in enumerate(self.units) if u.gathered) * item
         params = self.param_shard.numel() * item if self.param_shard is not None else 0
+        if self.frozen is not None:
+            params += self.frozen.shard.numel() * item
         out = {"params": params + gathered, "grads": self.layout.shard_numel * 4, **self.opt.bytes_by_kind()}
         if self.param_swap is not None:
             out["disk"] += self.param_swap.size()
