@@ -37,9 +37,10 @@ def one(rank, world, path, batch, new, mode):
         from bunsan.inference import load, model_blocks
         from bunsan.models.hf import load_llama
         budget = None
-        if mode == "device_map_disk":   # half the blocks on disk, read back for every token
+        if mode == "device_map_disk":   # a CPU budget of half the weights; the rest on disk, read for every token
             budget = {"cpu": sum(b.bytes for b in model_blocks(load_llama(path), torch.float32)) // 2}
-        model, _ = load(path, "sequential", budget)
+        model, _ = load(path, "sequential", budget, batch=ids.shape[0], max_seq=ids.shape[1] + new,
+                        prompt_len=ids.shape[1])
         run = lambda: generate(model, ids, new)  # noqa: E731
     else:
         from bunsan.models.hf import load_llama

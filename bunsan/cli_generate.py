@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-GiB = 1024 ** 3
-
 
 def _memory(text: str | None) -> dict | None:
     """'0=20GiB,cpu=64GiB' -> {0: bytes, 'cpu': bytes}."""
@@ -28,30 +26,27 @@ def _generate_placed(args) -> int:
     import torch
 
     from .data import load_tokenizer
-    from .inference import load, model_blocks, summary
-    from .memory import current_rss_bytes
+    from .inference import load
+    from .inference.report import lines, start
     from .models import generate
 
-    before = current_rss_bytes()
-    model, dmap = load(args.checkpoint, args.device_map, _memory(args.max_memory))
-    after = current_rss_bytes()
-    placed = summary(model_blocks(model, torch.float32), dmap)
-    for device in sorted(placed, key=str):
-        names = [n for n, d in dmap.items() if d == device]
-        measured = (after - before) if device == "cpu" else (
-            torch.cuda.memory_allocated(device) if isinstance(device, int) else None)
-        line = f"{device}: {len(names)} blocks ({names[0]} .. {names[-1]}), predicted {placed[device] / GiB:.3f} GiB"
-        if measured is not None:
-            line += f", measured {measured / GiB:.3f} GiB"
-        print(line)
     tok = Path(args.checkpoint) / "tokenizer.json"
     tokenizer = load_tokenizer(args.tokenizer or (str(tok) if tok.is_file() else None))
     ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
+    if ids.numel() == 0:
+        raise ValueError("--prompt is empty; give some text to continue")
+    max_memory = _memory(args.max_memory)
+    # torch imports its meta-tensor kernels (sympy, ~800 modules, ~70 MB) at the first meta op: before the baseline
+    torch.empty(0, device="meta").normal_()
+    baseline = start(max_memory)
+    model, dmap = load(args.checkpoint, args.device_map, max_memory, batch=1,
+                       max_seq=ids.shape[1] + args.max_new_tokens, prompt_len=ids.shape[1])
     g = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        eos_token_id=tokenizer.eos_token_id, generator=g)
     print(tokenizer.decode(out[0].tolist()))
+    print("\n".join(lines(model, dmap, baseline, args.checkpoint)))
     return 0
 
 

@@ -22,7 +22,7 @@ def test_cpu_and_disk_placement_generates_like_one_device(tmp_path, tied):
     want = generate(whole, ids, 24)
     blocks = model_blocks(whole, torch.float32)
     budget = sum(b.bytes for b in blocks) // 2
-    model, dmap = load(tmp_path, "sequential", {"cpu": budget})
+    model, dmap = load(tmp_path, "sequential", {"cpu": budget}, batch=2, max_seq=36, prompt_len=12)
     placed = summary(blocks, dmap)
     assert placed["cpu"] <= budget and placed["disk"] > 0
     assert dmap["embed_tokens"] == dmap["lm_head"] or not tied
@@ -54,9 +54,10 @@ def test_generate_command_with_a_device_map(tmp_path, capsys):
     assert main(args + ["--device-map", "sequential", "--max-memory", "cpu=300KB"]) == 0
     out = capsys.readouterr().out
     assert "cpu:" in out and "disk:" in out and "predicted" in out and "measured" in out
-    text = out.strip().splitlines()[-1]
+    text, _, memory = out.partition("memory per device")        # the text, then memory measured after it
     whole = generate(load_llama(tmp_path).eval(), torch.tensor([list(b"def ")]), 12)
-    assert text == bytes(whole[0].tolist()).decode("utf-8", errors="replace")
+    assert text.rstrip("\n") == bytes(whole[0].tolist()).decode("utf-8", errors="replace")
+    assert "cpu:" in memory and "disk:" in memory
     assert main(args + ["--device-map", "auto", "--max-memory", "cpu300KB"]) == 2
     assert "not DEVICE=SIZE" in capsys.readouterr().err
 

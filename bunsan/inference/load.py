@@ -7,24 +7,73 @@ larger than memory; inputs follow each block to its device.
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.nn as nn
 
 from ..models.hf import HFWeights, read_config
 from ..models.llama import Llama
-from .placement import Block, place
+from ..estimator.inference import InferenceMemory, inference_memory
+from .placement import Block, human, place
 
 
 def model_blocks(model: Llama, dtype: torch.dtype) -> list[Block]:
-    """The units placement moves: the embedding, each transformer block, the final norm and the head."""
+    """The units placement moves, with their weights' bytes: the embedding, each transformer block, the final
+    norm and the head (a tied head owns no bytes of its own: its tensor is the embedding's)."""
     tied = "embedding" if model.config.tie_word_embeddings else None
     item = torch.tensor([], dtype=dtype).element_size()
+    seen: set[int] = set()
     def size(m):
-        return sum(p.numel() for p in m.parameters()) * item
+        new = [p for p in m.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in new)
+        return sum(p.numel() for p in new) * item
     out = [Block("embed_tokens", size(model.embed_tokens), tied)]
     out += [Block(f"layers.{i}", size(layer)) for i, layer in enumerate(model.layers)]
     out += [Block("norm", size(model.norm)), Block("lm_head", size(model.lm_head), tied)]
     return out
+
+
+def memory_blocks(est: InferenceMemory, tied: bool) -> list[Block]:
+    """The blocks as placement sees them: weights, plus each layer's KV cache, plus the head's logits beyond one
+    step's working set (which every device keeps free as headroom)."""
+    tag = "embedding" if tied else None
+    return [Block(n, est.block_bytes(n) + (est.logits if n == "lm_head" else 0),
+                  tag if n in ("embed_tokens", "lm_head") else None) for n in est.weights]
+
+
+def cpu_needs(est: InferenceMemory, dmap: dict) -> dict:
+    """What blocks on disk still take from CPU memory: their KV caches live there, each is read into it to run,
+    and the logits when the head is on disk."""
+    disk = [n for n, w in dmap.items() if w == "disk"]
+    return {"kv_cache": sum(est.kv_cache.get(n, 0) for n in disk),
+            "disk_block": max((est.weights[n] for n in disk), default=0),
+            "logits": est.logits if "lm_head" in disk else 0}
+
+
+def plan(est: InferenceMemory, tied: bool, max_memory: dict, strategy: str = "auto",
+         headroom: dict | None = None) -> dict:
+    """Memory-aware placement: every device keeps one step's activations free (unless `headroom` says
+    otherwise), and the CPU also keeps what the blocks that end up on disk need from it."""
+    blocks = memory_blocks(est, tied)
+    room = dict(headroom) if headroom is not None else {d: est.step for d in max_memory if d != "disk"}
+    dmap = place(blocks, max_memory, strategy, room)
+    if "cpu" not in max_memory:
+        return dmap
+    for _ in blocks:           # more CPU kept free can only send more blocks to disk: this ends
+        needs = cpu_needs(est, dmap)
+        again = place(blocks, max_memory, strategy, {**room, "cpu": room.get("cpu", 0) + sum(needs.values())})
+        if again == dmap:
+            break
+        dmap = again
+    kept = room.get("cpu", 0) + sum(cpu_needs(est, dmap).values())
+    if kept > max_memory["cpu"]:
+        raise ValueError(
+            f"max_memory['cpu'] {human(max_memory['cpu'])} is less than the {human(kept)} the CPU needs even "
+            f"with no block on it (one step's activations {human(room.get('cpu', 0))}, the KV caches of the layers "
+            f"on disk and one disk block read in); give the CPU more, or lower batch or max_seq (now {est.batch} "
+            f"x {est.max_seq} tokens)")
+    return dmap
 
 
 def _device(where) -> torch.device:
@@ -52,6 +101,51 @@ def _read_into(module: nn.Module, prefix: str, weights: HFWeights, device, dtype
         m._parameters[leaf] = nn.Parameter(t, requires_grad=False)
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class _PlainReads:
+    """Tensors of a HF directory read with ordinary file reads into memory of their own, for blocks on disk.
+
+    safetensors maps its files, and every page of a mapping a block once touched stays in the process's resident
+    set while the file is open: the disk blocks would look resident. Read this way, a block's bytes are the
+    process's while it runs and the page cache's (the kernel's to drop) after."""
+
+    def __init__(self, weights: HFWeights):
+        self.weights, self.headers = weights, {}
+
+    def _header(self, path):
+        if path not in self.headers:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                self.headers[path] = (json.loads(f.read(n)), 8 + n)
+        return self.headers[path]
+
+    def read(self, name: str) -> torch.Tensor:
+        key = self.weights._key(name)           # the HF key, with a tied head's fallback to the embedding
+        path = self.weights.dir / self.weights.where[key]
+        header, base = self._header(path)
+        info = header[key]
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{path}: tensor {key!r} has dtype {info['dtype']}, which disk offload does not "
+                             f"read ({sorted(_DTYPES)}); keep this block on a device or the CPU")
+        start, stop = info["data_offsets"]
+        buf = bytearray(stop - start)
+        with open(path, "rb") as f:
+            f.seek(base + start)
+            f.readinto(buf)
+        return torch.frombuffer(buf, dtype=_DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+def _read_counted(module: nn.Module, prefix: str, weights: _PlainReads, dtype, reads: dict) -> None:
+    _read_into(module, prefix, weights, torch.device("cpu"), dtype)
+    count = reads.setdefault(prefix, [0, 0])
+    count[0] += 1
+    count[1] += sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 def _drop(module: nn.Module) -> None:
     """Back to the meta device: a disk block holds no memory between its uses."""
     for m, leaf, _ in _params(module):
@@ -60,13 +154,23 @@ def _drop(module: nn.Module) -> None:
 
 
 def load(path, device_map="auto", max_memory: dict | None = None, dtype: torch.dtype = torch.float32,
-         headroom: dict | None = None) -> tuple[Llama, dict]:
+         headroom: dict | None = None, batch: int = 1, max_seq: int | None = None,
+         prompt_len: int | None = None) -> tuple[Llama, dict]:
     """(model, device_map). `max_memory`: {device index: bytes, "cpu": bytes}; without it everything goes to
-    the CPU. A dict `device_map` ({block name: device}) is used as given."""
+    the CPU. A dict `device_map` ({block name: device}) is used as given.
+
+    Placement counts what generating `batch` sequences of up to `max_seq` tokens (prompt included; default
+    the model's max_position_embeddings, at most 4096) with `prompt_len`-token prompts (default max_seq - 1)
+    takes: each layer's weights and KV cache, and one step's activations kept free on every device (`headroom`,
+    {device: bytes}, replaces those). The estimate is `model.memory_estimate`; `model.disk_reads` counts, per
+    block on disk, [times read, bytes read]."""
     cfg = read_config(path)
     weights = HFWeights(path)
     with torch.device("meta"):
         model = Llama(cfg)
+    if max_seq is None:
+        max_seq = max(min(cfg.max_position_embeddings, 4096), prompt_len or 1)
+    est = inference_memory(cfg, batch, max_seq, dtype, prompt_len)
     blocks = model_blocks(model, dtype)
     if isinstance(device_map, dict):
         missing = sorted({b.name for b in blocks} - set(device_map))
@@ -74,9 +178,12 @@ def load(path, device_map="auto", max_memory: dict | None = None, dtype: torch.d
             raise ValueError(f"device_map leaves out {missing}; give every block a device (index, 'cpu' or 'disk')")
         dmap = dict(device_map)
     else:
-        dmap = place(blocks, max_memory if max_memory is not None else {"cpu": 1 << 62}, device_map, headroom)
+        dmap = plan(est, cfg.tie_word_embeddings, max_memory if max_memory is not None else {"cpu": 1 << 62},
+                    device_map, headroom)
     if cfg.tie_word_embeddings and dmap["embed_tokens"] != dmap["lm_head"]:
         raise ValueError("embed_tokens and lm_head share one weight (tie_word_embeddings): put them on one device")
+    reads: dict = {}
+    plain = _PlainReads(weights)
     model.rope_cos = torch.empty(model.rope_cos.shape)
     model.rope_sin = torch.empty(model.rope_sin.shape)
     model.reset_rope()
@@ -86,12 +193,13 @@ def load(path, device_map="auto", max_memory: dict | None = None, dtype: torch.d
         module.register_forward_pre_hook(_move_inputs(device), with_kwargs=True)
         if where == "disk":
             module.register_forward_pre_hook(
-                lambda m, args, n=name: _read_into(m, n, weights, torch.device("cpu"), dtype))
+                lambda m, args, n=name: _read_counted(m, n, plain, dtype, reads))
             module.register_forward_hook(lambda m, args, out: _drop(m))
         elif not (name == "lm_head" and cfg.tie_word_embeddings):
             _read_into(module, name, weights, device, dtype)
     if cfg.tie_word_embeddings and dmap["lm_head"] != "disk":
         model.lm_head.weight = model.embed_tokens.weight          # one tensor, as in the model
     model.layer_devices = [_device(dmap[f"layers.{i}"]) for i in range(cfg.num_hidden_layers)]   # KV caches
+    model.memory_estimate, model.disk_reads = est, reads
     model.eval()
     return model, dmap

@@ -18,6 +18,14 @@ from dataclasses import dataclass
 GiB = 1024 ** 3
 
 
+def human(n: float) -> str:
+    """Bytes as GiB, MiB or KiB, three significant figures or so."""
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}" if abs(n) < 100 * size else f"{n / size:.0f} {unit}"
+    return f"{n / 1024:.3g} KiB" if abs(n) >= 1024 else f"{n:.0f} B"
+
+
 @dataclass(frozen=True)
 class Block:
     name: str
