@@ -141,8 +141,6 @@ def _states_at(est, stage: int) -> float | None:
     from .estimator.shape import rank_params
     from .estimator.states import model_states
     lay = est.layout
-    if stage and lay.optimizer.lower() == "adafactor":
-        return None
     rp = max(rank_params(est.shape, lay.tp, lay.pp, lay.virtual_stages), key=lambda r: r.total)
     st = model_states(rp, lay.dp, stage, lay.dtype_bytes, lay.optimizer)
     return st["model_states"] + st["disk"]

@@ -112,7 +112,9 @@ def measured_memory(engine) -> dict:
     theory = model_state_bytes(psi, dp.dtype.itemsize, optimizer_state_bytes_per_param(opt_name, defaults),
                                engine.mesh.dp, dp.stage, grad_shard_bytes=4)
     if opt_name.lower() == "adafactor":
-        theory["optimizer_states"] = adafactor_state_bytes([p.shape for p in dp.params])  # stage 0 only
+        # row and column moments of each matrix, held by the rank(s) with a part of it under ZeRO (~1/N each)
+        theory["optimizer_states"] = adafactor_state_bytes([p.shape for p in dp.params]) / (
+            engine.mesh.dp if dp.stage else 1)
         theory["total"] = theory["params"] + theory["grads"] + theory["master_weights"] + theory["optimizer_states"]
     report["theory_model_states"] = int(theory["total"] + frozen_bytes / (engine.mesh.dp if sharded else 1))
     report["peak_rss"] = peak_rss_bytes()

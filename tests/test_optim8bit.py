@@ -70,18 +70,3 @@ def test_8bit_states_refuse_another_layout(pools, tmp_path):
     pools.run(2, _train, 2, "AdamW8bit", 2, 4, str(tmp_path), "save")
     with pytest.raises(AssertionError, match="block scales.*cannot be cut for another layout"):
         pools.run(1, _train, 1, "AdamW8bit", 0, 4, str(tmp_path), "load")
-
-
-def _adafactor_under_zero(rank, world):
-    import bunsan
-    try:
-        bunsan.initialize(tiny_model(0), _cfg("Adafactor", 1))
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
-def test_adafactor_under_zero_is_refused_with_the_reason(pools):
-    # Adafactor factors whole rows and columns, which a ZeRO shard cuts: documented fallback is stage 0.
-    msg = pools.run(1, _adafactor_under_zero, 1)[0]
-    assert "Adafactor cannot step parameter fragments" in msg and "stage 0" in msg

@@ -54,9 +54,6 @@ def model_states(rp: RankParams, dp: int, stage: int, d: int, opt: str, opt_para
                  offload_param: str = "none", on_cpu: bool = False) -> dict:
     """Bytes by kind (params, grads, master_weights, optimizer_states: what is resident in memory) and
     by place (device, host, disk). `on_cpu`: the compute device is the CPU, so host and device are one."""
-    if stage >= 1 and opt.lower() == "adafactor":
-        raise ValueError("Adafactor's factored statistics cannot be split across ranks: bunsan runs it with "
-                         "zero_optimization.stage 0 only; use stage 0 or an elementwise optimizer (AdamW, SGD)")
     units = rp.units + ([rp.root] if rp.root else [])
     total = padded(rp.numels, dp, bucket_elems, stage, units)
     shard = total / dp
@@ -66,6 +63,8 @@ def model_states(rp: RankParams, dp: int, stage: int, d: int, opt: str, opt_para
     kinds = {"params": total * d / (dp if stage == 3 else 1),
              "grads": total * d if stage <= 1 else shard * 4,
              "master_weights": opt_elems * 4 if separate else 0.0,
+             # (Adafactor under ZeRO: each rank keeps the row and column moments of the matrices it has a part
+             # of, about 1/N of them)
              "optimizer_states": optimizer_bytes(opt, rp.shapes, opt_params) * (opt_elems / max(rp.total, 1))}
     # With the optimizer offloaded (cpu or nvme) it steps on the host, where stages 2-3 reduce the fp32 shard.
     host_grads = "cpu" if stage >= 2 and offload_optimizer != "none" else "none"

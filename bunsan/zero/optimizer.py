@@ -40,17 +40,27 @@ class ShardedOptimizer:
     def __init__(self, layout: ShardLayout, opt_class, defaults: dict, groups: list[tuple[list[int], dict]],
                  device: torch.device, model_dtype: torch.dtype, master_alias: torch.Tensor | None,
                  init_shard: torch.Tensor | None, offload: str = "none", nvme_path: str | None = None,
-                 sub_group_size: int = 10**9, rank: int = 0, pin_memory: bool = False, alias_by: str = "flat"):
+                 sub_group_size: int = 10**9, rank: int = 0, pin_memory: bool = False, alias_by: str = "flat",
+                 shapes: list | None = None, all_reduce=None):
         """
         groups: (parameter indices, hyperparameters) per optimizer param group.
         master_alias: fp32 storage the master may alias in place, else None: the flat parameters (stages 1-2,
             indexed by flat offsets) or the parameter shard (stage 3, indexed by shard offsets); see alias_by.
         init_shard: this rank's shard of the current weights (any dtype) to seed a separate master.
+        shapes, all_reduce: every parameter's shape and a SUM over the data-parallel group, for Adafactor,
+            whose statistics span whole rows and columns (adafactor.py).
         """
-        if opt_class not in ELEMENTWISE and opt_class.__name__ not in BLOCKWISE:
+        self.factored = opt_class is torch.optim.Adafactor
+        if opt_class not in ELEMENTWISE and opt_class.__name__ not in BLOCKWISE and not self.factored:
             raise ValueError(f"{opt_class.__name__} cannot step parameter fragments: ZeRO stages 1-3 cut parameters "
-                             "across ranks, and only elementwise optimizers (AdamW, Adam, SGD) give the same result "
-                             "on a fragment as on the whole tensor; use zero_optimization.stage 0 with it")
+                             "across ranks, and only elementwise optimizers (AdamW, Adam, SGD, AdamW8bit) and "
+                             "Adafactor are made to give the same result on a fragment as on the whole tensor; "
+                             "use zero_optimization.stage 0 with it")
+        if self.factored:
+            if offload == "nvme":
+                raise ValueError("Adafactor with offload_optimizer.device=nvme: its row and column moments are not "
+                                 "per element, which the NVMe swap of sub-groups assumes; use device cpu or none")
+            sub_group_size = 1 << 62   # one optimizer per rank: its collectives line up with every other rank's
         self.layout, self.device, self.model_dtype = layout, device, model_dtype
         self.offload = offload
         self.home = torch.device("cpu") if offload in ("cpu", "nvme") else device
@@ -75,6 +85,7 @@ class ShardedOptimizer:
                 group_of[i] = gi
         self.group_of_frag = [group_of[f.param] for f in layout.fragments]
         self.groups = groups
+        self._shapes, self._all_reduce = shapes, all_reduce
         self.subgroups = self._subgroups(sub_group_size)
         for sg in self.subgroups:
             sg.optimizer = self._build(sg)
@@ -104,6 +115,11 @@ class ShardedOptimizer:
         pgroups = [{"params": ts, **self.groups[g][1]} for g, ts in sorted(by_group.items())]
         if not pgroups:  # a rank whose shard is all padding still needs an optimizer object
             pgroups = [{"params": [torch.zeros(0, device=self.home)], **self.groups[0][1]}]
+        if self.factored:
+            from .adafactor import ShardedAdafactor
+            frags = self.layout.fragments
+            where = {id(self.frag_tensors[i]): (frags[i].param, frags[i].param_offset) for i in sg.frags}
+            return ShardedAdafactor(pgroups, where, self._shapes, self._all_reduce, **self.defaults)
         return self.opt_class(pgroups, **self.defaults)
 
     @property

@@ -45,7 +45,8 @@ class ShardedGrads(Sharded):
             init_shard=torch.cat([self.flat.data[lo:hi] for lo, hi, _ in self.slices]),
             offload=off.device if off else "none", nvme_path=off.nvme_path if off else None,
             sub_group_size=int(zero_cfg.sub_group_size), rank=comm.global_rank,
-            pin_memory=bool(off and off.pin_memory))
+            pin_memory=bool(off and off.pin_memory), shapes=[tuple(p.shape) for p in self.params],
+            all_reduce=lambda t: comm.all_reduce(t, group))
         # The fp32 gradient shard exists only from the first reduce to the step (made by the reducer, freed
         # by zero_grad), so it is not held through forward and the loss, where activations peak.
         self.opt.drop_grad()

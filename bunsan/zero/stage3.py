@@ -172,7 +172,8 @@ class FullyShardedDP(Sharded):
             master_alias=self.param_shard if alias else None, alias_by="shard",
             init_shard=self.param_shard, offload=off_o.device if off_o else "none",
             nvme_path=off_o.nvme_path if off_o else None, sub_group_size=int(zero.sub_group_size),
-            rank=comm.global_rank, pin_memory=bool(off_o and off_o.pin_memory))
+            rank=comm.global_rank, pin_memory=bool(off_o and off_o.pin_memory), shapes=self._shapes,
+            all_reduce=lambda t: comm.all_reduce(t, group))
         if self.param_swap is not None:
             self.param_shard = None
         self.reducer = ShardReducer(self.layout, comm, group, self.dtype, self.opt, zero,
