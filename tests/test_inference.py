@@ -69,3 +69,24 @@ def test_without_budgets_everything_stays_on_the_cpu(tmp_path):
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     _, dmap = load(tmp_path)
     assert set(dmap.values()) == {"cpu"}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_model_in_memory_is_placed_and_offloaded_to_a_directory(tmp_path, tied):
+    """load(model, ..., offload_dir=): the blocks that fit stay in memory; the rest are written there and read
+    per use. Greedy output equals the model's own."""
+    from reference import tiny_model
+    whole = tiny_model(0, tie_word_embeddings=tied).eval()
+    ids = torch.randint(0, 256, (2, 12))
+    want = generate(whole, ids, 16)
+    budget = sum(b.bytes for b in model_blocks(whole, torch.float32)) // 2
+    with pytest.raises(ValueError, match="pass offload_dir="):
+        load(tiny_model(0, tie_word_embeddings=tied), "sequential", {"cpu": budget}, batch=2, max_seq=28,
+             prompt_len=12)
+    model, dmap = load(tiny_model(0, tie_word_embeddings=tied), "sequential", {"cpu": budget}, batch=2,
+                       max_seq=28, prompt_len=12, offload_dir=tmp_path / "off")
+    assert "disk" in dmap.values() and "cpu" in dmap.values()
+    assert torch.equal(generate(model, ids, 16), want)
+    in_memory, dmap = load(tiny_model(0, tie_word_embeddings=tied), "auto", batch=2, max_seq=28, prompt_len=12)
+    assert set(dmap.values()) == {"cpu"}
+    assert torch.equal(generate(in_memory, ids, 16), want)

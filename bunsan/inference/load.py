@@ -155,15 +155,19 @@ def _drop(module: nn.Module) -> None:
 
 def load(path, device_map="auto", max_memory: dict | None = None, dtype: torch.dtype = torch.float32,
          headroom: dict | None = None, batch: int = 1, max_seq: int | None = None,
-         prompt_len: int | None = None) -> tuple[Llama, dict]:
-    """(model, device_map). `max_memory`: {device index: bytes, "cpu": bytes}; without it everything goes to
-    the CPU. A dict `device_map` ({block name: device}) is used as given.
+         prompt_len: int | None = None, offload_dir=None) -> tuple[Llama, dict]:
+    """(model, device_map) from a HF Llama directory or a bunsan Llama in memory. `max_memory`: {device index:
+    bytes, "cpu": bytes}; without it everything goes to the CPU. A dict `device_map` ({block name: device}) is
+    used as given. A model in memory whose blocks go to disk is first written to `offload_dir` (safetensors),
+    then read back block by block like a directory's.
 
     Placement counts what generating `batch` sequences of up to `max_seq` tokens (prompt included; default
     the model's max_position_embeddings, at most 4096) with `prompt_len`-token prompts (default max_seq - 1)
     takes: each layer's weights and KV cache, and one step's activations kept free on every device (`headroom`,
     {device: bytes}, replaces those). The estimate is `model.memory_estimate`; `model.disk_reads` counts, per
     block on disk, [times read, bytes read]."""
+    if isinstance(path, nn.Module):
+        return _load_module(path, device_map, max_memory, dtype, headroom, batch, max_seq, prompt_len, offload_dir)
     cfg = read_config(path)
     weights = HFWeights(path)
     with torch.device("meta"):
@@ -203,3 +207,43 @@ def load(path, device_map="auto", max_memory: dict | None = None, dtype: torch.d
     model.memory_estimate, model.disk_reads = est, reads
     model.eval()
     return model, dmap
+
+
+def _load_module(model: Llama, device_map, max_memory, dtype, headroom, batch, max_seq, prompt_len, offload_dir):
+    """A model in memory: its blocks moved to their devices, or, with blocks on disk, written to `offload_dir`
+    and loaded from there (the disk blocks are then read per use; nothing of them stays in memory)."""
+    cfg = getattr(model, "config", None)
+    if not isinstance(model, Llama):
+        raise ValueError(f"bunsan.inference.load places a bunsan Llama (or a HF Llama directory); got "
+                         f"{type(model).__name__}: load it with bunsan.models.hf.load_llama or pass its directory")
+    if max_seq is None:
+        max_seq = max(min(cfg.max_position_embeddings, 4096), prompt_len or 1)
+    est = inference_memory(cfg, batch, max_seq, dtype, prompt_len)
+    if isinstance(device_map, dict):
+        dmap = dict(device_map)
+    else:
+        dmap = plan(est, cfg.tie_word_embeddings, max_memory if max_memory is not None else {"cpu": 1 << 62},
+                    device_map, headroom)
+    if "disk" in dmap.values():
+        if offload_dir is None:
+            on_disk = [n for n, w in dmap.items() if w == "disk"]
+            raise ValueError(f"blocks {on_disk[0]}..{on_disk[-1]} go to disk, and a model in memory has no file to "
+                             "read them from: pass offload_dir= (a directory for their safetensors), or give the "
+                             "devices and CPU more max_memory")
+        from ..models.hf import save_llama
+        save_llama(model.state_dict(), cfg, offload_dir)
+        return load(offload_dir, dmap, None, dtype, headroom, batch, max_seq, prompt_len)
+    missing = sorted({b.name for b in model_blocks(model, dtype)} - set(dmap))
+    if missing:
+        raise ValueError(f"device_map leaves out {missing}; give every block a device (index, 'cpu' or 'disk')")
+    if cfg.tie_word_embeddings and dmap["embed_tokens"] != dmap["lm_head"]:
+        raise ValueError("embed_tokens and lm_head share one weight (tie_word_embeddings): put them on one device")
+    for name, where in dmap.items():
+        module = model.get_submodule(name)
+        module.to(device=_device(where), dtype=dtype)
+        module.register_forward_pre_hook(_move_inputs(_device(where)), with_kwargs=True)
+    model.layer_devices = [_device(dmap[f"layers.{i}"]) for i in range(cfg.num_hidden_layers)]
+    model.memory_estimate, model.disk_reads = est, {}
+    model.eval()
+    return model, dmap
+
