@@ -1,4 +1,4 @@
-"""The `bunsan` command: run | train | generate | estimate | plan | convert.
+"""The `bunsan` command: run | train | generate | estimate | plan | convert | serve.
 
 Process management is torchrun's (`torch.distributed.run`): `bunsan run` hands it
 the script, `bunsan train --nproc N` hands it `python -m bunsan.cli train ...`.
@@ -129,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-memory", help="budgets for --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB (default: all CPU)")
     from .cli_plan import add_parsers
     add_parsers(sub)
+    from .cli_serve import add_parser as add_serve
+    add_serve(sub)
 
     c = sub.add_parser("convert", help="a sharded checkpoint to one safetensors file or a Hugging Face directory")
     c.add_argument("checkpoint", help="checkpoint directory (the one holding `latest`)")
@@ -169,13 +171,16 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_estimate(args) if args.cmd == "estimate" else cmd_plan(args)
         if args.cmd == "convert":
             return cmd_convert(args)
+        if args.cmd == "serve":
+            from .cli_serve import cmd_serve
+            return cmd_serve(args)
         from .cli_generate import cmd_generate
         return cmd_generate(args)
     except ConfigError as e:
         print(f"bunsan: config error:\n{e}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        if args.cmd not in ("estimate", "plan", "convert") and not getattr(args, "device_map", None):
+        if args.cmd not in ("estimate", "plan", "convert", "serve") and not getattr(args, "device_map", None):
             raise
         print(f"bunsan {args.cmd}: {e}", file=sys.stderr)
         return 2

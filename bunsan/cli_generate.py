@@ -50,33 +50,39 @@ def _generate_placed(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
-    import torch
+def trained_model(path, tokenizer_path=None, command: str = "generate"):
+    """(model, tokenizer) of `bunsan train`'s output directory (or its final/ folder)."""
     from safetensors.torch import load_file
 
     from .config import Config
     from .data import load_tokenizer
+    from .models import Llama, LlamaConfig
+    ckpt = Path(path)
+    if (ckpt / "final").is_dir():
+        ckpt = ckpt / "final"
+    weights, meta_path = ckpt / "model.safetensors", ckpt / "config.json"
+    if not weights.is_file() or not meta_path.is_file():
+        raise SystemExit(f"bunsan {command}: {ckpt} has no model.safetensors + config.json; point --checkpoint at "
+                         "the output directory of `bunsan train` (or its final/ folder)")
+    meta = json.loads(meta_path.read_text())
+    cfg = Config.load(meta.get("bunsan_config", {}))
+    model = Llama(LlamaConfig.from_hf(meta["model"]))
+    model.load_state_dict(load_file(str(weights)), strict=False)
+    return model.eval(), load_tokenizer(tokenizer_path or cfg.data.tokenizer)
+
+
+def cmd_generate(args) -> int:
+    import torch
+
     from .cli import _relaunch, _under_torchrun
-    from .models import Llama, LlamaConfig, generate
+    from .models import generate
 
     if args.device_map:
         return _generate_placed(args)
     if args.tp > 1 and not _under_torchrun():
         return _relaunch(args, args.tp)
 
-    ckpt = Path(args.checkpoint)
-    if (ckpt / "final").is_dir():
-        ckpt = ckpt / "final"
-    weights, meta_path = ckpt / "model.safetensors", ckpt / "config.json"
-    if not weights.is_file() or not meta_path.is_file():
-        raise SystemExit(f"bunsan generate: {ckpt} has no model.safetensors + config.json; point --checkpoint at "
-                         "the output directory of `bunsan train` (or its final/ folder)")
-    meta = json.loads(meta_path.read_text())
-    cfg = Config.load(meta.get("bunsan_config", {}))
-    tokenizer = load_tokenizer(args.tokenizer or cfg.data.tokenizer)
-    model = Llama(LlamaConfig.from_hf(meta["model"]))
-    model.load_state_dict(load_file(str(weights)), strict=False)
-    model.eval()
+    model, tokenizer = trained_model(args.checkpoint, args.tokenizer, "generate")
     ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
     if ids.numel() == 0:
         raise SystemExit("bunsan generate: --prompt is empty; give some text to continue")

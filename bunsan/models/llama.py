@@ -155,7 +155,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, heads, s, head_dim]; cos/sin: [s, head_dim]."""
+    """x: [b, heads, s, head_dim]; cos/sin: [s, head_dim], or [b, 1, s, head_dim] (each row at its own position)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
@@ -201,7 +201,10 @@ class Attention(nn.Module):
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
         total = k.shape[2]
-        if total == s:
+        mask = getattr(kv_cache_layer, "attn_mask", None)   # rows of different lengths (bunsan.serve)
+        if mask is not None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif total == s:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif s == 1:
             out = F.scaled_dot_product_attention(q, k, v)  # one new token sees everything cached
@@ -319,11 +322,17 @@ class Llama(nn.Module):
         ``layer(i)`` returning an object with ``update(k, v)``, and ``advance(n)``.
         """
         s = input_ids.shape[1]
-        start = kv_cache.pos if kv_cache is not None else 0
-        if start + s > self.rope_cos.shape[0]:
-            raise ValueError(f"sequence end {start + s} exceeds max_position_embeddings "
+        rows = getattr(kv_cache, "positions", None)    # a batch whose rows sit at their own positions
+        start = kv_cache.pos if kv_cache is not None and rows is None else 0
+        end = start + s if rows is None else int(rows.max()) + s
+        if end > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence end {end} exceeds max_position_embeddings "
                              f"{self.rope_cos.shape[0]}; shorten the input or raise max_position_embeddings")
-        cos, sin = self.rope_cos[start:start + s], self.rope_sin[start:start + s]
+        if rows is None:
+            cos, sin = self.rope_cos[start:start + s], self.rope_sin[start:start + s]
+        else:
+            at = (rows[:, None] + torch.arange(s, device=rows.device)).to(self.rope_cos.device)
+            cos, sin = self.rope_cos[at][:, None], self.rope_sin[at][:, None]
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache.layer(i) if kv_cache is not None else None)

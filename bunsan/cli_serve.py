@@ -1,0 +1,75 @@
+"""`bunsan serve`: load a checkpoint (bunsan train's output, or a Hugging Face Llama directory, optionally spread
+over devices, CPU and disk) and serve OpenAI-style completions over HTTP with continuous batching."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve completions over HTTP (OpenAI-style), continuous batching")
+    s.add_argument("--checkpoint", required=True,
+                   help="output dir of `bunsan train` (or its final/ folder), or a Hugging Face Llama directory")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's, else bytes)")
+    s.add_argument("--slots", type=int, default=8, help="requests decoded together (KV cache slots)")
+    s.add_argument("--context", type=int, default=None,
+                   help="tokens per request, prompt included (default: the model's max_position_embeddings)")
+    s.add_argument("--max-tokens", type=int, default=1024, help="the most max_tokens one request may ask for")
+    s.add_argument("--max-concurrent", type=int, default=64, help="requests running or waiting; beyond: 429")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel serving (not yet: see the README)")
+    s.add_argument("--device-map", choices=("auto", "balanced", "sequential"),
+                   help="spread a Hugging Face Llama directory over devices, CPU and disk")
+    s.add_argument("--max-memory", help="budgets for --device-map, e.g. 0=20GiB,cpu=64GiB")
+
+
+def load_model(args):
+    """(model, tokenizer, name, context) for the server."""
+    from .cli_generate import _memory, trained_model
+    from .data import load_tokenizer
+    ckpt = Path(args.checkpoint)
+    trained = (ckpt / "final" / "model.safetensors").is_file() or (
+        (ckpt / "model.safetensors").is_file() and "bunsan_config" in (ckpt / "config.json").read_text())
+    if trained and not args.device_map:
+        model, tokenizer = trained_model(ckpt, args.tokenizer, "serve")
+    else:
+        from .models.hf import read_config
+        context = _context(args, read_config(ckpt))
+        if args.device_map:
+            from .inference import load
+            model, _ = load(ckpt, args.device_map, _memory(args.max_memory), batch=args.slots, max_seq=context)
+        else:
+            from .models.hf import load_llama
+            model = load_llama(ckpt).eval()
+        tok = ckpt / "tokenizer.json"
+        tokenizer = load_tokenizer(args.tokenizer or (str(tok) if tok.is_file() else None))
+    return model, tokenizer, ckpt.resolve().name, _context(args, model.config)
+
+
+def _context(args, cfg) -> int:
+    context = args.context or cfg.max_position_embeddings
+    if not 2 <= context <= cfg.max_position_embeddings:
+        raise ValueError(f"--context {context} must be in 2..{cfg.max_position_embeddings} (the model's "
+                         "max_position_embeddings): a request's prompt and new tokens share it")
+    return context
+
+
+def cmd_serve(args) -> int:
+    if args.tp > 1:
+        raise ValueError(f"--tp {args.tp}: tensor-parallel serving is not built yet (issue #9); serve on one "
+                         "process, with --device-map to spread a large model over devices, CPU and disk")
+    for flag in ("slots", "max_tokens", "max_concurrent", "max_body_bytes"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+    import uvicorn
+
+    from .serve import Batcher, Limits, build_app
+    model, tokenizer, name, context = load_model(args)
+    batcher = Batcher(model, args.slots, context)
+    app = build_app(batcher, tokenizer, name, Limits(args.max_body_bytes, args.max_tokens, args.max_concurrent))
+    print(f"bunsan serve: {name} on http://{args.host}:{args.port} ({args.slots} slots x {context} tokens); "
+          "POST /v1/completions, GET /health", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

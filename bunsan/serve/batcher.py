@@ -1,0 +1,206 @@
+"""Continuous batching over a KV cache of independent slots: the model side of `bunsan serve`.
+
+Every request owns a slot of the cache, [slots, kv_heads, max_len, head_dim] per layer, and its own length.
+A new request is prefilled alone into its slot (a prompt is many tokens, a decode step is one); then each
+step runs one forward over every active request together, each row at its own position (rotary position
+per row, an attention mask that hides other rows' lengths). A request leaves its slot when it ends (length,
+end-of-sequence, cancelled) and the next waiting one takes it: no request waits for a whole batch to end.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.llama import Llama
+
+
+class _SlotLayer:
+    def __init__(self, view: "_SlotView", i: int):
+        self.view, self.i = view, i
+        self.attn_mask = view.mask
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each row's new keys and values at its own positions; all its keys so far, padded to the
+        longest row (the mask hides the padding)."""
+        c, w = self.view.cache, self.view
+        ck, cv = c.k[self.i], c.v[self.i]
+        rows, at = w.rows.to(ck.device), w.at.to(ck.device)
+        ck[rows[:, None], :, at] = k.transpose(1, 2)
+        cv[rows[:, None], :, at] = v.transpose(1, 2)
+        return ck[rows, :, :w.keys], cv[rows, :, :w.keys]
+
+
+class _SlotView:
+    """The cache as the model sees it for one forward over `rows`, each adding `new` tokens."""
+
+    def __init__(self, cache: "SlotCache", rows: list[int], new: int):
+        self.cache, self.rows = cache, torch.tensor(rows, dtype=torch.long)
+        self.positions = cache.lengths[self.rows]                      # where each row's new tokens start
+        self.at = self.positions[:, None] + torch.arange(new)          # [n, new] positions written
+        self.keys = int(self.at.max()) + 1
+        if self.keys > cache.max_len:
+            raise ValueError(f"slot cache full: position {self.keys} > max_len {cache.max_len}")
+        visible = torch.arange(self.keys)[None, None, :] <= self.at[:, :, None]   # causal, and no padding
+        self.mask = visible[:, None].to(cache.device)                  # [n, 1, new, keys]
+        self.new = new
+
+    def layer(self, i: int) -> _SlotLayer:
+        return _SlotLayer(self, i)
+
+    def advance(self, n: int) -> None:
+        self.cache.lengths[self.rows] += n
+
+
+class SlotCache:
+    def __init__(self, model: Llama, slots: int, max_len: int, kv_heads: int | None = None):
+        cfg, dtype = model.config, next(model.parameters()).dtype
+        self.device = model.rope_cos.device          # where the model computes positions and masks
+        # a model spread over devices (bunsan.inference) keeps each layer's cache beside the layer
+        devices = getattr(model, "layer_devices", None) or [self.device] * cfg.num_hidden_layers
+        shape = (slots, kv_heads or cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=d, dtype=dtype) for d in devices]
+        self.v = [torch.zeros(shape, device=d, dtype=dtype) for d in devices]
+        self.lengths = torch.zeros(slots, dtype=torch.long)
+        self.max_len = max_len
+
+    def view(self, rows: list[int], new: int) -> _SlotView:
+        return _SlotView(self, rows, new)
+
+
+@dataclass
+class Request:
+    """One completion. `emit(token id)` is called for every new token, `finish(reason)` once at the end
+    ("stop", "length" or "error: ..."); both from the batcher's thread."""
+    ids: list[int]
+    max_tokens: int
+    emit: callable
+    finish: callable
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    eos: int | None = None
+    seed: int | None = None
+    cancelled: bool = False
+    generated: int = 0
+    last: int = 0
+    slot: int = -1
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+
+def sample(logits: torch.Tensor, r: Request) -> int:
+    """Greedy at temperature 0; else temperature, then top-k, then top-p (nucleus) on the probabilities."""
+    if r.temperature == 0.0:
+        return int(logits.argmax())
+    logits = logits.float() / r.temperature
+    if r.top_k is not None and r.top_k < logits.numel():
+        kth = torch.topk(logits, r.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if r.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        outside = sorted_p.cumsum(0) - sorted_p > r.top_p          # keep the smallest set reaching top_p
+        probs = probs.scatter(0, order, sorted_p.masked_fill(outside, 0.0))
+    return int(torch.multinomial(probs, 1, generator=r.generator))
+
+
+class Batcher:
+    """Runs requests on `model` with at most `slots` at once; `submit` from any thread, `run` on one."""
+
+    def __init__(self, model: Llama, slots: int, max_len: int, kv_heads: int | None = None):
+        self.model, self.max_len = model.eval(), max_len
+        self.cache = SlotCache(model, slots, max_len, kv_heads)
+        self.free = list(range(slots))[::-1]
+        self.active: dict[int, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.lock, self.wake = threading.Lock(), threading.Event()
+        self.stopped = False
+        self.steps = 0
+
+    def submit(self, r: Request) -> None:
+        if len(r.ids) + r.max_tokens > self.max_len:
+            raise ValueError(f"prompt of {len(r.ids)} tokens + max_tokens {r.max_tokens} exceeds the context of "
+                             f"{self.max_len} tokens; shorten the prompt or ask for fewer tokens")
+        if r.seed is not None:
+            r.generator = torch.Generator().manual_seed(r.seed)
+        with self.lock:
+            self.waiting.append(r)
+        self.wake.set()
+
+    def load(self) -> tuple[int, int]:
+        with self.lock:
+            return len(self.active), len(self.waiting)
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.wake.set()
+
+    def run(self) -> None:
+        """The serving loop: admit waiting requests into free slots, one decode step for all, until stopped."""
+        while not self.stopped:
+            if not self.active and not self.waiting:
+                self.wake.wait(0.1)
+                self.wake.clear()
+                continue
+            self._admit()
+            self._step()
+        for r in list(self.active.values()) + list(self.waiting):
+            r.finish("error: the server is shutting down")
+
+    def _admit(self) -> None:
+        while self.free:
+            with self.lock:
+                if not self.waiting:
+                    return
+                r = self.waiting.popleft()
+            if r.cancelled:
+                r.finish("cancelled")
+                continue
+            r.slot = self.free.pop()
+            self.cache.lengths[r.slot] = 0
+            try:
+                with torch.no_grad():
+                    logits = self.model(torch.tensor([r.ids]), kv_cache=self.cache.view([r.slot], len(r.ids)))
+                self._emit(r, sample(logits[0, -1], r))
+            except Exception as e:        # this request's failure is its own; the others go on
+                self._end(r, f"error: {type(e).__name__}: {e}")
+
+    def _step(self) -> None:
+        rows = sorted(self.active)
+        if not rows:
+            return
+        ids = torch.tensor([[self.active[s].last] for s in rows])
+        try:
+            with torch.no_grad():
+                logits = self.model(ids, kv_cache=self.cache.view(rows, 1))[:, -1]
+        except Exception as e:
+            for s in rows:
+                self._end(self.active[s], f"error: {type(e).__name__}: {e}")
+            return
+        self.steps += 1
+        for j, s in enumerate(rows):
+            self._emit(self.active[s], sample(logits[j], self.active[s]))
+
+    def _emit(self, r: Request, token: int) -> None:
+        self.active[r.slot] = r
+        if r.cancelled:
+            return self._end(r, "cancelled")
+        r.generated += 1
+        r.last = token
+        if r.eos is not None and token == r.eos:
+            return self._end(r, "stop")
+        r.emit(token)
+        if r.cancelled:                     # a stop string seen by the caller
+            return self._end(r, "stop")
+        if r.generated >= r.max_tokens:
+            return self._end(r, "length")
+
+    def _end(self, r: Request, reason: str) -> None:
+        self.active.pop(r.slot, None)
+        if r.slot >= 0:
+            self.free.append(r.slot)
+            r.slot = -1
+        r.finish(reason)

@@ -1,0 +1,190 @@
+"""`bunsan serve` on loopback: concurrent completions equal offline greedy generation, streaming, stop strings,
+4xx answers for bad input, limits, and a clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from reference import tiny_model
+
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+PROMPTS = ["def f(x):", "import os", "a", "class Point:\n    def", "for i in range(10):", "# comment",
+           "x = [1, 2,", "return"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model, slots=3, context=96, **limits):
+        from bunsan.data import load_tokenizer
+        from bunsan.serve import Batcher, Limits, build_app
+        self.tokenizer = load_tokenizer(None)
+        self.batcher = Batcher(model, slots, context)
+        app = build_app(self.batcher, self.tokenizer, "tiny", Limits(**limits))
+        self.port = _port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def post(self, body, **kw):
+        return httpx.post(self.url + "/v1/completions", json=body, timeout=60, **kw)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(0).eval()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    s = Server(model, max_tokens=64, max_body_bytes=4096)
+    yield s
+    s.close()
+
+
+def _offline(model, tokenizer, prompt, n):
+    from bunsan.models import generate
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    return tokenizer.decode(generate(model, ids, n)[0, ids.shape[1]:].tolist())
+
+
+def test_concurrent_requests_equal_offline_generation(server, model):
+    want = [_offline(model, server.tokenizer, p, 12 + i) for i, p in enumerate(PROMPTS)]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:       # more requests than slots: they queue and interleave
+        replies = list(pool.map(lambda a: server.post({"prompt": a[1], "max_tokens": 12 + a[0], "temperature": 0}),
+                                enumerate(PROMPTS)))
+    for r, w in zip(replies, want):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == w
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == body["usage"]["total_tokens"] - body["usage"]["prompt_tokens"]
+    assert server.batcher.steps < sum(12 + i for i in range(len(PROMPTS)))   # decode steps were shared
+
+
+def test_streaming_sends_the_same_text_as_events(server, model):
+    want = _offline(model, server.tokenizer, PROMPTS[0], 20)
+    chunks, done = [], False
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            chunks.append(json.loads(line[6:]))
+    assert done and len(chunks) > 2
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stop_string_ends_the_completion_before_it(server, model):
+    full = _offline(model, server.tokenizer, PROMPTS[1], 30)
+    stop = full[10:13]
+    r = server.post({"prompt": PROMPTS[1], "max_tokens": 30, "temperature": 0, "stop": [stop]}).json()
+    assert r["choices"][0]["text"] == full[:full.index(stop)]
+    assert r["choices"][0]["finish_reason"] == "stop"
+
+
+def test_sampling_is_seeded(server):
+    body = {"prompt": "x", "max_tokens": 16, "temperature": 0.9, "top_k": 40, "top_p": 0.9, "seed": 3}
+    a, b = server.post(body).json(), server.post(body).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("body,status,words", [
+    ("not json", 400, "not JSON"),
+    ({"max_tokens": 4}, 400, "prompt"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 65}, 400, "limit of 64"),
+    ({"prompt": "x" * 90, "max_tokens": 10}, 400, "context of 96"),
+    ({"prompt": "x" * 5000}, 413, "exceeds the limit"),
+])
+def test_bad_input_gets_a_4xx_with_the_reason(server, body, status, words):
+    r = (httpx.post(server.url + "/v1/completions", content=body, timeout=30) if isinstance(body, str)
+         else server.post(body))
+    assert r.status_code == status
+    assert words in r.json()["error"]["message"]
+
+
+def test_a_bad_request_among_good_ones_disturbs_nothing(server, model):
+    want = _offline(model, server.tokenizer, PROMPTS[2], 10)
+    bodies = [{"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0}, {"prompt": 7},
+              {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0}]
+    with ThreadPoolExecutor(3) as pool:
+        good, bad, again = pool.map(server.post, bodies)
+    assert bad.status_code == 400
+    assert good.json()["choices"][0]["text"] == want == again.json()["choices"][0]["text"]
+
+
+def test_health(server):
+    h = httpx.get(server.url + "/health", timeout=10).json()
+    assert h["status"] == "ok" and h["slots"] == 3 and h["context"] == 96
+
+
+def test_concurrency_limit_and_shutdown():
+    slow = tiny_model(0).eval()
+    slow.register_forward_pre_hook(lambda m, a: time.sleep(0.05))   # 60 tokens: 3 s, time to knock
+    s = Server(slow, slots=1, context=96, max_concurrent=1, max_tokens=64)
+    try:
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                          json={"prompt": "a", "max_tokens": 60, "stream": True, "temperature": 0}) as r:
+            next(r.iter_lines())                              # the first request is running
+            busy = s.post({"prompt": "b", "max_tokens": 4})
+            assert busy.status_code == 429 and "retry" in busy.json()["error"]["message"]
+    finally:
+        s.close()
+    assert not s.thread.is_alive() and s.batcher.stopped      # uvicorn and the batcher both ended
+
+
+def test_serve_refuses_what_it_cannot_do(tmp_path, capsys):
+    from bunsan.cli import main
+    assert main(["serve", "--checkpoint", str(tmp_path), "--tp", "2"]) == 2
+    assert "tensor-parallel serving is not built yet" in capsys.readouterr().err
+    assert main(["serve", "--checkpoint", str(tmp_path), "--slots", "0"]) == 2
+    assert "--slots 0 must be at least 1" in capsys.readouterr().err
+
+
+def test_the_command_loads_hf_and_trained_checkpoints(tmp_path, model):
+    import argparse
+
+    from bunsan.cli_serve import load_model
+    from bunsan.models.hf import save_llama
+    save_llama(model.state_dict(), model.config, tmp_path / "hf")
+    args = argparse.Namespace(checkpoint=str(tmp_path / "hf"), tokenizer=None, device_map=None, max_memory=None,
+                              slots=2, context=None)
+    loaded, tokenizer, name, context = load_model(args)
+    assert name == "hf" and context == model.config.max_position_embeddings
+    for (k, v), w in zip(loaded.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(v, w), k
+    args.device_map, args.context = "sequential", 64          # spread over CPU (and disk, had it a budget)
+    placed, _, _, context = load_model(args)
+    assert context == 64 and placed.memory_estimate.max_seq == 64
+    args.context = 10_000
+    with pytest.raises(ValueError, match="--context 10000 must be in 2.."):
+        load_model(args)
