@@ -3,7 +3,7 @@ next to one process generating the same requests one after another (no server, n
 
     python benchmarks/bench_serve.py [--requests 32] [--max-tokens 32] [--slots 16]
 
-The model is a random bunsan Llama with a byte vocabulary (hidden 512, 8 layers, GQA 8/4, 26M parameters),
+The model is a random bunsan Llama with a byte vocabulary (hidden 512, 8 layers, GQA 8/4, 23.5M parameters),
 served on loopback by uvicorn in this process; clients are threads with httpx. Greedy, fp32.
 """
 
