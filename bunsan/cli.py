@@ -1,4 +1,4 @@
-"""The `bunsan` command: run | train | generate | estimate | plan | convert | serve.
+"""The `bunsan` command: run | train | generate | estimate | plan | convert | serve | doctor.
 
 Process management is torchrun's (`torch.distributed.run`): `bunsan run` hands it
 the script, `bunsan train --nproc N` hands it `python -m bunsan.cli train ...`.
@@ -65,8 +65,13 @@ def cmd_train(args) -> int:
     if args.nproc > 1 and not _under_torchrun():
         train_config(args)  # fail fast on a bad config, before starting processes
         return _relaunch(args, args.nproc)
+    from .doctor.oom import EXIT_CODE, OutOfMemory
     from .train import run_training
-    run_training(train_config(args))
+    try:
+        run_training(train_config(args))
+    except OutOfMemory as e:          # the doctor's advice, and a code a script can tell apart
+        print(f"bunsan train: {e}", file=sys.stderr, flush=True)
+        return EXIT_CODE
     return 0
 
 
@@ -89,7 +94,8 @@ def _relaunch(args, nproc: int) -> int:
         torchrun(["--standalone", f"--nproc-per-node={nproc}", "--module", "bunsan.cli", WORKER_ARGV])
     except ChildFailedError as e:
         print(f"bunsan: {args.cmd} failed on {len(e.failures)} process(es); see their errors above", file=sys.stderr)
-        return 1
+        from .doctor.oom import EXIT_CODE
+        return EXIT_CODE if any(f.exitcode == EXIT_CODE for f in e.failures.values()) else 1
     return 0
 
 
@@ -131,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_parsers(sub)
     from .cli_serve import add_parser as add_serve
     add_serve(sub)
+    from .cli_doctor import add_parser as add_doctor
+    add_doctor(sub)
 
     c = sub.add_parser("convert", help="a sharded checkpoint to one safetensors file or a Hugging Face directory")
     c.add_argument("checkpoint", help="checkpoint directory (the one holding `latest`)")
@@ -171,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_estimate(args) if args.cmd == "estimate" else cmd_plan(args)
         if args.cmd == "convert":
             return cmd_convert(args)
+        if args.cmd == "doctor":
+            from .cli_doctor import cmd_doctor
+            return cmd_doctor(args)
         if args.cmd == "serve":
             from .cli_serve import cmd_serve
             return cmd_serve(args)
@@ -180,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bunsan: config error:\n{e}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        if args.cmd not in ("estimate", "plan", "convert", "serve") and not getattr(args, "device_map", None):
+        if args.cmd not in ("estimate", "plan", "convert", "serve", "doctor") and not getattr(args, "device_map", None):
             raise
         print(f"bunsan {args.cmd}: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ exchanges of point-to-point messages (exchange.py: gloo's own are 3x slower);
 from __future__ import annotations
 
 import datetime
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -99,10 +100,13 @@ class _Handle:
     def wait(self) -> None:
         if self._work is None:
             return
+        start = time.perf_counter()
         try:
             ok = self._work.wait(datetime.timedelta(seconds=self._comm.timeout_s))
         except RuntimeError as e:  # gloo raises on timeout or a dead peer
             raise self._comm.error(self._op, self._group, e) from e
+        finally:
+            self._comm.wait_s += time.perf_counter() - start
         if ok is False:
             raise self._comm.error(self._op, self._group, "timed out")
         self._work = None
@@ -124,6 +128,9 @@ class Comm:
         self._exchange_on_gloo = gloo_collectives == "exchange"
         self._exchanges: dict[str, bool] = {}   # group name -> run all-gather / reduce-scatter as exchanges
         self._tags = exchange.TagSequence()
+        self._seq: dict[str, int] = defaultdict(int)   # collectives issued per group (the roll call names them)
+        self.wait_s = 0.0            # seconds blocked waiting for communication (the doctor's slow-sync check)
+        self.finished_step = 0
 
     def _exchange_tag(self, group: Group) -> int | None:
         """The tag of the next exchange on `group`, or None where the backend's own collective runs."""
@@ -134,18 +141,26 @@ class Comm:
         return self._tags.next(group.name) if use else None
 
     def error(self, op: str, group: Group, cause) -> CommError:
+        from .doctor.rollcall import roll_call
+        seq = self._seq[group.name]
+        who = roll_call(self.global_rank, op, group, seq, window_s=max(2.0, min(10.0, self.timeout_s / 2)))
         return CommError(
-            f"rank {self.global_rank}: {op} on group '{group.name}' (ranks {list(group.ranks)}) failed: {cause}. "
-            f"Another rank probably died, hung or skipped this {op}; the collective timeout is "
-            f"{self.timeout_s:g}s (train.timeout_s)."
+            f"rank {self.global_rank}: {op} #{seq} on group '{group.name}' (ranks {list(group.ranks)}) failed: "
+            f"{cause}. Another rank probably died, hung or skipped this {op}; the collective timeout is "
+            f"{self.timeout_s:g}s (train.timeout_s); this rank last finished step {self.finished_step}.{who}"
         )
 
     def _run(self, op: str, group: Group, nbytes: int, fn, async_op: bool):
         self.stats.record(op, group, logical_bytes(op, nbytes, group.size))
+        if op not in ("send", "recv"):     # point-to-point calls differ per rank: only collectives line up
+            self._seq[group.name] += 1
+        start = time.perf_counter()
         try:
-            work = fn()
+            work = fn()           # (an exchange on gloo may block here: count it as waiting)
         except RuntimeError as e:
             raise self.error(op, group, e) from e
+        finally:
+            self.wait_s += time.perf_counter() - start
         handle = _Handle(self, work, op, group)
         if async_op:
             return handle

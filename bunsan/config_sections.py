@@ -376,6 +376,7 @@ class Train(Section):
     eval_interval: Int = Field(0, ge=0)
     eval_batches: Int = Field(4, ge=1)
     timeout_s: float = Field(120.0, gt=0)  # collective timeout
+    comm_warn_share: float = Field(0.3, ge=0, le=1)  # the doctor speaks when waiting on comm exceeds this share
     # On gloo: all-gather and reduce-scatter as point-to-point exchanges (3x faster, comm.py) or torch's own
     gloo_collectives: GlooCollectives = "exchange"
     metrics_file: str = "metrics.jsonl"

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from .comm import Comm
 from .distributed import Mesh
+from .doctor.oom import OutOfMemory, explain, is_oom
+from .doctor.rollcall import post_step
 from .memory import measured_memory
 from .optim import LRSchedule
 from .pipeline import step as pipeline_step
@@ -138,6 +140,7 @@ class Engine:
 
     # -- the optimizer step ----------------------------------------------------------------------
     def _optimizer_step(self) -> None:
+        self.phase = "optimizer step"
         inv = self._post_scale / (self.scaler.scale if self.scaler else 1.0)
         norm = self.dp.unscale(inv)
         self.last_grad_norm = norm
@@ -156,6 +159,9 @@ class Engine:
             self.dp.step()
         # As DeepSpeed: every step counts, a skipped (overflow) step does not advance the schedule.
         self.global_step += 1
+        self.comm.finished_step = self.global_step
+        if self.mesh.world.size > 1:      # for the doctor's roll call, should a collective hang
+            post_step(self.mesh.rank, self.global_step)
         self._set_lr()
         self.dp.zero_grad()
         self._last_comm = self.comm.stats.summary()
@@ -194,7 +200,20 @@ class Engine:
         return self.loss_fn(self.module(*mb[:-1]), mb[-1]), None
 
     def train_batch(self, batch) -> float:
-        """One optimizer step over micro_batch x grad_accum rows; the mean loss of the global batch."""
+        """One optimizer step over micro_batch x grad_accum rows; the mean loss of the global batch. Running out
+        of memory raises OutOfMemory, whose message says where, what was held and which layouts would fit."""
+        self.phase = "forward"
+        try:
+            return self._train_batch(batch)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            seq = batch["input_ids"].shape[-1] if isinstance(batch, dict) and "input_ids" in batch else None
+            where = self.phase + (f", ZeRO-3 unit {self.dp.current_unit}" if getattr(self.dp, "current_unit", None)
+                                  else "")
+            raise OutOfMemory(explain(self, where, seq, e)) from e
+
+    def _train_batch(self, batch) -> float:
         self.module.train()
         micro = self._split(batch)
         lm = isinstance(batch, dict) and self.loss_fn is None
@@ -211,7 +230,9 @@ class Engine:
             return pipeline_step.train_batch(self, micro, lm, div)
         total = torch.zeros((), dtype=torch.float64)
         for i, mb in enumerate(micro):
+            self.phase = f"forward of micro-batch {i + 1}/{len(micro)}"
             loss, _ = self._micro_loss(mb)
+            self.phase = f"backward of micro-batch {i + 1}/{len(micro)}"
             self._backward(loss / div, sync=i == len(micro) - 1)
             total += loss.detach().double()
         reported = self.comm.all_reduce_scalars([total.item()], self.mesh.dp_group)[0]

@@ -21,6 +21,7 @@ from .checkpoint.hf import load_hf_into_engine
 from .config import Config
 from .data import TokenBatches, load_tokenizer, load_tokens, make_loader, resolve_paths, unigram_entropy
 from .distributed import init_distributed
+from .doctor.slow import comm_advice
 from .lora import merge_lora
 from .metrics import Metrics, peak_flops
 from .models import Llama, build_config, flops_per_token
@@ -137,10 +138,12 @@ def run_training(cfg: Config) -> dict:
             f"batch {engine.train_batch_size} x {seq} tokens (micro {engine.micro_batch} x accum "
             f"{engine.grad_accum}), {len(tokens):,} corpus tokens, unigram entropy {entropy:.3f} nats")
     losses, t_start, t_last, steps_timed = [], None, time.perf_counter(), 0
+    wait_start = wait_after_first = 0.0      # comm waits from the first timed step on (the doctor's share)
     it = iter(loader)
     for step in range(start + 1, cfg.train.steps + 1):
         batch = next(it)
         loss = engine.train_batch(batch)
+        wait_after_first = engine.comm.wait_s if step == start + 1 else wait_after_first
         losses.append(loss)
         first_loss = loss if first_loss is None else first_loss
         save_every = cfg.checkpoint.save_interval
@@ -150,6 +153,7 @@ def run_training(cfg: Config) -> dict:
         now = time.perf_counter()
         if step == start + 2:  # the first step pays for warm-up (allocation, compile): time from the next on
             t_start, steps_timed = t_last, 0
+            wait_start = wait_after_first
         steps_timed += 1 if t_start is not None else 0
         t_last = now
         if step % cfg.steps_per_print == 0 or step == cfg.train.steps or step == 1:
@@ -184,6 +188,9 @@ def run_training(cfg: Config) -> dict:
     if val_loss is not None:
         extra["held-out loss"] = f"{val_loss:.4f} ({cfg.train.eval_batches} validation batches)"
         metrics.log({"step": cfg.train.steps, "val_loss": val_loss})
+    share, advice = comm_advice(cfg, engine.comm.wait_s - wait_start, max(elapsed, 1e-9), dist.get_world_size())
+    extra["waiting for communication"] = f"{share:.0%} of step time (rank {rank})" + (
+        f"\n{advice}" if advice else "")
     extra.update({"weights": str(final / "model.safetensors"), "metrics": str(out_dir / cfg.train.metrics_file)})
     metrics.summary(first_loss, losses[-1], entropy, tps, mfu, memory, extra)
     metrics.close()

@@ -104,6 +104,9 @@ class FullyShardedDP(Sharded):
         # Buckets in backward order (last block first, root last): gradients are reduced in that order.
         order = [(m, ps) for m, ps in zip(unit_modules, unit_params)][::-1] + [(None, root)]
         self.units = [Unit(m, ps) for m, ps in order]
+        path = {m: n for n, m in module.named_modules()}
+        self.unit_names = [path.get(m, "root") if m is not None else "root" for m, _ in order]
+        self.current_unit = None
         self.forward_order = list(range(len(unit_modules)))[::-1]   # unit indices, first block first
         self.params = [trainable[i] for _, ps in order for i in ps]
         remap = {old: new for new, old in enumerate(i for _, ps in order for i in ps)}
@@ -218,6 +221,7 @@ class FullyShardedDP(Sharded):
 
     def gather(self, k: int) -> None:
         u = self.units[k]
+        self.current_unit = self.unit_names[k]     # where an out-of-memory failure happened (the doctor)
         if u.gathered:
             return
         handle = u.pending if u.pending is not None else self._launch_gather(k)

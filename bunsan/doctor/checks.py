@@ -1,0 +1,171 @@
+"""`bunsan doctor`: what to check before a long run, each check a line with ok / warn / fail and its reason.
+
+    versions      python, torch, the backends (gloo, NCCL and CUDA when there is a GPU), optional packages
+    devices       every GPU with its free memory, or the CPU with the host's available memory
+    ranks         N local processes join a group and all-reduce (over gloo, and NCCL with GPUs) within a timeout
+    disk          free space where checkpoints go, against the size of one checkpoint of the model
+    config        the config's peak per rank (bunsan estimate) against what each rank has
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata as md
+import os
+import platform
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+
+import torch
+
+GiB = 1024 ** 3
+OPTIONAL = ("transformers", "tokenizers", "peft", "bitsandbytes", "starlette", "uvicorn", "deepspeed")
+
+
+@dataclass
+class Check:
+    name: str
+    status: str         # ok | warn | fail
+    detail: str
+
+
+def versions() -> list[Check]:
+    out = [Check("python", "ok", platform.python_version()),
+           Check("torch", "ok" if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
+                 else "fail", f"{torch.__version__} (bunsan needs >= 2.6)")]
+    backends = ["gloo" if torch.distributed.is_gloo_available() else None,
+                "nccl" if torch.distributed.is_nccl_available() else None]
+    out.append(Check("backends", "ok" if backends[0] else "fail",
+                     ", ".join(b for b in backends if b) or "none: torch.distributed has no backend"))
+    if torch.cuda.is_available():
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else "-"
+        out.append(Check("cuda", "ok", f"CUDA {torch.version.cuda}, NCCL {nccl}"))
+    have = []
+    for pkg in OPTIONAL:
+        try:
+            have.append(f"{pkg} {md.version(pkg)}")
+        except md.PackageNotFoundError:
+            have.append(f"{pkg} -")
+    out.append(Check("optional packages", "ok", ", ".join(have)))
+    return out
+
+
+def host_available() -> float:
+    with open("/proc/meminfo") as f:
+        return float(next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable")))
+
+
+def devices() -> list[Check]:
+    out = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(i)
+            name = torch.cuda.get_device_name(i)
+            out.append(Check(f"gpu {i}", "ok" if free > 0.5 * total else "warn",
+                             f"{name}: {free / GiB:.1f} of {total / GiB:.1f} GiB free"
+                             + ("" if free > 0.5 * total else " (another process holds the rest)")))
+    try:
+        avail = host_available()
+        out.append(Check("host", "ok", f"{os.cpu_count()} CPUs, {avail / GiB:.1f} GiB available"))
+    except (OSError, StopIteration):
+        out.append(Check("host", "warn", f"{os.cpu_count()} CPUs, available memory unknown (no /proc/meminfo)"))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float, results) -> None:
+    import torch.distributed as dist
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+        t = torch.ones(1 << 20, device=device)          # 4 MiB: a bucket-sized message
+        dist.all_reduce(t)
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        ms = (time.perf_counter() - start) * 1e3
+        ok = float(t[0]) == world ** 2
+        dist.destroy_process_group()
+        results.put((rank, ok, f"{ms:.1f} ms"))
+    except Exception as e:
+        results.put((rank, False, f"{type(e).__name__}: {e}"))
+
+
+def ranks(nproc: int, timeout_s: float = 30.0) -> list[Check]:
+    """Start `nproc` local processes per backend and all-reduce 4 MiB; name the ranks that fail or never answer."""
+    import multiprocessing as mp
+    out = []
+    backends = ["gloo"] + (["nccl"] if torch.cuda.is_available() and torch.distributed.is_nccl_available() else [])
+    for backend in backends:
+        ctx = mp.get_context("spawn")
+        results, port = ctx.Queue(), _free_port()
+        procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, backend, timeout_s, results), daemon=True)
+                 for r in range(nproc)]
+        for p in procs:
+            p.start()
+        got, deadline = {}, time.monotonic() + timeout_s + 30
+        while len(got) < nproc and time.monotonic() < deadline:
+            try:
+                rank, ok, detail = results.get(timeout=1)
+                got[rank] = (ok, detail)
+            except Exception:
+                if not any(p.is_alive() for p in procs):
+                    break
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+        silent = [r for r in range(nproc) if r not in got]
+        bad = {r: d for r, (ok, d) in got.items() if not ok}
+        if silent or bad:
+            why = [f"rank {r}: {d}" for r, d in sorted(bad.items())] + [f"rank {r}: no answer (died)" for r in silent]
+            out.append(Check(f"ranks ({backend})", "fail", f"{nproc} processes: " + "; ".join(why)))
+        else:
+            out.append(Check(f"ranks ({backend})", "ok", f"{nproc} processes joined; all-reduce of 4 MiB in "
+                             + ", ".join(got[r][1] for r in range(nproc))))
+    return out
+
+
+def disk(path: str, checkpoint_bytes: float | None) -> Check:
+    target = os.path.abspath(path)
+    probe = target
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    free = shutil.disk_usage(probe).free
+    if checkpoint_bytes is None:
+        return Check("disk", "ok", f"{free / GiB:.1f} GiB free at {target}")
+    need = 2 * checkpoint_bytes        # the new checkpoint is written beside the previous one, then swapped
+    status = "ok" if free >= need else "fail"
+    return Check("disk", status, f"{free / GiB:.1f} GiB free at {target}; one checkpoint is "
+                 f"{checkpoint_bytes / GiB:.2f} GiB (weights + optimizer states), a save needs room for two"
+                 + ("" if status == "ok" else ": free space, or point checkpoint.dir elsewhere"))
+
+
+def config(model, cfg, nproc: int, device_type: str) -> tuple[Check, float]:
+    """(the estimate against each rank's memory, bytes of one checkpoint)."""
+    from ..estimator import estimate
+    est = estimate(model, cfg, gpus=nproc, device_type=device_type)
+    if device_type == "cuda":
+        have = min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
+        where = "the smallest GPU's free memory"
+    else:
+        have, where = host_available() / nproc, f"available host memory / {nproc} ranks"
+    from ..memory import optimizer_state_bytes_per_param
+    opt = cfg.optimizer
+    ckpt = est.n_params * (4 + optimizer_state_bytes_per_param(opt.type, opt.params))   # fp32 master + states
+    status = "ok" if est.peak <= 0.9 * have else "fail"
+    detail = (f"{est.model} on {nproc} ranks ({est.layout.describe()}): peak {est.peak / GiB:.2f} GiB per rank "
+              f"predicted, {have / GiB:.2f} GiB available ({where})")
+    if status == "fail":
+        detail += f"; it does not fit: bunsan plan --model {est.model} --gpus {nproc} lists layouts that do"
+    return Check("config", status, detail), ckpt

@@ -1,0 +1,73 @@
+"""Who did not come: a roll call through the launcher's key-value store when a collective times out.
+
+Every rank posts the last step it finished (one store write per step). A rank whose collective times out
+posts where it is waiting (op, group, the collective's number on that group), then reads the others' posts
+for a short while: ranks of the group waiting in the same collective arrived; the others did not (and, if
+they are waiting in another collective, that one is named). The store lives outside the process group, so
+it still answers when the group is stuck; when it does not (rank 0 died), the roll call says so.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch.distributed as dist
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def post_step(rank: int, step: int) -> None:
+    try:
+        _store().set(f"bunsan/step/{rank}", str(step))
+    except Exception:        # no store (a world of one) or it is gone: the step is still done
+        pass
+
+
+def _read(store, key: str):
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def roll_call(rank: int, op: str, group, seq: int, window_s: float) -> str:
+    """A sentence naming the ranks of `group` that did not reach collective number `seq` (`op`), where they
+    are instead, and the last step every rank of the group finished."""
+    ranks = list(group.ranks)
+    if len(ranks) < 2:
+        return ""
+    try:
+        store = _store()
+        store.set(f"bunsan/at/{rank}", json.dumps({"op": op, "group": group.name, "seq": seq}))
+        others, seen = [r for r in ranks if r != rank], {}
+        deadline = time.monotonic() + window_s
+        while True:
+            for r in others:
+                if r not in seen and (posted := _read(store, f"bunsan/at/{r}")) is not None:
+                    seen[r] = json.loads(posted)
+            if len(seen) == len(others) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        steps = {r: _read(store, f"bunsan/step/{r}") for r in ranks}
+    except Exception as e:
+        return f" Roll call impossible ({type(e).__name__}: {e}): the launcher's store (on rank 0) is gone."
+    here = {"op": op, "group": group.name, "seq": seq}
+    missing = [r for r in others if seen.get(r) != here]
+    parts = []
+    if op in ("send", "recv"):      # no common number: say where the peers are
+        parts += [f"rank {r} is waiting in {w['op']} on group '{w['group']}'" for r, w in seen.items()]
+        parts += [f"rank {r} did not answer within {window_s:g}s" for r in others if r not in seen]
+    elif missing:
+        parts.append(f"ranks {missing} did not arrive at {op} #{seq} on group '{group.name}'")
+        for r in missing:
+            if r in seen:
+                w = seen[r]
+                parts.append(f"rank {r} is waiting in {w['op']} #{w['seq']} on group '{w['group']}' instead")
+            else:
+                parts.append(f"rank {r} did not answer within {window_s:g}s (busy outside bunsan's collectives, "
+                             "hung, or dead)")
+    else:
+        parts.append(f"every rank of group '{group.name}' reached {op} #{seq}; the transport failed")
+    last = ", ".join(f"rank {r}: {steps[r] if steps[r] is not None else 'none'}" for r in ranks)
+    parts.append(f"last step finished: {last}")
+    return " Roll call: " + "; ".join(parts) + "."
