@@ -19,7 +19,10 @@ def add_parser(sub) -> None:
     s.add_argument("--max-tokens", type=int, default=1024, help="the most max_tokens one request may ask for")
     s.add_argument("--max-concurrent", type=int, default=64, help="requests running or waiting; beyond: 429")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    s.add_argument("--tp", type=int, default=1, help="tensor-parallel serving (not yet: see the README)")
+    s.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel processes: rank 0 serves, every rank holds 1/tp of the heads and KV cache")
+    s.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds a tensor-parallel collective may take before serving stops with an error")
     s.add_argument("--device-map", choices=("auto", "balanced", "sequential"),
                    help="spread a Hugging Face Llama directory over devices, CPU and disk")
     s.add_argument("--max-memory", help="budgets for --device-map, e.g. 0=20GiB,cpu=64GiB")
@@ -57,19 +60,44 @@ def _context(args, cfg) -> int:
 
 
 def cmd_serve(args) -> int:
-    if args.tp > 1:
-        raise ValueError(f"--tp {args.tp}: tensor-parallel serving is not built yet (issue #9); serve on one "
-                         "process, with --device-map to spread a large model over devices, CPU and disk")
-    for flag in ("slots", "max_tokens", "max_concurrent", "max_body_bytes"):
+    for flag in ("slots", "max_tokens", "max_concurrent", "max_body_bytes", "tp"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+    if args.tp > 1 and args.device_map:
+        raise ValueError("--tp and --device-map both spread the model: use one (tensor parallel splits every "
+                         "layer over processes; a device map puts whole layers on devices, CPU and disk)")
+    from .cli import _relaunch, _under_torchrun
+    if args.tp > 1 and not _under_torchrun():
+        return _relaunch(args, args.tp)
     import uvicorn
 
-    from .serve import Batcher, Limits, build_app
+    from .serve import Batcher, Limits, SlotCache, build_app
     model, tokenizer, name, context = load_model(args)
-    batcher = Batcher(model, args.slots, context)
+    leader, kv_heads = None, None
+    if args.tp > 1:
+        from .comm import Comm
+        from .distributed import Mesh, init_distributed
+        from .serve.tp import Leader, follow
+        from .tensor_parallel import TPContext, apply_tensor_parallel
+        init_distributed(timeout_s=args.timeout)
+        mesh = Mesh.create(tp=args.tp)
+        comm = Comm(timeout_s=args.timeout)
+        apply_tensor_parallel(model, TPContext(comm, mesh.tp_group)).gather_output = True   # rank 0 samples
+        kv_heads = model.config.num_key_value_heads // args.tp
+        if mesh.rank != 0:
+            follow(model, SlotCache(model, args.slots, context, kv_heads), comm, mesh.tp_group)
+            return 0
+        leader = Leader(comm, mesh.tp_group)
+    batcher = Batcher(model, args.slots, context, kv_heads, leader)
     app = build_app(batcher, tokenizer, name, Limits(args.max_body_bytes, args.max_tokens, args.max_concurrent))
-    print(f"bunsan serve: {name} on http://{args.host}:{args.port} ({args.slots} slots x {context} tokens); "
-          "POST /v1/completions, GET /health", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+
+    def fatal(message: str) -> None:        # a tensor-parallel rank is gone: answer errors, then stop
+        print(f"bunsan serve: {message}; shutting down", flush=True)
+        server.should_exit = True
+    batcher.on_fatal = fatal
+    print(f"bunsan serve: {name} on http://{args.host}:{args.port} ({args.slots} slots x {context} tokens"
+          + (f", tensor parallel over {args.tp} processes" if args.tp > 1 else "") + "); POST /v1/completions, "
+          "GET /health", flush=True)
+    server.run()
+    return 1 if batcher.fatal else 0

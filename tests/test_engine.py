@@ -143,7 +143,8 @@ def test_a_missing_rank_fails_with_rank_and_op_instead_of_hanging(pools, op):
         msg, waited = pools.run(2, _stuck, 2, op)[0]
     finally:
         pools.discard(2)          # the group is unusable after an abandoned collective
-    assert f"rank 0: {op} on group 'dp'" in msg and "train.timeout_s" in msg
+    assert f"rank 0: {op} #1 on group 'dp'" in msg and "train.timeout_s" in msg
+    assert "ranks [1] did not arrive" in msg          # the roll call (bunsan/doctor/rollcall.py)
     assert waited < 30
 
 

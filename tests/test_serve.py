@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,24 +149,31 @@ def test_health(server):
 
 
 def test_concurrency_limit_and_shutdown():
-    slow = tiny_model(0).eval()
-    slow.register_forward_pre_hook(lambda m, a: time.sleep(0.05))   # 60 tokens: 3 s, time to knock
-    s = Server(slow, slots=1, context=96, max_concurrent=1, max_tokens=64)
+    gate = threading.Event()
+    held = tiny_model(0).eval()
+    held.register_forward_pre_hook(lambda m, a: None if gate.wait(60) else None)   # runs until we let it
+    s = Server(held, slots=1, context=96, max_concurrent=1, max_tokens=64)
     try:
-        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
-                          json={"prompt": "a", "max_tokens": 60, "stream": True, "temperature": 0}) as r:
-            next(r.iter_lines())                              # the first request is running
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(s.post, {"prompt": "a", "max_tokens": 4, "temperature": 0})
+            deadline = time.time() + 30
+            while sum(s.batcher.load()) == 0:                       # it reached the batcher
+                assert time.time() < deadline
+                time.sleep(0.02)
             busy = s.post({"prompt": "b", "max_tokens": 4})
+            gate.set()
             assert busy.status_code == 429 and "retry" in busy.json()["error"]["message"]
+            assert first.result().status_code == 200
     finally:
+        gate.set()
         s.close()
     assert not s.thread.is_alive() and s.batcher.stopped      # uvicorn and the batcher both ended
 
 
 def test_serve_refuses_what_it_cannot_do(tmp_path, capsys):
     from bunsan.cli import main
-    assert main(["serve", "--checkpoint", str(tmp_path), "--tp", "2"]) == 2
-    assert "tensor-parallel serving is not built yet" in capsys.readouterr().err
+    assert main(["serve", "--checkpoint", str(tmp_path), "--tp", "2", "--device-map", "auto"]) == 2
+    assert "--tp and --device-map both spread the model: use one" in capsys.readouterr().err
     assert main(["serve", "--checkpoint", str(tmp_path), "--slots", "0"]) == 2
     assert "--slots 0 must be at least 1" in capsys.readouterr().err
 
@@ -188,3 +196,75 @@ def test_the_command_loads_hf_and_trained_checkpoints(tmp_path, model):
     args.context = 10_000
     with pytest.raises(ValueError, match="--context 10000 must be in 2.."):
         load_model(args)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [e for e in env if e.startswith(b"RANK=")]
+    return int(ranks[0][5:]) if ranks else None
+
+
+def test_tensor_parallel_serving_and_a_dead_rank(tmp_path, model):
+    """--tp 2: rank 0 serves, both ranks run every forward; outputs equal one process's; idle longer than the
+    collective timeout is fine (heartbeats); a killed follower ends serving with errors, never a hang."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from bunsan.data import load_tokenizer
+    from bunsan.models.hf import save_llama
+    save_llama(model.state_dict(), model.config, tmp_path / "hf")
+    port = _port()
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", "--checkpoint", str(tmp_path / "hf"),
+                             "--tp", "2", "--port", str(port), "--slots", "2", "--context", "96", "--timeout", "4"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "the tensor-parallel server did not start"
+            time.sleep(0.5)
+        time.sleep(6)                                   # idle past the 4 s timeout: heartbeats keep ranks joined
+        tok = load_tokenizer(None)
+        want = [_offline(model, tok, p, 10) for p in PROMPTS[:3]]
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(lambda p: httpx.post(url + "/v1/completions", timeout=60, json={
+                "prompt": p, "max_tokens": 10, "temperature": 0}), PROMPTS[:3]))
+        assert [r.json()["choices"][0]["text"] for r in replies] == want
+        follower = [c for w in _children(proc.pid) for c in [w, *_children(w)] if _rank_of(c) == 1]
+        assert follower, "rank 1's process not found"
+        os.kill(follower[0], signal.SIGKILL)
+        try:
+            r = httpx.post(url + "/v1/completions", timeout=60, json={"prompt": "a", "max_tokens": 10})
+            assert r.status_code >= 500, r.text
+        except httpx.TransportError:
+            pass                                        # the server was already going down: also not a hang
+        assert proc.wait(timeout=90) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

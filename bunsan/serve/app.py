@@ -83,6 +83,7 @@ class _Text:
 def build_app(batcher: Batcher, tokenizer, model_name: str, limits: Limits | None = None) -> Starlette:
     limits = limits or Limits()
     worker = threading.Thread(target=batcher.run, name="bunsan-batcher", daemon=True)
+    open_requests = [0]        # accepted and not yet fully answered (the event loop's own count: no lock)
 
     async def health(_: HTTPRequest) -> JSONResponse:
         active, waiting = batcher.load()
@@ -112,7 +113,7 @@ def build_app(batcher: Batcher, tokenizer, model_name: str, limits: Limits | Non
         if len(ids) + req.max_tokens > batcher.max_len:
             return _error(400, f"prompt of {len(ids)} tokens + max_tokens {req.max_tokens} exceeds the context of "
                                f"{batcher.max_len} tokens; shorten the prompt or ask for fewer tokens")
-        if sum(batcher.load()) >= limits.max_concurrent:
+        if open_requests[0] >= limits.max_concurrent:
             return _error(429, f"{limits.max_concurrent} requests are already running or waiting; retry later",
                           "rate_limit_error")
         if not worker.is_alive() or batcher.stopped:
@@ -131,6 +132,7 @@ def build_app(batcher: Batcher, tokenizer, model_name: str, limits: Limits | Non
             loop.call_soon_threadsafe(queue.put_nowait, ("text", delta))
         work.emit = emit
         batcher.submit(work)
+        open_requests[0] += 1
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def chunk(delta: str, reason: str | None) -> dict:
@@ -156,6 +158,7 @@ def build_app(batcher: Batcher, tokenizer, model_name: str, limits: Limits | Non
                         return
                 finally:
                     work.cancelled = True      # a client that went away frees its slot at the next step
+                    open_requests[0] -= 1
             return StreamingResponse(events(), media_type="text/event-stream")
 
         out = []
@@ -168,6 +171,7 @@ def build_app(batcher: Batcher, tokenizer, model_name: str, limits: Limits | Non
                 break
         finally:
             work.cancelled = True
+            open_requests[0] -= 1
         if value.startswith("error"):
             return _error(500, value.removeprefix("error: "), "server_error")
         out.append(text.rest())

@@ -10,12 +10,14 @@ end-of-sequence, cancelled) and the next waiting one takes it: no request waits 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
 from ..models.llama import Llama
+from .tp import HEARTBEAT_S
 
 
 class _SlotLayer:
@@ -110,8 +112,11 @@ def sample(logits: torch.Tensor, r: Request) -> int:
 class Batcher:
     """Runs requests on `model` with at most `slots` at once; `submit` from any thread, `run` on one."""
 
-    def __init__(self, model: Llama, slots: int, max_len: int, kv_heads: int | None = None):
-        self.model, self.max_len = model.eval(), max_len
+    def __init__(self, model: Llama, slots: int, max_len: int, kv_heads: int | None = None, leader=None):
+        """`leader` (serve/tp.py): under tensor parallelism, announces every forward to the other ranks."""
+        self.model, self.max_len, self.leader = model.eval(), max_len, leader
+        self.fatal: str | None = None       # a failure that ends serving (a tensor-parallel rank died)
+        self.on_fatal = None                # called once with it (the server shuts down)
         self.cache = SlotCache(model, slots, max_len, kv_heads)
         self.free = list(range(slots))[::-1]
         self.active: dict[int, Request] = {}
@@ -140,15 +145,41 @@ class Batcher:
 
     def run(self) -> None:
         """The serving loop: admit waiting requests into free slots, one decode step for all, until stopped."""
+        beat = time.monotonic()
         while not self.stopped:
             if not self.active and not self.waiting:
                 self.wake.wait(0.1)
                 self.wake.clear()
+                if self.leader is not None and time.monotonic() - beat > HEARTBEAT_S:   # rank 0 lives
+                    beat = time.monotonic()
+                    self._guard(self.leader.heartbeat)
                 continue
             self._admit()
             self._step()
+        reason = f"error: {self.fatal}" if self.fatal else "error: the server is shutting down"
         for r in list(self.active.values()) + list(self.waiting):
-            r.finish("error: the server is shutting down")
+            r.finish(reason)
+        if self.leader is not None and not self.fatal:
+            self._guard(self.leader.stop)
+
+    def _guard(self, fn, *args):
+        """Run a collective step; if it fails under tensor parallelism, serving ends (the group is broken)."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            if self.leader is None:
+                raise
+            self.fatal = f"tensor-parallel serving failed: {type(e).__name__}: {e}"
+            self.stopped = True
+            if self.on_fatal is not None:
+                self.on_fatal(self.fatal)
+            raise
+
+    def _forward(self, rows: list[int], ids: torch.Tensor) -> torch.Tensor:
+        if self.leader is not None:
+            self._guard(self.leader.forward, rows, self.cache.lengths[torch.tensor(rows)], ids)
+        with torch.no_grad():
+            return self._guard(lambda: self.model(ids, kv_cache=self.cache.view(rows, ids.shape[1])))
 
     def _admit(self) -> None:
         while self.free:
@@ -161,12 +192,14 @@ class Batcher:
                 continue
             r.slot = self.free.pop()
             self.cache.lengths[r.slot] = 0
+            self.active[r.slot] = r           # running from its prefill on (health and limits count it)
             try:
-                with torch.no_grad():
-                    logits = self.model(torch.tensor([r.ids]), kv_cache=self.cache.view([r.slot], len(r.ids)))
+                logits = self._forward([r.slot], torch.tensor([r.ids]))
                 self._emit(r, sample(logits[0, -1], r))
             except Exception as e:        # this request's failure is its own; the others go on
                 self._end(r, f"error: {type(e).__name__}: {e}")
+                if self.fatal:
+                    return
 
     def _step(self) -> None:
         rows = sorted(self.active)
@@ -174,8 +207,7 @@ class Batcher:
             return
         ids = torch.tensor([[self.active[s].last] for s in rows])
         try:
-            with torch.no_grad():
-                logits = self.model(ids, kv_cache=self.cache.view(rows, 1))[:, -1]
+            logits = self._forward(rows, ids)[:, -1]
         except Exception as e:
             for s in rows:
                 self._end(self.active[s], f"error: {type(e).__name__}: {e}")

@@ -1,0 +1,54 @@
+"""Serving under tensor parallelism: rank 0 serves HTTP and runs the batcher; before each forward it broadcasts
+the work (which slots, which tokens) and every rank runs the same forward on its shard of the model and of
+the KV cache (heads split over the group). Only rank 0 samples: the head gathers the logits.
+
+    order:   [kind, rows, tokens] then [slot ids..., their lengths..., token ids...]
+             kind: FORWARD, NOOP (heartbeat), STOP; the lengths make every rank's cache agree with rank 0's
+
+While idle rank 0 sends a heartbeat every HEARTBEAT_S, so a follower that hears nothing for its collective
+timeout knows rank 0 is gone and exits. A follower that dies makes rank 0's next broadcast or forward fail:
+the batcher ends every request with an error and the server shuts down instead of hanging.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FORWARD, NOOP, STOP = 1, 2, 3
+HEARTBEAT_S = 1.0
+
+
+class Leader:
+    """Rank 0's side: announce each forward (and heartbeats, and the end) to the followers."""
+
+    def __init__(self, comm, group):
+        self.comm, self.group = comm, group
+
+    def forward(self, rows: list[int], lengths: torch.Tensor, ids: torch.Tensor) -> None:
+        self.comm.broadcast(torch.tensor([FORWARD, len(rows), ids.shape[1]]), 0, self.group)
+        self.comm.broadcast(torch.cat([torch.tensor(rows), lengths, ids.reshape(-1)]), 0, self.group)
+
+    def heartbeat(self) -> None:
+        self.comm.broadcast(torch.tensor([NOOP, 0, 0]), 0, self.group)
+
+    def stop(self) -> None:
+        self.comm.broadcast(torch.tensor([STOP, 0, 0]), 0, self.group)
+
+
+def follow(model, cache, comm, group) -> None:
+    """A follower's serving loop: run every forward rank 0 announces, until it says stop (or goes silent, which
+    the collective timeout turns into an error)."""
+    while True:
+        header = torch.zeros(3, dtype=torch.long)
+        comm.broadcast(header, 0, group)
+        kind, n, s = header.tolist()
+        if kind == STOP:
+            return
+        if kind == NOOP:
+            continue
+        payload = torch.zeros(2 * n + n * s, dtype=torch.long)
+        comm.broadcast(payload, 0, group)
+        rows, ids = payload[:n].tolist(), payload[2 * n:].view(n, s)
+        cache.lengths[payload[:n]] = payload[n:2 * n]
+        with torch.no_grad():
+            model(ids, kv_cache=cache.view(rows, s))
