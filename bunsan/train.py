@@ -188,7 +188,8 @@ def run_training(cfg: Config) -> dict:
     if val_loss is not None:
         extra["held-out loss"] = f"{val_loss:.4f} ({cfg.train.eval_batches} validation batches)"
         metrics.log({"step": cfg.train.steps, "val_loss": val_loss})
-    share, advice = comm_advice(cfg, engine.comm.wait_s - wait_start, max(elapsed, 1e-9), dist.get_world_size())
+    share, advice = comm_advice(cfg, engine.comm.wait_s - wait_start, max(elapsed, 1e-9), dist.get_world_size(),
+                                mcfg, device.type)
     extra["waiting for communication"] = f"{share:.0%} of step time (rank {rank})" + (
         f"\n{advice}" if advice else "")
     extra.update({"weights": str(final / "model.safetensors"), "metrics": str(out_dir / cfg.train.metrics_file)})

@@ -8,8 +8,30 @@ it: bigger buckets (fewer, larger collectives), overlapping reduction with backw
 
 from __future__ import annotations
 
+import torch
 
-def comm_advice(cfg, wait_s: float, elapsed_s: float, world: int) -> tuple[float, str | None]:
+
+def better_layout(model_config, cfg, world: int, device_type: str) -> str | None:
+    """The layout `bunsan plan` ranks first for these processes, when it is not the one running."""
+    try:
+        from ..planner.layout import Layout
+        from ..planner.search import plan
+        from .oom import _changes, capacity
+        current = Layout.from_config(cfg, world)
+        memory, _ = capacity(torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu"))
+        p = plan(model_config, gpus=world, gpu_memory=memory, gpu="cpu" if device_type == "cpu" else "h100",
+                 seq_len=current.seq_len, global_batch=current.global_batch, precision=current.precision,
+                 optimizer=current.optimizer, device_type=device_type, keep=1)
+    except Exception:      # advice, not a failure: fall back to naming the command
+        return None
+    if not p.ranked or p.ranked[0].layout == current:
+        return None
+    best = p.ranked[0]
+    return f"bunsan plan ranks first: {best.layout.describe()} ({_changes(current, best.layout)})"
+
+
+def comm_advice(cfg, wait_s: float, elapsed_s: float, world: int, model_config=None,
+                device_type: str = "cpu") -> tuple[float, str | None]:
     """(share of the step spent waiting, advice when it is above train.comm_warn_share, else None)."""
     share = wait_s / elapsed_s if elapsed_s > 0 else 0.0
     if world < 2 or share <= cfg.train.comm_warn_share:
@@ -23,7 +45,8 @@ def comm_advice(cfg, wait_s: float, elapsed_s: float, world: int) -> tuple[float
         tips.append("use ZeRO stage 2 if it fits (stage 3 gathers every parameter twice a step)")
     elif z.stage >= 1 and cfg.tensor_parallel.size == 1:
         tips.append(f"a lower ZeRO stage moves fewer bytes if memory allows (now {z.stage})")
+    better = better_layout(model_config, cfg, world, device_type) if model_config is not None else None
     model = getattr(cfg.model, "preset", None) or "MODEL"
-    tips.append(f"compare layouts: bunsan plan --model {model} --gpus {world}")
+    tips.append(better or f"compare layouts: bunsan plan --model {model} --gpus {world}")
     return share, (f"{share:.0%} of the step time was spent waiting for communication (threshold "
                    f"{cfg.train.comm_warn_share:.0%}, train.comm_warn_share); " + "; ".join(tips))
