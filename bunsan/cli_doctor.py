@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def add_parser(sub) -> None:
     d = sub.add_parser("doctor", help="check versions, devices, ranks, disk and a config before a long run")
@@ -21,8 +23,17 @@ def cmd_doctor(args) -> int:
     from .train import MAIN_JOB
     if args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc} must be at least 1")
+    from .cli import _under_torchrun
     cfg = Config.load(args.config if args.config else MAIN_JOB)
-    found = checks.versions() + checks.devices() + (checks.ranks(args.nproc, args.timeout) if args.nproc > 1 else [])
+    launched = _under_torchrun()
+    if launched:      # the launcher's ranks are the ones to check; rank 0 reports
+        world = checks.launched_world(args.timeout)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return 0
+        args.nproc = int(os.environ.get("WORLD_SIZE", "1"))
+    else:
+        world = checks.ranks(args.nproc, args.timeout) if args.nproc > 1 else []
+    found = checks.versions() + checks.devices() + world
     device = "cuda" if any(c.name.startswith("gpu") for c in found) else "cpu"
     ckpt_bytes = None
     try:

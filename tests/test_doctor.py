@@ -106,3 +106,11 @@ def test_bunsan_doctor_checks_the_machine_and_the_config(tmp_path, capsys):
     assert main(["doctor", "--nproc", "1", "--model", "llama-70b"]) == 1
     out = capsys.readouterr().out
     assert "fail" in out and "does not fit" in out and "bunsan plan --model" in out
+
+
+def test_bunsan_doctor_under_a_launcher_checks_the_launched_ranks(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "bunsan.cli", "run", "--nproc-per-node", "2", "-m", "bunsan.cli",
+                        "doctor", "--checkpoint-dir", str(tmp_path)], capture_output=True, text=True, timeout=300,
+                       env=ENV, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2 ranks on 1 host(s)" in r.stdout and r.stdout.count("bunsan doctor") == 1   # rank 0 reports

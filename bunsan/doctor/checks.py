@@ -2,7 +2,8 @@
 
     versions      python, torch, the backends (gloo, NCCL and CUDA when there is a GPU), optional packages
     devices       every GPU with its free memory, or the CPU with the host's available memory
-    ranks         N local processes join a group and all-reduce (over gloo, and NCCL with GPUs) within a timeout
+    ranks         N local processes join a group and all-reduce (over gloo, and NCCL with GPUs) within a timeout;
+                  under a launcher (one node or many), the ranks it started
     disk          free space where checkpoints go, against the size of one checkpoint of the model
     config        the config's peak per rank (bunsan estimate) against what each rank has
 """
@@ -134,6 +135,33 @@ def ranks(nproc: int, timeout_s: float = 30.0) -> list[Check]:
             out.append(Check(f"ranks ({backend})", "ok", f"{nproc} processes joined; all-reduce of 4 MiB in "
                              + ", ".join(got[r][1] for r in range(nproc))))
     return out
+
+
+def launched_world(timeout_s: float = 30.0) -> list[Check]:
+    """Under a launcher (`bunsan run ... -m bunsan.cli doctor`, torchrun, one node or many): the ranks it
+    started join one group; rank 0 hears every rank's host and the all-reduce's time."""
+    import torch.distributed as dist
+    backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else None
+        t = torch.ones(1 << 20, device=device)
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        ms = (time.perf_counter() - start) * 1e3
+        hosts = [None] * world
+        dist.all_gather_object(hosts, (socket.gethostname(), f"{ms:.1f} ms"))
+        dist.destroy_process_group()
+    except Exception as e:
+        return [Check(f"ranks ({backend})", "fail", f"the launched ranks did not all join or all-reduce within "
+                      f"{timeout_s:g}s: {type(e).__name__}: {e}")]
+    by_host: dict[str, int] = {}
+    for h, _ in hosts:
+        by_host[h] = by_host.get(h, 0) + 1
+    return [Check(f"ranks ({backend})", "ok", f"{world} ranks on {len(by_host)} host(s) ("
+                  + ", ".join(f"{h}: {n}" for h, n in by_host.items()) + "); all-reduce of 4 MiB in "
+                  + ", ".join(ms for _, ms in hosts))] if rank == 0 else []
 
 
 def disk(path: str, checkpoint_bytes: float | None) -> Check:
