@@ -143,6 +143,17 @@ def test_a_bad_request_among_good_ones_disturbs_nothing(server, model):
     assert good.json()["choices"][0]["text"] == want == again.json()["choices"][0]["text"]
 
 
+def test_a_client_that_does_not_read_blocks_no_one(server, model):
+    """A streaming client that never reads its events: the others are answered all the same."""
+    want = _offline(model, server.tokenizer, PROMPTS[4], 12)
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPTS[3], "max_tokens": 60, "stream": True, "temperature": 0}) as idle:
+        assert idle.status_code == 200                     # opened, then left unread
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(server.post, [{"prompt": PROMPTS[4], "max_tokens": 12, "temperature": 0}] * 3))
+        assert [r.json()["choices"][0]["text"] for r in replies] == [want] * 3
+
+
 def test_health(server):
     h = httpx.get(server.url + "/health", timeout=10).json()
     assert h["status"] == "ok" and h["slots"] == 3 and h["context"] == 96
