@@ -143,7 +143,11 @@ class Comm:
     def error(self, op: str, group: Group, cause) -> CommError:
         from .doctor.rollcall import roll_call
         seq = self._seq[group.name]
-        who = roll_call(self.global_rank, op, group, seq, window_s=max(2.0, min(10.0, self.timeout_s / 2)))
+        text = str(cause).lower()
+        # a roll call only where another rank may be to blame (a timeout, a lost peer), not a local mistake
+        peer = any(w in text for w in ("timed out", "timeout", "connection", "closed", "reset", "peer", "broken"))
+        who = roll_call(self.global_rank, op, group, seq, window_s=max(2.0, min(10.0, self.timeout_s / 2))) \
+            if peer else ""
         return CommError(
             f"rank {self.global_rank}: {op} #{seq} on group '{group.name}' (ranks {list(group.ranks)}) failed: "
             f"{cause}. Another rank probably died, hung or skipped this {op}; the collective timeout is "

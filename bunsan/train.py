@@ -168,6 +168,7 @@ def run_training(cfg: Config) -> dict:
         if val is not None and cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
             metrics.log({"step": step, "val_loss": evaluate(engine, val, cfg.train.eval_batches)})
     elapsed = time.perf_counter() - (t_start or t_last)
+    waited = engine.comm.wait_s - wait_start        # over the same steps as `elapsed`
     tps = tokens_per_step * max(steps_timed, 1) / max(elapsed, 1e-9)
     memory = gather_memory(engine)
     timeline = engine.pipeline_timeline()     # collective over the pipeline group
@@ -188,10 +189,10 @@ def run_training(cfg: Config) -> dict:
     if val_loss is not None:
         extra["held-out loss"] = f"{val_loss:.4f} ({cfg.train.eval_batches} validation batches)"
         metrics.log({"step": cfg.train.steps, "val_loss": val_loss})
-    share, advice = comm_advice(cfg, engine.comm.wait_s - wait_start, max(elapsed, 1e-9), dist.get_world_size(),
-                                mcfg, device.type)
-    extra["waiting for communication"] = f"{share:.0%} of step time (rank {rank})" + (
-        f"\n{advice}" if advice else "")
+    if t_start is not None:       # (a run of one step, or one resumed at its end, has no timed steps)
+        share, advice = comm_advice(cfg, waited, max(elapsed, 1e-9), dist.get_world_size(), mcfg, device.type)
+        extra["waiting for communication"] = f"{share:.0%} of step time (rank {rank})" + (
+            f"\n{advice}" if advice else "")
     extra.update({"weights": str(final / "model.safetensors"), "metrics": str(out_dir / cfg.train.metrics_file)})
     metrics.summary(first_loss, losses[-1], entropy, tps, mfu, memory, extra)
     metrics.close()

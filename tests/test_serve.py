@@ -111,6 +111,17 @@ def test_a_stop_string_ends_the_completion_before_it(server, model):
     assert r["choices"][0]["finish_reason"] == "stop"
 
 
+def test_no_part_of_a_stop_string_is_ever_sent():
+    """A stop string spread over tokens: its first characters wait until it is clear whether it completes."""
+    from bunsan.data import load_tokenizer
+    from bunsan.serve.app import _Text
+    tok = load_tokenizer(None)                        # one byte, one token: every stop string spans tokens
+    t = _Text(tok, ["\n\n"])
+    assert "".join(t.add(i) for i in tok.encode("Hi\nthere\n\nmore")) == "Hi\nthere" and t.stopped
+    t = _Text(tok, ["XYZ"])
+    assert "".join(t.add(i) for i in tok.encode("abXY")) + t.rest() == "abXY" and not t.stopped
+
+
 def test_sampling_is_seeded(server):
     body = {"prompt": "x", "max_tokens": 16, "temperature": 0.9, "top_k": 40, "top_p": 0.9, "seed": 3}
     a, b = server.post(body).json(), server.post(body).json()

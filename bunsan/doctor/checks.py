@@ -106,8 +106,12 @@ def ranks(nproc: int, timeout_s: float = 30.0) -> list[Check]:
     """Start `nproc` local processes per backend and all-reduce 4 MiB; name the ranks that fail or never answer."""
     import multiprocessing as mp
     out = []
-    backends = ["gloo"] + (["nccl"] if torch.cuda.is_available() and torch.distributed.is_nccl_available() else [])
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() and torch.distributed.is_nccl_available() else 0
+    backends = ["gloo"] + (["nccl"] if gpus >= 2 else [])      # NCCL needs a GPU per rank
+    if gpus == 1:
+        out.append(Check("ranks (nccl)", "ok", "one GPU: NCCL between ranks is not checked (one rank per GPU)"))
     for backend in backends:
+        nproc = min(nproc, gpus) if backend == "nccl" else nproc
         ctx = mp.get_context("spawn")
         results, port = ctx.Queue(), _free_port()
         procs = [ctx.Process(target=_rank_main, args=(r, nproc, port, backend, timeout_s, results), daemon=True)

@@ -65,13 +65,15 @@ class _Text:
     def add(self, token: int) -> str:
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids)
-        cut = min((i for i in (text.find(s, max(0, len(self.sent) - len(s))) for s in self.stop) if i >= 0),
-                  default=-1)
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped, text = True, text[:cut]
-        elif text.endswith("\ufffd"):          # a character still being spelled by its bytes: hold it back
-            text = text.rstrip("\ufffd")
-        delta, self.sent = text[len(self.sent):], max(text, self.sent, key=len)
+        else:
+            text = text.rstrip("\ufffd")       # a character still being spelled by its bytes: hold it back
+            hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            text = text[:len(text) - hold]     # what may be the start of a stop string waits for the next token
+        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
+        self.sent = max(text, self.sent, key=len)
         return delta
 
     def rest(self) -> str:
@@ -121,9 +123,18 @@ def build_app(batcher: Batcher, tokenizer, model_name: str, limits: Limits | Non
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         text = _Text(tokenizer, [s for s in stop if s])
+        counted = [True]
+
+        def release() -> None:        # once, whichever comes first: the batcher's end or the response's
+            if counted[0]:
+                counted[0] = False
+                open_requests[0] -= 1
+
+        def finish(reason: str) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, ("end", reason))
+            loop.call_soon_threadsafe(release)
         work = Request(ids=ids, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                       top_p=req.top_p, eos=tokenizer.eos_token_id, seed=req.seed,
-                       emit=None, finish=lambda reason: loop.call_soon_threadsafe(queue.put_nowait, ("end", reason)))
+                       top_p=req.top_p, eos=tokenizer.eos_token_id, seed=req.seed, emit=None, finish=finish)
 
         def emit(token: int) -> None:      # on the batcher's thread: decode there, the event loop only sends
             delta = text.add(token)
@@ -158,7 +169,7 @@ def build_app(batcher: Batcher, tokenizer, model_name: str, limits: Limits | Non
                         return
                 finally:
                     work.cancelled = True      # a client that went away frees its slot at the next step
-                    open_requests[0] -= 1
+                    release()
             return StreamingResponse(events(), media_type="text/event-stream")
 
         out = []
@@ -171,7 +182,7 @@ def build_app(batcher: Batcher, tokenizer, model_name: str, limits: Limits | Non
                 break
         finally:
             work.cancelled = True
-            open_requests[0] -= 1
+            release()
         if value.startswith("error"):
             return _error(500, value.removeprefix("error: "), "server_error")
         out.append(text.rest())

@@ -23,7 +23,7 @@ from .tp import HEARTBEAT_S
 class _SlotLayer:
     def __init__(self, view: "_SlotView", i: int):
         self.view, self.i = view, i
-        self.attn_mask = view.mask
+        self.attn_mask = view.mask_on(view.cache.k[i].device)    # beside the layer (a device map spreads them)
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each row's new keys and values at its own positions; all its keys so far, padded to the
@@ -47,8 +47,14 @@ class _SlotView:
         if self.keys > cache.max_len:
             raise ValueError(f"slot cache full: position {self.keys} > max_len {cache.max_len}")
         visible = torch.arange(self.keys)[None, None, :] <= self.at[:, :, None]   # causal, and no padding
-        self.mask = visible[:, None].to(cache.device)                  # [n, 1, new, keys]
+        self.mask = visible[:, None]                                   # [n, 1, new, keys]
+        self._masks: dict = {}
         self.new = new
+
+    def mask_on(self, device) -> torch.Tensor:
+        if device not in self._masks:
+            self._masks[device] = self.mask.to(device)
+        return self._masks[device]
 
     def layer(self, i: int) -> _SlotLayer:
         return _SlotLayer(self, i)
@@ -94,7 +100,9 @@ class Request:
 
 
 def sample(logits: torch.Tensor, r: Request) -> int:
-    """Greedy at temperature 0; else temperature, then top-k, then top-p (nucleus) on the probabilities."""
+    """Greedy at temperature 0; else temperature, then top-k, then top-p (nucleus) on the probabilities. On the
+    CPU, where the request's seeded generator lives."""
+    logits = logits.float().cpu()
     if r.temperature == 0.0:
         return int(logits.argmax())
     logits = logits.float() / r.temperature
@@ -146,21 +154,29 @@ class Batcher:
     def run(self) -> None:
         """The serving loop: admit waiting requests into free slots, one decode step for all, until stopped."""
         beat = time.monotonic()
-        while not self.stopped:
-            if not self.active and not self.waiting:
-                self.wake.wait(0.1)
-                self.wake.clear()
-                if self.leader is not None and time.monotonic() - beat > HEARTBEAT_S:   # rank 0 lives
-                    beat = time.monotonic()
-                    self._guard(self.leader.heartbeat)
-                continue
-            self._admit()
-            self._step()
+        try:
+            while not self.stopped:
+                if not self.active and not self.waiting:
+                    self.wake.wait(0.1)
+                    self.wake.clear()
+                    if self.leader is not None and time.monotonic() - beat > HEARTBEAT_S:   # rank 0 lives
+                        beat = time.monotonic()
+                        self._guard(self.leader.heartbeat)
+                    continue
+                self._admit()
+                if not self.stopped:
+                    self._step()
+        except Exception as e:          # never die silently: every request still gets its answer below
+            self.fatal = self.fatal or f"the batcher failed: {type(e).__name__}: {e}"
+            self.stopped = True
         reason = f"error: {self.fatal}" if self.fatal else "error: the server is shutting down"
         for r in list(self.active.values()) + list(self.waiting):
             r.finish(reason)
         if self.leader is not None and not self.fatal:
-            self._guard(self.leader.stop)
+            try:
+                self._guard(self.leader.stop)
+            except Exception:
+                pass
 
     def _guard(self, fn, *args):
         """Run a collective step; if it fails under tensor parallelism, serving ends (the group is broken)."""
@@ -214,7 +230,11 @@ class Batcher:
             return
         self.steps += 1
         for j, s in enumerate(rows):
-            self._emit(self.active[s], sample(logits[j], self.active[s]))
+            r = self.active[s]
+            try:
+                self._emit(r, sample(logits[j], r))
+            except Exception as e:        # a bad sample or decode ends this request only
+                self._end(r, f"error: {type(e).__name__}: {e}")
 
     def _emit(self, r: Request, token: int) -> None:
         self.active[r.slot] = r
