@@ -79,15 +79,16 @@ def cmd_serve(args) -> int:
         from .distributed import Mesh, init_distributed
         from .serve.tp import Leader, follow
         from .tensor_parallel import TPContext, apply_tensor_parallel
-        init_distributed(timeout_s=args.timeout)
+        device = init_distributed(timeout_s=args.timeout)    # each rank its GPU (NCCL), or the CPU (gloo)
+        model.to(device)
         mesh = Mesh.create(tp=args.tp)
         comm = Comm(timeout_s=args.timeout)
         apply_tensor_parallel(model, TPContext(comm, mesh.tp_group)).gather_output = True   # rank 0 samples
         kv_heads = model.config.num_key_value_heads // args.tp
         if mesh.rank != 0:
-            follow(model, SlotCache(model, args.slots, context, kv_heads), comm, mesh.tp_group)
+            follow(model, SlotCache(model, args.slots, context, kv_heads), comm, mesh.tp_group, device)
             return 0
-        leader = Leader(comm, mesh.tp_group)
+        leader = Leader(comm, mesh.tp_group, device)
     batcher = Batcher(model, args.slots, context, kv_heads, leader)
     app = build_app(batcher, tokenizer, name, Limits(args.max_body_bytes, args.max_tokens, args.max_concurrent))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))

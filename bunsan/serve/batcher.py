@@ -192,6 +192,7 @@ class Batcher:
             raise
 
     def _forward(self, rows: list[int], ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(self.cache.device)      # where the model starts (a device map moves it on from there)
         if self.leader is not None:
             self._guard(self.leader.forward, rows, self.cache.lengths[torch.tensor(rows)], ids)
         with torch.no_grad():

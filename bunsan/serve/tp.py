@@ -21,34 +21,38 @@ HEARTBEAT_S = 1.0
 class Leader:
     """Rank 0's side: announce each forward (and heartbeats, and the end) to the followers."""
 
-    def __init__(self, comm, group):
-        self.comm, self.group = comm, group
+    def __init__(self, comm, group, device: torch.device):
+        self.comm, self.group, self.device = comm, group, device     # NCCL broadcasts device tensors
+
+    def _send(self, values) -> None:
+        self.comm.broadcast(torch.as_tensor(values, dtype=torch.long).to(self.device), 0, self.group)
 
     def forward(self, rows: list[int], lengths: torch.Tensor, ids: torch.Tensor) -> None:
-        self.comm.broadcast(torch.tensor([FORWARD, len(rows), ids.shape[1]]), 0, self.group)
-        self.comm.broadcast(torch.cat([torch.tensor(rows), lengths, ids.reshape(-1)]), 0, self.group)
+        self._send([FORWARD, len(rows), ids.shape[1]])
+        self._send(torch.cat([torch.tensor(rows), lengths.cpu(), ids.reshape(-1).cpu()]))
 
     def heartbeat(self) -> None:
-        self.comm.broadcast(torch.tensor([NOOP, 0, 0]), 0, self.group)
+        self._send([NOOP, 0, 0])
 
     def stop(self) -> None:
-        self.comm.broadcast(torch.tensor([STOP, 0, 0]), 0, self.group)
+        self._send([STOP, 0, 0])
 
 
-def follow(model, cache, comm, group) -> None:
+def follow(model, cache, comm, group, device: torch.device) -> None:
     """A follower's serving loop: run every forward rank 0 announces, until it says stop (or goes silent, which
     the collective timeout turns into an error)."""
     while True:
-        header = torch.zeros(3, dtype=torch.long)
+        header = torch.zeros(3, dtype=torch.long, device=device)
         comm.broadcast(header, 0, group)
         kind, n, s = header.tolist()
         if kind == STOP:
             return
         if kind == NOOP:
             continue
-        payload = torch.zeros(2 * n + n * s, dtype=torch.long)
+        payload = torch.zeros(2 * n + n * s, dtype=torch.long, device=device)
         comm.broadcast(payload, 0, group)
-        rows, ids = payload[:n].tolist(), payload[2 * n:].view(n, s)
+        payload = payload.cpu()
+        rows, ids = payload[:n].tolist(), payload[2 * n:].view(n, s).to(cache.device)
         cache.lengths[payload[:n]] = payload[n:2 * n]
         with torch.no_grad():
             model(ids, kv_cache=cache.view(rows, s))

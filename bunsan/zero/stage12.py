@@ -22,6 +22,7 @@ from ..data_parallel import Sharded
 from ..grad_sync import BucketHooks, FlatParams
 from .host_buffer import TRIM_EVERY, trim_heap
 from .layout import ShardLayout
+from .adafactor import all_reduce_on
 from .optimizer import ShardedOptimizer
 from .reduce import ShardReducer
 
@@ -46,7 +47,7 @@ class ShardedGrads(Sharded):
             offload=off.device if off else "none", nvme_path=off.nvme_path if off else None,
             sub_group_size=int(zero_cfg.sub_group_size), rank=comm.global_rank,
             pin_memory=bool(off and off.pin_memory), shapes=[tuple(p.shape) for p in self.params],
-            all_reduce=lambda t: comm.all_reduce(t, group))
+            all_reduce=all_reduce_on(comm, group, device))
         # The fp32 gradient shard exists only from the first reduce to the step (made by the reducer, freed
         # by zero_grad), so it is not held through forward and the loss, where activations peak.
         self.opt.drop_grad()

@@ -29,6 +29,7 @@ from ..data_parallel import Sharded
 from ..grad_sync import BucketHooks
 from .layout import ShardLayout
 from .host_buffer import TRIM_EVERY, HostBuffer, trim_heap
+from .adafactor import all_reduce_on
 from .frozen import FrozenShards
 from .materialize import replace_meta_parameters, unit_full_weights
 from .optimizer import ShardedOptimizer
@@ -176,7 +177,7 @@ class FullyShardedDP(Sharded):
             init_shard=self.param_shard, offload=off_o.device if off_o else "none",
             nvme_path=off_o.nvme_path if off_o else None, sub_group_size=int(zero.sub_group_size),
             rank=comm.global_rank, pin_memory=bool(off_o and off_o.pin_memory), shapes=self._shapes,
-            all_reduce=lambda t: comm.all_reduce(t, group))
+            all_reduce=all_reduce_on(comm, group, device))
         if self.param_swap is not None:
             self.param_shard = None
         self.reducer = ShardReducer(self.layout, comm, group, self.dtype, self.opt, zero,
