@@ -37,7 +37,9 @@ def train_batch(engine, micro: list, lm: bool, div: float) -> float:
     comm.barrier(mesh.pp_group)          # the timeline's clocks start together on every stage
     pipe.recorder.begin()
     engine.dp.begin_backward(sync=False)
+    engine.phase = f"pipeline schedule ({pipe.schedule}, {len(micro)} micro-batches)"   # for the doctor
     total = pipe.runner.train(micro, first_input, loss_of, seq_len)
+    engine.phase = "gradient reduction after the pipeline schedule"
     with pipe.recorder.record("sync", -1, 0):
         for name, group in pipe.tied:
             grad = engine.module.get_parameter(name).grad
