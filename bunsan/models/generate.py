@@ -50,8 +50,10 @@ class KVCache:
         self.pos = 0
 
 
-def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> torch.Tensor:
-    """logits [b, vocab] -> token ids [b]."""
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator,
+                top_p: float = 1.0) -> torch.Tensor:
+    """logits [b, vocab] -> token ids [b]: greedy at temperature 0; else temperature, top-k, then top-p
+    (nucleus: the smallest set of tokens whose probabilities reach top_p)."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -59,6 +61,10 @@ def _next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gen
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_p.cumsum(-1) - sorted_p > top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
@@ -101,7 +107,7 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
     try:
         for _ in range(max_new_tokens):
             logits = model(step_input if use_cache else out, kv_cache=cache)[:, -1]
-            nxt = _next_token(logits, temperature, top_k, generator).to(out.device)   # the head may sit elsewhere
+            nxt = next_token(logits, temperature, top_k, generator).to(out.device)   # the head may sit elsewhere
             if eos_token_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
                 done |= nxt == eos_token_id

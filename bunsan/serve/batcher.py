@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..models.generate import KVCache, next_token
 from ..models.llama import Llama
 from .tp import HEARTBEAT_S
 
@@ -65,13 +66,12 @@ class _SlotView:
 
 class SlotCache:
     def __init__(self, model: Llama, slots: int, max_len: int, kv_heads: int | None = None):
-        cfg, dtype = model.config, next(model.parameters()).dtype
         self.device = model.rope_cos.device          # where the model computes positions and masks
-        # a model spread over devices (bunsan.inference) keeps each layer's cache beside the layer
-        devices = getattr(model, "layer_devices", None) or [self.device] * cfg.num_hidden_layers
-        shape = (slots, kv_heads or cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=d, dtype=dtype) for d in devices]
-        self.v = [torch.zeros(shape, device=d, dtype=dtype) for d in devices]
+        # generate's cache, one row per slot (each layer's beside the layer under a device map); the rows'
+        # own lengths replace its single position
+        kv = KVCache(model.config, slots, max_len, device=self.device, dtype=next(model.parameters()).dtype,
+                     num_kv_heads=kv_heads, layer_devices=getattr(model, "layer_devices", None))
+        self.k, self.v = kv.k, kv.v
         self.lengths = torch.zeros(slots, dtype=torch.long)
         self.max_len = max_len
 
@@ -100,21 +100,8 @@ class Request:
 
 
 def sample(logits: torch.Tensor, r: Request) -> int:
-    """Greedy at temperature 0; else temperature, then top-k, then top-p (nucleus) on the probabilities. On the
-    CPU, where the request's seeded generator lives."""
-    logits = logits.float().cpu()
-    if r.temperature == 0.0:
-        return int(logits.argmax())
-    logits = logits.float() / r.temperature
-    if r.top_k is not None and r.top_k < logits.numel():
-        kth = torch.topk(logits, r.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if r.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        outside = sorted_p.cumsum(0) - sorted_p > r.top_p          # keep the smallest set reaching top_p
-        probs = probs.scatter(0, order, sorted_p.masked_fill(outside, 0.0))
-    return int(torch.multinomial(probs, 1, generator=r.generator))
+    """One row's next token as `generate` draws it, on the CPU, where the request's seeded generator lives."""
+    return int(next_token(logits.float().cpu()[None], r.temperature, r.top_k, r.generator, r.top_p)[0])
 
 
 class Batcher:
