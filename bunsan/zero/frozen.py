@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .host_buffer import HostBuffer
 from .layout import ShardLayout
 from .materialize import replace_meta_parameters, unit_full_weights
+from .unit_buffer import UnitBuffer
 
 
 class FrozenShards:
@@ -44,16 +44,14 @@ class FrozenShards:
             del full
         if meta:
             self.params = replace_meta_parameters(module, self.params, device, dtype)
-        self.full, self.host = [], []
-        for k, b in enumerate(self.layout.buckets):
-            host = HostBuffer(b.size, dtype) if device.type == "cpu" and b.size else None
-            full = host.tensor if host is not None else torch.empty(b.size, dtype=dtype, device=device)
+        self.bufs = []
+        for b in self.layout.buckets:
+            buf = UnitBuffer(b.size, dtype, device)
             for i in b.params:
-                off = self.layout.offsets[i] - b.start
-                self.params[i].data = full[off:off + self.layout.numels[i]].view(self.shapes[i])
-            self.full.append(full)
-            self.host.append(host)
-            self.free(k)
+                self.params[i].data = buf.view(self.layout.offsets[i] - b.start, self.layout.numels[i],
+                                               self.shapes[i])
+            buf.free()
+            self.bufs.append(buf)
 
     def size(self, k: int) -> int:
         return self.layout.buckets[k].size
@@ -62,25 +60,15 @@ class FrozenShards:
         """Start gathering unit k's frozen part; returns the handle (None when the unit has none)."""
         if not self.size(k):
             return None
-        if self.host[k] is None:
-            full = self.full[k]
-            full.untyped_storage().resize_(full.numel() * full.element_size())
         lo, hi, s = self.slices[k]
-        mine = self.shard[s:s + hi - lo].to(self.device, non_blocking=True)
-        return self.comm.all_gather(self.full[k].data, mine, self.group, async_op=True)
+        return self.bufs[k].gather(self.comm, self.shard[s:s + hi - lo].to(self.device, non_blocking=True),
+                                   self.group)
 
     def free(self, k: int) -> None:
-        if not self.size(k):
-            return
-        if self.host[k] is not None:
-            self.host[k].release()
-        else:
-            self.full[k].untyped_storage().resize_(0)
+        self.bufs[k].free()
 
     def resident_bytes(self, k: int) -> int:
-        if not self.size(k):
-            return 0
-        return self.host[k].resident_bytes() if self.host[k] is not None else self.full[k].untyped_storage().nbytes()
+        return self.bufs[k].resident_bytes()
 
     def holds(self, param) -> int | None:
         """The unit whose frozen part holds `param`, or None."""

@@ -28,12 +28,13 @@ import torch.nn as nn
 from ..data_parallel import Sharded
 from ..grad_sync import BucketHooks
 from .layout import ShardLayout
-from .host_buffer import TRIM_EVERY, HostBuffer, trim_heap
+from .host_buffer import TRIM_EVERY, trim_heap
 from .adafactor import all_reduce_on
 from .frozen import FrozenShards
 from .materialize import replace_meta_parameters, unit_full_weights
 from .optimizer import ShardedOptimizer
 from .reduce import ShardReducer
+from .unit_buffer import UnitBuffer
 from .swap import SwapFile
 
 
@@ -65,8 +66,7 @@ class _Handles:
 class Unit:
     def __init__(self, module: nn.Module | None, params: list[int]):
         self.module, self.params = module, params
-        self.full: torch.Tensor | None = None    # the unit's buffer; holds no memory while released
-        self.host: HostBuffer | None = None      # on CPU the buffer is a mapping whose pages are dropped
+        self.buf: UnitBuffer | None = None       # the unit's gathered storage; holds no memory while released
         self.gathered = False
         self.pending = None                      # the handle of a prefetch in flight
         self.persistent = False
@@ -149,22 +149,13 @@ class FullyShardedDP(Sharded):
                                        cfg.train.seed)
         if meta:
             self.params = replace_meta_parameters(module, self.params, device, self.dtype)
-        # Each unit owns one buffer for its whole life and its parameters are views of it. Releasing frees
-        # its memory but keeps the buffer (on CUDA the storage is resized to 0 bytes, as FSDP1 does; on CPU
-        # the pages of a mapping are dropped, see host_buffer.py): autograd may keep views of a weight
-        # (W.t() in a matmul) until backward, and those views must not pin a stale copy of the unit.
-        for k, u in enumerate(self.units):
-            size = self.layout.buckets[k].size
-            if device.type == "cpu" and size:    # (LoRA: a unit may hold no trained weight)
-                u.host = HostBuffer(size, self.dtype)
-                u.full = u.host.tensor
-            else:
-                u.full = torch.empty(size, dtype=self.dtype, device=device)
+        for k, u in enumerate(self.units):   # (LoRA: a unit may hold no trained weight, only frozen ones)
+            u.buf = UnitBuffer(self.layout.buckets[k].size, self.dtype, device)
             start = self.layout.buckets[k].start
             for i in u.params:   # views first: slicing checks the storage's size
-                off = self.layout.offsets[i] - start
-                self.params[i].data = u.full[off:off + self.layout.numels[i]].view(self._shapes[i])
-            self._free(u)
+                self.params[i].data = u.buf.view(self.layout.offsets[i] - start, self.layout.numels[i],
+                                                 self._shapes[i])
+            u.buf.free()
         for k, u in enumerate(self.units):
             u.persistent = self._size(k) <= zero.stage3_param_persistence_threshold
 
@@ -201,23 +192,11 @@ class FullyShardedDP(Sharded):
             return self.param_swap.read(f"u{k}", hi - lo, self.dtype)
         return self._dirty[k]
 
-    @staticmethod
-    def _free(u: Unit) -> None:
-        if u.host is not None:
-            u.host.release()
-        else:
-            u.full.untyped_storage().resize_(0)
-
     def _launch_gather(self, k: int):
-        u = self.units[k]
         handles = [self.frozen.launch_gather(k)] if self.frozen is not None else []
-        if u.full.numel():
-            if u.host is None:
-                u.full.untyped_storage().resize_(u.full.numel() * u.full.element_size())
+        if self.layout.buckets[k].size:
             mine = self.unit_shard(k).to(self.device, non_blocking=True)
-            # .data: a separate version counter, so filling the buffer does not look like an in-place
-            # change to the weights autograd saved for backward.
-            handles.append(self.comm.all_gather(u.full.data, mine, self.group, async_op=True))
+            handles.append(self.units[k].buf.gather(self.comm, mine, self.group))
         return _Handles([h for h in handles if h is not None])
 
     def gather(self, k: int) -> None:
@@ -234,8 +213,7 @@ class FullyShardedDP(Sharded):
         u = self.units[k]
         if not u.gathered or (u.persistent and not force):
             return
-        if u.full.numel():
-            self._free(u)
+        u.buf.free()
         if self.frozen is not None:
             self.frozen.free(k)
         u.gathered = False
@@ -258,7 +236,7 @@ class FullyShardedDP(Sharded):
         if k is not None:
             return self.frozen.resident_bytes(k)
         u = next(u for u in self.units if any(self.params[i] is param for i in u.params))
-        return u.host.resident_bytes() if u.host is not None else u.full.untyped_storage().nbytes()
+        return u.buf.resident_bytes()
 
     @contextlib.contextmanager
     def gathered(self):
