@@ -81,6 +81,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _timed_all_reduce(comm, group, device: torch.device) -> tuple[bool, float]:
+    """(the sum came out right, milliseconds) of a 4 MiB all-reduce (a bucket-sized message) through comm.py,
+    after one to warm the connections up."""
+    t = torch.ones(1 << 20, device=device)
+    comm.all_reduce(t, group)
+    start = time.perf_counter()
+    comm.all_reduce(t, group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return float(t[0]) == group.size ** 2, (time.perf_counter() - start) * 1e3
+
+
+def _world(timeout_s: float):
+    """(Comm, the world as a comm Group) of an initialised process group."""
+    import torch.distributed as dist
+
+    from ..comm import Comm, Group
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return Comm(timeout_s=timeout_s), Group("world", dist.group.WORLD, world, rank, tuple(range(world)))
+
+
 def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float, results) -> None:
     import torch.distributed as dist
     try:
@@ -88,14 +109,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float,
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
-        t = torch.ones(1 << 20, device=device)          # 4 MiB: a bucket-sized message
-        dist.all_reduce(t)
-        start = time.perf_counter()
-        dist.all_reduce(t)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        ms = (time.perf_counter() - start) * 1e3
-        ok = float(t[0]) == world ** 2
+        ok, ms = _timed_all_reduce(*_world(timeout_s), device)
         dist.destroy_process_group()
         results.put((rank, ok, f"{ms:.1f} ms"))
     except Exception as e:
@@ -148,14 +162,21 @@ def launched_world(timeout_s: float = 30.0) -> list[Check]:
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     try:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-        rank, world = dist.get_rank(), dist.get_world_size()
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else None
-        t = torch.ones(1 << 20, device=device)
-        start = time.perf_counter()
-        dist.all_reduce(t)
-        ms = (time.perf_counter() - start) * 1e3
-        hosts = [None] * world
-        dist.all_gather_object(hosts, (socket.gethostname(), f"{ms:.1f} ms"))
+        comm, group = _world(timeout_s)
+        rank, world = group.rank, group.size
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else \
+            torch.device("cpu")
+        _, ms = _timed_all_reduce(comm, group, device)
+        # every rank's host name (64 bytes) and time, gathered as tensors
+        name = torch.zeros(64, dtype=torch.uint8)
+        raw = socket.gethostname().encode()[:64]
+        name[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        names = torch.empty(64 * world, dtype=torch.uint8, device=device)
+        times = torch.empty(world, dtype=torch.float64, device=device)
+        comm.all_gather(names, name.to(device), group)
+        comm.all_gather(times, torch.tensor([ms], dtype=torch.float64, device=device), group)
+        hosts = [(bytes(n.tolist()).rstrip(b"\0").decode(errors="replace"), f"{t:.1f} ms")
+                 for n, t in zip(names.cpu().view(world, 64), times.tolist())]
         dist.destroy_process_group()
     except Exception as e:
         return [Check(f"ranks ({backend})", "fail", f"the launched ranks did not all join or all-reduce within "
