@@ -49,7 +49,7 @@ def _gb(x: float) -> str:
     return f"{x / GiB:.2f} GiB" if x >= GiB else f"{x / 2**20:.1f} MiB"
 
 
-def _changes(old, new) -> str:
+def layout_changes(old, new) -> str:
     names = ("dp", "tp", "pp", "zero", "micro_batch", "grad_accum", "checkpointing", "sequence_parallel",
              "offload_optimizer", "offload_param", "precision", "schedule")
     diff = [f"{n} {getattr(old, n)} -> {getattr(new, n)}" for n in names if getattr(old, n) != getattr(new, n)]
@@ -99,7 +99,7 @@ def explain(engine, phase: str, seq_len: int | None, exc: BaseException) -> str:
         if p.ranked:
             lines.append(f"  layouts that fit {_gb(cap)} per rank, fastest first (bunsan plan):")
             for c in p.ranked:
-                lines.append(f"    - {_changes(current, c.layout)} (peak {_gb(c.peak)})")
+                lines.append(f"    - {layout_changes(current, c.layout)} (peak {_gb(c.peak)})")
         else:
             lines.append("  no layout of these processes fits; " + "; ".join(p.suggestions[:3]))
     except Exception as e:

@@ -16,7 +16,7 @@ def better_layout(model_config, cfg, world: int, device_type: str) -> str | None
     try:
         from ..planner.layout import Layout
         from ..planner.search import plan
-        from .oom import _changes, capacity
+        from .oom import layout_changes, capacity
         current = Layout.from_config(cfg, world)
         memory, _ = capacity(torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu"))
         p = plan(model_config, gpus=world, gpu_memory=memory, gpu="cpu" if device_type == "cpu" else "h100",
@@ -27,7 +27,7 @@ def better_layout(model_config, cfg, world: int, device_type: str) -> str | None
     if not p.ranked or p.ranked[0].layout == current:
         return None
     best = p.ranked[0]
-    return f"bunsan plan ranks first: {best.layout.describe()} ({_changes(current, best.layout)})"
+    return f"bunsan plan ranks first: {best.layout.describe()} ({layout_changes(current, best.layout)})"
 
 
 def comm_advice(cfg, wait_s: float, elapsed_s: float, world: int, model_config=None,
