@@ -34,6 +34,12 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' memory overlaps."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
 class CommError(RuntimeError):
     """A collective failed or timed out; the message names rank, op and group."""
 
@@ -189,6 +195,8 @@ class Comm:
         if tag is not None:
             fn = lambda: exchange.all_gather(out, shard, group.ranks, group.rank, group.pg, tag)  # noqa: E731
         else:
+            if out.device.type == "cpu" and _aliases(shard, out):   # NCCL gathers in place; gloo's copy may not
+                shard = shard.clone()
             fn = lambda: _all_gather(out, shard, group=group.pg, async_op=True)  # noqa: E731
         return self._run("all_gather", group, out.numel() * out.element_size(), fn, async_op)
 

@@ -216,3 +216,37 @@ def test_stage3_parameters_are_reachable_through_the_gather_context(pools):
     for outside, (shape, total, held), after in pools.run(2, _gathered, 2):
         assert outside == 0 and after == 0 and held >= full.numel() * 4
         assert shape == tuple(full.shape) and total == pytest.approx(float(full.detach().sum()), rel=1e-6)
+
+
+def _step_events(rank, world, stage):
+    engine = bunsan.initialize(tiny_model(), _cfg(world, stage, 1, "adamw", 0.0))
+    dp, events = engine.dp, []
+    for k, sg in enumerate(dp.opt.subgroups):
+        def step(closure=None, k=k, inner=sg.optimizer.step):
+            events.append(("step", k))
+            return inner(closure)
+        sg.optimizer.step = step
+    gather, zeros = dp.comm.all_gather, dp.reducer._zeros
+
+    def all_gather(*a, **kw):
+        events.append(("gather", None))
+        return gather(*a, **kw)
+
+    def counted_zeros(*a, **kw):
+        events.append(("buffer", None))
+        return zeros(*a, **kw)
+    dp.comm.all_gather, dp.reducer._zeros = all_gather, counted_zeros
+    engine.train_batch(rank_slice(batches(1, ROWS)[0], rank, world))
+    return events, len(dp.layout.buckets)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_all_gathers_start_while_later_slices_step(pools, stage):
+    """Stages 1-2: one sub-group per bucket slice, each bucket's all-gather launched right after its slice
+    steps; at stage 1 the reduce-scatter lands in the fp32 gradient shard without an output buffer."""
+    for events, n_buckets in pools.run(2, _step_events, 2, stage):
+        kinds = [e[0] for e in events if e[0] != "buffer"]
+        assert n_buckets > 2 and kinds.count("step") == n_buckets and kinds.count("gather") == n_buckets
+        assert kinds == ["step", "gather"] * n_buckets, kinds
+        if stage == 1:
+            assert ("buffer", None) not in events

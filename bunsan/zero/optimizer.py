@@ -9,6 +9,10 @@ NVMe offload only one sub-group's states are in memory at a time:
 
     for each sub-group: read states (+ master) from disk -> step -> write back -> free
 
+Stages 1-2 also end sub-groups at bucket boundaries (`cuts`), so that each
+bucket's all-gather can start as soon as its slice is stepped, while the next
+slice steps.
+
 With `offload_optimizer: cpu` the master and states live in host memory and the
 step runs there; updated weights are cast and copied back to the device.
 """
@@ -41,7 +45,7 @@ class ShardedOptimizer:
                  device: torch.device, model_dtype: torch.dtype, master_alias: torch.Tensor | None,
                  init_shard: torch.Tensor | None, offload: str = "none", nvme_path: str | None = None,
                  sub_group_size: int = 10**9, rank: int = 0, pin_memory: bool = False, alias_by: str = "flat",
-                 shapes: list | None = None, all_reduce=None):
+                 shapes: list | None = None, all_reduce=None, cuts: tuple[int, ...] = ()):
         """
         groups: (parameter indices, hyperparameters) per optimizer param group.
         master_alias: fp32 storage the master may alias in place, else None: the flat parameters (stages 1-2,
@@ -49,6 +53,7 @@ class ShardedOptimizer:
         init_shard: this rank's shard of the current weights (any dtype) to seed a separate master.
         shapes, all_reduce: every parameter's shape and a SUM over the data-parallel group, for Adafactor,
             whose statistics span whole rows and columns (adafactor.py).
+        cuts: shard offsets where a sub-group must end (see step's `after`).
         """
         self.factored = opt_class is torch.optim.Adafactor
         if opt_class not in ELEMENTWISE and opt_class.__name__ not in BLOCKWISE and not self.factored:
@@ -61,6 +66,7 @@ class ShardedOptimizer:
                 raise ValueError("Adafactor with offload_optimizer.device=nvme: its row and column moments are not "
                                  "per element, which the NVMe swap of sub-groups assumes; use device cpu or none")
             sub_group_size = 1 << 62   # one optimizer per rank: its collectives line up with every other rank's
+            cuts = ()
         self.layout, self.device, self.model_dtype = layout, device, model_dtype
         self.offload = offload
         self.home = torch.device("cpu") if offload in ("cpu", "nvme") else device
@@ -86,7 +92,7 @@ class ShardedOptimizer:
         self.group_of_frag = [group_of[f.param] for f in layout.fragments]
         self.groups = groups
         self._shapes, self._all_reduce = shapes, all_reduce
-        self.subgroups = self._subgroups(sub_group_size)
+        self.subgroups = self._subgroups(sub_group_size, set(cuts))
         for sg in self.subgroups:
             sg.optimizer = self._build(sg)
         self.swap = None
@@ -95,11 +101,11 @@ class ShardedOptimizer:
             self._swap_out_all_masters()
 
     # -- construction ----------------------------------------------------------------------------
-    def _subgroups(self, size: int) -> list[SubGroup]:
+    def _subgroups(self, size: int, cuts: set[int]) -> list[SubGroup]:
         out, cur, lo = [], [], 0
         frags = self.layout.fragments
         for i, f in enumerate(frags):
-            if cur and f.shard_offset + f.numel - lo > size:
+            if cur and (f.shard_offset + f.numel - lo > size or f.shard_offset in cuts):
                 out.append(SubGroup(cur, lo, f.shard_offset))
                 cur, lo = [], f.shard_offset
             cur.append(i)
@@ -160,8 +166,9 @@ class ShardedOptimizer:
         sg.swapped = True
 
     # -- the step --------------------------------------------------------------------------------
-    def step(self, write_back) -> None:
-        """Step every sub-group; `write_back(fragment, fp32 values)` stores updated weights into the model."""
+    def step(self, write_back, after=None) -> None:
+        """Step every sub-group; `write_back(fragment, fp32 values)` stores updated weights into the model;
+        `after(shard offset)` is told, after each sub-group, that the shard below that offset is stepped."""
         self.ensure_grad()        # a step without a backward sees zero gradients
         for k, sg in enumerate(self.subgroups):
             master = self._swap_in(k, sg) if self.swap else None
@@ -176,6 +183,8 @@ class ShardedOptimizer:
                     write_back(self.layout.fragments[i], self.frag_tensors[i])
             if self.swap:
                 self._swap_out(k, sg, master)
+            if after is not None:
+                after(sg.hi)
 
     def ensure_grad(self) -> None:
         """The fp32 gradient shard (fragments get views of it while they step). On CPU it is a mapping
