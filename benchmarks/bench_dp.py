@@ -22,6 +22,7 @@ import platform
 import resource
 import shlex
 import socket
+import statistics
 import sys
 import tempfile
 import time
@@ -115,18 +116,45 @@ def timed_steps(step, batches, warmup: int, world: int, average_loss: bool) -> t
     return loss, elapsed
 
 
-def run_one_by_one(contenders, run_contender, args, console, on_failure) -> dict:
-    """Each contender in turn (never two on the cores at once); a failure becomes on_failure(exception)."""
-    results = {}
-    for c in contenders:
-        t0 = time.perf_counter()
-        try:
-            results[c] = run_contender(c, args)
-            console.print(f"  {c}: done in {time.perf_counter() - t0:.1f} s")
-        except Exception as e:
-            results[c] = on_failure(e)
-            print(f"{c} FAILED:\n{traceback.format_exc()}", file=sys.stderr)
-    return results
+def run_one_by_one(contenders, run_contender, args, console, on_failure, rounds: int = 1) -> dict:
+    """Each contender in turn (never two on the cores at once); a failure becomes on_failure(exception).
+    rounds > 1: the whole field again, round after round, so that a slow spell of the machine hits every
+    contender alike; each rank's tokens_per_s becomes its median over the rounds, peak_rss its maximum,
+    and rank 0's result lists every round's summed tokens/s ("round_tokens_per_s"), or slowest rank's
+    "elapsed" ("round_elapsed"), likewise the median of the rounds."""
+    per_round: dict = {c: [] for c in contenders}
+    failed: dict = {}
+    for k in range(rounds):
+        for c in contenders:
+            if c in failed:
+                continue
+            t0 = time.perf_counter()
+            try:
+                per_round[c].append(run_contender(c, args))
+                console.print(f"  {c}: done in {time.perf_counter() - t0:.1f} s"
+                              + (f" (round {k + 1}/{rounds})" if rounds > 1 else ""))
+            except Exception as e:
+                failed[c] = on_failure(e)
+                print(f"{c} FAILED:\n{traceback.format_exc()}", file=sys.stderr)
+    return {c: failed[c] if c in failed else merge_rounds(per_round[c]) for c in contenders}
+
+
+def merge_rounds(runs: list[list[dict]]) -> list[dict]:
+    """One result per rank from several rounds of the same contender (see run_one_by_one)."""
+    if len(runs) == 1:
+        return runs[0]
+    merged = [dict(r) for r in runs[-1]]
+    for i, r in enumerate(merged):
+        for key in ("tokens_per_s", "elapsed"):
+            if key in r:
+                r[key] = statistics.median(run[i][key] for run in runs)
+        if "peak_rss" in r:
+            r["peak_rss"] = max(run[i]["peak_rss"] for run in runs)
+    if "tokens_per_s" in merged[0]:
+        merged[0]["round_tokens_per_s"] = [sum(x["tokens_per_s"] for x in run) for run in runs]
+    if "elapsed" in merged[0]:
+        merged[0]["round_elapsed"] = [max(x["elapsed"] for x in run) for run in runs]
+    return merged
 
 
 def contender_list(p: argparse.ArgumentParser, text: str, known) -> list[str]:

@@ -164,7 +164,9 @@ def build_rows(results: dict[str, list[dict] | str], a: argparse.Namespace) -> t
             comm = f"{r0['comm_step_bytes'] / 1e6:,.2f} / {th / 1e6:,.2f} ({r0['comm_step_bytes'] / th:.2f}x)"
         rows.append([c, LAYOUT[c], f"{tps[c]:,.0f}", f"{tps[c] / ceiling:.2f}" if ceiling else "n/a",
                      f"{tps[c] / peer:.2f}" if peer else "n/a", f"{max(r['peak_rss'] for r in rs) / GiB:.3f}",
-                     states, comm, f"{r0['loss']:.4f}", "-"])
+                     states, comm, f"{r0['loss']:.4f}",
+                     "rounds " + " / ".join(f"{a.batch * a.seq * a.steps / e:.0f}" for e in r0["round_elapsed"])
+                     if "round_elapsed" in r0 else "-"])
     target = ""
     if "bunsan_tp" in tps and ceiling and peer:
         t = tps["bunsan_tp"]
@@ -178,7 +180,8 @@ def write_markdown(path: str, header, rows, target: str, n_params: int, a: argpa
     lines = [f"## Tensor parallelism: bunsan TP=2 vs DTensor TP, DDP, bunsan DP and ZeRO-3 (hidden {a.hidden}, "
              f"{a.layers} layers, vocab {a.vocab}, {n_params:,} params, {a.batch} x {a.seq} tokens/step)", "",
              f"- date: {now}", f"- machine: {machine()}", f"- command: `python {shlex.join(sys.argv)}`",
-             f"- {a.steps} timed step(s) after {a.warmup} warm-up step(s); tokens/s = batch x seq x steps / slowest "
+             f"- {a.steps} timed step(s) after {a.warmup} warm-up step(s), {a.rounds} round(s) of the field "
+             "(median); tokens/s = batch x seq x steps / slowest "
              "rank's time; ceiling = 2 x single-process 1-thread tokens/s; comm theory: TP (4L+2) all-reduces of "
              "the fp32 [b, s, h] activations, DP 2Ψ, ZeRO-3 3Ψ (fp32, x (N-1)/N)"]
     lines += [f"- {target}"] if target else []
@@ -198,12 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the clock starts")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma list of {', '.join(CONTENDERS)}")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole field this many times, interleaved; tokens/s is each contender's median")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per contender before its ranks are killed")
     p.add_argument("--markdown", metavar="PATH", help="append a markdown section with the table to PATH")
     args = p.parse_args(argv)
     contenders = contender_list(p, args.contenders, CONTENDERS)
-    if args.steps < 1 or args.warmup < 0 or args.batch % 2:
-        p.error("--steps must be >= 1, --warmup >= 0 and --batch even (DP ranks take half each)")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1 or args.batch % 2:
+        p.error("--steps and --rounds must be >= 1, --warmup >= 0 and --batch even (DP ranks take half each)")
     try:
         n_params = model_config(vars(args)).num_params()  # fail fast on a bad shape, before spawning anything
     except ValueError as e:
@@ -216,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"[bold]bench_tp[/]: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
                   f"{n_params:,} params, {args.batch} x {args.seq} tokens/step, {args.warmup}+{args.steps} steps; "
                   f"{machine()}")
-    results = run_one_by_one(contenders, run_contender, args, console, on_failure=failure_reason)
+    results = run_one_by_one(contenders, run_contender, args, console, on_failure=failure_reason,
+                             rounds=args.rounds)
 
     header, rows, target = build_rows(results, args)
     table = Table(title=f"tensor parallelism, CPU/gloo, {n_params:,} params")

@@ -159,12 +159,17 @@ def build_rows(results: dict[str, list[dict] | str]) -> tuple[list[str], list[li
             continue
         r0, (framework, stage, _) = rs[0], CONTENDERS[c]
         psi = r0["n_params"]
-        bstates = comm = note = "-"
+        bstates = comm = "-"
+        note = ""
         if framework == "bunsan":
             bstates = f"{r0['model_states'] / GiB:.3f} / {r0['theory_model_states'] / GiB:.3f}"
-            note = ", ".join(f"{k} {r0[k] / GiB:.3f} GiB" for k in ("host", "disk") if r0[k]) or "-"
+            note = ", ".join(f"{k} {r0[k] / GiB:.3f} GiB" for k in ("host", "disk") if r0[k])
             theory = (3 if stage == 3 else 2) * psi * (WORLD - 1) / WORLD * 4  # fp32 bytes
             comm = f"{r0['comm_step_bytes'] / 1e6:,.2f} / {theory / 1e6:,.2f} ({r0['comm_step_bytes'] / theory:.2f}x)"
+        if "round_tokens_per_s" in r0:
+            rounds = "rounds " + " / ".join(f"{t:.0f}" for t in r0["round_tokens_per_s"])
+            note = f"{note}, {rounds}" if note else rounds
+        note = note or "-"
         rows.append([c, f"{tps[c]:,.0f}", f"{tps[c] / tps['ddp']:.2f}" if "ddp" in tps else "n/a",
                      f"{rss[c] / GiB:.3f}", f"{states(psi, stage) / GiB:.3f}",
                      f"{(states(psi, 0) - states(psi, stage)) / GiB:.3f}",
@@ -186,7 +191,8 @@ def write_markdown(path: str, header: list[str], rows: list[list[str]], args: ar
              f"micro-batch {args.micro_batch}, {WORLD} ranks)", "",
              f"- date: {now}", f"- machine: {machine()}, deepspeed {deepspeed_version()}",
              f"- command: `python {shlex.join(sys.argv)}`",
-             f"- {args.steps} timed step(s) after {args.warmup} warm-up step(s); ZeRO states per rank in fp32 "
+             f"- {args.steps} timed step(s) after {args.warmup} warm-up step(s), {args.rounds} round(s) of the "
+             "field (tokens/s: median over rounds); ZeRO states per rank in fp32 "
              "with Adam: stage 0 16Ψ, 1 8Ψ+8Ψ/N, 2 4Ψ+12Ψ/N, 3 16Ψ/N; comm theory 2Ψ(N-1)/N x 4 bytes "
              "(stages 0-2), 3Ψ(N-1)/N x 4 bytes (stage 3)", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -203,12 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before the clock starts")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma list of {', '.join(CONTENDERS)}")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole field this many times, interleaved; tokens/s is each contender's median")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per contender before its ranks are killed")
     p.add_argument("--markdown", metavar="PATH", help="append a markdown section with the table to PATH")
     args = p.parse_args(argv)
     contenders = contender_list(p, args.contenders, CONTENDERS)
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        p.error("--steps and --rounds must be >= 1 and --warmup >= 0")
     bunsan.models.get_preset(args.preset)  # fail fast on a typo, before spawning anything
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the spawned ranks
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU, whatever it would auto-detect
@@ -218,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=max(240, Console().width))  # the table is wide; never truncate its cells
     console.print(f"[bold]bench_zero[/]: preset {args.preset}, seq {args.seq}, micro-batch {args.micro_batch}, "
                   f"{args.warmup}+{args.steps} steps, {WORLD} ranks; {machine()}, deepspeed {deepspeed_version()}")
-    results = run_one_by_one(contenders, run_contender, args, console, on_failure=failure_reason)
+    results = run_one_by_one(contenders, run_contender, args, console, on_failure=failure_reason,
+                             rounds=args.rounds)
 
     header, rows = build_rows(results)
     table = Table(title=f"ZeRO, CPU/gloo, {WORLD} ranks")
