@@ -145,8 +145,8 @@ def merge_rounds(runs: list[list[dict]]) -> list[dict]:
         return runs[0]
     merged = [dict(r) for r in runs[-1]]
     for i, r in enumerate(merged):
-        for key in ("tokens_per_s", "elapsed"):
-            if key in r:
+        for key in ("tokens_per_s", "elapsed", "bubble", "bubble_sim"):   # bench_pp's bubbles too
+            if all(isinstance(run[i].get(key), (int, float)) for run in runs):
                 r[key] = statistics.median(run[i][key] for run in runs)
         if "peak_rss" in r:
             r["peak_rss"] = max(run[i]["peak_rss"] for run in runs)

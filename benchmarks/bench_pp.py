@@ -207,7 +207,9 @@ def build_rows(results: dict, a: argparse.Namespace):
         rows.append([c, str(m), f"{tps[c, m]:,.0f}", f"{tps[c, m] / ideal:.2f}" if ideal else "-",
                      f"{tps[c, m] / peer:.2f}" if peer else "-", fmt_pct(meas[c, m]), fmt_pct(derived),
                      fmt_pct(th), fmt_pct(sim[c, m]), f"{rs[0]['losses'][0]:.4f} / {rs[0]['losses'][-1]:.4f}",
-                     " / ".join(f"{r['peak_rss'] / GiB:.3f}" for r in rs), "-"])
+                     " / ".join(f"{r['peak_rss'] / GiB:.3f}" for r in rs),
+                     "rounds " + " / ".join(f"{m * a.micro_batch * a.seq * a.steps / e:.0f}"
+                                            for e in rs[0]["round_elapsed"]) if "round_elapsed" in rs[0] else "-"])
     return header, rows, targets(tps, meas, theory, sim, sorted({m for _, m in tps}))
 
 
@@ -246,7 +248,8 @@ def write_markdown(path: str, header, rows, target, n_params: int, a: argparse.N
     lines = [f"## Pipeline parallelism: bunsan PP=2 vs torch.distributed.pipelining (hidden {a.hidden}, "
              f"{a.layers} layers, vocab {a.vocab}, {n_params:,} params, m x {a.micro_batch} x {a.seq} tokens/step)",
              "", f"- date: {now}", f"- machine: {machine()}", f"- command: `python {shlex.join(sys.argv)}`",
-             f"- {a.steps} timed step(s) after {a.warmup} warm-up step(s); tokens/s = m x micro-batch x seq x steps "
+             f"- {a.steps} timed step(s) after {a.warmup} warm-up step(s), {a.rounds} round(s) (medians); "
+             "tokens/s = m x micro-batch x seq x steps "
              "/ the sum over steps of the slowest rank's step time (pipeline total); ideal = 2 x T1 x (1 - theory "
              "bubble), T1 = single-process 1-thread tokens/s at the same m; bubble measured = bunsan timeline "
              "(mean over timed steps), derived = 1 - tokens/s / (2 x T1); theory = (p-1)/(m+p-1), interleaved "
@@ -274,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="timed steps")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before the clock starts")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help=f"comma list of {', '.join(CONTENDERS)}")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every (contender, m) this many times, interleaved; tokens/s and bubbles are medians")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run before its ranks are killed")
     p.add_argument("--markdown", metavar="PATH", help="append a markdown section with the tables to PATH")
     args = p.parse_args(argv)
@@ -282,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         ms = [int(x) for x in args.m.split(",") if x.strip()]
     except ValueError:
         p.error(f"--m takes a comma list of integers, got {args.m!r}")
-    if args.steps < 1 or args.warmup < 0 or not ms or min(ms) < 1 or args.micro_batch < 1:
-        p.error("--steps must be >= 1, --warmup >= 0, --micro-batch >= 1 and every --m >= 1")
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 0 or not ms or min(ms) < 1 or args.micro_batch < 1:
+        p.error("--steps and --rounds must be >= 1, --warmup >= 0, --micro-batch >= 1 and every --m >= 1")
     try:
         n_params = model_config(vars(args)).num_params()  # fail fast on a bad shape, before spawning anything
     except ValueError as e:
@@ -297,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{n_params:,} params, m in {ms} x {args.micro_batch} x {args.seq} tokens/step, "
                   f"{args.warmup}+{args.steps} steps; {machine()}")
     keys = [f"{c}@m{m}" for m in ms for c in contenders]
-    results = run_one_by_one(keys, run_contender, args, console, on_failure=failure_reason)
+    results = run_one_by_one(keys, run_contender, args, console, on_failure=failure_reason, rounds=args.rounds)
 
     header, rows, target = build_rows(results, args)
     for title, (h, rs) in ((f"pipeline parallelism PP={P}, CPU/gloo, {n_params:,} params", (header, rows)),
