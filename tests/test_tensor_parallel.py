@@ -101,3 +101,26 @@ def test_a_user_optimizer_follows_the_swapped_layers(pools):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         for k, v in ref_state.items():
             np.testing.assert_allclose(state[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def _launches(rank, world, sp):
+    engine = bunsan.initialize(tiny_model(), _cfg(2, sp, 1, clip=0.0))
+    comm, log = engine.comm, []
+    for op in ("all_reduce", "reduce_scatter"):
+        def wrapped(*a, _op=op, _inner=getattr(comm, op), **kw):
+            group = a[2] if _op == "reduce_scatter" else a[1]
+            log.append((_op, group.name, kw.get("async_op", False)))
+            return _inner(*a, **kw)
+        setattr(comm, op, wrapped)
+    engine.train_batch(rank_slice(batches(1, ROWS, SEQ)[0], 0, 1))
+    return log
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_input_gradient_reductions_overlap_the_weight_gradients(pools, sp):
+    """Every backward reduction of a parallel input (attention and MLP per block, the head) is launched
+    asynchronously by its last column-split consumer, before that consumer's weight gradient."""
+    layers = tiny_model().config.num_hidden_layers
+    for log in pools.run(2, _launches, 2, sp):
+        op = "reduce_scatter" if sp else "all_reduce"
+        assert sum(1 for o, g, a in log if o == op and g == "tp" and a) == 2 * layers + 1, log

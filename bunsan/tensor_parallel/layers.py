@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .ops import TPContext, into_parallel_region, out_of_parallel_region
+from .ops import RegionLinear, TPContext, into_parallel_region, out_of_parallel_region, region_of
 
 
 def split_rows(w: torch.Tensor, tp: int, rank: int, pad_to: int | None = None) -> torch.Tensor:
@@ -30,6 +30,16 @@ def split_rows(w: torch.Tensor, tp: int, rank: int, pad_to: int | None = None) -
         w = torch.cat([w, w.new_zeros(pad_to - w.shape[0], *w.shape[1:])])
     n = rows // tp
     return w[rank * n:(rank + 1) * n].clone()
+
+
+def region_linear(x: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
+    """x W^T; a trained weight on a parallel input reduces its input gradient through the region, overlapped
+    with its weight gradient (ops.py)."""
+    region = region_of(x)
+    if region is not None and weight.requires_grad:
+        region.consumers += 1
+        return RegionLinear.apply(x, weight, region)
+    return F.linear(x, weight)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -42,7 +52,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(split_rows(w, ctx.size, ctx.rank), requires_grad=linear.weight.requires_grad)
 
     def forward(self, x):
-        return F.linear(x, self.weight)
+        return region_linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -100,7 +110,7 @@ class VocabParallelHead(nn.Module):
                                        requires_grad=head.weight.requires_grad)
 
     def forward(self, x):
-        logits = F.linear(into_parallel_region(self.ctx, x), self.weight)
+        logits = region_linear(into_parallel_region(self.ctx, x), self.weight)
         if not self.gather_output:
             return logits
         shard = logits.movedim(-1, 0).contiguous()

@@ -6,6 +6,14 @@
     scatter_seq:            forward reduce-scatter   backward all-gather     (sequence parallel: out of a block)
 
 Activations are [batch, seq, hidden]; the sequence-parallel ops cut dim 1.
+
+The backward of f (or of the SP all-gather) reduces the sum of its column-split
+consumers' input gradients. Those consumers (layers.ColumnParallelLinear) hand
+their input gradient to the tensor's `Region` instead of to autograd; the last
+one to run starts the all-reduce (reduce-scatter) asynchronously and then
+computes its weight gradient while the collective is in flight, as Megatron's
+async tensor-parallel linear does. f's backward only waits. Any other consumer's
+gradient still arrives through autograd and is reduced on its own.
 """
 
 from __future__ import annotations
@@ -60,15 +68,62 @@ def _scatter_seq(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
+class Region:
+    """The column-split consumers of one parallel input, and the reduction of their summed input gradient."""
+
+    def __init__(self, ctx: TPContext):
+        self.ctx, self.consumers, self.arrived = ctx, 0, 0
+        self.acc, self.handle, self.out = None, None, None
+
+    def add(self, dx: torch.Tensor) -> None:
+        """A consumer's input gradient; the last one starts the collective."""
+        self.acc = dx if self.acc is None else self.acc.add_(dx)
+        self.arrived += 1
+        if self.arrived == self.consumers:
+            self._launch()
+
+    def _launch(self) -> None:
+        ctx = self.ctx
+        if ctx.sequence_parallel:
+            full = self.acc.transpose(0, 1).contiguous()                 # [s, b, h], as _scatter_seq
+            if full.shape[0] % ctx.size:
+                raise ValueError(f"sequence length {full.shape[0]} is not divisible by tensor-parallel size "
+                                 f"{ctx.size}; use a multiple of {ctx.size} for data.seq_len")
+            self.out = torch.empty((full.shape[0] // ctx.size, *full.shape[1:]), dtype=full.dtype,
+                                   device=full.device)
+            self.handle = ctx.comm.reduce_scatter(self.out, full, ctx.group, async_op=True)
+            self.acc = full                                              # kept alive until the wait
+        else:
+            self.acc = self.acc.contiguous()
+            self.handle = ctx.comm.all_reduce(self.acc, ctx.group, async_op=True)
+            self.out = self.acc
+
+    def finish(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """The reduced input gradient: the consumers' (waited for) plus autograd's `grad` from any other."""
+        if self.consumers and self.arrived < self.consumers and self.acc is not None:
+            self._launch()                  # a consumer whose output got no gradient: reduce what came
+        result = None
+        if self.handle is not None:
+            self.handle.wait()
+            result = self.out.transpose(0, 1) if self.ctx.sequence_parallel else self.out
+        if grad is not None:
+            other = _scatter_seq(self.ctx, grad) if self.ctx.sequence_parallel else _all_reduce(self.ctx, grad)
+            result = other if result is None else result + other
+        return result
+
+
 class CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, ctx, x):
-        fctx.ctx = ctx
+    def forward(fctx, ctx, x, region):
+        fctx.ctx, fctx.region = ctx, region
+        fctx.set_materialize_grads(False)
         return x.view_as(x)
 
     @staticmethod
     def backward(fctx, grad):
-        return None, _all_reduce(fctx.ctx, grad)
+        if fctx.region is None:
+            return None, (None if grad is None else _all_reduce(fctx.ctx, grad)), None
+        return None, fctx.region.finish(grad), None
 
 
 class ReduceFromTP(torch.autograd.Function):
@@ -83,13 +138,16 @@ class ReduceFromTP(torch.autograd.Function):
 
 class GatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, ctx, x):
-        fctx.ctx = ctx
+    def forward(fctx, ctx, x, region):
+        fctx.ctx, fctx.region = ctx, region
+        fctx.set_materialize_grads(False)
         return _gather_seq(ctx, x)
 
     @staticmethod
     def backward(fctx, grad):
-        return None, _scatter_seq(fctx.ctx, grad)
+        if fctx.region is None:
+            return None, (None if grad is None else _scatter_seq(fctx.ctx, grad)), None
+        return None, fctx.region.finish(grad), None
 
 
 class ScatterSeq(torch.autograd.Function):
@@ -104,8 +162,37 @@ class ScatterSeq(torch.autograd.Function):
 
 
 def into_parallel_region(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
-    """Input of a block whose first matmuls are column-split: f, or the sequence all-gather under SP."""
-    return GatherSeq.apply(ctx, x) if ctx.sequence_parallel else CopyToTP.apply(ctx, x)
+    """Input of a block whose first matmuls are column-split: f, or the sequence all-gather under SP. With
+    autograd on, the result carries the Region its column-split consumers reduce through."""
+    region = Region(ctx) if torch.is_grad_enabled() and x.requires_grad else None
+    y = GatherSeq.apply(ctx, x, region) if ctx.sequence_parallel else CopyToTP.apply(ctx, x, region)
+    if region is not None:
+        y._bunsan_region = region
+    return y
+
+
+def region_of(x: torch.Tensor) -> Region | None:
+    return getattr(x, "_bunsan_region", None)
+
+
+class RegionLinear(torch.autograd.Function):
+    """y = x W^T for a column-split consumer of a parallel input: the input gradient goes to the Region (whose
+    last consumer starts the collective), then the weight gradient is computed while it runs."""
+
+    @staticmethod
+    def forward(fctx, x, weight, region):
+        fctx.save_for_backward(x, weight)
+        fctx.region = region
+        return torch.nn.functional.linear(x, weight)
+
+    @staticmethod
+    def backward(fctx, gy):
+        x, weight = fctx.saved_tensors
+        fctx.region.add(gy.matmul(weight))
+        gw = None
+        if fctx.needs_input_grad[1]:
+            gw = gy.reshape(-1, gy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))
+        return None, gw, None
 
 
 def out_of_parallel_region(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
