@@ -45,6 +45,17 @@ def test_tensor_parallel_matches_single_process(pools, tp, sp, dp, stage):
 
 
 @pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_with_activation_checkpointing_matches_single_process(pools, sp):
+    """Recomputed blocks make their own regions; backward must still reduce through the original ones."""
+    cfg = {**_cfg(2, sp, 1), "activation_checkpointing": {"enabled": True}}
+    ref_losses, ref_state = reference_train(tiny_model(), batches(STEPS, ROWS, SEQ), "sgd", 1.0)
+    for losses, state, _, _ in pools.run(2, _train, 2, cfg, {}):
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+        for k, v in ref_state.items():
+            np.testing.assert_allclose(state[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.parametrize("sp", [False, True])
 def test_tensor_parallel_traffic_per_block(pools, sp):
     tp, cfg = 2, tiny_model().config
     stats = pools.run(tp, _train, tp, _cfg(tp, sp, 1, clip=0.0), {})[0][3]["step"]

@@ -85,10 +85,7 @@ class Region:
     def _launch(self) -> None:
         ctx = self.ctx
         if ctx.sequence_parallel:
-            full = self.acc.transpose(0, 1).contiguous()                 # [s, b, h], as _scatter_seq
-            if full.shape[0] % ctx.size:
-                raise ValueError(f"sequence length {full.shape[0]} is not divisible by tensor-parallel size "
-                                 f"{ctx.size}; use a multiple of {ctx.size} for data.seq_len")
+            full = self.acc.transpose(0, 1).contiguous()     # [s, b, h], as _scatter_seq (s = tp x shard)
             self.out = torch.empty((full.shape[0] // ctx.size, *full.shape[1:]), dtype=full.dtype,
                                    device=full.device)
             self.handle = ctx.comm.reduce_scatter(self.out, full, ctx.group, async_op=True)
