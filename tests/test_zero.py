@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import bunsan
-from reference import batches, optimizer_config, rank_slice, reference_train, tiny_model, to_numpy
+from bunsan.zero.stage3 import find_units
+from reference import ADAM_EPS, batches, optimizer_config, rank_slice, reference_train, tiny_model, to_numpy
 
 STEPS, ROWS = 3, 12                      # 12 rows: divisible by 2 and 4 ranks x accumulation 1 and 3
 RTOL, ATOL = 1e-5, 1e-6
@@ -137,7 +138,7 @@ def _bf16_replay_fp32_accumulation(world: int, grad_accum: int):
         model = tiny_model().to(torch.bfloat16)
         params = list(model.parameters())
         master = [p.detach().float().clone() for p in params]
-        opt = torch.optim.AdamW(master, lr=1e-3, weight_decay=0.01, eps=1e-6)
+        opt = torch.optim.AdamW(master, lr=1e-3, weight_decay=0.01, eps=ADAM_EPS)
         losses = []
         for b in batches(STEPS, ROWS):
             n = (b["labels"] != -100).sum().item()
@@ -250,3 +251,81 @@ def test_all_gathers_start_while_later_slices_step(pools, stage):
         assert kinds == ["step", "gather"] * n_buckets, kinds
         if stage == 1:
             assert ("buffer", None) not in events
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width, use_extra):
+        super().__init__()
+        self.used, self.extra, self.use_extra = torch.nn.Linear(width, width), torch.nn.Linear(width, width), use_extra
+
+    def forward(self, x):
+        x = torch.tanh(self.used(x))
+        return x + torch.tanh(self.extra(x)) if self.use_extra else x
+
+
+class _HalfUsed(torch.nn.Module):
+    """Blocks of equal size (so their gradient buckets share buffers); the first half skip `extra`, whose slot
+    in their bucket then holds no gradient and must read as zero, whatever a later block's bucket (reduced
+    earlier in backward) left there. Width 12: each bucket ends in padding."""
+
+    def __init__(self, blocks=6, width=12):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_Block(width, i >= blocks // 2) for i in range(blocks))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _half_used_data():
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(8, 12, generator=g), torch.randn(8, 12, generator=g)) for _ in range(STEPS)]
+
+
+def _train_half_used(rank, world, stage):
+    block = 2 * (12 * 12 + 12)
+    engine = bunsan.initialize(_HalfUsed(), {
+        "train_micro_batch_size_per_gpu": 8 // world, "optimizer": optimizer_config("sgd"),
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": block, "stage3_param_persistence_threshold": 0,
+                              "stage3_unit_modules": ["_Block"]}}, loss_fn=F.mse_loss)
+    reuse, reused = engine.dp.reducer._reuse, []
+
+    def counted(*a):
+        buf = reuse(*a)
+        reused.append(buf is not None)
+        return buf
+    engine.dp.reducer._reuse = counted
+    losses = [engine.train_batch(_rows_of(b, rank, world)) for b in _half_used_data()]
+    return losses, to_numpy(engine.consolidated_state_dict()), sum(reused)
+
+
+def _rows_of(batch, rank, world):
+    n = batch[0].shape[0] // world
+    return tuple(t[rank * n:(rank + 1) * n] for t in batch)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradient_buckets_reused_within_a_backward_zero_what_got_no_gradient(pools, stage):
+    model = _HalfUsed()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref = []
+    for x, y in _half_used_data():
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    for losses, state, reused in pools.run(2, _train_half_used, 2, stage):
+        assert reused > 0          # some bucket really took a buffer an earlier bucket had filled
+        np.testing.assert_allclose(losses, ref, rtol=RTOL)
+        for k, v in model.state_dict().items():
+            np.testing.assert_allclose(state[k], v.numpy(), rtol=RTOL, atol=ATOL, err_msg=k)
+
+
+def test_a_container_as_stage3_unit_is_an_error():
+    """A ModuleDict's forward never runs, so a unit hooked on it would never be gathered."""
+    with pytest.raises(ValueError, match=r"\['ModuleDict'\].*forward is never called.*blocks inside it"):
+        find_units(torch.nn.Sequential(torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2)})),
+                                      ["ModuleDict"])

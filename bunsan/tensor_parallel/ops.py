@@ -126,6 +126,12 @@ class CopyToTP(torch.autograd.Function):
 class ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(fctx, ctx, x):
+        if x.is_contiguous() and x._base is None:
+            # A row-split matmul's (or the vocab-parallel embedding's) fresh partial sum, which no backward
+            # saved: reduced in place rather than cloned (~1 ms per 4 MB activation on CPU).
+            ctx.comm.all_reduce(x, ctx.group)
+            fctx.mark_dirty(x)
+            return x
         return _all_reduce(ctx, x)
 
     @staticmethod
@@ -193,5 +199,6 @@ class RegionLinear(torch.autograd.Function):
 
 
 def out_of_parallel_region(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
-    """Output of a row-split matmul (partial sums): g, or the sequence reduce-scatter under SP."""
+    """Output of a row-split matmul (partial sums): g, or the sequence reduce-scatter under SP. x is consumed:
+    without SP it is reduced in place when it is a contiguous tensor of its own."""
     return ScatterSeq.apply(ctx, x) if ctx.sequence_parallel else ReduceFromTP.apply(ctx, x)

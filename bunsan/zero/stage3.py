@@ -79,6 +79,11 @@ def find_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
         if not units:
             raise ValueError(f"zero_optimization.stage3_unit_modules {class_names} matched no module of "
                              f"{type(model).__name__}; list class names of its blocks")
+        containers = sorted({type(m).__name__ for m in units if type(m).forward is nn.Module.forward})
+        if containers:   # a unit is gathered by its forward pre-hook: one never called would compute on zeros
+            raise ValueError(f"zero_optimization.stage3_unit_modules names {containers}, a container whose "
+                             "forward is never called, so its parameters would never be gathered; list the "
+                             "class names of the blocks inside it instead")
         return units
     layers = getattr(model, "layers", None)
     return list(layers) if isinstance(layers, nn.ModuleList) else []
