@@ -235,9 +235,9 @@ class Zero(Section):
     sub_group_size: Int = Field(1_000_000_000, ge=1)
     # bunsan: class names of the modules gathered as one ZeRO-3 unit ([] = the elements of model.layers)
     stage3_unit_modules: list[str] = []
-    # bunsan, CPU only: give the heap's free pages back to the OS every 4 reduced buckets or released ZeRO-3
-    # units, and after each ZeRO-3 step (glibc malloc_trim), so resident memory follows what is held; costs
-    # page faults
+    # bunsan, CPU only: give the heap's free pages back to the OS every 4 reduced buckets (stage 2) or
+    # released ZeRO-3 units, and after each ZeRO-3 step (glibc malloc_trim), so resident memory follows what
+    # is held; costs page faults. Stage 1 never trims (see zero/stage12.py)
     trim_host_memory: bool = True
     offload_optimizer: Optional[Offload] = None
     offload_param: Optional[Offload] = None

@@ -42,14 +42,16 @@ def _trims_per_step(rank, world, stage, trim):
     return len(calls), len(engine.dp.layout.buckets)
 
 
-def test_heap_is_trimmed_in_backward_and_after_the_stage3_step_unless_switched_off(pools):
-    """zero_optimization.trim_host_memory: every 4 reduced buckets (stages 1-2; not after their step, where
-    it cost the next forward page faults without lowering the peak), every 4 released units and after the
-    step (stage 3)."""
+def test_heap_is_trimmed_in_stage2_backward_and_around_stage3_units_unless_switched_off(pools):
+    """zero_optimization.trim_host_memory: every 4 reduced buckets at stage 2 (not after its step, where it
+    cost the next forward page faults without lowering the peak), every 4 released units and after the step
+    at stage 3; never at stage 1, whose full gradient buffer stays through backward (trims there only
+    returned activation pages the next forward faulted back in)."""
+    for calls, buckets in pools.run(2, _trims_per_step, 2, 2, True):
+        assert buckets >= 8 and calls == buckets // 4
     for stage in (1, 2):
-        for calls, buckets in pools.run(2, _trims_per_step, 2, stage, True):
-            assert buckets >= 8 and calls == buckets // 4
         assert [c for c, _ in pools.run(2, _trims_per_step, 2, stage, False)] == [0, 0]
+    assert [c for c, _ in pools.run(2, _trims_per_step, 2, 1, True)] == [0, 0]
     n = len(tiny_model().layers)
     expected = 1 + (2 * n + 1) // 4          # each block released after forward and backward, the root once
     assert all(c >= expected for c, _ in pools.run(2, _trims_per_step, 2, 3, True))
