@@ -216,9 +216,20 @@ def build_rows(results: dict[str, list[dict]]) -> tuple[list[str], list[list[str
     return header, rows
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux), which moves every figure: runners differ between sessions."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def machine() -> str:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {ram:.1f} GiB RAM, "
+    cpu = cpu_model()
+    return (f"{platform.processor() or platform.machine()}{f' ({cpu})' if cpu else ''}, {os.cpu_count()} CPUs, "
+            f"{ram:.1f} GiB RAM, "
             f"torch {torch.__version__}, Python {platform.python_version()}")
 
 

@@ -67,7 +67,7 @@ def test_consecutive_hysteresis_refills_on_every_clean_step():
 # Adam's eps at 1e-5, not 1e-8: an element whose gradient is at the noise floor moves by about lr whatever its
 # sign. With 1e-8, on an AMD EPYC runner, ~1% of the embedding's weights differed by up to lr after 3 steps
 # although the first step's reduced bf16 gradients were bit-identical to the replay's (a last-bit difference
-# elsewhere, amplified; on the earlier Intel runners the test passed).
+# elsewhere, amplified; on the earlier sessions' runners the test passed).
 
 
 def _bf16_engine(rank, world):
