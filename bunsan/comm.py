@@ -241,3 +241,16 @@ class Comm:
     def irecv(self, t: torch.Tensor, src: int, group: Group, tag: int = 0):
         return self._run("recv", group, t.numel() * t.element_size(),
                          lambda: dist.irecv(t, src=src, group=group.pg, tag=tag), True)
+
+
+def all_reduce_on(comm, group, device: torch.device):
+    """SUM over `group` of a tensor wherever it lives, through `device` (NCCL reduces device tensors only; an
+    offloaded optimizer keeps its statistics on the host)."""
+    def reduce(t: torch.Tensor) -> None:
+        if t.device == device:
+            comm.all_reduce(t, group)
+            return
+        on = t.to(device)
+        comm.all_reduce(on, group)
+        t.copy_(on)
+    return reduce

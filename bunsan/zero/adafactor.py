@@ -19,19 +19,6 @@ import math
 import torch
 
 
-def all_reduce_on(comm, group, device: torch.device):
-    """SUM over `group` of a tensor wherever it lives, through `device` (NCCL reduces device tensors only; an
-    offloaded optimizer keeps its statistics on the host)."""
-    def reduce(t: torch.Tensor) -> None:
-        if t.device == device:
-            comm.all_reduce(t, group)
-            return
-        on = t.to(device)
-        comm.all_reduce(on, group)
-        t.copy_(on)
-    return reduce
-
-
 class ShardedAdafactor(torch.optim.Optimizer):
     def __init__(self, params, where: dict, shapes: list[tuple[int, ...]], all_reduce, lr: float = 1e-2,
                  beta2_decay: float = -0.8, eps=(None, 1e-3), d: float = 1.0, weight_decay: float = 0.0,

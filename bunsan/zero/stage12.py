@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import all_reduce_on
 from ..data_parallel import Sharded
 from ..grad_sync import BucketHooks, FlatParams
 from .host_buffer import TRIM_EVERY
 from .layout import ShardLayout
-from .adafactor import all_reduce_on
 from .optimizer import ShardedOptimizer
 from .reduce import ShardReducer
 

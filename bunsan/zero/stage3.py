@@ -25,11 +25,11 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from ..comm import all_reduce_on
 from ..data_parallel import Sharded
 from ..grad_sync import BucketHooks
 from .layout import ShardLayout
 from .host_buffer import TRIM_EVERY, trim_heap
-from .adafactor import all_reduce_on
 from .frozen import FrozenShards
 from .materialize import replace_meta_parameters, unit_full_weights
 from .optimizer import ShardedOptimizer
