@@ -31,7 +31,11 @@ def batches(steps: int, rows: int, seq: int = 32, seed: int = 1, ignore_frac: fl
     return out
 
 
-def rank_slice(batch: dict, rank: int, world: int) -> dict:
+def rank_slice(batch, rank: int, world: int):
+    """This rank's rows of a dict batch, or of an (x, ..., y) tuple."""
+    if isinstance(batch, tuple):
+        n = batch[0].shape[0] // world
+        return tuple(t[rank * n:(rank + 1) * n] for t in batch)
     n = batch["input_ids"].shape[0] // world
     return {k: v[rank * n:(rank + 1) * n] for k, v in batch.items()}
 

@@ -297,13 +297,8 @@ def _train_half_used(rank, world, stage):
         reused.append(buf is not None)
         return buf
     engine.dp.reducer._reuse = counted
-    losses = [engine.train_batch(_rows_of(b, rank, world)) for b in _half_used_data()]
+    losses = [engine.train_batch(rank_slice(b, rank, world)) for b in _half_used_data()]
     return losses, to_numpy(engine.consolidated_state_dict()), sum(reused)
-
-
-def _rows_of(batch, rank, world):
-    n = batch[0].shape[0] // world
-    return tuple(t[rank * n:(rank + 1) * n] for t in batch)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
