@@ -29,6 +29,21 @@ def test_host_pool_reuses_buffers_zeroed():
     assert pool.take(1000, torch.bfloat16).data_ptr() != b.data_ptr()
 
 
+def test_host_pool_keeps_buffers_resident_until_released():
+    pool = HostPool()
+    a = pool.take(1 << 18, torch.float32)
+    a.fill_(2.0)
+    assert pool.reuse(1 << 18, torch.float32) is None          # nothing kept yet
+    pool.give(a, keep=True)
+    b = pool.reuse(1 << 18, torch.float32)
+    assert b.data_ptr() == a.data_ptr() and float(b[0]) == 2.0  # the same pages, contents as left
+    pool.give(b, keep=True)
+    pool.release_kept()
+    assert pool.reuse(1 << 18, torch.float32) is None
+    c = pool.take(1 << 18, torch.float32)
+    assert c.data_ptr() == a.data_ptr() and float(c.abs().sum()) == 0.0
+
+
 def _trims_per_step(rank, world, stage, trim):
     import bunsan.zero.reduce as red
     import bunsan.zero.stage3 as s3

@@ -60,20 +60,41 @@ class HostBuffer:
 
 class HostPool:
     """Reused host buffers for per-step transients (gradient buckets, reduce outputs): a buffer handed
-    back drops its pages, so it costs no memory until taken again, and reads as zeros when it is."""
+    back drops its pages, so it costs no memory until taken again, and reads as zeros when it is. A buffer
+    given with keep=True stays resident instead, for `reuse` (stale contents, no page faults), until
+    `release_kept` drops it like the others."""
 
     def __init__(self):
         self._free: dict[tuple[int, torch.dtype], list[HostBuffer]] = {}
+        self._kept: dict[tuple[int, torch.dtype], list[HostBuffer]] = {}
         self._owner: dict[int, HostBuffer] = {}
+
+    def _lend(self, buf: HostBuffer) -> torch.Tensor:
+        self._owner[id(buf.tensor)] = buf
+        return buf.tensor
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled tensor of numel elements."""
         free = self._free.get((numel, dtype))
-        buf = free.pop() if free else HostBuffer(numel, dtype)
-        self._owner[id(buf.tensor)] = buf
-        return buf.tensor
+        return self._lend(free.pop() if free else HostBuffer(numel, dtype))
 
-    def give(self, t: torch.Tensor) -> None:
+    def reuse(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """A kept (resident) tensor of numel elements, holding whatever it held; None if there is none."""
+        kept = self._kept.get((numel, dtype))
+        return self._lend(kept.pop()) if kept else None
+
+    def give(self, t: torch.Tensor, keep: bool = False) -> None:
         buf = self._owner.pop(id(t))
+        if keep:
+            self._kept.setdefault((t.numel(), t.dtype), []).append(buf)
+            return
         buf.release()
         self._free.setdefault((t.numel(), t.dtype), []).append(buf)
+
+    def release_kept(self) -> None:
+        """Drop the pages of every kept buffer (they read as zeros when taken again)."""
+        for key, kept in self._kept.items():
+            for buf in kept:
+                buf.release()
+            self._free.setdefault(key, []).extend(kept)
+        self._kept = {}

@@ -10,12 +10,12 @@ micro-step's in stages 2-3) lands straight in its slice of the fp32 shard when
 the dtypes and devices match: no output buffer and no add (135M, 2 ranks: the
 add and the buffer's fresh pages were ~5% of stage 1's step).
 
-Within one backward a reduced bucket's staging and output buffers are reused as they are
-for later buckets (`_spare`); only the slots no gradient wrote and the padding are zeroed.
+Within one backward a reduced bucket's staging and output buffers stay resident in the pool
+and are reused as they are for later buckets; only the slots no gradient wrote and the
+padding are zeroed.
 Taking each bucket from the pool as fresh zero pages instead faulted in the whole model's
 gradient size every step (135M: 540 MB, ~0.15 s more than refilling resident buffers, in a
-micro-benchmark). The spares go back to the pool, pages dropped, when backward ends, so
-forward never holds them.
+micro-benchmark). When backward ends their pages are dropped, so forward never holds them.
 """
 
 from __future__ import annotations
@@ -37,14 +37,12 @@ class ShardReducer:
         self.source = source or self._pop_staging
         self.after_launch = after_launch
         self.slices = layout.shard_slices()
-        self.numels = layout.numels
         self.bucket_of = [0] * len(layout.numels)
         for k, b in enumerate(layout.buckets):
             for i in b.params:
                 self.bucket_of[i] = k
         self._staging: dict[int, torch.Tensor] = {}
-        self._dirty: dict[int, set[int]] = {}     # staged from a spare: bucket -> parameters written so far
-        self._spare: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}   # reduced this backward, reusable
+        self._dirty: dict[int, set[int]] = {}     # staged in a reused buffer: bucket -> parameters written so far
         self._flight: list = []
         self._written: set[int] = set()     # buckets whose shard slice holds a reduce since the shard was made
         self.device = None
@@ -57,14 +55,15 @@ class ShardReducer:
         return torch.zeros(numel, dtype=self.dtype, device=device)
 
     def _give(self, t: torch.Tensor) -> None:
-        """Keep a host buffer for reuse until backward ends (drain hands it to the pool)."""
+        """Hand a host buffer back, resident for reuse until backward ends (drain releases it)."""
         if self.pool is not None and t.device.type == "cpu":
-            self._spare.setdefault((t.numel(), t.dtype), []).append(t)
+            self.pool.give(t, keep=True)
 
     def _reuse(self, numel: int, device) -> torch.Tensor | None:
-        """A spare host buffer of numel elements, holding stale values; None if there is none."""
-        spare = self._spare.get((numel, self.dtype)) if torch.device(device).type == "cpu" else None
-        return spare.pop() if spare else None
+        """A host buffer reduced earlier in this backward, holding stale values; None if there is none."""
+        if self.pool is None or torch.device(device).type != "cpu":
+            return None
+        return self.pool.reuse(numel, self.dtype)
 
     def stage_grad(self, i: int, param) -> None:
         """Copy parameter i's fresh gradient into its bucket and free it."""
@@ -95,8 +94,8 @@ class ShardReducer:
             for i in b.params:
                 off = self.layout.offsets[i] - b.start
                 if i not in written:
-                    full[off:off + self.numels[i]].zero_()
-                end = max(end, off + self.numels[i])
+                    full[off:off + self.layout.numels[i]].zero_()
+                end = max(end, off + self.layout.numels[i])
             full[end:].zero_()
         return full
 
@@ -151,7 +150,5 @@ class ShardReducer:
         for item in self._flight:
             self._complete(item)
         self._flight = []
-        for spare in self._spare.values():
-            for t in spare:
-                self.pool.give(t)
-        self._spare = {}
+        if self.pool is not None:
+            self.pool.release_kept()
