@@ -1,0 +1,201 @@
+"""All-reduce, reduce-scatter and all-gather through shared memory, for the ranks of a group on one host.
+
+comm.py's, called only by it, for CPU tensors on gloo groups (`train.gloo_collectives: shm`, the default).
+gloo moves every byte through loopback TCP, and on CPU that is work for the same cores that compute: 3-5 ms
+per 4 MB all-reduce on the 2-core machine, against 0.35 ms here (benchmarks/RESULTS.md). Each rank owns a
+slot in one mapped file; an operation is a few memcpy-sized tensor ops and one or two waits on the peers'
+flags:
+
+    all-reduce      copy in, flag, wait; sum my 1/N segment over all slots (rank order), flag, wait; copy out
+    reduce-scatter  copy in (every rank's chunk), flag, wait; sum my chunk over all slots (rank order)
+    all-gather      copy in, flag, wait; copy every slot out
+
+Each rank's flag counts the phases it has finished; a phase waits until every flag has reached it. Two sets
+of slots alternate between operations: a rank writes a set only after every rank passed a later flag, which
+each sets only after it finished reading that set. Tensors larger than a slot go in slot-sized chunks.
+
+Ordering: the data is written by ordinary (or fenced non-temporal) stores before the flag's store, and read
+after the flag's load; x86-64's memory model keeps those in order, so shared memory is used only there.
+
+Set-up is collective: group rank 0 creates and sizes the file, every rank maps it and checks a token, all
+agree (a MIN all-reduce on gloo) and rank 0 unlinks the name, so nothing is left in /dev/shm even after a
+crash. Where any rank cannot map it (another host, no /dev/shm, too little space), no rank uses it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+SHM_DIR = "/dev/shm"
+SLOT_BYTES = 4 << 20          # per rank and set; larger tensors go in chunks of this
+_HEADER = 4096                # flags (int64 per rank), then the token
+_TOKEN_AT = 2048
+_SPINS = 64                   # busy polls before yielding the core (ranks may outnumber cores)
+
+
+class ShmTimeout(RuntimeError):
+    """A peer did not reach a phase within the timeout (comm.py turns it into a CommError)."""
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _create(path: str, size: int, token: bytes) -> bool:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return False
+    try:
+        os.posix_fallocate(fd, 0, size)     # reserve the pages now: a full tmpfs fails here, not with SIGBUS later
+        os.pwrite(fd, token, _TOKEN_AT)
+        return True
+    except OSError:
+        os.unlink(path)
+        return False
+    finally:
+        os.close(fd)
+
+
+class ShmRing:
+    """Shared slots of one group's ranks; see the module docstring for the protocol."""
+
+    def __init__(self, buf: torch.Tensor, size: int, rank: int, ranks: tuple[int, ...], slot_bytes: int,
+                 timeout_s: float):
+        self.size, self.rank, self.ranks, self.slot_bytes, self.timeout_s = size, rank, ranks, slot_bytes, timeout_s
+        self.flags = buf[:8 * size].view(torch.int64).numpy()         # a numpy view: cheap loads and stores
+        self.data = buf[_HEADER:].view(2, size, slot_bytes)
+        self.phase, self.ops = 0, 0
+        self.broken: str | None = None
+
+    @classmethod
+    def open(cls, pg, rank: int, ranks: tuple[int, ...], timeout_s: float,
+             slot_bytes: int = SLOT_BYTES) -> "ShmRing | None":
+        """Collective over `pg` (gloo): a ring every rank mapped, or None on every rank."""
+        size = len(ranks)
+        total = _HEADER + 2 * size * slot_bytes
+        token = uuid.uuid4().bytes
+        name = [None]
+        created = None
+        if rank == 0 and _x86() and 8 * size <= _TOKEN_AT:
+            path = os.path.join(SHM_DIR, f"bunsan-{os.getpid()}-{uuid.uuid4().hex}")
+            if _create(path, total, token):
+                created, name[0] = path, (path, token)
+        dist.broadcast_object_list(name, src=ranks[0], group=pg)
+        buf = None
+        if name[0] is not None and _x86():
+            path, want = name[0]
+            try:
+                buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+                if bytes(buf[_TOKEN_AT:_TOKEN_AT + len(want)].tolist()) != want:
+                    buf = None          # a file of that name that is not ours: another host's /dev/shm
+            except (OSError, RuntimeError):
+                buf = None
+        ok = torch.tensor([1 if buf is not None else 0], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg)   # every rank mapped it, before the name goes
+        if created is not None:
+            os.unlink(created)
+        if not int(ok):
+            return None
+        return cls(buf, size, rank, ranks, slot_bytes, timeout_s)
+
+    # -- phases ------------------------------------------------------------------------------------
+    def _sync(self, op: str) -> None:
+        """Finish a phase: raise my flag and wait until every rank's has reached it."""
+        self.phase += 1
+        g, f = self.phase, self.flags
+        f[self.rank] = g
+        spins = 0
+        start = None
+        while f.min() < g:
+            spins += 1
+            if spins <= _SPINS:
+                continue
+            os.sched_yield()
+            if spins % 256 == 0:
+                now = time.monotonic()
+                start = now if start is None else start
+                if now - start > self.timeout_s:
+                    late = [self.ranks[r] for r in range(self.size) if f[r] < g]
+                    self.broken = f"{op} timed out after {self.timeout_s:g}s in shared memory waiting for rank(s) {late}"
+                    raise ShmTimeout(self.broken)
+
+    def _slots(self, dtype: torch.dtype) -> torch.Tensor:
+        """This operation's set of slots, [ranks, slot elements] of `dtype`."""
+        if self.broken:
+            raise ShmTimeout(f"shared-memory ring unusable after an earlier failure: {self.broken}")
+        s = self.data[self.ops % 2]
+        self.ops += 1
+        return s.view(dtype)
+
+    def _sum(self, parts: list[torch.Tensor], out: torch.Tensor, op: str) -> None:
+        """out = parts[0] (+) parts[1] (+) ... in rank order; `out` may be one of the parts only if it is parts[0]
+        or there are two parts."""
+        fn = torch.add if op == "sum" else torch.maximum
+        if len(parts) == 2:
+            fn(parts[0], parts[1], out=out)
+            return
+        acc = fn(parts[0], parts[1])
+        for p in parts[2:]:
+            fn(acc, p, out=acc)
+        out.copy_(acc)
+
+    # -- collectives ---------------------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        c = t if t.is_contiguous() else t.contiguous()
+        flat, n = c.view(-1), self.size
+        cap = self.slot_bytes // c.element_size()
+        for s in range(0, flat.numel(), cap):
+            chunk = flat[s:s + cap]
+            m = chunk.numel()
+            slots = self._slots(c.dtype)
+            slots[self.rank, :m].copy_(chunk)
+            self._sync("all_reduce")
+            seg = -(-m // n)
+            lo, hi = min(m, self.rank * seg), min(m, (self.rank + 1) * seg)
+            if lo < hi:         # my segment, summed into my own slot (no peer reads it there until the flag)
+                self._sum([slots[r, lo:hi] for r in range(n)], slots[self.rank, lo:hi], op)
+            self._sync("all_reduce")
+            for r in range(n):
+                a, b = min(m, r * seg), min(m, (r + 1) * seg)
+                if a < b:
+                    chunk[a:b].copy_(slots[r, a:b])
+        if c is not t:
+            t.copy_(c)
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
+        n, shard = self.size, out.numel()
+        rows = (full if full.is_contiguous() else full.contiguous()).view(n, shard)
+        res = out if out.is_contiguous() else torch.empty_like(out)
+        res_flat = res.view(-1)
+        cap = self.slot_bytes // full.element_size() // n
+        for j in range(0, shard, cap):
+            m = min(cap, shard - j)
+            slots = self._slots(full.dtype)
+            slots[self.rank, :n * m].view(n, m).copy_(rows[:, j:j + m])
+            self._sync("reduce_scatter")
+            self._sum([slots[r, self.rank * m:(self.rank + 1) * m] for r in range(n)], res_flat[j:j + m], "sum")
+        if res is not out:
+            out.copy_(res)
+
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
+        n = self.size
+        src = (shard if shard.is_contiguous() else shard.contiguous()).view(-1)
+        k = src.numel()
+        res = out if out.is_contiguous() else torch.empty_like(out)
+        rows = res.view(n, k)
+        cap = self.slot_bytes // shard.element_size()
+        for j in range(0, k, cap):
+            m = min(cap, k - j)
+            slots = self._slots(shard.dtype)
+            slots[self.rank, :m].copy_(src[j:j + m])
+            self._sync("all_gather")
+            rows[:, j:j + m].copy_(slots[:, :m])
+        if res is not out:
+            out.copy_(res)
