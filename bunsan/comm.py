@@ -154,7 +154,8 @@ class Comm:
         return self._tags.next(group.name) if use else None
 
     def _ring(self, group: Group, t: torch.Tensor) -> shm.ShmRing | None:
-        """The group's shared-memory ring for a CPU tensor, set up (collectively) at its first collective."""
+        """The group's shared-memory ring for a CPU tensor, set up (collectively, inside _run: a rank that never
+        comes is a CommError after the timeout) at the group's first collective."""
         ring = self._rings.get(group.name, False)
         if ring is False:
             ring = None
@@ -164,10 +165,12 @@ class Comm:
         return ring if ring is not None and t.device.type == "cpu" else None
 
     def transport(self, group: Group) -> str:
-        """What carries the group's CPU collectives: 'shm', 'exchange' or 'native' (after its first one)."""
+        """What carries the group's CPU collectives (after its first one): 'shm', 'exchange' (all-gather and
+        reduce-scatter; all-reduce is gloo's) or 'native'."""
         if self._rings.get(group.name):
             return "shm"
-        return "exchange" if self._exchanges.get(group.name) else "native"
+        gloo = group.pg is not None and dist.get_backend(group.pg) == dist.Backend.GLOO
+        return "exchange" if self._exchange_on_gloo and gloo else "native"
 
     def error(self, op: str, group: Group, cause) -> CommError:
         from .doctor.rollcall import roll_call
@@ -205,29 +208,32 @@ class Comm:
         """In-place SUM (or MAX) all-reduce (gloo has no AVG: callers divide themselves)."""
         if group.size == 1:
             return _Handle(self, None, "all_reduce", group) if async_op else None
-        ring = self._ring(group, t)
-        if ring is not None:
-            return self._run("all_reduce", group, t.numel() * t.element_size(),
-                             lambda: ring.all_reduce(t, op), async_op)
         red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-        return self._run("all_reduce", group, t.numel() * t.element_size(),
-                         lambda: dist.all_reduce(t, op=red, group=group.pg, async_op=True), async_op)
+
+        def fn():
+            ring = self._ring(group, t)
+            if ring is not None:
+                return ring.all_reduce(t, op)
+            return dist.all_reduce(t, op=red, group=group.pg, async_op=True)
+        return self._run("all_reduce", group, t.numel() * t.element_size(), fn, async_op)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
         """Gather equal shards into `out` (size N x shard)."""
         if group.size == 1:
             out.copy_(shard.view_as(out))
             return _Handle(self, None, "all_gather", group) if async_op else None
-        ring = self._ring(group, out)
-        tag = None if ring is not None else self._exchange_tag(group)
-        if ring is not None:
-            fn = lambda: ring.all_gather(out, shard)  # noqa: E731
-        elif tag is not None:
-            fn = lambda: exchange.all_gather(out, shard, group.ranks, group.rank, group.pg, tag)  # noqa: E731
-        else:
+
+        def fn():
+            ring = self._ring(group, out)
+            if ring is not None:
+                return ring.all_gather(out, shard)
+            tag = self._exchange_tag(group)
+            if tag is not None:
+                return exchange.all_gather(out, shard, group.ranks, group.rank, group.pg, tag)
+            src = shard
             if out.device.type == "cpu" and _aliases(shard, out):   # NCCL gathers in place; gloo's copy may not
-                shard = shard.clone()
-            fn = lambda: _all_gather(out, shard, group=group.pg, async_op=True)  # noqa: E731
+                src = shard.clone()
+            return _all_gather(out, src, group=group.pg, async_op=True)
         return self._run("all_gather", group, out.numel() * out.element_size(), fn, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: Group, async_op: bool = False):
@@ -235,15 +241,15 @@ class Comm:
         if group.size == 1:
             out.copy_(full.view_as(out))
             return _Handle(self, None, "reduce_scatter", group) if async_op else None
-        ring = self._ring(group, full)
-        tag = None if ring is not None else self._exchange_tag(group)
-        if ring is not None:
-            fn = lambda: ring.reduce_scatter(out, full)  # noqa: E731
-        elif tag is not None:
-            fn = lambda: exchange.reduce_scatter(out, full, group.ranks, group.rank, group.pg, tag)  # noqa: E731
-        else:
-            fn = lambda: _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group.pg,  # noqa: E731
-                                         async_op=True)
+
+        def fn():
+            ring = self._ring(group, full)
+            if ring is not None:
+                return ring.reduce_scatter(out, full)
+            tag = self._exchange_tag(group)
+            if tag is not None:
+                return exchange.reduce_scatter(out, full, group.ranks, group.rank, group.pg, tag)
+            return _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True)
         return self._run("reduce_scatter", group, full.numel() * full.element_size(), fn, async_op)
 
     def broadcast(self, t: torch.Tensor, src_rank: int, group: Group, async_op: bool = False):

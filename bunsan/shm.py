@@ -24,6 +24,7 @@ crash. Where any rank cannot map it (another host, no /dev/shm, too little space
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 import time
@@ -36,6 +37,7 @@ SHM_DIR = "/dev/shm"
 SLOT_BYTES = 4 << 20          # per rank and set; larger tensors go in chunks of this
 _HEADER = 4096                # flags (int64 per rank), then the token
 _TOKEN_AT = 2048
+_NOTE = 256                   # bytes of the set-up broadcast: the file's path and token
 _SPINS = 64                   # busy polls before yielding the core (ranks may outnumber cores)
 
 
@@ -76,31 +78,37 @@ class ShmRing:
 
     @classmethod
     def open(cls, pg, rank: int, ranks: tuple[int, ...], timeout_s: float,
-             slot_bytes: int = SLOT_BYTES) -> "ShmRing | None":
-        """Collective over `pg` (gloo): a ring every rank mapped, or None on every rank."""
-        size = len(ranks)
+             slot_bytes: int | None = None) -> "ShmRing | None":
+        """Collective over `pg` (gloo), each step waited for at most `timeout_s`: a ring every rank mapped, or
+        None on every rank."""
+        size, slot_bytes = len(ranks), slot_bytes or SLOT_BYTES
         total = _HEADER + 2 * size * slot_bytes
-        token = uuid.uuid4().bytes
-        name = [None]
+        wait = datetime.timedelta(seconds=timeout_s)
+        note = torch.zeros(_NOTE, dtype=torch.uint8)         # [path length, path, token]: rank 0's file
         created = None
         if rank == 0 and _x86() and 8 * size <= _TOKEN_AT:
-            path = os.path.join(SHM_DIR, f"bunsan-{os.getpid()}-{uuid.uuid4().hex}")
-            if _create(path, total, token):
-                created, name[0] = path, (path, token)
-        dist.broadcast_object_list(name, src=ranks[0], group=pg)
+            path, token = os.path.join(SHM_DIR, f"bunsan-{os.getpid()}-{uuid.uuid4().hex}"), uuid.uuid4().bytes
+            raw = path.encode()
+            if len(raw) + 1 + len(token) <= _NOTE and _create(path, total, token):
+                created = path
+                note[:1 + len(raw) + len(token)] = torch.tensor([len(raw), *raw, *token], dtype=torch.uint8)
+        dist.broadcast(note, src=ranks[0], group=pg, async_op=True).wait(wait)
         buf = None
-        if name[0] is not None and _x86():
-            path, want = name[0]
+        n = int(note[0])
+        if n and _x86():
+            path, want = bytes(note[1:1 + n].tolist()).decode(), bytes(note[1 + n:1 + n + 16].tolist())
             try:
                 buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-                if bytes(buf[_TOKEN_AT:_TOKEN_AT + len(want)].tolist()) != want:
+                if bytes(buf[_TOKEN_AT:_TOKEN_AT + 16].tolist()) != want:
                     buf = None          # a file of that name that is not ours: another host's /dev/shm
             except (OSError, RuntimeError):
                 buf = None
         ok = torch.tensor([1 if buf is not None else 0], dtype=torch.int64)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg)   # every rank mapped it, before the name goes
-        if created is not None:
-            os.unlink(created)
+        try:                            # every rank mapped it (or gave up) before the name goes
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg, async_op=True).wait(wait)
+        finally:
+            if created is not None:
+                os.unlink(created)
         if not int(ok):
             return None
         return cls(buf, size, rank, ranks, slot_bytes, timeout_s)

@@ -1,10 +1,12 @@
-"""All-gather and reduce-scatter as point-to-point exchanges on gloo (bunsan/exchange.py) equal torch's own."""
+"""All-gather and reduce-scatter as point-to-point exchanges on gloo (bunsan/exchange.py) and through shared memory
+(bunsan/shm.py) equal torch's own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from bunsan import shm
 from bunsan.comm import Comm
 from bunsan.distributed import Mesh
 
@@ -15,6 +17,15 @@ def _inputs(rank: int, world: int, numel: int, k: int, dtype) -> torch.Tensor:
 
 
 def _collectives(rank, world, mode, dtype_name, tp):
+    slot = shm.SLOT_BYTES
+    shm.SLOT_BYTES = 256          # tiny slots: the 1031-element tensors go through shared memory in chunks
+    try:
+        return _run_collectives(world, mode, dtype_name, tp)
+    finally:
+        shm.SLOT_BYTES = slot
+
+
+def _run_collectives(world, mode, dtype_name, tp):
     dtype = getattr(torch, dtype_name)
     mesh = Mesh.create(tp=tp)
     comm = Comm(timeout_s=30, gloo_collectives=mode)
@@ -40,6 +51,7 @@ def _collectives(rank, world, mode, dtype_name, tp):
         ag2 = torch.empty(3 * group.size, 4, dtype=dtype)
         comm.all_gather(ag2, shard2, group)
         out[gname].append((None, ag2))
+        assert comm.transport(group) == mode       # shared memory where asked for: these ranks share a host
     stats = comm.stats.summary()["total"]
     return out, {k: v["bytes"] for k, v in stats.items()}
 
@@ -56,8 +68,9 @@ def _expected(world_group_size: int, group_rank: int, numel: int, k: int, dtype)
 
 @pytest.mark.parametrize("world,tp", [(2, 1), (4, 1), (4, 2)])
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-def test_exchange_equals_native_and_the_sequential_sum(pools, world, tp, dtype_name):
-    ex = pools.run(world, _collectives, world, "exchange", dtype_name, tp)
+@pytest.mark.parametrize("mode", ["exchange", "shm"])
+def test_exchange_equals_native_and_the_sequential_sum(pools, world, tp, dtype_name, mode):
+    ex = pools.run(world, _collectives, world, mode, dtype_name, tp)
     nat = pools.run(world, _collectives, world, "native", dtype_name, tp)
     dtype = getattr(torch, dtype_name)
     for rank in range(world):
