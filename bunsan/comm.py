@@ -14,7 +14,7 @@ Logical bytes, not timings: what the algorithm is asked to move, whatever the
 backend does underneath. On gloo (`train.gloo_collectives`):
 
     shm       (default) all-reduce, reduce-scatter and all-gather through shared
-              memory when the group's ranks share a host (shm.py: ~10x faster than
+              memory when the group's ranks share a host (shm.py: 3-10x faster than
               gloo's loopback TCP); otherwise as `exchange`
     exchange  all-gather and reduce-scatter as direct exchanges of point-to-point
               messages (exchange.py: gloo's own are 3x slower); all-reduce gloo's
@@ -138,7 +138,9 @@ class Comm:
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self._exchange_on_gloo = gloo_collectives != "native"
         self._shm_on_gloo = gloo_collectives == "shm"
-        self._rings: dict[str, shm.ShmRing | None] = {}   # group name -> its shared-memory ring, if any
+        # ranks -> their shared-memory ring, if any: groups of the same ranks (world and dp without TP or PP)
+        # share one, as they share the order of their collectives
+        self._rings: dict[tuple[int, ...], shm.ShmRing | None] = {}
         self._exchanges: dict[str, bool] = {}   # group name -> run all-gather / reduce-scatter as exchanges
         self._tags = exchange.TagSequence()
         self._seq: dict[str, int] = defaultdict(int)   # collectives issued per group (the roll call names them)
@@ -156,18 +158,18 @@ class Comm:
     def _ring(self, group: Group, t: torch.Tensor) -> shm.ShmRing | None:
         """The group's shared-memory ring for a CPU tensor, set up (collectively, inside _run: a rank that never
         comes is a CommError after the timeout) at the group's first collective."""
-        ring = self._rings.get(group.name, False)
+        ring = self._rings.get(group.ranks, False)
         if ring is False:
             ring = None
             if self._shm_on_gloo and dist.get_backend(group.pg) == dist.Backend.GLOO:
                 ring = shm.ShmRing.open(group.pg, group.rank, group.ranks, self.timeout_s)
-            self._rings[group.name] = ring
+            self._rings[group.ranks] = ring
         return ring if ring is not None and t.device.type == "cpu" else None
 
     def transport(self, group: Group) -> str:
         """What carries the group's CPU collectives (after its first one): 'shm', 'exchange' (all-gather and
         reduce-scatter; all-reduce is gloo's) or 'native'."""
-        if self._rings.get(group.name):
+        if self._rings.get(group.ranks):
             return "shm"
         gloo = group.pg is not None and dist.get_backend(group.pg) == dist.Backend.GLOO
         return "exchange" if self._exchange_on_gloo and gloo else "native"

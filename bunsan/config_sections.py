@@ -378,7 +378,7 @@ class Train(Section):
     eval_batches: Int = Field(4, ge=1)
     timeout_s: float = Field(120.0, gt=0)  # collective timeout
     comm_warn_share: float = Field(0.3, ge=0, le=1)  # the doctor speaks when waiting on comm exceeds this share
-    # On gloo: collectives through shared memory where a group's ranks share a host (shm, ~10x faster), else
+    # On gloo: collectives through shared memory where a group's ranks share a host (shm, 3-10x faster), else
     # all-gather and reduce-scatter as point-to-point exchanges (exchange, 3x faster than native); comm.py
     gloo_collectives: GlooCollectives = "shm"
     metrics_file: str = "metrics.jsonl"

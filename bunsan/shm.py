@@ -2,7 +2,7 @@
 
 comm.py's, called only by it, for CPU tensors on gloo groups (`train.gloo_collectives: shm`, the default).
 gloo moves every byte through loopback TCP, and on CPU that is work for the same cores that compute: 3-5 ms
-per 4 MB all-reduce on the 2-core machine, against 0.35 ms here (benchmarks/RESULTS.md). Each rank owns a
+per 4 MB all-reduce on the 2-core machine, against 0.35-0.5 ms here (benchmarks/RESULTS.md). Each rank owns a
 slot in one mapped file; an operation is a few memcpy-sized tensor ops and one or two waits on the peers'
 flags:
 
@@ -17,27 +17,32 @@ each sets only after it finished reading that set. Tensors larger than a slot go
 Ordering: the data is written by ordinary (or fenced non-temporal) stores before the flag's store, and read
 after the flag's load; x86-64's memory model keeps those in order, so shared memory is used only there.
 
-Set-up is collective: group rank 0 creates and sizes the file, every rank maps it and checks a token, all
-agree (a MIN all-reduce on gloo) and rank 0 unlinks the name, so nothing is left in /dev/shm even after a
-crash. Where any rank cannot map it (another host, no /dev/shm, too little space), no rank uses it.
+Set-up is collective: group rank 0 creates an anonymous shared file (memfd: it never has a name, so nothing
+can be left behind, whatever kills the job) and broadcasts where its peers can open it (/proc/<pid>/fd/<fd>)
+with the host's boot id and PID namespace; every rank on the same kernel and namespace maps it and checks a
+token, all agree (a MIN all-reduce on gloo) and rank 0 closes its descriptor. Where any rank cannot map it
+(another host or container, no memfd, too little memory, not x86-64), no rank uses it. A peer process that
+exits is noticed within a second; one that stops coming is an error after the timeout.
 """
 
 from __future__ import annotations
 
 import datetime
+import mmap
 import os
 import platform
+import struct
 import time
 import uuid
 
 import torch
 import torch.distributed as dist
 
-SHM_DIR = "/dev/shm"
 SLOT_BYTES = 4 << 20          # per rank and set; larger tensors go in chunks of this
-_HEADER = 4096                # flags (int64 per rank), then the token
+_HEADER = 4096                # flags (int64 per rank), pids (int64 per rank), the token
+_PIDS_AT = 1024
 _TOKEN_AT = 2048
-_NOTE = 256                   # bytes of the set-up broadcast: the file's path and token
+_NOTE = 256                   # bytes of the set-up broadcast: rank 0's pid and fd, host identity, token
 _SPINS = 64                   # busy polls before yielding the core (ranks may outnumber cores)
 
 
@@ -45,24 +50,73 @@ class ShmTimeout(RuntimeError):
     """A peer did not reach a phase within the timeout (comm.py turns it into a CommError)."""
 
 
+def ring_bytes(n: int) -> int:
+    """Shared memory of one ring of `n` ranks (mapped by each of them; the estimator counts it)."""
+    return _HEADER + 2 * n * SLOT_BYTES
+
+
 def _x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def _create(path: str, size: int, token: bytes) -> bool:
+def _host() -> bytes:
+    """This kernel (boot id) and PID namespace: where /proc/<pid> names the same process."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read().strip()
+        return boot + b"/" + os.readlink("/proc/self/ns/pid").encode()
     except OSError:
-        return False
+        return b""
+
+
+def _create(size: int, token: bytes) -> int | None:
+    """An anonymous shared file of `size` bytes with the token written in; its descriptor, or None."""
+    if not hasattr(os, "memfd_create"):
+        return None
     try:
-        os.posix_fallocate(fd, 0, size)     # reserve the pages now: a full tmpfs fails here, not with SIGBUS later
+        fd = os.memfd_create("bunsan-shm")
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, size)     # reserve the pages now: no memory fails here, not with SIGBUS later
         os.pwrite(fd, token, _TOKEN_AT)
-        return True
+        return fd
     except OSError:
-        os.unlink(path)
-        return False
-    finally:
         os.close(fd)
+        return None
+
+
+def _map(path: str, size: int) -> torch.Tensor:
+    """Map an existing shared file (never creating one) as a uint8 tensor."""
+    fd = os.open(path, os.O_RDWR | os.O_NOCTTY)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise OSError(f"{path} is not a ring of {size} bytes")
+        mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)                        # the mapping keeps the memory
+    with torch.inference_mode(False):       # a normal tensor, even if the first collective runs in inference
+        return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a peer's process still runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    if pid <= 0:
+        return True                         # not yet written: nothing to judge by
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+def _no_grad(fn):
+    """The ring's copies and sums are communication, not part of anyone's autograd graph."""
+    def wrapper(*args, **kwargs):
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return wrapper
 
 
 class ShmRing:
@@ -72,6 +126,8 @@ class ShmRing:
                  timeout_s: float):
         self.size, self.rank, self.ranks, self.slot_bytes, self.timeout_s = size, rank, ranks, slot_bytes, timeout_s
         self.flags = buf[:8 * size].view(torch.int64).numpy()         # a numpy view: cheap loads and stores
+        self.pids = buf[_PIDS_AT:_PIDS_AT + 8 * size].view(torch.int64).numpy()
+        self.pids[rank] = os.getpid()
         self.data = buf[_HEADER:].view(2, size, slot_bytes)
         self.phase, self.ops = 0, 0
         self.broken: str | None = None
@@ -82,33 +138,35 @@ class ShmRing:
         """Collective over `pg` (gloo), each step waited for at most `timeout_s`: a ring every rank mapped, or
         None on every rank."""
         size, slot_bytes = len(ranks), slot_bytes or SLOT_BYTES
-        total = _HEADER + 2 * size * slot_bytes
+        total = _HEADER + 2 * size * slot_bytes     # ring_bytes(size) at the default slot
         wait = datetime.timedelta(seconds=timeout_s)
-        note = torch.zeros(_NOTE, dtype=torch.uint8)         # [path length, path, token]: rank 0's file
-        created = None
-        if rank == 0 and _x86() and 8 * size <= _TOKEN_AT:
-            path, token = os.path.join(SHM_DIR, f"bunsan-{os.getpid()}-{uuid.uuid4().hex}"), uuid.uuid4().bytes
-            raw = path.encode()
-            if len(raw) + 1 + len(token) <= _NOTE and _create(path, total, token):
-                created = path
-                note[:1 + len(raw) + len(token)] = torch.tensor([len(raw), *raw, *token], dtype=torch.uint8)
-        dist.broadcast(note, src=ranks[0], group=pg, async_op=True).wait(wait)
+        host = _host()
+        note = torch.zeros(_NOTE, dtype=torch.uint8)    # [pid, fd, token, host identity] of rank 0's file
+        fd = None
+        if rank == 0 and _x86() and host and 8 * size <= _PIDS_AT and 32 + len(host) < _NOTE:
+            token = uuid.uuid4().bytes
+            fd = _create(total, token)
+            if fd is not None:
+                head = struct.pack("<qq", os.getpid(), fd) + token + host
+                note[:len(head)] = torch.tensor(list(head), dtype=torch.uint8)
         buf = None
-        n = int(note[0])
-        if n and _x86():
-            path, want = bytes(note[1:1 + n].tolist()).decode(), bytes(note[1 + n:1 + n + 16].tolist())
-            try:
-                buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-                if bytes(buf[_TOKEN_AT:_TOKEN_AT + 16].tolist()) != want:
-                    buf = None          # a file of that name that is not ours: another host's /dev/shm
-            except (OSError, RuntimeError):
-                buf = None
-        ok = torch.tensor([1 if buf is not None else 0], dtype=torch.int64)
-        try:                            # every rank mapped it (or gave up) before the name goes
+        try:
+            dist.broadcast(note, src=ranks[0], group=pg, async_op=True).wait(wait)
+            raw = bytes(note.tolist())
+            pid, at = struct.unpack("<qq", raw[:16])
+            token, theirs = raw[16:32], raw[32:32 + len(host)]
+            if pid and _x86() and host and 32 + len(host) < _NOTE and theirs == host and raw[32 + len(host)] == 0:
+                try:
+                    buf = _map(f"/proc/{pid}/fd/{at}", total)
+                    if bytes(buf[_TOKEN_AT:_TOKEN_AT + 16].tolist()) != token:
+                        buf = None      # not the file rank 0 made
+                except OSError:
+                    buf = None
+            ok = torch.tensor([1 if buf is not None else 0], dtype=torch.int64)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg, async_op=True).wait(wait)
-        finally:
-            if created is not None:
-                os.unlink(created)
+        finally:                        # every rank mapped it (or gave up, or failed): the descriptor goes
+            if fd is not None:
+                os.close(fd)
         if not int(ok):
             return None
         return cls(buf, size, rank, ranks, slot_bytes, timeout_s)
@@ -128,10 +186,18 @@ class ShmRing:
             os.sched_yield()
             if spins % 256 == 0:
                 now = time.monotonic()
-                start = now if start is None else start
+                if start is None:
+                    start = checked = now
+                late = [r for r in range(self.size) if f[r] < g]
+                if now - checked > 1.0:                 # a peer process that is gone will never come
+                    checked = now
+                    gone = [self.ranks[r] for r in late if not _alive(int(self.pids[r]))]
+                    if gone:
+                        self.broken = f"{op} in shared memory: the process of rank(s) {gone} exited"
+                        raise ShmTimeout(self.broken)
                 if now - start > self.timeout_s:
-                    late = [self.ranks[r] for r in range(self.size) if f[r] < g]
-                    self.broken = f"{op} timed out after {self.timeout_s:g}s in shared memory waiting for rank(s) {late}"
+                    self.broken = (f"{op} timed out after {self.timeout_s:g}s in shared memory waiting for "
+                                   f"rank(s) {[self.ranks[r] for r in late]}")
                     raise ShmTimeout(self.broken)
 
     def _slots(self, dtype: torch.dtype) -> torch.Tensor:
@@ -155,6 +221,7 @@ class ShmRing:
         out.copy_(acc)
 
     # -- collectives ---------------------------------------------------------------------------------
+    @_no_grad
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         c = t if t.is_contiguous() else t.contiguous()
         flat, n = c.view(-1), self.size
@@ -177,10 +244,12 @@ class ShmRing:
         if c is not t:
             t.copy_(c)
 
+    @_no_grad
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         n, shard = self.size, out.numel()
         rows = (full if full.is_contiguous() else full.contiguous()).view(n, shard)
-        res = out if out.is_contiguous() else torch.empty_like(out)
+        dense = torch.contiguous_format
+        res = out if out.is_contiguous() else torch.empty_like(out, memory_format=dense)
         res_flat = res.view(-1)
         cap = self.slot_bytes // full.element_size() // n
         for j in range(0, shard, cap):
@@ -192,11 +261,13 @@ class ShmRing:
         if res is not out:
             out.copy_(res)
 
+    @_no_grad
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         n = self.size
         src = (shard if shard.is_contiguous() else shard.contiguous()).view(-1)
         k = src.numel()
-        res = out if out.is_contiguous() else torch.empty_like(out)
+        dense = torch.contiguous_format
+        res = out if out.is_contiguous() else torch.empty_like(out, memory_format=dense)
         rows = res.view(n, k)
         cap = self.slot_bytes // shard.element_size()
         for j in range(0, k, cap):

@@ -53,13 +53,14 @@ def test_all_reduce_is_the_rank_order_sum_on_every_rank(pools, world, slot_bytes
             for r in range(1, world):
                 want_sum = want_sum + _tensor(r, k, (3001,), dtype)
             want_max = torch.stack([_tensor(r, 10 + k, (40, 30), dtype).t() for r in range(world)]).amax(0)
-            want_tiny = sum(_tensor(r, 20 + k, (1,), dtype) for r in range(1, world)) + _tensor(0, 20 + k, (1,), dtype)
+            want_tiny = _tensor(0, 20 + k, (1,), dtype)
+            for r in range(1, world):
+                want_tiny = want_tiny + _tensor(r, 20 + k, (1,), dtype)
             flat, grid, tiny = out[k]
             assert torch.equal(flat, want_sum), name
             assert torch.equal(grid, want_max), name
             assert not grid.is_contiguous()
-            if world == 2:          # a + b == b + a: the rank-order sum, whoever computes it
-                assert torch.equal(tiny, want_tiny), name
+            assert torch.equal(tiny, want_tiny), name
     for _, out in results[1:]:      # every rank holds the same bits
         for a, b in zip(out, results[0][1]):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -84,37 +85,105 @@ def test_a_peer_that_never_comes_is_a_clear_error(pools):
     assert "all_reduce #2 on group 'dp'" in msg
 
 
-def _unmappable_on_rank1(rank, world):
-    saved = shm.SHM_DIR
+def _open_files() -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:             # the directory listing's own descriptor, closed by now
+            pass
+    return out
+
+
+def _set_up(rank, world, fail_rank, fail_at):
+    """One all-reduce with the set-up failing on `fail_rank` at `fail_at` ('create': rank 0 cannot make the
+    file; 'map': a rank cannot map it); every rank must take the same transport and get the right sum."""
+    saved = getattr(shm, f"_{fail_at}")
+    if rank == fail_rank:
+        def refuse(*_args):
+            if fail_at == "map":
+                raise OSError("refused by the test")
+            return None
+        setattr(shm, f"_{fail_at}", refuse)
+    try:
+        group = Mesh.create().dp_group
+        comm = Comm(timeout_s=30)
+        t = torch.arange(5, dtype=torch.float32) * (rank + 1)
+        comm.all_reduce(t, group)
+        return comm.transport(group), t, [f for f in _open_files() if "bunsan-shm" in f]
+    finally:
+        setattr(shm, f"_{fail_at}", saved)
+
+
+@pytest.mark.parametrize("fail_rank,fail_at", [(None, "map"), (1, "map"), (2, "map"), (0, "create")])
+def test_no_rank_uses_shared_memory_unless_every_rank_maps_it(pools, fail_rank, fail_at):
+    world = 3
+    for transport, t, fds in pools.run(world, _set_up, world, fail_rank, fail_at):
+        assert transport == ("shm" if fail_rank is None else "exchange")
+        assert torch.equal(t, torch.arange(5, dtype=torch.float32) * 6)
+        # the ring's file never had a name (a memfd, held only by the mappings): nothing can be left behind
+        assert all(f.startswith("/memfd:bunsan-shm") for f in fds)
+
+
+def _gather_scatter_strided(rank, world):
+    group = Mesh.create().dp_group
+    comm = Comm(timeout_s=30)
+    shard = (torch.arange(12, dtype=torch.float64) + 100 * rank).view(3, 4).t()      # [4, 3], non-contiguous
+    out = torch.empty(3, 4 * world, dtype=torch.float64).t()                           # [4 x world, 3] likewise
+    comm.all_gather(out, shard, group)
+    full = (torch.arange(6 * world, dtype=torch.float64) * (rank + 1)).view(2, 3 * world).t()   # [3 x world, 2]
+    mine = torch.empty(2, 3, dtype=torch.float64).t()                                  # [3, 2], non-contiguous
+    comm.reduce_scatter(mine, full, group)
+    return comm.transport(group), out, mine
+
+
+def test_all_gather_and_reduce_scatter_take_strided_tensors(pools):
+    world = 2
+    ranks = range(world)
+    for rank, (transport, out, mine) in enumerate(pools.run(world, _gather_scatter_strided, world)):
+        assert transport == "shm"
+        want_out = torch.cat([(torch.arange(12, dtype=torch.float64) + 100 * r).view(3, 4).t() for r in ranks])
+        assert torch.equal(out, want_out)
+        fulls = [(torch.arange(6 * world, dtype=torch.float64) * (r + 1)).view(2, 3 * world).t() for r in ranks]
+        assert torch.equal(mine, (fulls[0] + fulls[1])[3 * rank:3 * (rank + 1)])
+
+
+def _exits_midway(rank: int, port: int, results) -> None:
+    import datetime
+    import time
+
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    group = Mesh.create().dp_group
+    comm = Comm(timeout_s=60)
+    comm.all_reduce(torch.ones(4), group)           # the ring is set up; both ranks took part
     if rank == 1:
-        shm.SHM_DIR = "/nonexistent-bunsan-dir"     # only matters on group rank 0, which creates the file
+        os._exit(0)                                 # gone without a word: no gloo call will tell rank 0
+    start = time.monotonic()
     try:
-        group = Mesh.create().dp_group
-        comm = Comm(timeout_s=30)
-        t = torch.full((5,), float(rank + 1))
-        comm.all_reduce(t, group)
-        left = [f for f in os.listdir(saved) if f.startswith(f"bunsan-{os.getpid()}-")]
-        return comm.transport(group), t, left
-    finally:
-        shm.SHM_DIR = saved
+        comm.all_reduce(torch.ones(4), group)
+        results.put(("no error", 0.0))
+    except CommError as e:
+        results.put((str(e), time.monotonic() - start))
+    results.close()
+    results.join_thread()                           # flushed before leaving
+    os._exit(0)                                     # the process group's peer is gone: skip its teardown
 
 
-def _unmappable_on_rank0(rank, world):
-    saved = shm.SHM_DIR
-    if rank == 0:
-        shm.SHM_DIR = "/nonexistent-bunsan-dir"     # rank 0 cannot create it: nobody uses shared memory
-    try:
-        group = Mesh.create().dp_group
-        comm = Comm(timeout_s=30)
-        t = torch.full((5,), float(rank + 1))
-        comm.all_reduce(t, group)
-        return comm.transport(group), t
-    finally:
-        shm.SHM_DIR = saved
-
-
-def test_no_rank_uses_shared_memory_unless_every_rank_maps_it(pools):
-    for transport, t, left in pools.run(2, _unmappable_on_rank1, 2):
-        assert transport == "shm" and torch.equal(t, torch.full((5,), 3.0)) and left == []   # unlinked at set-up
-    for transport, t in pools.run(2, _unmappable_on_rank0, 2):
-        assert transport == "exchange" and torch.equal(t, torch.full((5,), 3.0))
+def test_a_peer_process_that_exits_is_noticed_before_the_timeout():
+    import multiprocessing as mp
+    from dist_harness import _free_port
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_exits_midway, args=(r, port, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    msg, waited = results.get(timeout=120)
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    assert "the process of rank(s) [1] exited" in msg
+    assert waited < 10                              # the collective timeout is 60 s

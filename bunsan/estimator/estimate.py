@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..pipeline import schedules
 from ..planner.layout import Layout
+from ..shm import ring_bytes
 from .activations import Micro, stage_activation_bytes
 from .shape import ModelShape, RankParams, load_shape, lora_rank_params, rank_params
 from .states import bucket_sizes, model_states
@@ -107,6 +108,12 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
                   note="process before the model" if on_cpu else "CUDA context and workspaces (typical)")]
     if on_cpu:
         items.append(Item("math library workspace", device=CPU_WORKSPACE_BYTES, note="measured after a first step"))
+        groups = [g for g in (layout.dp, layout.tp) if g > 1]      # gloo collectives through shared memory
+        if groups:
+            items.append(Item("collective buffers", device=sum(ring_bytes(g) for g in groups),
+                              note="shared-memory rings of the " + " and ".join(
+                                  w for w, g in (("data", layout.dp), ("tensor", layout.tp)) if g > 1)
+                              + "-parallel groups (train.gloo_collectives: shm)"))
     else:
         items.append(Item("host process", host=HOST_PROCESS_BYTES, note="CUDA libraries, pinned buffers (assumed)"))
     notes = {"params": f"{rp.total + frozen:,} elements" + (f", sharded over {n}" if stage == 3 else "")

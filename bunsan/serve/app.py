@@ -57,15 +57,34 @@ def _explain(e: ValidationError) -> str:
 
 
 class _Text:
-    """Token ids to text deltas; stops at the first stop string (which is not sent)."""
+    """Token ids to text deltas; stops at the first stop string (which is not sent).
+
+    Decodes incrementally: ids[:r] are text already (`text_r`); each token decodes only ids[p:], with ids[p:r]
+    as context (a tokenizer may spell a token differently at the start of a text), so a long completion costs
+    linear, not quadratic, decoding.
+    """
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer, self.stop, self.ids, self.sent, self.stopped = tokenizer, stop, [], "", False
+        self.text_r, self.p, self.r = "", 0, 0
+
+    def _decode(self) -> str:
+        """The text of all ids so far."""
+        window = self.tokenizer.decode(self.ids[self.p:])
+        prior = self.tokenizer.decode(self.ids[self.p:self.r])
+        if window.startswith(prior):
+            text = self.text_r + window[len(prior):]
+        else:                                   # the context changed its own spelling: decode everything
+            text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):        # whole characters: the next token starts from here
+            self.text_r, self.p, self.r = text, self.r, len(self.ids)
+        return text
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        text = self._decode()
+        tail = max(0, len(self.sent) - max((len(s) for s in self.stop), default=0))   # where a stop can start
+        cut = min((i for i in (text.find(s, tail) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped, text = True, text[:cut]
         else:
@@ -77,7 +96,7 @@ class _Text:
         return delta
 
     def rest(self) -> str:
-        text = self.tokenizer.decode(self.ids) if not self.stopped else self.sent
+        text = self._decode() if not self.stopped else self.sent
         delta, self.sent = text[len(self.sent):], text
         return delta
 
