@@ -111,14 +111,6 @@ def _alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
-def _no_grad(fn):
-    """The ring's copies and sums are communication, not part of anyone's autograd graph."""
-    def wrapper(*args, **kwargs):
-        with torch.no_grad():
-            return fn(*args, **kwargs)
-    return wrapper
-
-
 class ShmRing:
     """Shared slots of one group's ranks; see the module docstring for the protocol."""
 
@@ -221,7 +213,7 @@ class ShmRing:
         out.copy_(acc)
 
     # -- collectives ---------------------------------------------------------------------------------
-    @_no_grad
+    @torch.no_grad()      # copies and sums of communication, in no one's autograd graph
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         c = t if t.is_contiguous() else t.contiguous()
         flat, n = c.view(-1), self.size
@@ -244,7 +236,7 @@ class ShmRing:
         if c is not t:
             t.copy_(c)
 
-    @_no_grad
+    @torch.no_grad()
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         n, shard = self.size, out.numel()
         rows = (full if full.is_contiguous() else full.contiguous()).view(n, shard)
@@ -261,7 +253,7 @@ class ShmRing:
         if res is not out:
             out.copy_(res)
 
-    @_no_grad
+    @torch.no_grad()
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         n = self.size
         src = (shard if shard.is_contiguous() else shard.contiguous()).view(-1)
