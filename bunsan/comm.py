@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from . import exchange, shm
+from . import exchange, shm, shm_mailbox
 
 
 # torch 2.13 renamed the tensor forms; keep working on torch>=2.6.
@@ -188,8 +188,9 @@ class Comm:
             f"{self.timeout_s:g}s (train.timeout_s); this rank last finished step {self.finished_step}.{who}"
         )
 
-    def _run(self, op: str, group: Group, nbytes: int, fn, async_op: bool):
-        self.stats.record(op, group, logical_bytes(op, nbytes, group.size))
+    def _run(self, op: str, group: Group, nbytes, fn, async_op: bool):
+        """Run `fn` (-> a work object, or None when it finished the op) as `op`; `nbytes` may be a function,
+        called after `fn` (a receive learns its size from the message)."""
         if op not in ("send", "recv"):     # point-to-point calls differ per rank: only collectives line up
             self._seq[group.name] += 1
         start = time.perf_counter()
@@ -199,6 +200,7 @@ class Comm:
             raise self.error(op, group, e) from e
         finally:
             self.wait_s += time.perf_counter() - start
+        self.stats.record(op, group, logical_bytes(op, nbytes() if callable(nbytes) else nbytes, group.size))
         handle = _Handle(self, work, op, group)
         if async_op:
             return handle
@@ -282,6 +284,37 @@ class Comm:
     def irecv(self, t: torch.Tensor, src: int, group: Group, tag: int = 0):
         return self._run("recv", group, t.numel() * t.element_size(),
                          lambda: dist.irecv(t, src=src, group=group.pg, tag=tag), True)
+
+    # -- point to point through shared memory (shm_mailbox.py) ----------------------------------
+    def mailbox(self, group: Group) -> shm_mailbox.Mailbox | None:
+        """Collective over `group`: shared-memory channels between its neighbouring ranks, where
+        train.gloo_collectives is shm, the group is on gloo and its ranks share a host; else None (every rank)."""
+        if not self._shm_on_gloo or group.size == 1 or dist.get_backend(group.pg) != dist.Backend.GLOO:
+            return None
+        try:
+            return shm_mailbox.Mailbox.open(group.pg, group.rank, group.ranks, self.timeout_s)
+        except RuntimeError as e:
+            raise self.error("mailbox set-up", group, e) from e
+
+    def post(self, box: shm_mailbox.Mailbox, t: torch.Tensor, dst: int, group: Group, tag: int):
+        """Send contiguous CPU `t` to group rank `dst` through the mailbox; a handle to wait on before reusing
+        `t` (a message no slot holds goes through gloo under tag + 1)."""
+        def fn():
+            if box.send(t, dst, tag):
+                return None
+            return dist.isend(t, dst=group.ranks[dst], group=group.pg, tag=tag + 1)
+        return self._run("send", group, t.numel() * t.element_size(), fn, True)
+
+    def fetch(self, box: shm_mailbox.Mailbox, src: int, group: Group, tag: int) -> torch.Tensor:
+        """Receive what group rank `src` posted under `tag` (blocking)."""
+        got: list[torch.Tensor] = []
+
+        def fn():
+            t, in_memory = box.recv(src, tag)
+            got.append(t)
+            return None if in_memory else dist.irecv(t, src=group.ranks[src], group=group.pg, tag=tag + 1)
+        self._run("recv", group, lambda: got[0].numel() * got[0].element_size(), fn, False)
+        return got[0]
 
 
 def all_reduce_on(comm, group, device: torch.device):

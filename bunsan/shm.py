@@ -111,6 +111,69 @@ def _alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+def open_shared(pg, rank: int, ranks: tuple[int, ...], total: int, timeout_s: float) -> torch.Tensor | None:
+    """Collective over `pg` (gloo), each step waited for at most `timeout_s`: `total` bytes of shared memory,
+    the first _HEADER of them a header with each rank's pid at _PIDS_AT, that every rank mapped; or None on
+    every rank."""
+    size = len(ranks)
+    wait = datetime.timedelta(seconds=timeout_s)
+    host = _host()
+    note = torch.zeros(_NOTE, dtype=torch.uint8)    # [pid, fd, token, host identity] of rank 0's file
+    fd = None
+    if rank == 0 and _x86() and host and 8 * size <= _TOKEN_AT - _PIDS_AT and 32 + len(host) < _NOTE:
+        token = uuid.uuid4().bytes
+        fd = _create(total, token)
+        if fd is not None:
+            head = struct.pack("<qq", os.getpid(), fd) + token + host
+            note[:len(head)] = torch.tensor(list(head), dtype=torch.uint8)
+    buf = None
+    try:
+        dist.broadcast(note, src=ranks[0], group=pg, async_op=True).wait(wait)
+        raw = bytes(note.tolist())
+        pid, at = struct.unpack("<qq", raw[:16])
+        token, theirs = raw[16:32], raw[32:32 + len(host)]
+        if pid and _x86() and host and 32 + len(host) < _NOTE and theirs == host and raw[32 + len(host)] == 0:
+            try:
+                buf = _map(f"/proc/{pid}/fd/{at}", total)
+                if bytes(buf[_TOKEN_AT:_TOKEN_AT + 16].tolist()) != token:
+                    buf = None      # not the file rank 0 made
+            except OSError:
+                buf = None
+        ok = torch.tensor([1 if buf is not None else 0], dtype=torch.int64)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg, async_op=True).wait(wait)
+    finally:                        # every rank mapped it (or gave up, or failed): the descriptor goes
+        if fd is not None:
+            os.close(fd)
+    if not int(ok):
+        return None
+    buf[_PIDS_AT + 8 * rank:_PIDS_AT + 8 * (rank + 1)].view(torch.int64)[0] = os.getpid()
+    return buf
+
+
+def wait_until(ready, timeout_s: float, waiting_for, what: str) -> None:
+    """Poll `ready()` (busy at first, then yielding the core) until it holds. `waiting_for()` -> [(rank, pid)]
+    of the peers it waits on: one whose process is gone fails within a second, else after `timeout_s`."""
+    spins, start = 0, None
+    while not ready():
+        spins += 1
+        if spins <= _SPINS:
+            continue
+        os.sched_yield()
+        if spins % 256:
+            continue
+        now = time.monotonic()
+        if start is None:
+            start = checked = now
+        if now - checked > 1.0:                 # a peer process that is gone will never come
+            checked = now
+            gone = [r for r, pid in waiting_for() if not _alive(pid)]
+            if gone:
+                raise ShmTimeout(f"{what} in shared memory: the process of rank(s) {gone} exited")
+        if now - start > timeout_s:
+            raise ShmTimeout(f"{what} timed out after {timeout_s:g}s in shared memory waiting for "
+                             f"rank(s) {[r for r, _ in waiting_for()]}")
+
+
 class ShmRing:
     """Shared slots of one group's ranks; see the module docstring for the protocol."""
 
@@ -119,7 +182,6 @@ class ShmRing:
         self.size, self.rank, self.ranks, self.slot_bytes, self.timeout_s = size, rank, ranks, slot_bytes, timeout_s
         self.flags = buf[:8 * size].view(torch.int64).numpy()         # a numpy view: cheap loads and stores
         self.pids = buf[_PIDS_AT:_PIDS_AT + 8 * size].view(torch.int64).numpy()
-        self.pids[rank] = os.getpid()
         self.data = buf[_HEADER:].view(2, size, slot_bytes)
         self.phase, self.ops = 0, 0
         self.broken: str | None = None
@@ -130,38 +192,8 @@ class ShmRing:
         """Collective over `pg` (gloo), each step waited for at most `timeout_s`: a ring every rank mapped, or
         None on every rank."""
         size, slot_bytes = len(ranks), slot_bytes or SLOT_BYTES
-        total = _HEADER + 2 * size * slot_bytes     # ring_bytes(size) at the default slot
-        wait = datetime.timedelta(seconds=timeout_s)
-        host = _host()
-        note = torch.zeros(_NOTE, dtype=torch.uint8)    # [pid, fd, token, host identity] of rank 0's file
-        fd = None
-        if rank == 0 and _x86() and host and 8 * size <= _PIDS_AT and 32 + len(host) < _NOTE:
-            token = uuid.uuid4().bytes
-            fd = _create(total, token)
-            if fd is not None:
-                head = struct.pack("<qq", os.getpid(), fd) + token + host
-                note[:len(head)] = torch.tensor(list(head), dtype=torch.uint8)
-        buf = None
-        try:
-            dist.broadcast(note, src=ranks[0], group=pg, async_op=True).wait(wait)
-            raw = bytes(note.tolist())
-            pid, at = struct.unpack("<qq", raw[:16])
-            token, theirs = raw[16:32], raw[32:32 + len(host)]
-            if pid and _x86() and host and 32 + len(host) < _NOTE and theirs == host and raw[32 + len(host)] == 0:
-                try:
-                    buf = _map(f"/proc/{pid}/fd/{at}", total)
-                    if bytes(buf[_TOKEN_AT:_TOKEN_AT + 16].tolist()) != token:
-                        buf = None      # not the file rank 0 made
-                except OSError:
-                    buf = None
-            ok = torch.tensor([1 if buf is not None else 0], dtype=torch.int64)
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=pg, async_op=True).wait(wait)
-        finally:                        # every rank mapped it (or gave up, or failed): the descriptor goes
-            if fd is not None:
-                os.close(fd)
-        if not int(ok):
-            return None
-        return cls(buf, size, rank, ranks, slot_bytes, timeout_s)
+        buf = open_shared(pg, rank, ranks, _HEADER + 2 * size * slot_bytes, timeout_s)  # ring_bytes(size)
+        return None if buf is None else cls(buf, size, rank, ranks, slot_bytes, timeout_s)
 
     # -- phases ------------------------------------------------------------------------------------
     def _sync(self, op: str) -> None:
@@ -169,28 +201,14 @@ class ShmRing:
         self.phase += 1
         g, f = self.phase, self.flags
         f[self.rank] = g
-        spins = 0
-        start = None
-        while f.min() < g:
-            spins += 1
-            if spins <= _SPINS:
-                continue
-            os.sched_yield()
-            if spins % 256 == 0:
-                now = time.monotonic()
-                if start is None:
-                    start = checked = now
-                late = [r for r in range(self.size) if f[r] < g]
-                if now - checked > 1.0:                 # a peer process that is gone will never come
-                    checked = now
-                    gone = [self.ranks[r] for r in late if not _alive(int(self.pids[r]))]
-                    if gone:
-                        self.broken = f"{op} in shared memory: the process of rank(s) {gone} exited"
-                        raise ShmTimeout(self.broken)
-                if now - start > self.timeout_s:
-                    self.broken = (f"{op} timed out after {self.timeout_s:g}s in shared memory waiting for "
-                                   f"rank(s) {[self.ranks[r] for r in late]}")
-                    raise ShmTimeout(self.broken)
+        if f.min() >= g:
+            return
+        try:
+            wait_until(lambda: f.min() >= g, self.timeout_s,
+                       lambda: [(self.ranks[r], int(self.pids[r])) for r in range(self.size) if f[r] < g], op)
+        except ShmTimeout as e:
+            self.broken = str(e)
+            raise
 
     def _slots(self, dtype: torch.dtype) -> torch.Tensor:
         """This operation's set of slots, [ranks, slot elements] of `dtype`."""

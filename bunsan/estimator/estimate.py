@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from ..pipeline import schedules
 from ..planner.layout import Layout
 from ..shm import ring_bytes
+from ..shm_mailbox import SLOT_BYTES, SLOTS
 from .activations import Micro, stage_activation_bytes
 from .shape import ModelShape, RankParams, load_shape, lora_rank_params, rank_params
 from .states import bucket_sizes, model_states
@@ -150,6 +151,10 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
             msg = d * micro.b * micro.s * c.hidden_size / micro.seq_div
             items.append(Item("pipeline buffers", device=2 * msg * flight, phase="backward",
                               note="stage input and output per micro-batch in flight"))
+            if on_cpu:   # the shared-memory mailbox's slots (shm_mailbox.py), touched as far as messages reach
+                touched = (2 if layout.pp == 2 else 4) * SLOTS * min(msg, SLOT_BYTES)
+                items.append(Item("pipeline mailbox", device=touched,
+                                  note="shared-memory slots to and from the neighbouring stages"))
     biggest = max(rp.numels, default=0)
     if not shape.bare:
         items.append(Item("weight gradient", device=biggest * d, phase="backward",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import shm_mailbox
 from .schedules import Action
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
@@ -26,6 +27,10 @@ class P2P:
         if 2 * (2 * n_stages * n_micro) + 2 >= 1 << 24:
             raise ValueError(f"{n_micro} micro-batches x {n_stages} stages exceed the pipeline's message tags; "
                              "use fewer micro-batches (gradient_accumulation_steps)")
+        # Shared memory between neighbours on one host (collective: every rank builds its P2P at start-up),
+        # where two steps' messages fit the descriptors; else gloo's point-to-point.
+        fits = 4 * n_stages * n_micro <= shm_mailbox.DESCS
+        self.box = comm.mailbox(group) if fits else None
 
     def _peer(self, stage: int) -> int:
         return self.group.ranks[stage % self.p]
@@ -38,16 +43,21 @@ class P2P:
         t = t.contiguous()
         if t.dim() > _HEADER - 2:
             raise ValueError(f"pipeline messages have at most {_HEADER - 2} dims; got shape {tuple(t.shape)}")
+        tag, peer = self._tag(direction, from_stage, micro), self._peer(to_stage)
+        if self.box is not None:
+            t = t.cpu()                      # the mailbox holds host memory (the group is on gloo)
+            return [(self.comm.post(self.box, t, to_stage % self.p, self.group, tag), t)]
         header = torch.zeros(_HEADER, dtype=torch.int64)
         header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
         header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        tag, peer = self._tag(direction, from_stage, micro), self._peer(to_stage)
         return [(self.comm.isend(header, peer, self.group, tag=tag), header),
                 (self.comm.isend(t, peer, self.group, tag=tag + 1), t)]
 
     def recv(self, direction: int, to_stage: int, micro: int, device) -> torch.Tensor:
         from_stage = to_stage - 1 if direction == FWD else to_stage + 1
         tag, peer = self._tag(direction, from_stage, micro), self._peer(from_stage)
+        if self.box is not None:
+            return self.comm.fetch(self.box, from_stage % self.p, self.group, tag).to(device)
         header = torch.empty(_HEADER, dtype=torch.int64)
         self.comm.irecv(header, peer, self.group, tag=tag).wait()
         ndim = int(header[1])
