@@ -15,7 +15,8 @@ backend does underneath. On gloo (`train.gloo_collectives`):
 
     shm       (default) all-reduce, reduce-scatter and all-gather through shared
               memory when the group's ranks share a host (shm.py: 3-10x faster than
-              gloo's loopback TCP); otherwise as `exchange`
+              gloo's loopback TCP), and the pipeline's messages through a mailbox
+              (shm_mailbox.py: mailbox, post, fetch); otherwise as `exchange`
     exchange  all-gather and reduce-scatter as direct exchanges of point-to-point
               messages (exchange.py: gloo's own are 3x slower); all-reduce gloo's
     native    torch's own collectives

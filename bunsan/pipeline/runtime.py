@@ -2,9 +2,11 @@
 
 Sends are non-blocking (their handles are waited at the end of the step), receives
 block: with the schedules of schedules.py that never deadlocks (simulate() proves it
-for each one). Every message is preceded by a small header (dtype and shape), so
-stages need not know each other's shapes, and carries a tag made of (direction,
-sending stage, micro-batch): messages of one step can never be confused.
+for each one). Over gloo every message is preceded by a small header (dtype and
+shape), so stages need not know each other's shapes; through the shared-memory
+mailbox of neighbouring ranks on one host (shm_mailbox.py) its descriptor carries
+them. Every message has a tag made of (direction, sending stage, micro-batch):
+messages of one step can never be confused.
 """
 
 from __future__ import annotations
