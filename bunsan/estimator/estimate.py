@@ -112,9 +112,9 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
         groups = [g for g in (layout.dp, layout.tp) if g > 1]      # gloo collectives through shared memory
         if groups:
             items.append(Item("collective buffers", device=sum(ring_bytes(g) for g in groups),
-                              note="shared-memory rings of the " + " and ".join(
+                              note="a shared-memory ring per " + " and ".join(
                                   w for w, g in (("data", layout.dp), ("tensor", layout.tp)) if g > 1)
-                              + "-parallel groups (train.gloo_collectives: shm)"))
+                              + "-parallel group of this rank (train.gloo_collectives: shm)"))
     else:
         items.append(Item("host process", host=HOST_PROCESS_BYTES, note="CUDA libraries, pinned buffers (assumed)"))
     notes = {"params": f"{rp.total + frozen:,} elements" + (f", sharded over {n}" if stage == 3 else "")
