@@ -122,6 +122,29 @@ def test_no_part_of_a_stop_string_is_ever_sent():
     assert "".join(t.add(i) for i in tok.encode("abXY")) + t.rest() == "abXY" and not t.stopped
 
 
+def test_text_decodes_incrementally_and_keeps_multibyte_characters_whole():
+    """Deltas add up to the whole text (characters spelled over several byte tokens included), and each token
+    decodes only the ids since the last whole character: linear, not quadratic, work."""
+    from bunsan.data import load_tokenizer
+    from bunsan.serve.app import _Text
+    tok = load_tokenizer(None)
+    decoded = [0]
+
+    class Counting:
+        def decode(self, ids):
+            decoded[0] += len(ids)
+            return tok.decode(ids)
+    text = "naïve café — 東京 " * 40
+    ids = tok.encode(text)
+    t = _Text(Counting(), ["STOP"])
+    deltas = [t.add(i) for i in ids]
+    assert "".join(deltas) + t.rest() == text and not t.stopped
+    assert all("\ufffd" not in d for d in deltas)            # never half a character
+    assert decoded[0] < 8 * len(ids) + 2 * len(ids)          # a few ids per token (+ rest's whole decode)
+    t = _Text(tok, ["東京"])
+    assert "".join(t.add(i) for i in tok.encode("café 東京 more")) == "café " and t.stopped
+
+
 def test_sampling_is_seeded(server):
     body = {"prompt": "x", "max_tokens": 16, "temperature": 0.9, "top_k": 40, "top_p": 0.9, "seed": 3}
     a, b = server.post(body).json(), server.post(body).json()
