@@ -208,19 +208,27 @@ class Comm:
         handle.wait()
         return None
 
+    def _collective(self, op: str, group: Group, t: torch.Tensor, nbytes: int, on_ring, on_exchange, native,
+                    async_op: bool):
+        """Run `op` on the group's transport: its shared-memory ring (on_ring(ring)), else a point-to-point
+        exchange (on_exchange(tag); None where the op has none), else the backend's own (native())."""
+        def fn():
+            ring = self._ring(group, t)
+            if ring is not None:
+                return on_ring(ring)
+            tag = self._exchange_tag(group) if on_exchange is not None else None
+            return native() if tag is None else on_exchange(tag)
+        return self._run(op, group, nbytes, fn, async_op)
+
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, group: Group, async_op: bool = False, op: str = "sum"):
         """In-place SUM (or MAX) all-reduce (gloo has no AVG: callers divide themselves)."""
         if group.size == 1:
             return _Handle(self, None, "all_reduce", group) if async_op else None
         red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-
-        def fn():
-            ring = self._ring(group, t)
-            if ring is not None:
-                return ring.all_reduce(t, op)
-            return dist.all_reduce(t, op=red, group=group.pg, async_op=True)
-        return self._run("all_reduce", group, t.numel() * t.element_size(), fn, async_op)
+        return self._collective("all_reduce", group, t, t.numel() * t.element_size(),
+                                lambda ring: ring.all_reduce(t, op), None,
+                                lambda: dist.all_reduce(t, op=red, group=group.pg, async_op=True), async_op)
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
         """Gather equal shards into `out` (size N x shard)."""
@@ -228,34 +236,26 @@ class Comm:
             out.copy_(shard.view_as(out))
             return _Handle(self, None, "all_gather", group) if async_op else None
 
-        def fn():
-            ring = self._ring(group, out)
-            if ring is not None:
-                return ring.all_gather(out, shard)
-            tag = self._exchange_tag(group)
-            if tag is not None:
-                return exchange.all_gather(out, shard, group.ranks, group.rank, group.pg, tag)
+        def native():
             src = shard
             if out.device.type == "cpu" and _aliases(shard, out):   # NCCL gathers in place; gloo's copy may not
                 src = shard.clone()
             return _all_gather(out, src, group=group.pg, async_op=True)
-        return self._run("all_gather", group, out.numel() * out.element_size(), fn, async_op)
+        return self._collective("all_gather", group, out, out.numel() * out.element_size(),
+                                lambda ring: ring.all_gather(out, shard),
+                                lambda tag: exchange.all_gather(out, shard, group.ranks, group.rank, group.pg, tag),
+                                native, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: Group, async_op: bool = False):
         """SUM-reduce `full` across ranks and keep this rank's 1/N shard in `out`."""
         if group.size == 1:
             out.copy_(full.view_as(out))
             return _Handle(self, None, "reduce_scatter", group) if async_op else None
-
-        def fn():
-            ring = self._ring(group, full)
-            if ring is not None:
-                return ring.reduce_scatter(out, full)
-            tag = self._exchange_tag(group)
-            if tag is not None:
-                return exchange.reduce_scatter(out, full, group.ranks, group.rank, group.pg, tag)
-            return _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True)
-        return self._run("reduce_scatter", group, full.numel() * full.element_size(), fn, async_op)
+        return self._collective(
+            "reduce_scatter", group, full, full.numel() * full.element_size(),
+            lambda ring: ring.reduce_scatter(out, full),
+            lambda tag: exchange.reduce_scatter(out, full, group.ranks, group.rank, group.pg, tag),
+            lambda: _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True), async_op)
 
     def broadcast(self, t: torch.Tensor, src_rank: int, group: Group, async_op: bool = False):
         """Broadcast from group-local rank `src_rank`."""
