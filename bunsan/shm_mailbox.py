@@ -28,7 +28,8 @@ SLOTS = 4
 SLOT_BYTES = 4 << 20
 _FIELDS = 16                  # state, tag, slot, dtype code, ndim, nbytes, dims (up to 8), 2 spare
 _MAX_DIMS = 8
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
+# a message's dtype as a code: in the mailbox's descriptors and the pipeline's gloo header alike
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
            torch.bool]
 _DESC_BYTES = DESCS * _FIELDS * 8
 
@@ -43,8 +44,15 @@ def neighbour_pairs(p: int) -> list[tuple[int, int]]:
 
 
 def mailbox_bytes(p: int) -> int:
-    """Shared memory of one pipeline group's mailbox (mapped by each rank; the estimator counts it)."""
+    """Shared memory of one pipeline group's mailbox, mapped by each of its ranks."""
     return shm._HEADER + len(neighbour_pairs(p)) * _channel_bytes()
+
+
+def resident_bytes(p: int, message_bytes: float) -> float:
+    """What of it one rank touches (the estimator counts it): the slots of the channels to and from its
+    neighbours, each as far as a message reaches."""
+    channels = sum(0 in pair for pair in neighbour_pairs(p))
+    return channels * SLOTS * min(message_bytes, SLOT_BYTES)
 
 
 class _Channel:
@@ -84,8 +92,8 @@ class Mailbox:
     def send(self, t: torch.Tensor, dst: int, tag: int) -> bool:
         """Publish contiguous CPU `t` for group rank `dst` under `tag`. False: no slot took it, and the caller
         sends it through gloo (under tag + 1) for the receiver to fetch there."""
-        if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
-            raise ValueError(f"the pipeline mailbox carries {_DTYPES} of up to {_MAX_DIMS} dims; got {t.dtype} "
+        if t.dtype not in DTYPES or t.dim() > _MAX_DIMS:
+            raise ValueError(f"the pipeline mailbox carries {DTYPES} of up to {_MAX_DIMS} dims; got {t.dtype} "
                              f"of shape {tuple(t.shape)}")
         ch = self._channel(self.rank, dst)
         free = np.flatnonzero(ch.descs[:, 0] == 0)
@@ -104,7 +112,7 @@ class Mailbox:
                 if nbytes:
                     ch.data[slot, :nbytes].copy_(t.reshape(-1).view(torch.uint8))
         row = np.zeros(_FIELDS, dtype=np.int64)
-        row[1:6] = (tag, slot, _DTYPES.index(t.dtype), t.dim(), nbytes)
+        row[1:6] = (tag, slot, DTYPES.index(t.dtype), t.dim(), nbytes)
         row[6:6 + t.dim()] = t.shape
         ch.descs[d, 1:] = row[1:]
         ch.descs[d, 0] = 1           # published last
@@ -126,7 +134,7 @@ class Mailbox:
         d = hit[0]
         row = ch.descs[d].copy()
         slot, code, ndim, nbytes = (int(v) for v in row[2:6])
-        out = torch.empty([int(v) for v in row[6:6 + ndim]], dtype=_DTYPES[code])
+        out = torch.empty([int(v) for v in row[6:6 + ndim]], dtype=DTYPES[code])
         if slot >= 0:
             if nbytes:
                 out.reshape(-1).view(torch.uint8).copy_(ch.data[slot, :nbytes])

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..pipeline import schedules
 from ..planner.layout import Layout
 from ..shm import ring_bytes
-from ..shm_mailbox import SLOT_BYTES, SLOTS
+from ..shm_mailbox import resident_bytes
 from .activations import Micro, stage_activation_bytes
 from .shape import ModelShape, RankParams, load_shape, lora_rank_params, rank_params
 from .states import bucket_sizes, model_states
@@ -152,8 +152,7 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
             items.append(Item("pipeline buffers", device=2 * msg * flight, phase="backward",
                               note="stage input and output per micro-batch in flight"))
             if on_cpu:   # the shared-memory mailbox's slots (shm_mailbox.py), touched as far as messages reach
-                touched = (2 if layout.pp == 2 else 4) * SLOTS * min(msg, SLOT_BYTES)
-                items.append(Item("pipeline mailbox", device=touched,
+                items.append(Item("pipeline mailbox", device=resident_bytes(layout.pp, msg),
                                   note="shared-memory slots to and from the neighbouring stages"))
     biggest = max(rp.numels, default=0)
     if not shape.bare:

@@ -16,7 +16,6 @@ import torch
 from .. import shm_mailbox
 from .schedules import Action
 
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
 _HEADER = 10            # dtype code, ndim, up to 8 dims
 FWD, BWD = 0, 1
 
@@ -50,7 +49,7 @@ class P2P:
             t = t.cpu()                      # the mailbox holds host memory (the group is on gloo)
             return [(self.comm.post(self.box, t, to_stage % self.p, self.group, tag), t)]
         header = torch.zeros(_HEADER, dtype=torch.int64)
-        header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
+        header[0], header[1] = shm_mailbox.DTYPES.index(t.dtype), t.dim()
         header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
         return [(self.comm.isend(header, peer, self.group, tag=tag), header),
                 (self.comm.isend(t, peer, self.group, tag=tag + 1), t)]
@@ -63,7 +62,7 @@ class P2P:
         header = torch.empty(_HEADER, dtype=torch.int64)
         self.comm.irecv(header, peer, self.group, tag=tag).wait()
         ndim = int(header[1])
-        out = torch.empty(header[2:2 + ndim].tolist(), dtype=_DTYPES[int(header[0])], device=device)
+        out = torch.empty(header[2:2 + ndim].tolist(), dtype=shm_mailbox.DTYPES[int(header[0])], device=device)
         self.comm.irecv(out, peer, self.group, tag=tag + 1).wait()
         return out
 
