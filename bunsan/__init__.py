@@ -10,7 +10,7 @@ import torch.nn as nn
 from . import models, pipeline, zero
 from .comm import Comm, CommError
 from .config import Config, ConfigError
-from .distributed import Mesh, init_distributed
+from .distributed import Mesh, backend_name, collective_timeout, init_distributed
 from .engine import Engine
 from .tensor_parallel import TPContext, apply_tensor_parallel
 from .transforms import apply_activation_checkpointing, apply_compile
@@ -45,12 +45,13 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
     missing = cfg.unimplemented()
     if missing:
         raise ConfigError("\n".join(missing))
-    device = init_distributed(timeout_s=cfg.train.timeout_s)
+    device = init_distributed(cfg.train.backend, timeout_s=cfg.train.timeout_s)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     mesh = Mesh.create(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size)
-    comm = Comm(timeout_s=cfg.train.timeout_s, gloo_collectives=cfg.train.gloo_collectives)
+    comm = Comm(timeout_s=collective_timeout(cfg.train.timeout_s, backend_name()),
+                gloo_collectives=cfg.train.gloo_collectives, device=device)
     pipe = None
     if cfg.lora.enabled:   # against the whole model, before a pipeline keeps this rank's part of it
         from .lora import check_targets

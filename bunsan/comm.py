@@ -1,25 +1,26 @@
 """The only door to the other ranks.
 
-Every collective and point-to-point call in bunsan goes through this module so
-that (1) each one runs with a timeout and fails with a message that names the
-rank, the op and the group, and (2) the traffic is accounted per step: op,
-group, calls and *logical* bytes, i.e. what a ring algorithm moves per rank:
+Every collective and point-to-point call in bunsan goes through this module, so that:
 
-    all-reduce                      2 (N-1)/N * S
-    reduce-scatter / all-gather       (N-1)/N * S     (S = the full, unsharded size)
-    broadcast                                   S
-    send / recv                                 S
+1. every tensor handed to it is on this rank's device (`Comm.device`), checked at each call: NCCL takes device
+   tensors only, and a host tensor that reaches it is the caller's bug, reported as such (DeviceError), never
+   as a lost peer;
+2. waits are right for the backend: on gloo they block the host with a timeout and fail with a message that
+   names the rank, the op and the group; on NCCL they only order the streams (no host sync), and the process
+   group's timeout and watchdog catch a hang;
+3. the traffic is accounted per step: op, group, calls and logical bytes (comm_stats.py).
 
-Logical bytes, not timings: what the algorithm is asked to move, whatever the
-backend does underneath. On gloo (`train.gloo_collectives`):
+On gloo (`train.gloo_collectives`), collectives between host tensors go through:
 
-    shm       (default) all-reduce, reduce-scatter and all-gather through shared
-              memory when the group's ranks share a host (shm.py: 3-10x faster than
-              gloo's loopback TCP), and the pipeline's messages through a mailbox
-              (shm_mailbox.py: mailbox, post, fetch); otherwise as `exchange`
-    exchange  all-gather and reduce-scatter as direct exchanges of point-to-point
-              messages (exchange.py: gloo's own are 3x slower); all-reduce gloo's
+    shm       (default) all-reduce, reduce-scatter and all-gather through shared memory when the group's ranks
+              share a host (shm.py: 3-10x faster than gloo's loopback TCP), and the pipeline's messages through a
+              mailbox (shm_mailbox.py: mailbox, post, fetch); otherwise as `exchange`
+    exchange  all-gather and reduce-scatter as direct exchanges of point-to-point messages (exchange.py: gloo's
+              own are 3x slower); all-reduce gloo's
     native    torch's own collectives
+
+gloo on a GPU rank (several ranks sharing one GPU, `train.backend: gloo`) moves device tensors through host
+copies here, inside the collective, so the step itself stays on the device.
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ from __future__ import annotations
 import datetime
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import exchange, shm, shm_mailbox
+from .comm_stats import CommStats, WaitClock, logical_bytes
 
+__all__ = ["Comm", "CommError", "DeviceError", "Group", "P2POp", "all_reduce_on", "logical_bytes"]
 
 # torch 2.13 renamed the tensor forms; keep working on torch>=2.6.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -50,6 +53,10 @@ class CommError(RuntimeError):
     """A collective failed or timed out; the message names rank, op and group."""
 
 
+class DeviceError(ValueError):
+    """A tensor handed to a collective is not on this rank's device: the caller's bug."""
+
+
 @dataclass
 class Group:
     """A process group with a name (for accounting) and its size and our rank in it."""
@@ -62,147 +69,159 @@ class Group:
 
 
 @dataclass
-class OpStats:
-    calls: int = 0
-    bytes: int = 0
+class P2POp:
+    """One send or receive of a batch (Comm.batch_p2p): `peer` is a global rank."""
 
-
-@dataclass
-class CommStats:
-    """Per-(op, group) counters for the current step and since the start."""
-
-    step: dict = field(default_factory=lambda: defaultdict(OpStats))
-    total: dict = field(default_factory=lambda: defaultdict(OpStats))
-
-    def record(self, op: str, group: Group, nbytes: int) -> None:
-        key = (op, group.name)
-        for table in (self.step, self.total):
-            table[key].calls += 1
-            table[key].bytes += int(nbytes)
-
-    def new_step(self) -> None:
-        self.step = defaultdict(OpStats)
-
-    @staticmethod
-    def _as_dict(table) -> dict:
-        return {f"{op}/{g}": {"calls": s.calls, "bytes": s.bytes} for (op, g), s in sorted(table.items())}
-
-    def summary(self) -> dict:
-        return {"step": self._as_dict(self.step), "total": self._as_dict(self.total),
-                "step_bytes": sum(s.bytes for s in self.step.values())}
-
-
-def logical_bytes(op: str, nbytes: int, n: int) -> int:
-    """Bytes a ring algorithm moves per rank for `op` over `n` ranks on a tensor of `nbytes`."""
-    if n <= 1:
-        return 0
-    if op == "all_reduce":
-        return 2 * (n - 1) * nbytes // n
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) * nbytes // n
-    return nbytes  # broadcast, send, recv
+    kind: str          # "send" | "recv"
+    tensor: torch.Tensor
+    peer: int
+    tag: int = 0
 
 
 class _Handle:
-    """Wraps an async work object so that waiting has a timeout and a clear error."""
+    """An async work object (or several: a batch, an exchange); wait() once, then `after` (a staged copy back)."""
 
-    def __init__(self, comm: "Comm", work, op: str, group: Group):
-        self._comm, self._work, self._op, self._group = comm, work, op, group
+    def __init__(self, comm: "Comm", works, op: str, group: Group, on_device: bool = False, after=None):
+        self._comm, self._op, self._group, self._on_device, self._after = comm, op, group, on_device, after
+        self._works = [w for w in (works if isinstance(works, list) else [works]) if w is not None]
 
     def wait(self) -> None:
-        if self._work is None:
-            return
-        start = time.perf_counter()
-        try:
-            ok = self._work.wait(datetime.timedelta(seconds=self._comm.timeout_s))
-        except RuntimeError as e:  # gloo raises on timeout or a dead peer
-            raise self._comm.error(self._op, self._group, e) from e
-        finally:
-            self._comm.wait_s += time.perf_counter() - start
-        if ok is False:
-            raise self._comm.error(self._op, self._group, "timed out")
-        self._work = None
+        if self._works:
+            clock = self._comm.clock
+            token = clock.start(self._on_device)
+            try:
+                for w in self._works:
+                    if self._on_device:
+                        w.wait()   # orders the streams; the host goes on (the process group's watchdog times out)
+                    elif w.wait(datetime.timedelta(seconds=self._comm.timeout_s)) is False:
+                        raise self._comm.error(self._op, self._group, "timed out")
+            except RuntimeError as e:  # gloo raises on timeout or a dead peer
+                if isinstance(e, CommError):
+                    raise
+                raise self._comm.error(self._op, self._group, e) from e
+            finally:
+                clock.stop(token)
+            self._works = []
+        if self._after is not None:
+            after, self._after = self._after, None
+            after()
 
     def done(self) -> bool:
         """Completed (or failed: wait() then raises), without blocking."""
-        return self._work is None or self._work.is_completed()
+        return all(getattr(w, "is_completed", lambda: False)() for w in self._works)
 
 
 class Comm:
-    """Collectives with accounting and timeouts. One per engine (groups are passed, not global)."""
+    """Collectives with accounting, device checks and timeouts. One per engine (groups are passed, not global)."""
 
-    def __init__(self, timeout_s: float = 120.0, gloo_collectives: str = "shm"):
+    def __init__(self, timeout_s: float = 120.0, gloo_collectives: str = "shm", device: torch.device | None = None):
         if gloo_collectives not in ("shm", "exchange", "native"):
             raise ValueError(f"gloo_collectives={gloo_collectives!r}: expected 'shm', 'exchange' or 'native'")
         self.timeout_s = float(timeout_s)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.stats = CommStats()
+        self.clock = WaitClock()
+        self.tensors_checked = 0     # tensors whose device was checked (the GPU self-check reports it)
         self.global_rank = dist.get_rank() if dist.is_initialized() else 0
         self._exchange_on_gloo = gloo_collectives != "native"
         self._shm_on_gloo = gloo_collectives == "shm"
         # ranks -> their shared-memory ring, if any: groups of the same ranks (world and dp without TP or PP)
         # share one, as they share the order of their collectives
         self._rings: dict[tuple[int, ...], shm.ShmRing | None] = {}
-        self._exchanges: dict[str, bool] = {}   # group name -> run all-gather / reduce-scatter as exchanges
+        self._gloo: dict[int, bool] = {}        # id(process group) -> it is gloo
         self._tags = exchange.TagSequence()
         self._seq: dict[str, int] = defaultdict(int)   # collectives issued per group (the roll call names them)
-        self.wait_s = 0.0            # seconds blocked waiting for communication (the doctor's slow-sync check)
         self.finished_step = 0
 
-    def _exchange_tag(self, group: Group) -> int | None:
-        """The tag of the next exchange on `group`, or None where the backend's own collective runs."""
-        use = self._exchanges.get(group.name)
-        if use is None:
-            use = self._exchanges[group.name] = (self._exchange_on_gloo
-                                                 and dist.get_backend(group.pg) == dist.Backend.GLOO)
-        return self._tags.next(group.name) if use else None
+    @property
+    def wait_s(self) -> float:
+        """Seconds blocked waiting for communication so far (the doctor's slow-sync check)."""
+        return self.clock.total_s
 
-    def _ring(self, group: Group, t: torch.Tensor) -> shm.ShmRing | None:
-        """The group's shared-memory ring for a CPU tensor, set up (collectively, inside _run: a rank that never
-        comes is a CommError after the timeout) at the group's first collective."""
-        ring = self._rings.get(group.ranks, False)
-        if ring is False:
-            ring = None
-            if self._shm_on_gloo and dist.get_backend(group.pg) == dist.Backend.GLOO:
-                ring = shm.ShmRing.open(group.pg, group.rank, group.ranks, self.timeout_s)
-            self._rings[group.ranks] = ring
-        return ring if ring is not None and t.device.type == "cpu" else None
+    # -- where a group's tensors go ----------------------------------------------------------------
+    def _is_gloo(self, group: Group) -> bool:
+        gloo = self._gloo.get(id(group.pg))
+        if gloo is None:
+            gloo = self._gloo[id(group.pg)] = dist.get_backend(group.pg) == dist.Backend.GLOO
+        return gloo
+
+    def _check(self, op: str, group: Group, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            if t.device != self.device:
+                raise DeviceError(
+                    f"rank {self.global_rank}: {op} on group '{group.name}' was handed a tensor on {t.device}, but "
+                    f"this rank's collectives run on {self.device} (NCCL takes device tensors only): build it on "
+                    "the engine's device (engine.device). This is a bug in the caller, not a lost peer.")
+        self.tensors_checked += len(tensors)
+
+    def _staged(self, group: Group, *tensors: torch.Tensor) -> bool:
+        """gloo with device tensors: the op runs on host copies (gloo's transports read host memory)."""
+        return self.device.type != "cpu" and self._is_gloo(group)
+
+    def _via_host(self, run, tensors: list[torch.Tensor], written: int, async_op: bool):
+        """Run `run(host copies)` (synchronously) and copy host copy `written` back: gloo on a GPU rank, a
+        configuration for sharing one GPU (tests, the self-check), not a fast path."""
+        hosts = [t.detach().to("cpu") for t in tensors]   # host: gloo reads host memory
+        run(hosts)
+        tensors[written].copy_(hosts[written])
+        return _Handle(self, None, "staged", None) if async_op else None
 
     def transport(self, group: Group) -> str:
         """What carries the group's CPU collectives (after its first one): 'shm', 'exchange' (all-gather and
         reduce-scatter; all-reduce is gloo's) or 'native'."""
         if self._rings.get(group.ranks):
             return "shm"
-        gloo = group.pg is not None and dist.get_backend(group.pg) == dist.Backend.GLOO
-        return "exchange" if self._exchange_on_gloo and gloo else "native"
+        return "exchange" if self._exchange_on_gloo and group.pg is not None and self._is_gloo(group) else "native"
 
+    def _ring(self, group: Group, t: torch.Tensor) -> shm.ShmRing | None:
+        """The group's shared-memory ring for a host tensor, set up (collectively, inside _run: a rank that never
+        comes is a CommError after the timeout) at the group's first collective."""
+        ring = self._rings.get(group.ranks, False)
+        if ring is False:
+            ring = None
+            if self._shm_on_gloo and self._is_gloo(group):
+                ring = shm.ShmRing.open(group.pg, group.rank, group.ranks, self.timeout_s)
+            self._rings[group.ranks] = ring
+        return ring if ring is not None and t.device.type == "cpu" else None
+
+    def _exchange_tag(self, group: Group) -> int | None:
+        """The tag of the next exchange on `group`, or None where the backend's own collective runs."""
+        return self._tags.next(group.name) if self._exchange_on_gloo and self._is_gloo(group) else None
+
+    # -- errors and running ------------------------------------------------------------------------
     def error(self, op: str, group: Group, cause) -> CommError:
         from .doctor.rollcall import roll_call
         seq = self._seq[group.name]
         text = str(cause).lower()
-        # a roll call only where another rank may be to blame (a timeout, a lost peer), not a local mistake
-        peer = any(w in text for w in ("timed out", "timeout", "connection", "closed", "reset", "peer", "broken"))
-        who = roll_call(self.global_rank, op, group, seq, window_s=max(2.0, min(10.0, self.timeout_s / 2))) \
-            if peer else ""
+        head = f"rank {self.global_rank}: {op} #{seq} on group '{group.name}' (ranks {list(group.ranks)}) failed: {cause}."
+        # Another rank is to blame only for a timeout or a lost connection: then a roll call says where each is.
+        if not any(w in text for w in ("timed out", "timeout", "connection", "closed", "reset", "peer", "broken")):
+            return CommError(f"{head} The error is this rank's own (no peer was lost); this rank last finished "
+                             f"step {self.finished_step}.")
+        who = roll_call(self.global_rank, op, group, seq, window_s=max(2.0, min(10.0, self.timeout_s / 2)))
         return CommError(
-            f"rank {self.global_rank}: {op} #{seq} on group '{group.name}' (ranks {list(group.ranks)}) failed: "
-            f"{cause}. Another rank probably died, hung or skipped this {op}; the collective timeout is "
-            f"{self.timeout_s:g}s (train.timeout_s); this rank last finished step {self.finished_step}.{who}"
-        )
+            f"{head} Another rank probably died, hung or skipped this {op}; the collective timeout is "
+            f"{self.timeout_s:g}s (train.timeout_s); this rank last finished step {self.finished_step}.{who}")
 
-    def _run(self, op: str, group: Group, nbytes, fn, async_op: bool):
-        """Run `fn` (-> a work object, or None when it finished the op) as `op`; `nbytes` may be a function,
-        called after `fn` (a receive learns its size from the message)."""
-        if op not in ("send", "recv"):     # point-to-point calls differ per rank: only collectives line up
+    def _run(self, op: str, group: Group, nbytes, fn, async_op: bool, after=None):
+        """Run `fn` (-> a work object, a list of them, or None when it finished the op) as `op`; `nbytes` may be
+        a function, called after `fn` (a receive learns its size from the message)."""
+        if op not in ("send", "recv", "p2p"):     # point-to-point calls differ per rank: only collectives line up
             self._seq[group.name] += 1
-        start = time.perf_counter()
+        on_device = not self._is_gloo(group)
+        token = self.clock.start(False) if not on_device else None
         try:
-            work = fn()           # (an exchange on gloo may block here: count it as waiting)
+            work = fn()           # (an exchange or the shared memory on gloo may block here: count it as waiting)
         except RuntimeError as e:
             raise self.error(op, group, e) from e
         finally:
-            self.wait_s += time.perf_counter() - start
-        self.stats.record(op, group, logical_bytes(op, nbytes() if callable(nbytes) else nbytes, group.size))
-        handle = _Handle(self, work, op, group)
+            if token is not None:
+                self.clock.stop(token)
+        if op != "p2p":
+            self.stats.record(op, group.name, logical_bytes(op, nbytes() if callable(nbytes) else nbytes, group.size))
+        handle = _Handle(self, work, op, group, on_device, after)
         if async_op:
             return handle
         handle.wait()
@@ -220,11 +239,21 @@ class Comm:
             return native() if tag is None else on_exchange(tag)
         return self._run(op, group, nbytes, fn, async_op)
 
+    @staticmethod
+    def _finished(op: str, group: Group, async_op: bool):
+        return _Handle(None, None, op, group) if async_op else None
+
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, group: Group, async_op: bool = False, op: str = "sum"):
         """In-place SUM (or MAX) all-reduce (gloo has no AVG: callers divide themselves)."""
+        self._check("all_reduce", group, t)
         if group.size == 1:
-            return _Handle(self, None, "all_reduce", group) if async_op else None
+            return self._finished("all_reduce", group, async_op)
+        if self._staged(group, t):
+            return self._via_host(lambda h: self._all_reduce(h[0], group, op, False), [t], 0, async_op)
+        return self._all_reduce(t, group, op, async_op)
+
+    def _all_reduce(self, t, group, op, async_op):
         red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         return self._collective("all_reduce", group, t, t.numel() * t.element_size(),
                                 lambda ring: ring.all_reduce(t, op), None,
@@ -232,10 +261,15 @@ class Comm:
 
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, group: Group, async_op: bool = False):
         """Gather equal shards into `out` (size N x shard)."""
+        self._check("all_gather", group, out, shard)
         if group.size == 1:
             out.copy_(shard.view_as(out))
-            return _Handle(self, None, "all_gather", group) if async_op else None
+            return self._finished("all_gather", group, async_op)
+        if self._staged(group, out, shard):
+            return self._via_host(lambda h: self._all_gather(h[0], h[1], group, False), [out, shard], 0, async_op)
+        return self._all_gather(out, shard, group, async_op)
 
+    def _all_gather(self, out, shard, group, async_op):
         def native():
             src = shard
             if out.device.type == "cpu" and _aliases(shard, out):   # NCCL gathers in place; gloo's copy may not
@@ -248,9 +282,16 @@ class Comm:
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, group: Group, async_op: bool = False):
         """SUM-reduce `full` across ranks and keep this rank's 1/N shard in `out`."""
+        self._check("reduce_scatter", group, out, full)
         if group.size == 1:
             out.copy_(full.view_as(out))
-            return _Handle(self, None, "reduce_scatter", group) if async_op else None
+            return self._finished("reduce_scatter", group, async_op)
+        if self._staged(group, out, full):
+            return self._via_host(lambda h: self._reduce_scatter(h[0], h[1], group, False), [out, full], 0,
+                                  async_op)
+        return self._reduce_scatter(out, full, group, async_op)
+
+    def _reduce_scatter(self, out, full, group, async_op):
         return self._collective(
             "reduce_scatter", group, full, full.numel() * full.element_size(),
             lambda ring: ring.reduce_scatter(out, full),
@@ -259,38 +300,71 @@ class Comm:
 
     def broadcast(self, t: torch.Tensor, src_rank: int, group: Group, async_op: bool = False):
         """Broadcast from group-local rank `src_rank`."""
+        self._check("broadcast", group, t)
         if group.size == 1:
-            return _Handle(self, None, "broadcast", group) if async_op else None
+            return self._finished("broadcast", group, async_op)
+        if self._staged(group, t):
+            return self._via_host(lambda h: self._broadcast(h[0], src_rank, group, False), [t], 0, async_op)
+        return self._broadcast(t, src_rank, group, async_op)
+
+    def _broadcast(self, t, src_rank, group, async_op):
         src = group.ranks[src_rank]
         return self._run("broadcast", group, t.numel() * t.element_size(),
                          lambda: dist.broadcast(t, src=src, group=group.pg, async_op=True), async_op)
 
     def all_reduce_scalars(self, values: list[float], group: Group) -> list[float]:
-        """SUM a few float64 scalars across the group (token counts, losses)."""
-        t = torch.tensor(values, dtype=torch.float64)
+        """SUM a few float64 scalars across the group, read back on the host: a sync, so for set-up,
+        checkpoints and evaluation, never inside the step (which reduces device tensors with all_reduce)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
         self.all_reduce(t, group)
-        return t.tolist()
+        return t.tolist()   # host: the caller wants the numbers
 
     def barrier(self, group: Group) -> None:
-        if group.size == 1:
-            return
-        self.all_reduce(torch.zeros(1), group)
+        """All ranks of the group reach this point (a one-element all-reduce on the device)."""
+        if group.size > 1:
+            self.all_reduce(torch.zeros(1, device=self.device), group)
 
     # -- point to point ------------------------------------------------------------------------
     def isend(self, t: torch.Tensor, dst: int, group: Group, tag: int = 0):
         """Non-blocking send to global rank `dst` of `group`; wait() on the handle before reusing `t`."""
-        return self._run("send", group, t.numel() * t.element_size(),
-                         lambda: dist.isend(t, dst=dst, group=group.pg, tag=tag), True)
+        return self.batch_p2p([P2POp("send", t, dst, tag)], group)[0]
 
     def irecv(self, t: torch.Tensor, src: int, group: Group, tag: int = 0):
-        return self._run("recv", group, t.numel() * t.element_size(),
-                         lambda: dist.irecv(t, src=src, group=group.pg, tag=tag), True)
+        return self.batch_p2p([P2POp("recv", t, src, tag)], group)[0]
+
+    def batch_p2p(self, ops: list[P2POp], group: Group) -> list[_Handle]:
+        """Post sends and receives together; a handle per op. On NCCL they are one group
+        (torch.distributed.batch_isend_irecv, as Megatron posts them): NCCL ignores tags, a send may wait until its
+        peer posts the receive, and a pair's operations share a stream, so a send and a receive between two
+        neighbours posted one after the other can deadlock where one batch cannot (pipeline/schedules.py proves
+        every schedule's batches deadlock-free under these rules). NCCL needs a collective on the group before its
+        first batch (its communicator is made then): the pipeline's step barrier is one."""
+        self._check("send/recv", group, *(o.tensor for o in ops))
+        for o in ops:
+            self.stats.record(o.kind, group.name, o.tensor.numel() * o.tensor.element_size())
+        if not self._is_gloo(group):
+            batch = [dist.P2POp(dist.isend if o.kind == "send" else dist.irecv, o.tensor, o.peer, group.pg, o.tag)
+                     for o in ops]
+            handle = self._run("p2p", group, 0, lambda: list(dist.batch_isend_irecv(batch)), True)
+            return [handle] * len(ops)
+        return [self._gloo_p2p(o, group) for o in ops]
+
+    def _gloo_p2p(self, o: P2POp, group: Group) -> _Handle:
+        if not self._staged(group, o.tensor):
+            call = dist.isend if o.kind == "send" else dist.irecv
+            return self._run("p2p", group, 0, lambda: call(o.tensor, o.peer, group=group.pg, tag=o.tag), True)
+        host = o.tensor.detach().to("cpu") if o.kind == "send" else torch.empty_like(o.tensor, device="cpu")  # host: gloo
+        if o.kind == "send":     # the handle keeps the host copy alive until the send completed
+            return self._run("p2p", group, 0, lambda: dist.isend(host, o.peer, group=group.pg, tag=o.tag), True,
+                             after=lambda: host)
+        return self._run("p2p", group, 0, lambda: dist.irecv(host, o.peer, group=group.pg, tag=o.tag), True,
+                         after=lambda: o.tensor.copy_(host))
 
     # -- point to point through shared memory (shm_mailbox.py) ----------------------------------
     def mailbox(self, group: Group) -> shm_mailbox.Mailbox | None:
         """Collective over `group`: shared-memory channels between its neighbouring ranks, where
         train.gloo_collectives is shm, the group is on gloo and its ranks share a host; else None (every rank)."""
-        if not self._shm_on_gloo or group.size == 1 or dist.get_backend(group.pg) != dist.Backend.GLOO:
+        if not self._shm_on_gloo or group.size == 1 or not self._is_gloo(group):
             return None
         try:
             return shm_mailbox.Mailbox.open(group.pg, group.rank, group.ranks, self.timeout_s)
@@ -298,16 +372,19 @@ class Comm:
             raise self.error("mailbox set-up", group, e) from e
 
     def post(self, box: shm_mailbox.Mailbox, t: torch.Tensor, dst: int, group: Group, tag: int):
-        """Send contiguous CPU `t` to group rank `dst` through the mailbox; a handle to wait on before reusing
-        `t` (a message no slot holds goes through gloo under tag + 1)."""
+        """Send contiguous `t` to group rank `dst` through the mailbox; a handle to wait on before reusing `t`
+        (a message no slot holds goes through gloo under tag + 1)."""
+        self._check("send", group, t)
+        host = t.detach().to("cpu") if t.device.type != "cpu" else t   # host: the mailbox is host memory
+
         def fn():
-            if box.send(t, dst, tag):
+            if box.send(host, dst, tag):
                 return None
-            return dist.isend(t, dst=group.ranks[dst], group=group.pg, tag=tag + 1)
-        return self._run("send", group, t.numel() * t.element_size(), fn, True)
+            return dist.isend(host, dst=group.ranks[dst], group=group.pg, tag=tag + 1)
+        return self._run("send", group, t.numel() * t.element_size(), fn, True, after=lambda: host)
 
     def fetch(self, box: shm_mailbox.Mailbox, src: int, group: Group, tag: int) -> torch.Tensor:
-        """Receive what group rank `src` posted under `tag` (blocking)."""
+        """Receive what group rank `src` posted under `tag` (blocking), on this rank's device."""
         got: list[torch.Tensor] = []
 
         def fn():
@@ -315,10 +392,10 @@ class Comm:
             got.append(t)
             return None if in_memory else dist.irecv(t, src=group.ranks[src], group=group.pg, tag=tag + 1)
         self._run("recv", group, lambda: got[0].numel() * got[0].element_size(), fn, False)
-        return got[0]
+        return got[0].to(self.device)
 
 
-def all_reduce_on(comm, group, device: torch.device):
+def all_reduce_on(comm: Comm, group: Group, device: torch.device):
     """SUM over `group` of a tensor wherever it lives, through `device` (NCCL reduces device tensors only; an
     offloaded optimizer keeps its statistics on the host)."""
     def reduce(t: torch.Tensor) -> None:

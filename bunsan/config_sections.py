@@ -33,6 +33,7 @@ Device = Choice("none", "cpu", "nvme")
 Schedule = Choice("gpipe", "1f1b", "interleaved")
 Partition = Choice("uniform", "parameters", "balanced")
 GlooCollectives = Choice("shm", "exchange", "native")
+Backend = Choice("auto", "nccl", "gloo")
 
 
 class Section(BaseModel):
@@ -376,7 +377,11 @@ class Train(Section):
     tf32: bool = True
     eval_interval: Int = Field(0, ge=0)
     eval_batches: Int = Field(4, ge=1)
-    timeout_s: float = Field(120.0, gt=0)  # collective timeout
+    # Collective timeout; unset: 600 s on NCCL (also its watchdog's: a first compiled step or a slow checkpoint
+    # barrier must not abort the job), 120 s on gloo (distributed.collective_timeout)
+    timeout_s: Optional[float] = Field(None, gt=0)
+    # auto: NCCL on GPUs, gloo on CPUs. gloo on GPUs lets ranks share one GPU (collectives through host copies)
+    backend: Backend = "auto"
     comm_warn_share: float = Field(0.3, ge=0, le=1)  # the doctor speaks when waiting on comm exceeds this share
     # On gloo: collectives through shared memory where a group's ranks share a host (shm, 3-10x faster), else
     # all-gather and reduce-scatter as point-to-point exchanges (exchange, 3x faster than native); comm.py

@@ -45,23 +45,28 @@ class Strategy:
         extra = {i for i, p in enumerate(self.params) if any(p is d for d in duplicates)}
         self.norm_excluded = set(getattr(self, "norm_excluded", set())) | extra
 
-    def squared_norm(self, flat: torch.Tensor, pieces) -> float:
-        """|flat|^2, or the sum over the (param index, view) pieces not excluded from the norm."""
+    def squared_norm(self, flat: torch.Tensor, pieces) -> torch.Tensor:
+        """|flat|^2 (fp32 arithmetic, returned as a 1-element fp64 tensor on flat's device), or the sum over the
+        (param index, view) pieces not excluded from the norm. Never read on the host here: the engine reads the
+        global norm once, at the optimizer boundary."""
         excluded = getattr(self, "norm_excluded", ())
         if not excluded:
-            return float(torch.linalg.vector_norm(flat) ** 2)
+            return (torch.linalg.vector_norm(flat, dtype=torch.float32) ** 2).double().reshape(1)
         views = [v for i, v in pieces if i not in excluded and v.numel()]
-        return float(sum(n ** 2 for n in torch._foreach_norm(views))) if views else 0.0
+        if not views:
+            return torch.zeros(1, dtype=torch.float64, device=flat.device)
+        return sum(n ** 2 for n in torch._foreach_norm(views, 2, dtype=torch.float32)).double().reshape(1)
 
-    def global_norm(self, local_sq: float, sharded: bool) -> float:
-        """sqrt of the sum of squared contributions: over data-parallel shards (ZeRO) and tensor-parallel slices."""
+    def global_norm(self, local_sq: torch.Tensor, sharded: bool) -> torch.Tensor:
+        """sqrt of the sum of squared contributions: over data-parallel shards (ZeRO) and tensor-parallel
+        slices and pipeline stages; a device tensor (the engine reads it)."""
         total = local_sq
         if sharded:
-            total = self.comm.all_reduce_scalars([total], self.group)[0]
+            self.comm.all_reduce(total, self.group)
         for other in (getattr(self, "tp_group", None), getattr(self, "pp_group", None)):
             if other is not None and other.size > 1:
-                total = self.comm.all_reduce_scalars([total], other)[0]
-        return total ** 0.5
+                self.comm.all_reduce(total, other)
+        return total.sqrt()
 
     def consolidated_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
@@ -84,7 +89,7 @@ class Strategy:
 class Sharded(Strategy):
     """Stages 1-3: the fp32 gradient shard of the sharded optimizer (self.opt) is what gets unscaled and clipped."""
 
-    def unscale(self, inv: float) -> float:
+    def unscale(self, inv: float) -> torch.Tensor:
         self.opt.ensure_grad()
         if inv != 1.0:
             self.opt.grad.mul_(inv)
@@ -124,6 +129,14 @@ class Replicated(Strategy):
         else:
             self.optimizer = user_optimizer
         self._g32 = None
+        # 16-bit models step in pieces (a bucket's parameters at a time), each given fp32 gradients made just
+        # before: no fp32 copy of all gradients exists. torch's optimizers (and bitsandbytes') skip a parameter
+        # without a gradient and keep no state across parameters, so stepping in pieces is the same step; for
+        # any other optimizer the fp32 gradients are made all at once.
+        module = type(self.optimizer).__module__
+        self._pieces = [b.params for b in self.layout.buckets] if module.startswith(("torch.optim", "bitsandbytes")) \
+            else [tuple(range(len(self.params)))]
+        self._inv = self._coef = 1.0
 
     def _launch(self, k: int) -> None:
         b = self.layout.buckets[k]
@@ -143,28 +156,43 @@ class Replicated(Strategy):
                 h.wait()
             self._handles = []
 
-    def unscale(self, inv: float) -> float:
-        g = self.flat.grad.float() if self.mixed else self.flat.grad   # fp32 grads exist only for the step
+    def unscale(self, inv: float) -> torch.Tensor:
+        pieces = ((i, self.flat.view(self.flat.grad, i)) for i in range(len(self.params)))
+        if self.mixed:      # the fp32 gradients are made piece by piece in step(), x inv then
+            self._inv = inv
+            sq = self.squared_norm(self.flat.grad, pieces)   # in fp32 from the 16-bit gradients
+            return self.global_norm(sq * (inv * inv) if inv != 1.0 else sq, sharded=False)
         if inv != 1.0:
-            g.mul_(inv)
-        self._g32 = g
-        pieces = ((i, self.flat.view(g, i)) for i in range(len(self.params)))
-        return self.global_norm(self.squared_norm(g, pieces), sharded=False)   # grads equal on every dp rank
+            self.flat.grad.mul_(inv)
+        self._g32 = self.flat.grad
+        return self.global_norm(self.squared_norm(self._g32, pieces), sharded=False)   # equal on every dp rank
 
     def clip(self, coef: float) -> None:
-        self._g32.mul_(coef)
+        if self.mixed:
+            self._coef = coef
+        else:
+            self._g32.mul_(coef)
 
     def step(self) -> None:
-        for i, m in enumerate(self.masters):
-            m.grad = self.flat.view(self._g32, i)
-        self.optimizer.step()
-        if self.mixed:
-            self.flat.data.copy_(self.master)
-            for m in self.masters:
-                m.grad = None
+        if not self.mixed:          # the parameters' .grad are views of the (unscaled, clipped) flat buffer
+            self.optimizer.step()
+            return
+        for members in self._pieces:
+            for i in members:
+                g = self.flat.view(self.flat.grad, i).float()
+                if self._inv != 1.0:      # the same two products, in the same order, as one fp32 copy would get
+                    g.mul_(self._inv)
+                if self._coef != 1.0:
+                    g.mul_(self._coef)
+                self.masters[i].grad = g
+            self.optimizer.step()
+            for i in members:
+                self.masters[i].grad = None
+        self.flat.data.copy_(self.master)
 
     def zero_grad(self) -> None:
         self._g32 = None
+        self._inv = self._coef = 1.0
         self.flat.grad.zero_()   # not flat.zero_grad(): stage 0 keeps DDP's speed (no page faults per step)
 
     def visit_state(self, fn, create=None) -> None:

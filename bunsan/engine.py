@@ -24,7 +24,7 @@ from .comm import Comm
 from .distributed import Mesh
 from .doctor.oom import OutOfMemory, explain, is_oom
 from .doctor.rollcall import post_step
-from .memory import measured_memory
+from .memory import measured_memory, reset_peak_memory
 from .optim import LRSchedule
 from .pipeline import step as pipeline_step
 from .pipeline.consolidate import gather_intervals, gather_stages
@@ -37,6 +37,11 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy in fp32 (labels already shifted; -100 ignored)."""
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
                            ignore_index=-100, reduction="sum")
+
+
+def _refuse_empty_batch(values: list[float]) -> None:
+    if values[1] == 0:
+        raise ValueError("every label in the global batch is -100; nothing to learn from")
 
 
 class Engine:
@@ -104,6 +109,8 @@ class Engine:
     # -- DeepSpeed-style loop --------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         self._no_pipeline("engine(inputs)")
+        if self.micro_steps == 0 and self.device.type == "cuda":   # the reported peak is this step's
+            reset_peak_memory(self.device)
         return self.module(*args, **kwargs)
 
     def _no_pipeline(self, what: str) -> None:
@@ -139,10 +146,23 @@ class Engine:
         self.dp.end_backward(sync)
 
     # -- the optimizer step ----------------------------------------------------------------------
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, extra: tuple[torch.Tensor, ...] = (), check=None) -> list[float]:
+        """Unscale, clip and step. The global gradient norm and `extra` (device scalars the caller wants: the
+        step's loss, its token count) are read on the host here, together: the step's one host sync, where it
+        must be, since clipping and skipping depend on the norm. `check(extra values)` may refuse the step
+        (raise) before anything is applied. Returns the values of `extra`."""
         self.phase = "optimizer step"
         inv = self._post_scale / (self.scaler.scale if self.scaler else 1.0)
-        norm = self.dp.unscale(inv)
+        norm_t = self.dp.unscale(inv)
+        read = torch.cat([norm_t.reshape(1).double(), *(e.reshape(1).double() for e in extra)])
+        norm, *values = read.tolist()   # host: the step's one read (norm, loss, tokens)
+        self.comm.clock.settle()        # the step's communication waits are complete: their CUDA events read now
+        if check is not None:
+            try:
+                check(values)
+            except Exception:
+                self.dp.zero_grad()
+                raise
         self.last_grad_norm = norm
         overflow = not math.isfinite(norm)
         if self.scaler:
@@ -166,6 +186,7 @@ class Engine:
         self.dp.zero_grad()
         self._last_comm = self.comm.stats.summary()
         self.comm.stats.new_step()
+        return values
 
     # -- whole steps -----------------------------------------------------------------------------
     def _split(self, batch):
@@ -215,30 +236,37 @@ class Engine:
 
     def _train_batch(self, batch) -> float:
         self.module.train()
+        if self.device.type == "cuda":     # the reported peak is this step's, not set-up's
+            reset_peak_memory(self.device)
         micro = self._split(batch)
         lm = isinstance(batch, dict) and self.loss_fn is None
+        check, n_global = None, None
         if lm:
-            # The global mean over tokens: divide summed losses by the token count of the whole global batch.
-            local = sum(int((mb["labels"] != -100).sum()) for mb in micro)
-            n_global = self.comm.all_reduce_scalars([float(local)], self.mesh.dp_group)[0]
-            if n_global == 0:
-                raise ValueError("every label in the global batch is -100; nothing to learn from")
-            div, self._post_scale = n_global, 1.0
+            # The global mean over tokens: summed losses divided by the token count of the whole global batch,
+            # counted and reduced on the device (read with the norm; a global batch of no tokens is refused then).
+            n_global = torch.stack([(mb["labels"] != -100).sum() for mb in micro]).sum().double().reshape(1)
+            self.comm.all_reduce(n_global, self.mesh.dp_group)
+            div, self._post_scale = n_global[0].clamp(min=1.0), 1.0
+            check = _refuse_empty_batch
         else:
             div, self._post_scale = self.grad_accum, 1.0 / self.mesh.dp
         if self.pipe is not None:
-            return pipeline_step.train_batch(self, micro, lm, div)
-        total = torch.zeros((), dtype=torch.float64)
-        for i, mb in enumerate(micro):
-            self.phase = f"forward of micro-batch {i + 1}/{len(micro)}"
-            loss, _ = self._micro_loss(mb)
-            self.phase = f"backward of micro-batch {i + 1}/{len(micro)}"
-            self._backward(loss / div, sync=i == len(micro) - 1)
-            total += loss.detach().double()
-        reported = self.comm.all_reduce_scalars([total.item()], self.mesh.dp_group)[0]
+            total = pipeline_step.run_schedule(self, micro, lm, div)
+        else:
+            total = torch.zeros(1, dtype=torch.float64, device=self.device)
+            for i, mb in enumerate(micro):
+                self.phase = f"forward of micro-batch {i + 1}/{len(micro)}"
+                loss, _ = self._micro_loss(mb)
+                self.phase = f"backward of micro-batch {i + 1}/{len(micro)}"
+                self._backward(loss / div, sync=i == len(micro) - 1)
+                total += loss.detach().double()
+        self.comm.all_reduce(total, self.mesh.dp_group)
         self.micro_steps = 0
-        self._optimizer_step()
-        return reported / (n_global if lm else self.grad_accum * self.mesh.dp)
+        if lm:
+            summed, tokens = self._optimizer_step((total, n_global), check)
+            return summed / tokens
+        summed, = self._optimizer_step((total,))
+        return summed / (self.grad_accum * self.mesh.dp)
 
     @torch.no_grad()
     def eval_batch(self, batch) -> float:
@@ -252,12 +280,16 @@ class Engine:
         try:
             if isinstance(batch, dict) and self.loss_fn is None:
                 labels = batch["labels"].to(self.device)
-                s = self._lm_loss_sum(self.module(batch["input_ids"].to(self.device)), labels).item()
-                s, n = self.comm.all_reduce_scalars([s, float((labels != -100).sum())], self.mesh.dp_group)
-                return s / n
+                s = self._lm_loss_sum(self.module(batch["input_ids"].to(self.device)), labels).double()
+                sums = torch.stack([s, (labels != -100).sum().double()])
+                self.comm.all_reduce(sums, self.mesh.dp_group)
+                total, n = sums.tolist()   # host: evaluation returns a number
+                return total / n
             loss, _ = self._micro_loss(tuple(t.to(self.device) for t in batch) if not isinstance(batch, dict)
                                        else {k: v.to(self.device) for k, v in batch.items()})
-            return self.comm.all_reduce_scalars([loss.item()], self.mesh.dp_group)[0] / self.mesh.dp
+            loss = loss.detach().double().reshape(1)
+            self.comm.all_reduce(loss, self.mesh.dp_group)
+            return loss.tolist()[0] / self.mesh.dp   # host: evaluation returns a number
         finally:
             self.module.train()
 

@@ -119,7 +119,9 @@ def measured_memory(engine) -> dict:
     report["theory_model_states"] = int(theory["total"] + frozen_bytes / (engine.mesh.dp if sharded else 1))
     report["peak_rss"] = peak_rss_bytes()
     report["rss"] = current_rss_bytes()
-    if engine.device.type == "cuda":
+    if engine.device.type == "cuda":      # peaks since the start of the last optimizer step (the engine resets)
         report["cuda_peak_allocated"] = torch.cuda.max_memory_allocated(engine.device)
         report["cuda_allocated"] = torch.cuda.memory_allocated(engine.device)
+        report["cuda_peak_reserved"] = torch.cuda.max_memory_reserved(engine.device)
+        report["cuda_reserved"] = torch.cuda.memory_reserved(engine.device)
     return report

@@ -39,7 +39,7 @@ MAIN_JOB = {
 }
 
 MEMORY_KEYS = ("params", "grads", "master_weights", "optimizer_states", "buffers", "model_states",
-               "theory_model_states", "peak_rss", "rss", "cuda_peak_allocated")
+               "theory_model_states", "peak_rss", "rss", "cuda_peak_allocated", "cuda_peak_reserved")
 
 
 def model_config(cfg: Config, vocab_size: int):
@@ -58,9 +58,9 @@ def model_config(cfg: Config, vocab_size: int):
 def gather_memory(engine) -> list[dict]:
     """Every rank's measured memory, on every rank (one small all-gather)."""
     rep = engine.memory_report()
-    mine = torch.tensor([float(rep.get(k, 0)) for k in MEMORY_KEYS], dtype=torch.float64)
+    mine = torch.tensor([float(rep.get(k, 0)) for k in MEMORY_KEYS], dtype=torch.float64, device=engine.device)
     world = engine.mesh.world
-    out = torch.zeros(world.size * len(MEMORY_KEYS), dtype=torch.float64)
+    out = torch.zeros(world.size * len(MEMORY_KEYS), dtype=torch.float64, device=engine.device)
     engine.comm.all_gather(out, mine, world)
     rows = out.view(world.size, len(MEMORY_KEYS)).tolist()
     return [{k: int(v) for k, v in zip(MEMORY_KEYS, row) if k in rep} for row in rows]
@@ -95,7 +95,7 @@ def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
 
 
 def run_training(cfg: Config) -> dict:
-    device = init_distributed(timeout_s=cfg.train.timeout_s)
+    device = init_distributed(cfg.train.backend, timeout_s=cfg.train.timeout_s)
     rank = dist.get_rank()
     torch.manual_seed(cfg.train.seed)
     tokenizer = load_tokenizer(cfg.data.tokenizer)

@@ -2,7 +2,7 @@
 import pytest
 
 from bunsan.pipeline.schedules import (
-    Action, bubble_ratio, build, check, gpipe, in_flight_bound, interleaved, one_f_one_b,
+    Action, bubble_ratio, build, check, forward_only, gpipe, in_flight_bound, interleaved, one_f_one_b,
     peak_in_flight, render, simulate, theory_bubble,
 )
 
@@ -147,7 +147,7 @@ def test_check_catches_backward_before_forward():
 def test_check_catches_removed_recv():
     schedule = one_f_one_b(4, 8)
     schedule[2] = _without(schedule[2], Action("recv_fwd", 3))
-    with pytest.raises(ValueError, match=r"rank 2: forward F3.0 at stage 2 is not directly preceded by its recv_fwd"):
+    with pytest.raises(ValueError, match=r"rank 2: forward F3.0 at stage 2 is not preceded by its recv_fwd"):
         check(schedule, 4, 8)
 
 
@@ -169,7 +169,7 @@ def test_check_catches_misplaced_and_unmatched_communication():
         check(schedule, 2, 2)
     schedule = gpipe(2, 2)
     schedule[1].append(Action("send_fwd", 1))  # not after its forward
-    with pytest.raises(ValueError, match=r"rank 1: send_fwd sF1.0 is not directly after its forward"):
+    with pytest.raises(ValueError, match=r"rank 1: send_fwd sF1.0 is not after its forward"):
         check(schedule, 2, 2)
 
 
@@ -193,9 +193,13 @@ def test_simulate_finds_cross_rank_deadlock_that_check_allows():
     rF, sB = (lambda i: Action("recv_fwd", i)), (lambda i: Action("send_bwd", i))
     schedule = [[F(0), sF(0), rB(0), B(0), F(1), sF(1), rB(1), B(1)],
                 [rF(1), F(1), B(1), sB(1), rF(0), F(0), B(0), sB(0)]]
-    check(schedule, 2, 2)  # locally consistent...
+    # locally consistent, but the two ranks order the forwards between them differently (NCCL would fill F1's
+    # buffer with F0)...
+    with pytest.raises(ValueError, match=r"rank 0 sends sF0.0 \(stage 0 -> 1\) as its message #0 to rank 1, which "
+                                         r"receives rF1.0 .* in order, not by tag"):
+        check(schedule, 2, 2)
     with pytest.raises(RuntimeError, match=r"deadlocks: rank 0 waits at action 2 \(rB0.0\); rank 1 waits"):
-        simulate(schedule, 2)  # ...but rank 0 waits for B0 while rank 1 waits for F1
+        simulate(schedule, 2)  # ...and rank 0 waits for B0 while rank 1 waits for F1
 
 
 def test_simulate_costs_are_per_compute():
@@ -212,3 +216,57 @@ def test_simulate_with_unequal_stages_costs_the_imbalance():
     slow = simulate(build("1f1b", 2, 8), 2, 1, [1.0, 2.0], [2.0, 4.0])
     assert slow.busy == [24.0, 48.0] and slow.bubble > even.bubble
     assert slow.makespan == pytest.approx(3.0 + 8 * 6.0)   # stage 1 never waits after the first forward
+
+
+# -- NCCL's rules (p2p_rules.py): in-order matching, sends that wait for their receives, one batch per slot --
+
+NCCL_CASES = [c for c in CASES if c[1] > 1]
+
+
+@pytest.mark.parametrize("name,p,m,v", NCCL_CASES)
+def test_every_schedule_completes_under_nccl_rules_with_the_buffered_timeline(name, p, m, v):
+    schedule = build(name, p, m, v)
+    buffered, nccl = simulate(schedule, p, v), simulate(schedule, p, v, rules="nccl")
+    assert nccl.makespan == pytest.approx(buffered.makespan) and nccl.bubble == pytest.approx(buffered.bubble)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 1, 1), (2, 3, 2), (4, 4, 1), (4, 2, 3), (3, 5, 2)])
+def test_evaluation_lists_check_under_nccl_rules(p, m, v):
+    check(forward_only(p, m, v), p, m, v, forward_only=True)
+
+
+def test_sends_that_only_gloo_buffers_deadlock_under_nccl():
+    """Rank 0 runs GPipe (all forwards, then the backwards), rank 1 runs 1F1B. gloo buffers rank 0's sends, so
+    the lists complete; under NCCL rank 0's send of F2 waits for a receive rank 1 posts only after a gradient
+    rank 0 receives after that send."""
+    schedule = [gpipe(2, 4)[0], one_f_one_b(2, 4)[1]]
+    simulate(schedule, 2)                                  # buffered: completes
+    with pytest.raises(RuntimeError, match=r"deadlocks under NCCL's rules .*: rank 0 waits at batch \[sF2.0\]; "
+                                           r"rank 1 waits at batch \[sB0.0 rF1.0\]"):
+        simulate(schedule, 2, rules="nccl")
+    with pytest.raises(ValueError, match=r"deadlocks under NCCL's rules"):
+        check(schedule, 2, 4)
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (3, 6, 3)])
+def test_interleaving_needs_megatrons_pairs_under_nccl(p, m, v):
+    """The interleaved order with one batch between each two computes deadlocks on NCCL; grouped as Megatron
+    does (a forward and a backward back to back, their four transfers one batch) it completes."""
+    from bunsan.pipeline.schedules import _interleaved_warmup, _megatron_slot, _pipedream_order, _wrap
+    fwd, bwd = _megatron_slot("forward", p, v), _megatron_slot("backward", p, v)
+    per_compute = [_wrap(_pipedream_order(m * v, _interleaved_warmup(p, m, v, r), fwd, bwd), r, p, v)
+                   for r in range(p)]
+    simulate(per_compute, p, v)                            # buffered: completes
+    with pytest.raises(ValueError, match=rf"deadlocks under NCCL's rules .*: rank 0 waits at batch \[sB0.{v - 1}\]"):
+        check(per_compute, p, m, v)
+    check(build("interleaved", p, m, v), p, m, v)
+
+
+def test_the_first_forward_message_of_a_stage_carries_a_header_read_before_its_receive():
+    from bunsan.pipeline import p2p_rules
+    schedule = build("1f1b", 2, 3)
+    headed = p2p_rules.header_links(schedule[1], 1, 2)
+    assert headed == {("fwd", 0, 0, 1)}                     # once per stage and step, the first micro-batch
+    plan = p2p_rules.plan(schedule[1], 1, 2, headed)
+    assert plan[0].headers and plan[0].ops == (("recv", ("hdr", "fwd", 0, 0, 1)),)
+    assert plan[1].ops == (("recv", ("fwd", 0, 0, 1)),)

@@ -34,7 +34,7 @@ class Pipe:
     canonical: dict = field(default_factory=dict)  # parameter name -> the name its tensor has first in the model
 
     def start(self, comm, mesh, device) -> None:
-        p2p = P2P(comm, mesh.pp_group, self.p, self.p * self.v, self.n_micro)
+        p2p = P2P(comm, mesh.pp_group, self.p, self.p * self.v, self.n_micro, device)
         self.runner = Runner(self.stage, self.actions, self.p, mesh.pp_rank, p2p, device, self.recorder)
 
 
@@ -59,6 +59,7 @@ def setup(model: nn.Module, mesh, cfg, device: torch.device, seed: int) -> Pipe:
     p, v = pcfg.stages, pcfg.virtual_stages
     m = cfg.batch_sizes(mesh.dp).grad_accum
     schedule = schedules.build(pcfg.schedule, p, m, v)   # validates m against p (and v)
+    schedules.check(schedule, p, m, v)      # (and proves it completes under NCCL's point-to-point rules)
     layers = model_layers(model)
     chunks = partition(layers, p * v, pcfg.partition)
     r = mesh.pp_rank
@@ -87,7 +88,7 @@ def setup(model: nn.Module, mesh, cfg, device: torch.device, seed: int) -> Pipe:
     if any(prm.is_meta for prm in stage.parameters()):
         _materialize(stage, canonical, device, seed)
     return Pipe(stage, pcfg.schedule, p, v, m, schedule[r], tied=tied, duplicates=duplicates,
-                recorder=Recorder(), canonical=canonical)
+                recorder=Recorder.for_device(device), canonical=canonical)
 
 
 @torch.no_grad()

@@ -13,6 +13,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
+from . import p2p_rules
+
 KINDS = ("recv_fwd", "forward", "send_fwd", "recv_bwd", "backward", "send_bwd")
 COMPUTE = ("forward", "backward")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -47,20 +49,35 @@ def _validate(p: int, m: int, v: int) -> None:
             raise ValueError(f"{what} must be a positive integer, got {val!r}")
 
 
-def _wrap(compute: list, rank: int, p: int, v: int) -> list:
-    """Put each compute between the recv that feeds it and the send that hands its result on."""
+def _wrap(compute: list, rank: int, p: int, v: int, slots: list | None = None) -> list:
+    """Put each compute between the recv that feeds it and the send that hands its result on. With `slots`
+    (lists of computes, in order), the computes of a slot run back to back: their recvs come before the slot
+    and their sends after it, so the sends of one slot and the recvs of the next are one batch (p2p_rules.py)."""
     last = p * v - 1
-    out = []
-    for a in compute:
+
+    def comm(a: Action):
         stage = a.chunk * p + rank
         has_recv, has_send = (stage > 0, stage < last) if a.kind == "forward" else (stage < last, stage > 0)
         recv, send = _WRAP[a.kind]
-        if has_recv:
-            out.append(Action(recv, a.micro, a.chunk))
-        out.append(a)
-        if has_send:
-            out.append(Action(send, a.micro, a.chunk))
+        return ([Action(recv, a.micro, a.chunk)] if has_recv else []), ([Action(send, a.micro, a.chunk)]
+                                                                         if has_send else [])
+    out = []
+    for slot in slots if slots is not None else [[a] for a in compute]:
+        parts = [comm(a) for a in slot]
+        out += [r for rs, _ in parts for r in rs] + list(slot) + [x for _, ss in parts for x in ss]
     return out
+
+
+def _megatron_slots(order: list, warmup: int) -> list:
+    """Megatron's interleaved grouping of a _pipedream_order list: each warm-up forward alone, then the
+    (forward, backward) pairs, then each remaining backward alone. Under NCCL a send must find its receive posted
+    (p2p_rules.py): with one batch per pair (send-forward, send-backward, recv-forward, recv-backward) the
+    interleaved schedule cannot deadlock, where one batch between each two computes does (a rank's lone
+    send-backward waits for a peer that waits for it)."""
+    steady = len(order) // 2 - warmup                # forward/backward pairs
+    head = [[a] for a in order[:warmup]]
+    pairs = [order[warmup + 2 * k:warmup + 2 * k + 2] for k in range(steady)]
+    return head + pairs + [[a] for a in order[warmup + 2 * steady:]]
 
 
 def _pipedream_order(n: int, warmup: int, fwd: Callable[[int], Action], bwd: Callable[[int], Action]) -> list:
@@ -129,7 +146,12 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
                          f"(micro-batches rotate through chunks in groups of p); "
                          f"set gradient_accumulation_steps to {fix}")
     fwd, bwd = _megatron_slot("forward", p, v), _megatron_slot("backward", p, v)
-    return [_wrap(_pipedream_order(m * v, _interleaved_warmup(p, m, v, r), fwd, bwd), r, p, v) for r in range(p)]
+    out = []
+    for r in range(p):
+        warmup = _interleaved_warmup(p, m, v, r)
+        order = _pipedream_order(m * v, warmup, fwd, bwd)
+        out.append(_wrap(order, r, p, v, _megatron_slots(order, warmup) if v > 1 else None))
+    return out
 
 
 def _check_name(name: str, v: int) -> None:
@@ -154,6 +176,12 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
     return interleaved(p, m, v)
 
 
+def forward_only(p: int, m: int, v: int = 1) -> Schedule:
+    """Evaluation: every micro-batch through every chunk, micro-batch by micro-batch, no backward."""
+    _validate(p, m, v)
+    return [_wrap([Action("forward", k, c) for k in range(m) for c in range(v)], r, p, v) for r in range(p)]
+
+
 def in_flight_bound(name: str, p: int, m: int, v: int, rank: int) -> int:
     """Most micro-batch chunks rank `rank` holds forwarded but not yet backwarded, as each schedule promises."""
     _check_name(name, v)
@@ -170,11 +198,7 @@ def _stage(a: Action, rank: int, p: int) -> int:
     return a.chunk * p + rank
 
 
-def _link(a: Action, rank: int, p: int) -> tuple:
-    """(direction, micro, source stage, destination stage): identical at both ends of one transfer."""
-    s = _stage(a, rank, p)
-    return {"send_fwd": ("fwd", a.micro, s, s + 1), "recv_fwd": ("fwd", a.micro, s - 1, s),
-            "send_bwd": ("bwd", a.micro, s, s - 1), "recv_bwd": ("bwd", a.micro, s + 1, s)}[a.kind]
+_link = p2p_rules.link
 
 
 def _check_shape(schedule: Schedule, p: int, m: int, v: int) -> None:
@@ -187,10 +211,14 @@ def _check_shape(schedule: Schedule, p: int, m: int, v: int) -> None:
                                  f"micro in 0..{m - 1}, chunk in 0..{v - 1}")
 
 
-def _check_compute_once(schedule: Schedule, p: int, m: int, v: int) -> None:
+def _check_compute_once(schedule: Schedule, p: int, m: int, v: int, kinds=COMPUTE) -> None:
     seen = Counter((a.kind, a.micro, _stage(a, r, p)) for r, acts in enumerate(schedule)
                    for a in acts if a.kind in COMPUTE)
     for kind in COMPUTE:
+        if kind not in kinds:
+            if any(k == kind for k, _, _ in seen):
+                raise ValueError(f"a forward-only schedule has a {kind}")
+            continue
         for s in range(p * v):
             for micro in range(m):
                 n = seen[(kind, micro, s)]
@@ -214,23 +242,41 @@ def _at(acts: list, i: int) -> Optional[Action]:
     return acts[i] if 0 <= i < len(acts) else None
 
 
+def _in_slot(acts: list, i: int, target: Action, step: int, passable: str) -> bool:
+    """Whether `target` is reached from acts[i] going `step` (+1 / -1), passing only `passable` communication
+    (receives before a slot, sends after it) and at most one other compute (a slot holds at most two)."""
+    computes, j = 0, i + step
+    while 0 <= j < len(acts):
+        b = acts[j]
+        if b == target:
+            return True
+        if b.kind in COMPUTE:
+            computes += 1
+            if computes > 1:
+                return False
+        elif not b.kind.startswith(passable):
+            return False
+        j += step
+    return False
+
+
 def _check_wrapping(acts: list, rank: int, p: int, v: int) -> None:
-    """Each recv sits directly before its compute and each send directly after it."""
+    """Each recv comes before its compute and each send after it, in its slot (_wrap)."""
     last = p * v - 1
     for i, a in enumerate(acts):
         if a.kind in COMPUTE:
             stage = _stage(a, rank, p)
             needs = (stage > 0, stage < last) if a.kind == "forward" else (stage < last, stage > 0)
-            for need, comm, j, where in zip(needs, _WRAP[a.kind], (i - 1, i + 1), ("preceded", "followed")):
-                if need and _at(acts, j) != Action(comm, a.micro, a.chunk):
-                    raise ValueError(f"rank {rank}: {a.kind} {a.label(True)} at stage {stage} is not directly "
-                                     f"{where} by its {comm}")
+            for need, comm, step, where in zip(needs, _WRAP[a.kind], (-1, 1), ("preceded", "followed")):
+                if need and not _in_slot(acts, i, Action(comm, a.micro, a.chunk), step, comm[:4]):
+                    raise ValueError(f"rank {rank}: {a.kind} {a.label(True)} at stage {stage} is not {where} by "
+                                     f"its {comm} (in its slot: at most one other compute between them)")
             continue
         compute = "forward" if a.kind.endswith("fwd") else "backward"
-        j = i + 1 if a.kind.startswith("recv") else i - 1
-        if _at(acts, j) != Action(compute, a.micro, a.chunk):
-            where = "before" if a.kind.startswith("recv") else "after"
-            raise ValueError(f"rank {rank}: {a.kind} {a.label(True)} is not directly {where} its {compute}")
+        recv = a.kind.startswith("recv")
+        if not _in_slot(acts, i, Action(compute, a.micro, a.chunk), 1 if recv else -1, a.kind[:4]):
+            raise ValueError(f"rank {rank}: {a.kind} {a.label(True)} is not {'before' if recv else 'after'} its "
+                             f"{compute} (in its slot: at most one other compute between them)")
 
 
 def _check_links(schedule: Schedule, p: int, v: int) -> None:
@@ -267,15 +313,23 @@ def peak_in_flight(schedule: Schedule) -> list:
 
 
 def check(schedule: Schedule, p: int, m: int, v: int = 1,
-          max_in_flight: Optional[Union[int, Sequence[int]]] = None) -> None:
-    """Raise ValueError naming the first problem; cross-rank deadlocks are simulate()'s job."""
+          max_in_flight: Optional[Union[int, Sequence[int]]] = None, forward_only: bool = False) -> None:
+    """Raise ValueError naming the first problem: each rank's list on its own, then across ranks the order of
+    the transfers between two ranks and a run under NCCL's rules (p2p_rules.py), which proves the lists free of
+    deadlock on NCCL and on gloo alike (a send that waits for its receive is the stricter rule)."""
     _validate(p, m, v)
     _check_shape(schedule, p, m, v)
-    _check_compute_once(schedule, p, m, v)
+    _check_compute_once(schedule, p, m, v, ("forward",) if forward_only else COMPUTE)
     for rank, acts in enumerate(schedule):
         _check_order(acts, rank)
         _check_wrapping(acts, rank, p, v)
     _check_links(schedule, p, v)
+    if p > 1:     # (one rank has no peer: a pipeline of one stage sends nothing)
+        p2p_rules.check_order(schedule, p)
+        try:
+            simulate(schedule, p, v, rules="nccl")
+        except RuntimeError as e:
+            raise ValueError(str(e)) from e
     if max_in_flight is not None:
         limits = [max_in_flight] * p if isinstance(max_in_flight, int) else list(max_in_flight)
         if len(limits) != p:
@@ -296,12 +350,25 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, p: int, v: int = 1, t_fwd: float | Sequence[float] = 1.0,
-             t_bwd: float | Sequence[float] = 2.0) -> SimResult:
+             t_bwd: float | Sequence[float] = 2.0, rules: str = "buffered") -> SimResult:
     """Run each rank's list in order; computes take t_fwd / t_bwd per chunk (one number, or one per global
-    stage: unequal stages, e.g. measured ones), sends are free and non-blocking, a recv waits for its send.
+    stage: unequal stages, e.g. measured ones); communication is free. Under the "buffered" rules (gloo, the
+    shared-memory mailbox) sends never wait and a recv waits for its send; under "nccl" (p2p_rules.py) the
+    transfers between two computes are one batch that completes when every peer has posted its side.
     Raise RuntimeError on deadlock."""
     if len(schedule) != p:
         raise ValueError(f"schedule has {len(schedule)} rank lists, expected p={p}")
+
+    def duration(a: Action, r: int) -> float:
+        t = t_fwd if a.kind == "forward" else t_bwd
+        return t if isinstance(t, (int, float)) else t[a.chunk * p + r]
+
+    if rules == "nccl":
+        clock, busy, intervals = p2p_rules.simulate(schedule, p, duration)
+        makespan = max(clock, default=0.0)
+        return SimResult(makespan, busy, intervals, 1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0)
+    if rules != "buffered":
+        raise ValueError(f"rules={rules!r}: expected 'buffered' or 'nccl'")
     clock, pc = [0.0] * p, [0] * p
     busy, intervals = [0.0] * p, [[] for _ in range(p)]
     sent = {}  # link -> time the send happened
@@ -316,8 +383,7 @@ def simulate(schedule: Schedule, p: int, v: int = 1, t_fwd: float | Sequence[flo
                 if a.kind not in KINDS or not 0 <= a.chunk < v:
                     raise ValueError(f"rank {r} action {pc[r]} {a!r}: unknown kind or chunk outside 0..{v - 1}")
                 if a.kind in COMPUTE:
-                    t = t_fwd if a.kind == "forward" else t_bwd
-                    dur = t if isinstance(t, (int, float)) else t[a.chunk * p + r]
+                    dur = duration(a, r)
                     intervals[r].append((a, clock[r], clock[r] + dur))
                     clock[r] += dur
                     busy[r] += dur

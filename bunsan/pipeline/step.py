@@ -1,4 +1,4 @@
-"""One optimizer step of a pipelined engine: the schedule, then the gradient reductions, then the step.
+"""The pipelined part of an optimizer step: the schedule, then the gradient reductions (the engine steps).
 
 The engine's data-parallel strategy (ZeRO 0 or 1) is told to accumulate through
 the whole schedule and reduce once after it: a pipeline's backward comes in
@@ -28,13 +28,16 @@ def _inputs(engine, lm: bool, div: float):
     return (lambda mb: mb[0]), loss_of_fn, (lambda mb: 0)
 
 
-def train_batch(engine, micro: list, lm: bool, div: float) -> float:
-    """Run the schedule over `micro`, reduce, step; return the global mean loss (on every rank)."""
+def run_schedule(engine, micro: list, lm: bool, div) -> torch.Tensor:
+    """Run the schedule over `micro` and reduce the gradients; this data-parallel rank's summed loss, a device
+    tensor on every stage (the engine then steps)."""
     pipe, mesh, comm = engine.pipe, engine.mesh, engine.comm
     first_input, loss_of, seq_len = _inputs(engine, lm, div)
     if engine.loss_fn is None and not lm:
         raise ValueError("pass loss_fn to bunsan.initialize for batches that are not language-model dicts")
-    comm.barrier(mesh.pp_group)          # the timeline's clocks start together on every stage
+    # The stages start together: the timeline's clocks align here, and under NCCL this collective is what the
+    # group's first batched send/receive needs before it.
+    comm.barrier(mesh.pp_group)
     pipe.recorder.begin()
     engine.dp.begin_backward(sync=False)
     engine.phase = f"pipeline schedule ({pipe.schedule}, {len(micro)} micro-batches)"   # for the doctor
@@ -47,14 +50,9 @@ def train_batch(engine, micro: list, lm: bool, div: float) -> float:
                 comm.all_reduce(grad, group)
         engine.dp.begin_backward(sync=True)     # every bucket reduced now, in order
         engine.dp.end_backward(sync=True)
-    # The loss lives on the last stage: hand it to every stage, then sum over data-parallel ranks.
-    last = pipe.p - 1
-    t = total.reshape(1).clone()
-    comm.broadcast(t, last, mesh.pp_group)
-    reported = comm.all_reduce_scalars([t.item()], mesh.dp_group)[0]
-    engine.micro_steps = 0
-    engine._optimizer_step()
-    return reported / (div if lm else engine.grad_accum * mesh.dp)
+    # The loss lives on the last stage: hand it to every stage (the data-parallel sum is the engine's).
+    comm.broadcast(total, pipe.p - 1, mesh.pp_group)
+    return total
 
 
 @torch.no_grad()
@@ -74,12 +72,13 @@ def eval_batch(engine, batch) -> float:
         micro = [tuple(c[i] for c in chunks) for i in range(len(chunks[0]))]
     first_input, loss_of, seq_len = _inputs(engine, lm, 1.0)
     if lm:
-        count = float((tensors["labels"] != -100).sum())
+        count = (tensors["labels"] != -100).sum().double()
     else:   # loss_fn gives a mean per micro-batch: weight it by its rows
-        count, mean_of = float(rows), loss_of
+        count, mean_of = torch.tensor(float(rows), dtype=torch.float64, device=engine.device), loss_of
         loss_of = lambda out, mb: (None, mean_of(out, mb)[1] * mb[0].shape[0])   # noqa: E731
     total = pipe.runner.evaluate(micro, first_input, loss_of, seq_len)
-    t = total.reshape(1).clone()
-    comm.broadcast(t, pipe.p - 1, mesh.pp_group)
-    s, n = comm.all_reduce_scalars([t.item(), count], mesh.dp_group)
+    comm.broadcast(total, pipe.p - 1, mesh.pp_group)
+    sums = torch.cat([total, count.reshape(1)])
+    comm.all_reduce(sums, mesh.dp_group)
+    s, n = sums.tolist()   # host: evaluation returns a number
     return s / n

@@ -1,7 +1,7 @@
 """What each pipeline rank did in one step: record, summarise, draw it.
 
-Intervals are on each rank's own clock relative to the step start; ranks start
-after a barrier, so clocks are taken as aligned there."""
+Intervals are on each rank's own clock relative to the step start (the host's, or on CUDA the GPU's, read
+from events); ranks start after a barrier, so clocks are taken as aligned there."""
 from __future__ import annotations
 
 import math
@@ -31,25 +31,59 @@ def _is_wait(kind: str) -> bool:
     return kind.startswith(WAIT_PREFIXES)
 
 
+class CudaClock:
+    """Time on the GPU: a span's host time would count the work queued before it (and a wait for NCCL blocks
+    the stream, not the host), so on CUDA each mark is an event on the current stream, read back (one sync)
+    when the intervals are."""
+
+    def __call__(self):
+        import torch
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    @staticmethod
+    def since(t0, mark) -> float:
+        mark.synchronize()
+        return t0.elapsed_time(mark) / 1e3
+
+
 class Recorder:
     """Times spans of a step: ``with rec.record("forward", m, c): ...``.
 
     Cheap enough to leave on: open spans live in per-depth slots reused every
-    step, so a span allocates only its Interval. ``intervals`` is in start order."""
+    step, so a span allocates only its record. ``intervals`` is in start order.
+    The clock returns seconds (host) or marks that `since(t0, mark)` turns into seconds (CudaClock)."""
 
-    __slots__ = ("intervals", "_clock", "_t0", "_open", "_depth",
-                 "_kind", "_micro", "_chunk")
+    __slots__ = ("_spans", "_clock", "_since", "_t0", "_open", "_depth", "_kind", "_micro", "_chunk", "_read")
 
-    def __init__(self, clock=time.perf_counter):
+    def __init__(self, clock=time.perf_counter, since=None):
         self._clock = clock  # injectable so tests can be deterministic
+        self._since = since or (lambda t0, t: t - t0)
         self._open: list[list] = []  # depth -> [kind, micro, chunk, index, start]
         self.begin()
 
+    @classmethod
+    def for_device(cls, device) -> "Recorder":
+        if getattr(device, "type", "cpu") == "cuda":
+            clock = CudaClock()
+            return cls(clock, clock.since)
+        return cls()
+
     def begin(self) -> None:
         """Call at the step start (no span open); starts a fresh list."""
-        self.intervals: list[Interval] = []  # new list: callers may keep the old one
+        self._spans: list = []
+        self._read: list[Interval] | None = None
         self._depth = 0
         self._t0 = self._clock()
+
+    @property
+    def intervals(self) -> list[Interval]:
+        """The step's spans in seconds since its start (on CUDA: after its marks have completed)."""
+        if self._read is None or len(self._read) != len(self._spans):
+            self._read = [Interval(k, m, c, self._since(self._t0, a), self._since(self._t0, b))
+                          for k, m, c, a, b in filter(None, self._spans)]   # (a new list: callers may keep the old one)
+        return self._read
 
     def record(self, kind: str, micro: int = -1, chunk: int = 0) -> "Recorder":
         self._kind, self._micro, self._chunk = kind, micro, chunk
@@ -61,18 +95,18 @@ class Recorder:
             self._open.append([None] * 5)
         slot = self._open[d]
         slot[0], slot[1], slot[2] = self._kind, self._micro, self._chunk
-        slot[3] = len(self.intervals)
-        self.intervals.append(None)  # keeps start order under nesting
+        slot[3] = len(self._spans)
+        self._spans.append(None)  # keeps start order under nesting
         self._depth = d + 1
-        slot[4] = self._clock() - self._t0  # last, so bookkeeping isn't timed
+        slot[4] = self._clock()  # last, so bookkeeping isn't timed
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        end = self._clock() - self._t0
+        end = self._clock()
         self._depth -= 1
         kind, micro, chunk, index, start = self._open[self._depth]
         # A failed span still happened; record it and let the error propagate.
-        self.intervals[index] = Interval(kind, micro, chunk, start, end)
+        self._spans[index] = (kind, micro, chunk, start, end)
         return False
 
 

@@ -1,0 +1,109 @@
+"""Device discipline of the training step, checked on the CPU.
+
+On a GPU everything the step touches must live on the engine's device: NCCL rejects host tensors, an in-place op
+with a host output and a device input raises, and every read of a device value on the host (`.item()`,
+`.tolist()`, `float(t)`) stalls the host until the GPU catches up. None of that shows on a CPU, where host and
+device are one. So the modules on the step's path are read as source:
+
+- a tensor factory (`torch.zeros`, `torch.tensor`, ...) must say where it builds (`device=`);
+- a host read (`.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `float(...)`/`int(...)`/`bool(...)` of a tensor
+  expression) must be marked `# host: <why>` on its line: the step has one such point, at the optimizer
+  boundary, and everything else that reads the host is set-up, a checkpoint, or a host-only transport;
+- a model's own parameters and buffers, made where its constructor runs, are marked `# default device:`.
+
+The host-only transports (shm.py, shm_mailbox.py, exchange.py, host_buffer.py, swap.py) are left out: they run
+only on CPU tensors by construction (comm.py hands them host copies).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "bunsan"
+
+STEP_MODULES = [
+    "engine.py", "comm.py", "data_parallel.py", "grad_sync.py", "precision.py", "transforms.py", "lm_loss.py",
+    "pipeline/runtime.py", "pipeline/step.py",
+    "zero/stage12.py", "zero/stage3.py", "zero/reduce.py", "zero/optimizer.py", "zero/frozen.py",
+    "zero/unit_buffer.py", "zero/offload.py",
+    "tensor_parallel/ops.py", "tensor_parallel/layers.py", "tensor_parallel/loss.py",
+    "models/llama.py",
+]
+
+FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+             "linspace", "eye"}
+HOST_METHODS = {"item", "tolist", "cpu", "numpy"}
+HOST_CASTS = {"float", "int", "bool"}
+MARKS = ("# host:", "# default device:")   # a host read or host tensor on purpose; a module built where its
+                                          # caller builds it (model construction under torch.device(...))
+
+
+def _is_torch_factory(call: ast.Call) -> bool:
+    f = call.func
+    return isinstance(f, ast.Attribute) and f.attr in FACTORIES and isinstance(f.value, ast.Name) \
+        and f.value.id == "torch"
+
+
+def _tensor_expression(node: ast.AST) -> bool:
+    """Something a cast could read off a device: an expression with a method call or a subscript in it
+    (`t.sum()`, `x[0]`, `norm(g) ** 2`), not a name or a literal (`float(x)` of a Python number is fine)."""
+    return any(isinstance(n, ast.Subscript) or (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute))
+               for n in ast.walk(node))
+
+
+def violations(path: Path) -> list[str]:
+    source = path.read_text()
+    lines = source.splitlines()
+    out = []
+
+    def marked(node) -> bool:
+        return any(m in lines[i - 1] for m in MARKS for i in range(node.lineno, getattr(node, "end_lineno", node.lineno) + 1))
+
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call) or marked(node):
+            continue
+        if _is_torch_factory(node) and not any(k.arg == "device" for k in node.keywords):
+            out.append((node.lineno, f"torch.{node.func.attr}(...) without device="))
+        elif isinstance(node.func, ast.Attribute) and node.func.attr in HOST_METHODS and not node.args:
+            out.append((node.lineno, f".{node.func.attr}() reads a tensor on the host"))
+        elif isinstance(node.func, ast.Name) and node.func.id in HOST_CASTS and len(node.args) == 1 \
+                and _tensor_expression(node.args[0]):
+            out.append((node.lineno, f"{node.func.id}(...) of a tensor expression reads it on the host"))
+    where = path.relative_to(ROOT.parent)
+    return [f"{where}:{line}: {what}" for line, what in sorted(out)]
+
+
+@pytest.mark.parametrize("module", STEP_MODULES)
+def test_the_step_builds_on_the_device_and_reads_the_host_only_where_marked(module):
+    path = ROOT / module
+    if not path.exists():
+        pytest.skip(f"{module} does not exist")
+    found = violations(path)
+    assert not found, ("tensors built without a device, or host reads not marked '# host: why' (see this "
+                       "test's docstring):\n" + "\n".join(found))
+
+
+def test_the_lint_catches_what_it_is_for(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\n"
+                   "total = torch.zeros((), dtype=torch.float64)\n"       # the engine's old accumulator
+                   "n = int((labels != -100).sum())\n"                     # a sync per micro-batch
+                   "v = loss.item()\n"
+                   "ok = torch.zeros(3, device=dev)\n"
+                   "fine = loss.item()  # host: the one read at the optimizer boundary\n"
+                   "x = float(3)\n")
+    found = [v.split(": ", 1)[1] for v in violations_under(bad, tmp_path)]
+    assert found == ["torch.zeros(...) without device=", "int(...) of a tensor expression reads it on the host",
+                     ".item() reads a tensor on the host"]
+
+
+def violations_under(path: Path, root: Path) -> list[str]:
+    global ROOT
+    old, ROOT = ROOT, root / "pkg"
+    try:
+        return violations(path)
+    finally:
+        ROOT = old
