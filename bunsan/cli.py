@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device-map", choices=("auto", "balanced", "sequential"),
                    help="spread a Hugging Face Llama directory over devices, CPU and disk (blocks whole)")
     g.add_argument("--max-memory", help="budgets for --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB (default: all CPU)")
+    g.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="the weights' and the KV cache's dtype (sampling is fp32 whatever it is)")
     from .cli_plan import add_parsers
     add_parsers(sub)
     from .cli_serve import add_parser as add_serve

@@ -7,6 +7,12 @@ import json
 from pathlib import Path
 
 
+def torch_dtype(name: str):
+    """--dtype's value (fp32, bf16 or fp16; argparse keeps out the rest) as a torch dtype."""
+    import torch
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
 def _memory(text: str | None) -> dict | None:
     """'0=20GiB,cpu=64GiB' -> {0: bytes, 'cpu': bytes}."""
     from .planner.hardware import parse_bytes
@@ -39,9 +45,9 @@ def _generate_placed(args) -> int:
     # torch imports its meta-tensor kernels (sympy, ~800 modules, ~70 MB) at the first meta op: before the baseline
     torch.empty(0, device="meta").normal_()
     baseline = start(max_memory)
-    model, dmap = load(args.checkpoint, args.device_map, max_memory, batch=1,
+    model, dmap = load(args.checkpoint, args.device_map, max_memory, dtype=torch_dtype(args.dtype), batch=1,
                        max_seq=ids.shape[1] + args.max_new_tokens, prompt_len=ids.shape[1])
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator().manual_seed(args.seed)      # on the CPU: next_token draws there, whatever the head's device
     with torch.no_grad():
         out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                        eos_token_id=tokenizer.eos_token_id, generator=g)
@@ -50,8 +56,9 @@ def _generate_placed(args) -> int:
     return 0
 
 
-def trained_model(path, tokenizer_path=None, command: str = "generate"):
-    """(model, tokenizer) of `bunsan train`'s output directory (or its final/ folder)."""
+def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=None):
+    """(model, tokenizer) of `bunsan train`'s output directory (or its final/ folder), on the CPU, its weights
+    in `dtype` (default fp32)."""
     from safetensors.torch import load_file
 
     from .config import Config
@@ -68,6 +75,8 @@ def trained_model(path, tokenizer_path=None, command: str = "generate"):
     cfg = Config.load(meta.get("bunsan_config", {}))
     model = Llama(LlamaConfig.from_hf(meta["model"]))
     model.load_state_dict(load_file(str(weights)), strict=False)
+    if dtype is not None:
+        model.to(dtype)
     return model.eval(), load_tokenizer(tokenizer_path or cfg.data.tokenizer)
 
 
@@ -78,11 +87,14 @@ def cmd_generate(args) -> int:
     from .models import generate
 
     if args.device_map:
+        if args.tp > 1:
+            raise ValueError("--tp and --device-map both spread the model: use one (tensor parallel splits every "
+                             "layer over processes; a device map puts whole layers on devices, CPU and disk)")
         return _generate_placed(args)
     if args.tp > 1 and not _under_torchrun():
         return _relaunch(args, args.tp)
 
-    model, tokenizer = trained_model(args.checkpoint, args.tokenizer, "generate")
+    model, tokenizer = trained_model(args.checkpoint, args.tokenizer, "generate", torch_dtype(args.dtype))
     ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
     if ids.numel() == 0:
         raise SystemExit("bunsan generate: --prompt is empty; give some text to continue")
@@ -91,11 +103,14 @@ def cmd_generate(args) -> int:
         from .comm import Comm
         from .distributed import Mesh, init_distributed
         from .tensor_parallel import TPContext, apply_tensor_parallel
-        init_distributed()
+        device = init_distributed()        # each rank its GPU (cuda:LOCAL_RANK, NCCL), or the CPU (gloo)
+        model.to(device)                   # before the split: each rank cuts its shards where it computes
+        ids = ids.to(device)
         mesh = Mesh.create(tp=args.tp)
-        ctx = TPContext(Comm(), mesh.tp_group)
+        ctx = TPContext(Comm(device=device), mesh.tp_group)
         apply_tensor_parallel(model, ctx).gather_output = True
         kv_heads, rank = model.config.num_key_value_heads // args.tp, mesh.rank
+    # on the CPU: every rank draws the same tokens from the same gathered logits, whatever its device
     g = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -26,26 +26,30 @@ def add_parser(sub) -> None:
     s.add_argument("--device-map", choices=("auto", "balanced", "sequential"),
                    help="spread a Hugging Face Llama directory over devices, CPU and disk")
     s.add_argument("--max-memory", help="budgets for --device-map, e.g. 0=20GiB,cpu=64GiB")
+    s.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="the weights' and the KV cache's dtype (sampling is fp32 whatever it is)")
 
 
 def load_model(args):
     """(model, tokenizer, name, context) for the server."""
-    from .cli_generate import _memory, trained_model
+    from .cli_generate import _memory, torch_dtype, trained_model
     from .data import load_tokenizer
     ckpt = Path(args.checkpoint)
+    dtype = torch_dtype(args.dtype)
     trained = (ckpt / "final" / "model.safetensors").is_file() or (
         (ckpt / "model.safetensors").is_file() and "bunsan_config" in (ckpt / "config.json").read_text())
     if trained and not args.device_map:
-        model, tokenizer = trained_model(ckpt, args.tokenizer, "serve")
+        model, tokenizer = trained_model(ckpt, args.tokenizer, "serve", dtype)
     else:
         from .models.hf import read_config
         context = _context(args, read_config(ckpt))
         if args.device_map:
             from .inference import load
-            model, _ = load(ckpt, args.device_map, _memory(args.max_memory), batch=args.slots, max_seq=context)
+            model, _ = load(ckpt, args.device_map, _memory(args.max_memory), dtype=dtype, batch=args.slots,
+                            max_seq=context)
         else:
             from .models.hf import load_llama
-            model = load_llama(ckpt).eval()
+            model = load_llama(ckpt, dtype).eval()
         tok = ckpt / "tokenizer.json"
         tokenizer = load_tokenizer(args.tokenizer or (str(tok) if tok.is_file() else None))
     return model, tokenizer, ckpt.resolve().name, _context(args, model.config)
@@ -82,7 +86,7 @@ def cmd_serve(args) -> int:
         device = init_distributed(timeout_s=args.timeout)    # each rank its GPU (NCCL), or the CPU (gloo)
         model.to(device)
         mesh = Mesh.create(tp=args.tp)
-        comm = Comm(timeout_s=args.timeout)
+        comm = Comm(timeout_s=args.timeout, device=device)
         apply_tensor_parallel(model, TPContext(comm, mesh.tp_group)).gather_output = True   # rank 0 samples
         kv_heads = model.config.num_key_value_heads // args.tp
         if mesh.rank != 0:

@@ -62,6 +62,22 @@ def test_generate_command_with_a_device_map(tmp_path, capsys):
     assert "not DEVICE=SIZE" in capsys.readouterr().err
 
 
+def test_generate_command_with_a_device_map_in_bf16(tmp_path, capsys):
+    """--dtype bf16 over CPU and disk: the same greedy text as the whole model loaded in bf16."""
+    from bunsan.cli import main
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    args = ["generate", "--checkpoint", str(tmp_path), "--prompt", "def ", "--max-new-tokens", "12",
+            "--device-map", "sequential", "--max-memory", "cpu=300KB", "--dtype", "bf16"]
+    assert main(args) == 0
+    text, _, memory = capsys.readouterr().out.partition("memory per device")
+    whole = generate(load_llama(tmp_path, torch.bfloat16).eval(), torch.tensor([list(b"def ")]), 12)
+    assert text.rstrip("\n") == bytes(whole[0].tolist()).decode("utf-8", errors="replace")
+    assert "disk:" in memory
+
+
 def test_without_budgets_everything_stays_on_the_cpu(tmp_path):
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2,

@@ -230,7 +230,7 @@ def test_the_command_loads_hf_and_trained_checkpoints(tmp_path, model):
     from bunsan.models.hf import save_llama
     save_llama(model.state_dict(), model.config, tmp_path / "hf")
     args = argparse.Namespace(checkpoint=str(tmp_path / "hf"), tokenizer=None, device_map=None, max_memory=None,
-                              slots=2, context=None)
+                              slots=2, context=None, dtype="fp32")
     loaded, tokenizer, name, context = load_model(args)
     assert name == "hf" and context == model.config.max_position_embeddings
     for (k, v), w in zip(loaded.state_dict().items(), model.state_dict().values()):

@@ -34,7 +34,7 @@ class InferenceMemory:
     kv_cache: dict          # "layers.i" -> bytes of its keys and values
     step: int               # peak working set of one forward step on a device that runs blocks
     logits: int             # extra on the head's device, beyond `step`
-    rope: int               # the rotary tables, fp32, kept on the CPU
+    rope: int               # the rotary tables, fp32, beside the embedding (where the model starts)
     batch: int
     prompt_len: int
     max_seq: int

@@ -2,12 +2,14 @@
 
 Blocks placed on a device or the CPU are read there once. Blocks placed on "disk" stay on the meta device and
 are read from the directory's safetensors right before they run and dropped right after, so the model can be
-larger than memory; inputs follow each block to its device.
+larger than memory. Inputs follow each block to its device, moved once per forward and device (InputMoves);
+the rotary tables sit where the model starts, beside the embedding.
 """
 
 from __future__ import annotations
 
 import json
+import weakref
 
 import torch
 import torch.nn as nn
@@ -80,11 +82,55 @@ def _device(where) -> torch.device:
     return torch.device("cpu") if where in ("cpu", "disk") else torch.device("cuda", where)
 
 
-def _move_inputs(device):
-    def hook(module, args, kwargs):
-        move = (lambda t: t.to(device) if isinstance(t, torch.Tensor) else t)
-        return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
-    return hook
+class InputMoves:
+    """The blocks' inputs moved to their devices, remembered for one forward of the model.
+
+    Every transformer block takes the rotary cos/sin of the forward's positions besides the hidden state: moved
+    afresh by each block's hook they would cost a host-to-device copy per layer per token. Remembered by source
+    tensor and target device, the blocks of one device share one copy and a device boundary costs one.
+    A copy lives as long as its source does (so a hidden state's copy goes with the hidden state, nothing is held
+    past its use) and serves only while the source is unchanged (its version counter: an in-place write means a
+    new copy; tensors made under torch.inference_mode have none, and rely on the rest); the root model's hooks
+    forget everything at the start and end of each forward."""
+
+    def __init__(self):
+        self.moved: dict = {}       # (id(source), device) -> (weak reference to the source, its version, copy)
+
+    def clear(self, *_) -> None:
+        self.moved.clear()
+
+    def to(self, t, device: torch.device):
+        if not isinstance(t, torch.Tensor) or t.device == device:
+            return t
+        key, version = (id(t), device), None if t.is_inference() else t._version
+        hit = self.moved.get(key)
+        if hit is not None and hit[0]() is t and hit[1] == version:
+            return hit[2]
+        copy = t.to(device)
+        # the entry goes when the source does (before its id can name another tensor)
+        self.moved[key] = (weakref.ref(t, lambda _, key=key: self.moved.pop(key, None)), version, copy)
+        return copy
+
+    def hook(self, device: torch.device):
+        """A forward-pre-hook (with kwargs) that brings a block's tensor inputs to `device`."""
+        def move_inputs(module, args, kwargs):
+            return tuple(self.to(a, device) for a in args), {k: self.to(v, device) for k, v in kwargs.items()}
+        return move_inputs
+
+    def attach(self, model: nn.Module) -> None:
+        model.register_forward_pre_hook(self.clear)
+        model.register_forward_hook(self.clear)
+        model.input_moves = self
+
+
+def _rope_where_it_starts(model: Llama, where) -> None:
+    """The rotary tables, fp32 whatever the weights' dtype, on the embedding's device (the CPU for one on disk):
+    each forward cuts its positions from them where the model starts, and InputMoves carries them from there
+    once per device, instead of every layer copying them from the host on every token."""
+    device = _device(where)
+    model.rope_cos = torch.empty(model.rope_cos.shape, device=device)
+    model.rope_sin = torch.empty(model.rope_sin.shape, device=device)
+    model.reset_rope()
 
 
 def _params(module: nn.Module):
@@ -172,6 +218,7 @@ def load(path, device_map="auto", max_memory: dict | None = None, dtype: torch.d
     weights = HFWeights(path)
     with torch.device("meta"):
         model = Llama(cfg)
+    model.to(dtype)     # the blocks on disk stay meta between reads: in `dtype` too, so the KV cache follows it
     if max_seq is None:
         max_seq = max(min(cfg.max_position_embeddings, 4096), prompt_len or 1)
     est = inference_memory(cfg, batch, max_seq, dtype, prompt_len)
@@ -188,13 +235,13 @@ def load(path, device_map="auto", max_memory: dict | None = None, dtype: torch.d
         raise ValueError("embed_tokens and lm_head share one weight (tie_word_embeddings): put them on one device")
     reads: dict = {}
     plain = _PlainReads(weights)
-    model.rope_cos = torch.empty(model.rope_cos.shape)
-    model.rope_sin = torch.empty(model.rope_sin.shape)
-    model.reset_rope()
+    _rope_where_it_starts(model, dmap["embed_tokens"])
+    moves = InputMoves()
+    moves.attach(model)
     for name, where in dmap.items():
         module = model.get_submodule(name)
         device = _device(where)
-        module.register_forward_pre_hook(_move_inputs(device), with_kwargs=True)
+        module.register_forward_pre_hook(moves.hook(device), with_kwargs=True)
         if where == "disk":
             module.register_forward_pre_hook(
                 lambda m, args, n=name: _read_counted(m, n, plain, dtype, reads))
@@ -238,10 +285,13 @@ def _load_module(model: Llama, device_map, max_memory, dtype, headroom, batch, m
         raise ValueError(f"device_map leaves out {missing}; give every block a device (index, 'cpu' or 'disk')")
     if cfg.tie_word_embeddings and dmap["embed_tokens"] != dmap["lm_head"]:
         raise ValueError("embed_tokens and lm_head share one weight (tie_word_embeddings): put them on one device")
+    moves = InputMoves()
+    moves.attach(model)
     for name, where in dmap.items():
         module = model.get_submodule(name)
         module.to(device=_device(where), dtype=dtype)
-        module.register_forward_pre_hook(_move_inputs(_device(where)), with_kwargs=True)
+        module.register_forward_pre_hook(moves.hook(_device(where)), with_kwargs=True)
+    _rope_where_it_starts(model, dmap["embed_tokens"])
     model.layer_devices = [_device(dmap[f"layers.{i}"]) for i in range(cfg.num_hidden_layers)]
     model.memory_estimate, model.disk_reads = est, {}
     model.eval()

@@ -2,7 +2,8 @@
 
 Predicted (bunsan.estimator.inference): a device holds its blocks' weights, its layers' KV caches and one
 step's activations (plus the prompt's logits where the head is). The CPU also holds the KV caches of the
-layers on disk, the disk block being read in, and the rotary tables. "disk" is what is read per step.
+layers on disk and the disk block being read in. The rotary tables sit beside the embedding (on the CPU when it
+is on disk). "disk" is what is read per step.
 
 Measured: torch.cuda.max_memory_allocated for a GPU; for the CPU the growth of the process's peak resident
 set from `start()` (Linux's high-water mark, reset there); for disk the bytes the disk blocks' hooks read,
@@ -72,10 +73,12 @@ def predicted(est: InferenceMemory, dmap: dict, tied: bool) -> dict:
         cpu = {"weights": sum(est.weights[n] for n in host),
                "kv_cache": sum(est.kv_cache.get(n, 0) for n in host + disk),
                "activations": est.step + (est.logits if "lm_head" in host + disk else 0),
-               "disk block read in": max((est.weights[n] for n in disk), default=0),
-               "rotary tables": est.rope}
+               "disk block read in": max((est.weights[n] for n in disk), default=0)}
         cpu["total"] = sum(cpu.values())
         out["cpu"] = cpu
+    first = dmap["embed_tokens"] if dmap["embed_tokens"] not in ("cpu", "disk") else "cpu"
+    out[first]["rotary tables"] = est.rope      # where load() keeps them: where the model starts
+    out[first]["total"] += est.rope
     if disk:   # a tied head on disk is read again, apart from the embedding
         read = sum(est.weights[n] for n in disk) + (est.weights["embed_tokens"] if tied and "lm_head" in disk else 0)
         out["disk"] = {"read per step": read, "total": read}

@@ -50,13 +50,21 @@ class KVCache:
         self.pos = 0
 
 
+def sampling_device(logits_device: torch.device, generator: torch.Generator | None) -> torch.device:
+    """Where a token is drawn: on the generator's device when there is one (torch.multinomial refuses a
+    generator of another device, and drawing on the generator's device gives a seed the same tokens whichever
+    device ran the model), else where the logits are (torch's default generator of that device)."""
+    return generator.device if generator is not None else logits_device
+
+
 def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, generator,
                 top_p: float = 1.0) -> torch.Tensor:
     """logits [b, vocab] -> token ids [b]: greedy at temperature 0; else temperature, top-k, then top-p
-    (nucleus: the smallest set of tokens whose probabilities reach top_p)."""
+    (nucleus: the smallest set of tokens whose probabilities reach top_p), in fp32, drawn on
+    `sampling_device` (the token ids come back there)."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.to(sampling_device(logits.device, generator)).float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -99,7 +107,8 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
     cache = None
     if use_cache:
         p = next(model.parameters())
-        # the rope tables sit where the model computes (a block offloaded to disk has meta parameters)
+        # the rope tables sit where the model starts (a block offloaded to disk has meta parameters); the
+        # cache takes the weights' dtype, as the keys and values the layers write into it have
         device = model.rope_cos.device if hasattr(model, "rope_cos") else p.device
         cache = KVCache(cfg, b, total, device=device, dtype=p.dtype, num_kv_heads=kv_heads,
                         layer_devices=getattr(model, "layer_devices", None))
@@ -107,7 +116,8 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
     try:
         for _ in range(max_new_tokens):
             logits = model(step_input if use_cache else out, kv_cache=cache)[:, -1]
-            nxt = next_token(logits, temperature, top_k, generator).to(out.device)   # the head may sit elsewhere
+            # the head (or the generator) may sit on another device than the tokens so far
+            nxt = next_token(logits, temperature, top_k, generator).to(out.device)
             if eos_token_id is not None:
                 nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
                 done |= nxt == eos_token_id

@@ -24,14 +24,14 @@ from .tp import HEARTBEAT_S
 class _SlotLayer:
     def __init__(self, view: "_SlotView", i: int):
         self.view, self.i = view, i
-        self.attn_mask = view.mask_on(view.cache.k[i].device)    # beside the layer (a device map spreads them)
+        self.attn_mask = view.on("mask", view.cache.k[i].device)   # beside the layer (a device map spreads them)
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each row's new keys and values at its own positions; all its keys so far, padded to the
         longest row (the mask hides the padding)."""
         c, w = self.view.cache, self.view
         ck, cv = c.k[self.i], c.v[self.i]
-        rows, at = w.rows.to(ck.device), w.at.to(ck.device)
+        rows, at = w.on("rows", ck.device), w.on("at", ck.device)
         ck[rows[:, None], :, at] = k.transpose(1, 2)
         cv[rows[:, None], :, at] = v.transpose(1, 2)
         return ck[rows, :, :w.keys], cv[rows, :, :w.keys]
@@ -49,13 +49,16 @@ class _SlotView:
             raise ValueError(f"slot cache full: position {self.keys} > max_len {cache.max_len}")
         visible = torch.arange(self.keys)[None, None, :] <= self.at[:, :, None]   # causal, and no padding
         self.mask = visible[:, None]                                   # [n, 1, new, keys]
-        self._masks: dict = {}
+        self._on: dict = {}
         self.new = new
 
-    def mask_on(self, device) -> torch.Tensor:
-        if device not in self._masks:
-            self._masks[device] = self.mask.to(device)
-        return self._masks[device]
+    def on(self, name: str, device: torch.device) -> torch.Tensor:
+        """`rows`, `at` or `mask` (built on the CPU) on `device`: moved once per forward and device, shared by
+        the layers there, instead of a host-to-device copy per layer."""
+        key = (name, device)
+        if key not in self._on:
+            self._on[key] = getattr(self, name).to(device)
+        return self._on[key]
 
     def layer(self, i: int) -> _SlotLayer:
         return _SlotLayer(self, i)
@@ -66,9 +69,11 @@ class _SlotView:
 
 class SlotCache:
     def __init__(self, model: Llama, slots: int, max_len: int, kv_heads: int | None = None):
-        self.device = model.rope_cos.device          # where the model computes positions and masks
-        # generate's cache, one row per slot (each layer's beside the layer under a device map); the rows'
-        # own lengths replace its single position
+        # where the model starts: its rotary tables sit beside the embedding (under a device map too), so the
+        # token ids go there and the positions are cut there
+        self.device = model.rope_cos.device
+        # generate's cache, one row per slot (each layer's beside the layer under a device map), in the weights'
+        # dtype; the rows' own lengths replace its single position
         kv = KVCache(model.config, slots, max_len, device=self.device, dtype=next(model.parameters()).dtype,
                      num_kv_heads=kv_heads, layer_devices=getattr(model, "layer_devices", None))
         self.k, self.v = kv.k, kv.v
