@@ -46,16 +46,17 @@ class Strategy:
         self.norm_excluded = set(getattr(self, "norm_excluded", set())) | extra
 
     def squared_norm(self, flat: torch.Tensor, pieces) -> torch.Tensor:
-        """|flat|^2 (fp32 arithmetic, returned as a 1-element fp64 tensor on flat's device), or the sum over the
-        (param index, view) pieces not excluded from the norm. Never read on the host here: the engine reads the
-        global norm once, at the optimizer boundary."""
+        """|flat|^2 as a 1-element fp64 tensor on flat's device, or the sum over the (param index, view) pieces
+        not excluded from the norm. Norms in fp32, squared and summed in fp64: the square of an fp32 number is
+        exact there, so one rank's whole norm comes back bit for bit as torch computes it. Never read on the
+        host here: the engine reads the global norm once, at the optimizer boundary."""
         excluded = getattr(self, "norm_excluded", ())
         if not excluded:
-            return (torch.linalg.vector_norm(flat, dtype=torch.float32) ** 2).double().reshape(1)
+            return (torch.linalg.vector_norm(flat, dtype=torch.float32).double() ** 2).reshape(1)
         views = [v for i, v in pieces if i not in excluded and v.numel()]
         if not views:
             return torch.zeros(1, dtype=torch.float64, device=flat.device)
-        return sum(n ** 2 for n in torch._foreach_norm(views, 2, dtype=torch.float32)).double().reshape(1)
+        return sum(n.double() ** 2 for n in torch._foreach_norm(views, 2, dtype=torch.float32)).reshape(1)
 
     def global_norm(self, local_sq: torch.Tensor, sharded: bool) -> torch.Tensor:
         """sqrt of the sum of squared contributions: over data-parallel shards (ZeRO) and tensor-parallel

@@ -18,12 +18,12 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .comm import Comm
 from .distributed import Mesh
 from .doctor.oom import OutOfMemory, explain, is_oom
 from .doctor.rollcall import post_step
+from .lm_loss import lm_loss_sum
 from .memory import measured_memory, reset_peak_memory
 from .optim import LRSchedule
 from .pipeline import step as pipeline_step
@@ -31,12 +31,6 @@ from .pipeline.consolidate import gather_intervals, gather_stages
 from .precision import LossScaler, model_dtype
 from .tensor_parallel import consolidate, vocab_parallel_loss_sum
 from .zero import make_strategy
-
-
-def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy in fp32 (labels already shifted; -100 ignored)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
-                           ignore_index=-100, reduction="sum")
 
 
 def _refuse_empty_batch(values: list[float]) -> None:
@@ -246,7 +240,8 @@ class Engine:
             # counted and reduced on the device (read with the norm; a global batch of no tokens is refused then).
             n_global = torch.stack([(mb["labels"] != -100).sum() for mb in micro]).sum().double().reshape(1)
             self.comm.all_reduce(n_global, self.mesh.dp_group)
-            div, self._post_scale = n_global[0].clamp(min=1.0), 1.0
+            # (in fp32, as the loss: a float64 divisor would promote the loss and round its gradient twice)
+            div, self._post_scale = n_global[0].clamp(min=1.0).float(), 1.0
             check = _refuse_empty_batch
         else:
             div, self._post_scale = self.grad_accum, 1.0 / self.mesh.dp

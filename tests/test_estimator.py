@@ -1,10 +1,11 @@
 """The estimator's formulas against what torch really saves and holds, and its examples."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
+from bunsan.lm_loss import lm_loss_sum
 
 from bunsan.estimator import estimate, estimate_layout, load_shape, rank_params, zero_paper
 from bunsan.estimator.activations import Micro, block_bytes, block_input_bytes, loss_bytes, stage_activation_bytes
@@ -37,7 +38,7 @@ def _saved_bytes(model, ids, loss: bool) -> float:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits = model(ids)
         if loss:
-            F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), ids.reshape(-1), reduction="sum")
+            lm_loss_sum(logits, ids)
     return sum(seen.values())
 
 
@@ -51,8 +52,11 @@ def test_activation_formula_matches_saved_tensors(dtype, kv_heads, checkpointing
         apply_activation_checkpointing(model)
     b, s = 3, 40
     ids = torch.randint(0, cfg.vocab_size, (b, s))
-    m = Micro(b, s, dtype.itemsize)
+    m = Micro(b, s, dtype.itemsize, device="cpu")   # CPU SDPA takes K/V with their own heads (enable_gqa)
     per_block = block_input_bytes(cfg, m) if checkpointing else block_bytes(cfg, m)
+    if dtype == torch.float32:   # on CUDA fp32 K/V are repeated to every query head, and priced so
+        repeated = 2 * 4 * b * s * (cfg.num_attention_heads - kv_heads) * cfg.head_dim
+        assert block_bytes(cfg, replace(m, device="cuda")) - block_bytes(cfg, m) == repeated
     one = build_config("tiny", num_hidden_layers=1, vocab_size=512, num_key_value_heads=kv_heads)
     one_model = Llama(one).to(dtype)
     if checkpointing:
@@ -61,7 +65,7 @@ def test_activation_formula_matches_saved_tensors(dtype, kv_heads, checkpointing
     assert _saved_bytes(model, ids, False) - _saved_bytes(one_model, ids, False) == pytest.approx(2 * per_block)
     est = stage_activation_bytes(cfg, m, 3, first=True, last=True, checkpointing=checkpointing)
     assert _saved_bytes(model, ids, True) == pytest.approx(est["kept"])
-    assert loss_bytes(cfg, m)[0] == 4 * b * s * cfg.vocab_size + 4
+    assert loss_bytes(cfg, m)[0] == dtype.itemsize * b * s * cfg.vocab_size     # the logits, saved by lm_loss
 
 
 def test_model_states_follow_the_zero_formulas():

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from bunsan.models import (KVCache, Llama, LlamaConfig, build_config, flops_per_token, generate,
                            get_preset, presets)
-from bunsan.models.llama import rope_inv_freq, rope_tables
+from bunsan.models.llama import Attention, rope_inv_freq, rope_tables
 
 
 def _tiny(**kw) -> LlamaConfig:
@@ -133,6 +133,69 @@ def test_gqa_shapes():
             getattr(lm.self_attn, p).weight.data.copy_(w.reshape(-1, cfg.hidden_size))
     x = torch.randint(0, 256, (2, 16))
     assert torch.allclose(m(x), mha(x), atol=1e-5)
+
+
+class _Past:
+    """A kv_cache_layer whose cached keys/values are leaves, so gradients reach them too."""
+
+    def __init__(self, k, v, attn_mask=None):
+        self.k, self.v = k, v
+        if attn_mask is not None:
+            self.attn_mask = attn_mask
+
+    def update(self, k, v):
+        return torch.cat([self.k, k], 2), torch.cat([self.v, v], 2)
+
+
+def _attention_and_grads(att, x, past_k, past_v, mask, cos, sin):
+    xs, ks, vs = (t.clone().requires_grad_() for t in (x, past_k, past_v))
+    past, s = ks.shape[2], xs.shape[1]
+    out = att(xs, cos[past:past + s], sin[past:past + s], _Past(ks, vs, mask) if past else None)
+    leaves = [xs, *att.parameters()] + ([ks, vs] if past else [])
+    weight = torch.linspace(-1, 1, out.numel()).view_as(out)   # every output element gets its own gradient
+    return out.detach(), torch.autograd.grad((out * weight).sum(), leaves)
+
+
+@pytest.mark.parametrize("path", ["causal", "decode", "chunk", "masked"])
+def test_gqa_attention_equals_repeated_kv(monkeypatch, path):
+    """enable_gqa (K/V with their own heads) gives what repeating K/V to every query head gave."""
+    cfg = _tiny()
+    assert cfg.num_attention_heads == 2 * cfg.num_key_value_heads
+    torch.manual_seed(0)
+    att = Attention(cfg)
+    cos, sin = rope_tables(cfg)
+    past, s = {"causal": (0, 12), "decode": (9, 1), "chunk": (9, 5), "masked": (9, 5)}[path]
+    x = torch.randn(2, s, cfg.hidden_size)
+    past_k, past_v = (torch.randn(2, cfg.num_key_value_heads, past, cfg.head_dim) for _ in range(2))
+    mask = None
+    if path == "masked":   # bunsan.serve's per-row mask: causal, and row 1 has two padding keys in front
+        mask = torch.ones(2, 1, s, past + s, dtype=torch.bool).tril(diagonal=past)
+        mask[1, :, :, :2] = False
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append((k.shape[1], kw.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    out, grads = _attention_and_grads(att, x, past_k, past_v, mask, cos, sin)
+    monkeypatch.setattr(Attention, "native_gqa", staticmethod(lambda *a, **kw: False))
+    ref, ref_grads = _attention_and_grads(att, x, past_k, past_v, mask, cos, sin)
+    kv, heads = cfg.num_key_value_heads, cfg.num_attention_heads
+    assert calls == [(kv, True), (heads, False)]   # grouped on the CPU, then the repeated reference
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_gqa_kernel_choice_keeps_cuda_off_the_math_kernel():
+    native = Attention.native_gqa
+    assert native("cuda", torch.bfloat16, 128, masked=False) and native("cuda", torch.float16, 64, masked=False)
+    assert not native("cuda", torch.float32, 128, masked=False)   # the memory-efficient kernel: equal heads
+    assert not native("cuda", torch.bfloat16, 128, masked=True)   # flash takes no mask
+    assert not native("cuda", torch.bfloat16, 512, masked=False)  # beyond flash's head_dim
+    assert native("cpu", torch.float32, 128, masked=True) and not native("mps", torch.float16, 64, masked=False)
 
 
 def test_tied_vs_untied_counts():

@@ -2,28 +2,34 @@
 
 The counts come from the model's own ops (read off with saved_tensors_hooks, and
 checked against them in tests/test_estimator.py), for b samples of s tokens, hidden h,
-intermediate i, a heads, model dtype of d bytes, tensor-parallel size t:
+intermediate i, a query heads and kv key/value heads of head_dim e, model dtype of d bytes,
+tensor-parallel size t:
 
   each RMSNorm        its fp32 input (the input itself in fp32) 4·bsh and the normalised
                       d·bsh, plus the fp32 rsqrt 4·bs; on s/t tokens under sequence parallelism
   block matmul inputs the normed input of q/k/v and of gate/up: 2·d·bsh (all-gathered, full
                       length, under sequence parallelism)
-  attention           q, k, v (k and v repeated to every query head), output: 4·d·bsh/t, and the
-                      fp32 log-sum-exp 4·b·(a/t)·s; the output feeds o_proj as a view
+  attention           q and the output: 2·d·bsh/t (the output feeds o_proj as a view); k and v:
+                      2·d·bs·w/t, w = kv·e where SDPA takes them with their own heads (enable_gqa:
+                      CUDA in 16-bit, CPU; Attention.native_gqa), else w = h, repeated to every query
+                      head (CUDA fp32, whose memory-efficient kernel needs equal head counts); and the
+                      fp32 log-sum-exp 4·b·(a/t)·s
   MLP                 gate, up, silu(gate), their product: 4·d·bsi/t
 
-so a block keeps 2(4+d)·bsh/σ + 2d·bsh + 4d·bsh/t + 4d·bsi/t + 4bas/t + 8bs/σ bytes (σ = t under SP,
-else 1): 40·bsh + 16·bsi in fp32 and 24·bsh + 8·bsi in bf16 at t = 1, where Korthikanti et al.
-(2022) count s·b·h·(34 + 5as/h) for GPT blocks without flash attention. With activation
-checkpointing a block keeps only its input, d·bsh/σ, and one block's full set lives again
-while it is recomputed in backward.
+so a block keeps 2(4+d)·bsh/σ + 2d·bsh + 2d·bsh/t + 2d·bsw/t + 4d·bsi/t + 4bas/t + 8bs/σ bytes (σ = t
+under SP, else 1): 40·bsh + 16·bsi in fp32 on CUDA and (20 + 4·kv/a)·bsh + 8·bsi in bf16 at t = 1 (24·bsh
+for plain multi-head attention), where Korthikanti et al. (2022) count s·b·h·(34 + 5as/h) for GPT blocks
+without flash attention. With activation checkpointing a block keeps only its input, d·bsh/σ, and one
+block's full set lives again while it is recomputed in backward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models.llama import LlamaConfig
+import torch
+
+from ..models.llama import Attention, LlamaConfig
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,11 @@ class Micro:
     d: int              # model dtype bytes
     tp: int = 1
     sp: bool = False
+    device: str = "cuda"   # device type: which attention kernels run, so whether K/V are saved repeated
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32 if self.d >= 4 else torch.bfloat16   # fp16 takes the same kernels as bf16
 
     @property
     def seq_div(self) -> int:
@@ -48,7 +59,9 @@ def block_bytes(c: LlamaConfig, m: Micro) -> float:
     """Saved bytes of one transformer block, one micro-batch, no recomputation."""
     b, s, h, t, d = m.b, m.s, c.hidden_size, m.tp, m.d
     heads = c.num_attention_heads // t
-    attention = 4 * d * b * s * heads * c.head_dim + 4 * b * heads * s
+    grouped = Attention.native_gqa(m.device, m.dtype, c.head_dim, masked=False)
+    kv_heads = c.num_key_value_heads // t if grouped else heads
+    attention = 2 * d * b * s * (heads + kv_heads) * c.head_dim + 4 * b * heads * s
     mlp = 4 * d * b * s * (c.intermediate_size // t)
     return 2 * norm_bytes(c, m) + 2 * d * b * s * h + attention + mlp
 
@@ -70,12 +83,21 @@ def embedding_bytes(c: LlamaConfig, m: Micro) -> float:
 def loss_bytes(c: LlamaConfig, m: Micro) -> tuple[float, float]:
     """(kept, transient) bytes of the logits and the cross-entropy over bsV/t logits.
 
-    Kept until backward: the fp32 log-softmax. Transient, at its largest when backward starts:
-    the incoming and outgoing fp32 gradients of the log-softmax (and their cast back to d bytes
-    in 16-bit); in forward the logits and their fp32 copy are smaller than that.
+    Without tensor parallelism (bunsan.lm_loss, chunked): kept until backward, the logits themselves (d
+    bytes); transient, the logits' gradient (d bytes each) when backward starts, plus one chunk's fp32
+    work (its upcast and log-softmax in 16-bit; the log-softmax alone in fp32, written straight into the
+    gradient in backward). Vocabulary-parallel (tensor_parallel/loss.py, t > 1): kept, the fp32 log-softmax
+    of the rank's slice; transient, the incoming and outgoing fp32 gradients of the log-softmax (and their
+    cast back to d bytes in 16-bit); in forward the logits and their fp32 copy are smaller than that.
     """
     v = -(-c.vocab_size // m.tp)
     n = m.b * m.s * v
+    if m.tp == 1:
+        from ..lm_loss import default_chunk_rows
+        chunk = min(m.b * m.s, default_chunk_rows(c.vocab_size)) * v
+        backward = m.d * n + (8 * chunk if m.d < 4 else 0)
+        forward = 8 * chunk if m.d < 4 else 4 * chunk
+        return m.d * n, max(backward, forward)
     kept = 4 * n + 4        # and nll_loss's fp32 total weight
     backward = 8 * n + (m.d * n if m.d < 4 else 0)
     forward = m.d * n + (4 * n if m.d < 4 else 0)

@@ -135,7 +135,8 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
     c = shape.llama
     shard = st["grads"] / 4 if stage >= 2 else rp.total / n
     if c is not None:
-        micro = Micro(layout.micro_batch, layout.seq_len, d, layout.tp, layout.sequence_parallel)
+        micro = Micro(layout.micro_batch, layout.seq_len, d, layout.tp, layout.sequence_parallel,
+                      device="cpu" if on_cpu else "cuda")
         flight = _in_flight(layout, rank)
         blocks = rp.blocks / layout.virtual_stages if layout.pp > 1 else rp.blocks
         act = stage_activation_bytes(c, micro, blocks, rp.has_embedding, rp.has_head,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.llama import LlamaConfig
+from ..models.llama import Attention, LlamaConfig
 
 
 @dataclass(frozen=True)
@@ -77,10 +77,13 @@ def layer_step_bytes(cfg: LlamaConfig, batch: int, tokens: int, keys: int, d: in
     """Peak bytes alive while one transformer block runs `tokens` new tokens per sequence over `keys` cached
     positions (its weights and KV cache excluded)."""
     h, i, n = cfg.hidden_size, cfg.intermediate_size, batch * tokens
-    gqa = cfg.num_key_value_heads < cfg.num_attention_heads
+    # K/V are repeated to every query head only where SDPA's fused kernels do not take grouped heads (on a GPU
+    # in fp32; models/llama.Attention.native_gqa)
+    repeated = cfg.num_key_value_heads < cfg.num_attention_heads and not Attention.native_gqa(
+        "cuda", torch.float32 if d >= 4 else torch.bfloat16, cfg.head_dim, masked=False)
     # attention, at o_proj: the block's input, the normed input, q, the attention output, its [b, s, h] copy and
-    # o_proj's result; under GQA also k and v repeated to every query head over all cached positions
-    attention = 6 * d * n * h + (2 * d * batch * keys * h if gqa else 0)
+    # o_proj's result; where repeated also k and v repeated to every query head over all cached positions
+    attention = 6 * d * n * h + (2 * d * batch * keys * h if repeated else 0)
     # MLP, at gate * up: the block's input and the residual after attention, the normed input, silu(gate), up and
     # their product
     mlp = 3 * d * n * h + 3 * d * n * i

@@ -187,6 +187,30 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, config.num_key_value_heads * hd, bias=False)
         self.o_proj = nn.Linear(config.num_attention_heads * hd, h, bias=False)
 
+    @staticmethod
+    def native_gqa(device_type: str, dtype: torch.dtype, head_dim: int, masked: bool) -> bool:
+        """Whether attention hands SDPA the K/V heads as they are (``enable_gqa=True``) rather than repeated
+        to every query head. Only where a fused kernel takes grouped heads (torch 2.13), so that no call that
+        ran fused with repeated K/V lands on the math kernel (which materialises the s x s scores) instead:
+
+          CPU           the flash kernel takes GQA with and without a mask, fp32 and 16-bit, and trains
+                        no slower than with repeated K/V (measured on the small preset)
+          CUDA 16-bit   FlashAttention-2 and cuDNN take GQA, without an attn_mask; flash needs head_dim <= 256
+                        (and sm80+: on older GPUs this call would take the math kernel)
+          CUDA fp32     only the memory-efficient kernel runs fp32 there, and it needs equal head counts
+          CUDA + mask   the memory-efficient kernel takes the mask but not GQA; cuDNN takes both but declines
+                        many shapes and is not first in line on every GPU, so K/V stay repeated
+          other devices K/V stay repeated, as they always were
+
+        Depends only on static facts (device type, dtype, shapes) so torch.compile guards on it for free.
+        The estimator prices attention's saved K/V with this same rule.
+        """
+        if device_type == "cpu":
+            return True
+        if device_type == "cuda":
+            return dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and not masked
+        return False
+
     def forward(self, x, cos, sin, kv_cache_layer=None):
         b, s, _ = x.shape
         # Head counts come from the tensors (-1), so TP-sharded projections just work.
@@ -196,23 +220,20 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache_layer is not None:
             k, v = kv_cache_layer.update(k, v)  # all keys so far: [b, kv, past+s, hd]
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:  # GQA: kv head j serves query heads j*n_rep..(j+1)*n_rep-1 (HF repeat_kv)
-            k = k.repeat_interleave(n_rep, dim=1)
-            v = v.repeat_interleave(n_rep, dim=1)
         total = k.shape[2]
         mask = getattr(kv_cache_layer, "attn_mask", None)   # rows of different lengths (bunsan.serve)
-        if mask is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        elif total == s:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif s == 1:
-            out = F.scaled_dot_product_attention(q, k, v)  # one new token sees everything cached
-        else:
-            # Chunk after a prefix: is_causal would align the mask top-left, so build it
+        causal = mask is None and total == s    # else one new token (s == 1) sees everything cached,
+        if mask is None and total != s and s != 1:
+            # or a chunk after a prefix: is_causal would align the mask top-left, so build it
             # bottom-right aligned: query i (absolute past+i) sees keys <= past+i.
             mask = torch.ones(s, total, dtype=torch.bool, device=x.device).tril(diagonal=total - s)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        n_rep = q.shape[1] // k.shape[1]
+        gqa = n_rep > 1 and self.native_gqa(q.device.type, q.dtype, self.head_dim, mask is not None)
+        if n_rep > 1 and not gqa:
+            # kv head j serves query heads j*n_rep..(j+1)*n_rep-1 (HF repeat_kv); enable_gqa groups them alike
+            k = k.repeat_interleave(n_rep, dim=1)
+            v = v.repeat_interleave(n_rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
