@@ -324,3 +324,25 @@ def test_a_container_as_stage3_unit_is_an_error():
     with pytest.raises(ValueError, match=r"\['ModuleDict'\].*forward is never called.*blocks inside it"):
         find_units(torch.nn.Sequential(torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2)})),
                                       ["ModuleDict"])
+
+
+def _prefetches(rank, bucket):
+    cfg = _cfg(1, 3, 1, "sgd", 0.0, stage3_prefetch_bucket_size=bucket)
+    engine = bunsan.initialize(tiny_model(), cfg)
+    dp, seen = engine.dp, []
+    for k in dp.forward_order:        # when unit k's forward starts, is the next one already on its way?
+        dp.units[k].module.register_forward_pre_hook(
+            lambda m, a, k=k: seen.append([dp.units[j].pending is not None or dp.units[j].gathered
+                                           for j in dp.forward_order]))
+    engine.train_batch(batches(1, ROWS)[0])
+    return seen, max(dp._size(k) for k in dp.forward_order)
+
+
+@pytest.mark.parametrize("bucket", [1, 0])
+def test_zero3_prefetches_the_next_unit_whatever_its_size(pools, bucket):
+    """stage3_prefetch_bucket_size smaller than every block (a 1B model's blocks are all above DeepSpeed's 5e7)
+    still prefetches the next block; 0 turns prefetch off."""
+    (seen, largest), = pools.run(1, _prefetches, bucket)
+    assert largest > 1
+    ahead = [row[i + 1] for i, row in enumerate(seen[:-1])]     # forward of unit i: unit i+1 in flight
+    assert ahead == [bucket > 0] * len(ahead) and len(ahead) >= 3

@@ -24,6 +24,7 @@ import torch
 
 from .host_buffer import HostPool, trim_heap
 from .layout import ShardLayout
+from .offload import HostAdds
 
 IN_FLIGHT = 2
 
@@ -46,6 +47,7 @@ class ShardReducer:
         self._flight: list = []
         self._written: set[int] = set()     # buckets whose shard slice holds a reduce since the shard was made
         self.device = None
+        self._host_adds: HostAdds | None = None   # slices bound for a shard in host memory (offload_optimizer)
         self.pool = HostPool() if source is None else None   # staging and outputs on CPU (see host_buffer)
         self.trim_every, self._completed = trim_every, 0      # heap trims during backward (host_buffer.py)
 
@@ -138,7 +140,12 @@ class ShardReducer:
                 start = self.layout.buckets[k].start
                 out = full[lo - start:hi - start]
             dst = self._shard_slice(k)
-            dst.add_(out.to(dst.device, torch.float32))
+            if dst.device != out.device:    # the shard is offloaded: copied over asynchronously (offload.py)
+                if self._host_adds is None:
+                    self._host_adds = HostAdds(out.device)
+                self._host_adds.add(out, dst)
+            else:
+                dst.add_(out.to(torch.float32))
             if self.use_reduce_scatter:
                 self._give(out)
         self._give(full)
@@ -150,5 +157,7 @@ class ShardReducer:
         for item in self._flight:
             self._complete(item)
         self._flight = []
+        if self._host_adds is not None:
+            self._host_adds.drain()
         if self.pool is not None:
             self.pool.release_kept()

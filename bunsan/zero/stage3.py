@@ -14,8 +14,11 @@ are listed in `zero_optimization.stage3_unit_modules`; the parameters left over
 
 A released parameter's `.data` is an empty tensor; autograd keeps the parameter
 object itself, so re-pointing `.data` at a fresh gather is what backward sees.
-Units of at most `stage3_param_persistence_threshold` elements stay gathered;
-prefetch is bounded by `stage3_prefetch_bucket_size` and `stage3_max_live_parameters`.
+Units of at most `stage3_param_persistence_threshold` elements stay gathered; the next unit is prefetched
+whenever `stage3_max_live_parameters` allows, whatever its size (`stage3_prefetch_bucket_size: 0` turns
+prefetch off): with a block of a 1B+ model above DeepSpeed's 5e7-element bucket, a size cap would leave every
+gather exposed. With `offload_param` and `pin_memory` on a GPU, the shards' host memory is pinned, so the
+gathers' host-to-device copies run asynchronously; a write-back into a shard waits for the copy that read it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from .layout import ShardLayout
 from .host_buffer import TRIM_EVERY, trim_heap
 from .frozen import FrozenShards
 from .materialize import replace_meta_parameters, unit_full_weights
+from .offload import CopyMarks
 from .optimizer import ShardedOptimizer
 from .reduce import ShardReducer
 from .unit_buffer import UnitBuffer
@@ -127,7 +131,10 @@ class FullyShardedDP(Sharded):
         # This rank's shard of every unit, materialised one unit at a time.
         off_p, off_o = zero.offload_param, zero.offload_optimizer
         self.param_home = torch.device("cpu") if off_p and off_p.device != "none" else device
-        self.param_shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.param_home)
+        self.pinned = bool(off_p and off_p.device != "none" and off_p.pin_memory and device.type == "cuda")
+        self.param_shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.param_home,
+                                       pin_memory=self.pinned and off_p.device == "cpu")
+        self.copies = CopyMarks(device)     # host->device copies of host shards still in flight, per unit
         self.slices = self.layout.shard_slices()
         meta = any(p.is_meta for p in self.params)
         for k, u in enumerate(self.units):
@@ -140,7 +147,8 @@ class FullyShardedDP(Sharded):
             del full
         self.param_swap = None
         if off_p is not None and off_p.device == "nvme":   # parameter shards live on disk between uses
-            self.param_swap = SwapFile(off_p.nvme_path, f"params-rank{comm.global_rank}")
+            self.param_swap = SwapFile(off_p.nvme_path, f"params-rank{comm.global_rank}",
+                                       pinned_buffers=off_p.buffer_count if self.pinned else 0)
             for k, (lo, hi, s) in enumerate(self.slices):
                 self.param_swap.write(f"u{k}", self.param_shard[s:s + hi - lo])
         self._dirty: dict[int, torch.Tensor] = {}
@@ -201,6 +209,9 @@ class FullyShardedDP(Sharded):
         handles = [self.frozen.launch_gather(k)] if self.frozen is not None else []
         if self.layout.buckets[k].size:
             mine = self.unit_shard(k).to(self.device, non_blocking=True)
+            self.copies.copied(k)     # (pinned host memory: the copy runs on; the next write of it waits)
+            if self.param_swap is not None:
+                self.param_swap.copied()
             handles.append(self.units[k].buf.gather(self.comm, mine, self.group))
         return _Handles([h for h in handles if h is not None])
 
@@ -229,7 +240,7 @@ class FullyShardedDP(Sharded):
     def prefetch(self, k: int) -> None:
         u = self.units[k]
         size = self._size(k)
-        if u.gathered or u.pending is not None or size > self.zero.stage3_prefetch_bucket_size:
+        if u.gathered or u.pending is not None or not self.zero.stage3_prefetch_bucket_size:
             return
         live = sum(self._size(j) for j, v in enumerate(self.units) if v.gathered or v.pending is not None)
         if live + size <= self.zero.stage3_max_live_parameters:
@@ -326,10 +337,11 @@ class FullyShardedDP(Sharded):
             self.release(k)
 
     def _write_back(self, f, values: torch.Tensor) -> None:
+        k = self.reducer.bucket_of[f.param]
+        self.copies.before_write(k)
         if self.param_swap is None:
             self.param_shard[f.shard_offset:f.shard_offset + f.numel].copy_(values)
             return
-        k = self.reducer.bucket_of[f.param]
         if k not in self._dirty:
             self._dirty[k] = self.unit_shard(k).clone()
         s = self.slices[k][2]
