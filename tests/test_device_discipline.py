@@ -28,7 +28,7 @@ STEP_MODULES = [
     "engine.py", "comm.py", "data_parallel.py", "grad_sync.py", "precision.py", "transforms.py", "lm_loss.py",
     "pipeline/runtime.py", "pipeline/step.py",
     "zero/stage12.py", "zero/stage3.py", "zero/reduce.py", "zero/optimizer.py", "zero/frozen.py",
-    "zero/unit_buffer.py", "zero/offload.py",
+    "zero/unit_buffer.py", "zero/offload.py", "zero/adafactor.py",
     "tensor_parallel/ops.py", "tensor_parallel/layers.py", "tensor_parallel/loss.py",
     "models/llama.py",
 ]
@@ -50,8 +50,11 @@ def _is_torch_factory(call: ast.Call) -> bool:
 def _tensor_expression(node: ast.AST) -> bool:
     """Something a cast could read off a device: an expression with a method call or a subscript in it
     (`t.sum()`, `x[0]`, `norm(g) ** 2`), not a name or a literal (`float(x)` of a Python number is fine)."""
-    return any(isinstance(n, ast.Subscript) or (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute))
-               for n in ast.walk(node))
+    def tensorish(n) -> bool:
+        if isinstance(n, ast.Subscript):      # x[0] may be a tensor; cfg["lr"] (a string key) is a mapping's
+            return not (isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, str))
+        return isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    return any(tensorish(n) for n in ast.walk(node))
 
 
 def violations(path: Path) -> list[str]:

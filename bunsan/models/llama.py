@@ -164,7 +164,7 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim))  # default device: where the model is built
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 and scale after casting back, exactly as HF does.
@@ -284,8 +284,9 @@ class Llama(nn.Module):
         else:
             self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         # Non-persistent: recomputable, so kept out of state_dict and checkpoints.
-        self.register_buffer("rope_cos", torch.empty(c.max_position_embeddings, c.head_dim), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(c.max_position_embeddings, c.head_dim), persistent=False)
+        rope = (c.max_position_embeddings, c.head_dim)
+        self.register_buffer("rope_cos", torch.empty(rope), persistent=False)  # default device: with the model
+        self.register_buffer("rope_sin", torch.empty(rope), persistent=False)  # default device: with the model
         if not self.embed_tokens.weight.is_meta:  # on meta: allocate nothing, init after to_empty()
             self.init_weights()
 
@@ -314,7 +315,9 @@ class Llama(nn.Module):
             p.normal_(0.0, s)
         else:
             g = torch.Generator().manual_seed(_seed_for(seed, name))
-            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, s, generator=g))
+            # drawn by a CPU generator, so the weights are the same on any device
+            drawn = torch.empty(p.shape, dtype=torch.float32)  # host: the generator's device
+            p.copy_(drawn.normal_(0.0, s, generator=g))
 
     def init_buffers(self) -> None:
         """Recompute the non-persistent buffers (rope tables) after materialising them."""
@@ -345,7 +348,7 @@ class Llama(nn.Module):
         s = input_ids.shape[1]
         rows = getattr(kv_cache, "positions", None)    # a batch whose rows sit at their own positions
         start = kv_cache.pos if kv_cache is not None and rows is None else 0
-        end = start + s if rows is None else int(rows.max()) + s
+        end = start + s if rows is None else int(rows.max()) + s   # host: serve's row positions live on the CPU
         if end > self.rope_cos.shape[0]:
             raise ValueError(f"sequence end {end} exceeds max_position_embeddings "
                              f"{self.rope_cos.shape[0]}; shorten the input or raise max_position_embeddings")

@@ -52,7 +52,7 @@ class ShardedAdafactor(torch.optim.Optimizer):
                 shape, g = self.shapes[i], (-t.grad if group["maximize"] else t.grad)
                 state = self.state[t]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    state["step"] = torch.tensor(0.0)   # host: a step counter, as torch's optimizers keep it
                     if len(shape) == 2:
                         state["row_var"] = torch.zeros(shape[0], 1, dtype=torch.float32, device=device)
                         state["col_var"] = torch.zeros(1, shape[1], dtype=torch.float32, device=device)
@@ -75,7 +75,7 @@ class ShardedAdafactor(torch.optim.Optimizer):
         for group, t, g, i, index, state in work:
             eps1 = group["eps"][0] if group["eps"][0] is not None else torch.finfo(t.dtype).eps
             state["step"] += 1
-            one_minus_beta2 = state["step"].item() ** group["beta2_decay"]
+            one_minus_beta2 = state["step"].item() ** group["beta2_decay"]   # host: the host-side counter
             if index is not None:
                 r, c = self.shapes[i]
                 o = self.offsets[i]
@@ -91,11 +91,14 @@ class ShardedAdafactor(torch.optim.Optimizer):
             updates.append(update)
         self.all_reduce(upd_sq)
 
+        # The step sizes stay on the device (in fp64, as the host arithmetic they replace): read per
+        # parameter on the host they would stall a GPU once per weight.
+        rms, upd_rms = stats[:len(self.shapes)].double().sqrt(), upd_sq.double().sqrt()
         for (group, t, g, i, _, state), update in zip(work, updates):
             lr, numel = float(group["lr"]), math.prod(self.shapes[i])
-            rho = min(lr, 1 / state["step"].item() ** 0.5)
-            alpha = max(group["eps"][1], stats[i].sqrt().item() / numel ** 0.5) * rho
+            rho = min(lr, 1 / state["step"].item() ** 0.5)   # host: the host-side counter
+            alpha = (rms[i] / numel ** 0.5).clamp(min=group["eps"][1]) * rho
             if group["weight_decay"]:
                 t.mul_(1 - lr * group["weight_decay"])
-            denom = max(1.0, upd_sq[i].sqrt().item() / (numel ** 0.5 * group["d"]))
-            t.add_(update, alpha=-alpha / denom)
+            denom = (upd_rms[i] / (numel ** 0.5 * group["d"])).clamp(min=1.0)
+            t.sub_(update * (alpha / denom).to(t.dtype))

@@ -139,7 +139,7 @@ class ShardedOptimizer:
             self.swap.write(f"master{k}", self.master[sg.lo:sg.hi])
         self.master = None  # lives on disk from now on
         for t in self.frag_tensors:
-            t.data = torch.empty(0, dtype=torch.float32)
+            t.data = torch.empty(0, dtype=torch.float32, device=self.home)
 
     def _swap_in(self, k: int, sg: SubGroup) -> torch.Tensor:
         master = self.swap.read(f"master{k}", sg.hi - sg.lo, torch.float32)
@@ -161,8 +161,8 @@ class ShardedOptimizer:
             for key, v in sg.optimizer.state[t].items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
                     self.swap.write(f"s{k}.{i}.{key}", v)
-                    sg.optimizer.state[t][key] = torch.empty(0, dtype=v.dtype)
-            t.data = torch.empty(0, dtype=torch.float32)
+                    sg.optimizer.state[t][key] = torch.empty(0, dtype=v.dtype, device=self.home)
+            t.data = torch.empty(0, dtype=torch.float32, device=self.home)
         sg.swapped = True
 
     # -- the step --------------------------------------------------------------------------------
