@@ -197,7 +197,8 @@ class Comm:
         text = str(cause).lower()
         head = f"rank {self.global_rank}: {op} #{seq} on group '{group.name}' (ranks {list(group.ranks)}) failed: {cause}."
         # Another rank is to blame only for a timeout or a lost connection: then a roll call says where each is.
-        if not any(w in text for w in ("timed out", "timeout", "connection", "closed", "reset", "peer", "broken")):
+        if not any(w in text for w in ("timed out", "timeout", "connection", "closed", "reset", "peer", "broken",
+                                       "remote", "watchdog")):
             return CommError(f"{head} The error is this rank's own (no peer was lost); this rank last finished "
                              f"step {self.finished_step}.")
         who = roll_call(self.global_rank, op, group, seq, window_s=max(2.0, min(10.0, self.timeout_s / 2)))

@@ -93,13 +93,13 @@ def _timed_all_reduce(comm, group, device: torch.device) -> tuple[bool, float]:
     return float(t[0]) == group.size ** 2, (time.perf_counter() - start) * 1e3
 
 
-def _world(timeout_s: float):
-    """(Comm, the world as a comm Group) of an initialised process group."""
+def _world(timeout_s: float, device: torch.device):
+    """(Comm on `device`, the world as a comm Group) of an initialised process group."""
     import torch.distributed as dist
 
     from ..comm import Comm, Group
     rank, world = dist.get_rank(), dist.get_world_size()
-    return Comm(timeout_s=timeout_s), Group("world", dist.group.WORLD, world, rank, tuple(range(world)))
+    return Comm(timeout_s=timeout_s, device=device), Group("world", dist.group.WORLD, world, rank, tuple(range(world)))
 
 
 def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float, results) -> None:
@@ -109,7 +109,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, timeout_s: float,
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         device = torch.device("cuda", rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
-        ok, ms = _timed_all_reduce(*_world(timeout_s), device)
+        ok, ms = _timed_all_reduce(*_world(timeout_s, device), device)
         dist.destroy_process_group()
         results.put((rank, ok, f"{ms:.1f} ms"))
     except Exception as e:
@@ -162,10 +162,10 @@ def launched_world(timeout_s: float = 30.0) -> list[Check]:
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     try:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-        comm, group = _world(timeout_s)
-        rank, world = group.rank, group.size
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else \
             torch.device("cpu")
+        comm, group = _world(timeout_s, device)
+        rank, world = group.rank, group.size
         _, ms = _timed_all_reduce(comm, group, device)
         # every rank's host name (64 bytes) and time, gathered as tensors
         name = torch.zeros(64, dtype=torch.uint8)

@@ -36,6 +36,10 @@ class P2P:
         # where two steps' messages fit the descriptors; else gloo's or NCCL's point-to-point.
         fits = 4 * n_stages * n_micro <= shm_mailbox.DESCS
         self.box = comm.mailbox(group) if fits else None
+        if self.box is None:
+            # NCCL makes a group's communicator at its first collective, and a batch of sends and receives that
+            # involves only some ranks must not be that first one (torch.distributed.batch_isend_irecv)
+            comm.barrier(group)
         self.shapes: dict[int, tuple] = {}      # sending stage -> (shape, dtype) of this step's forward messages
 
     def begin_step(self) -> None:
