@@ -110,3 +110,56 @@ def violations_under(path: Path, root: Path) -> list[str]:
         return violations(path)
     finally:
         ROOT = old
+
+
+# -- host reads per step, counted on the CPU ---------------------------------------------------------------
+
+def _host_reads_per_step(rank, layers: int, stage: int) -> int:
+    """Reads of tensor values by the host during one optimizer step (after a first, warm-up step): item(),
+    float(), bool() of a tensor (aten._local_scalar_dense) and tolist(). torch's optimizers read their step
+    counters, which live on the host whatever the device (not counted)."""
+    import traceback
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import bunsan
+    from reference import batches, tiny_model
+
+    class Count(TorchDispatchMode):
+        reads = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default and not any(
+                    "/torch/optim/" in f.filename for f in traceback.extract_stack()):
+                Count.reads += 1
+            return func(*args, **(kwargs or {}))
+
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(t):
+        Count.reads += 1
+        return tolist(t)
+
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 20_000,
+                                 "stage3_param_persistence_threshold": 0}}
+    engine = bunsan.initialize(tiny_model(num_hidden_layers=layers), cfg)
+    first, second = batches(2, 8)
+    engine.train_batch(first)
+    torch.Tensor.tolist = counted_tolist
+    try:
+        with Count():
+            engine.train_batch(second)
+    finally:
+        torch.Tensor.tolist = tolist
+    return Count.reads
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_host_reads_per_step_do_not_grow_with_layers_or_buckets(pools, stage):
+    """One read at the optimizer boundary (norm, loss and token count together), plus on the CPU the loss's
+    label check per micro-batch (bunsan/lm_loss.py: free on the host, skipped on a GPU): nothing per layer,
+    bucket or unit. On a GPU, scripts/gpu-check counts the real synchronisations."""
+    (shallow,), (deep,) = pools.run(1, _host_reads_per_step, 2, stage), pools.run(1, _host_reads_per_step, 8, stage)
+    assert shallow == deep == 1 + 2
