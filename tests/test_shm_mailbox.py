@@ -66,6 +66,7 @@ def _pipeline(rank, world, mode):
            "train": {"gloo_collectives": mode}}
     engine = bunsan.initialize(tiny_model(), cfg)
     losses = [engine.train_batch(b) for b in batches(2, 8, 16)]
+    losses.append(engine.eval_batch(batches(1, 7, 16)[0]))     # forward only, micro-batches of 2, 2, 2, 1 rows
     return losses, engine.pipe.runner.p2p.box is not None
 
 
@@ -81,3 +82,19 @@ def test_a_pipeline_trains_the_same_through_memory_as_over_gloo(pools):
                                      (4, [(0, 1), (0, 3), (1, 0), (1, 2), (2, 1), (2, 3), (3, 0), (3, 2)])])
 def test_channels_join_each_rank_to_its_next_and_previous(p, pairs):
     assert shm_mailbox.neighbour_pairs(p) == pairs
+
+
+def test_a_stage_that_changes_its_message_shape_within_a_step_is_refused():
+    """Headers go once per stage and step (the receiver allocates every later message from the first's)."""
+    from bunsan.pipeline.runtime import P2P
+    from bunsan.pipeline.schedules import Action
+    p2p = object.__new__(P2P)
+    p2p.shapes, p2p.device, p2p.every_header = {}, torch.device("cpu"), False
+    head = p2p._header_for(0, torch.zeros(2, 16, 8), Action("send_fwd", 0))
+    assert head.tolist()[:5] == [shm_mailbox.DTYPES.index(torch.float32), 3, 2, 16, 8]
+    assert p2p._header_for(0, torch.zeros(2, 16, 8), Action("send_fwd", 1)) is None
+    with pytest.raises(ValueError, match=r"stage 0 sends micro-batch 2 of shape \(1, 16, 8\).*first message of this "
+                                         r"step had \(2, 16, 8\)"):
+        p2p._header_for(0, torch.zeros(1, 16, 8), Action("send_fwd", 2))
+    p2p.every_header = True                  # evaluation: a header per message, the last one shorter
+    assert p2p._header_for(0, torch.zeros(1, 16, 8), Action("send_fwd", 2)).tolist()[2] == 1

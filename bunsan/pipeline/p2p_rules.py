@@ -57,13 +57,15 @@ def items(acts: list) -> list:
     return out
 
 
-def header_links(acts: list, rank: int, p: int) -> set:
-    """The forward receives of this rank that carry a header: the first from each source stage."""
+def header_links(acts: list, rank: int, p: int, every: bool = False) -> set:
+    """The forward receives of this rank that carry a header: the first from each source stage (in training,
+    where every micro-batch has the same shape), or every one (`every`: evaluation, whose last micro-batch may
+    be shorter)."""
     seen, out = set(), set()
     for a in acts:
         if a.kind == "recv_fwd":
             key = link(a, rank, p)
-            if key[2] not in seen:
+            if every or key[2] not in seen:
                 seen.add(key[2])
                 out.add(key)
     return out
@@ -132,10 +134,10 @@ def plan(acts: list, rank: int, p: int, headed: set) -> list:
     return out
 
 
-def simulate(schedule: list, p: int, duration) -> tuple[list, list, list]:
+def simulate(schedule: list, p: int, duration, every_header: bool = False) -> tuple[list, list, list]:
     """Run the lists under NCCL's rules (module docstring); duration(action, rank) -> a compute's time.
     Returns (per-rank clocks, busy times, compute intervals); raises RuntimeError on a deadlock."""
-    headed = set().union(*(header_links(acts, r, p) for r, acts in enumerate(schedule)))
+    headed = set().union(*(header_links(acts, r, p, every_header) for r, acts in enumerate(schedule)))
     plans = [plan(acts, r, p, headed) for r, acts in enumerate(schedule)]
     clock, pc = [0.0] * p, [0] * p
     busy, intervals = [0.0] * p, [[] for _ in range(p)]

@@ -41,9 +41,12 @@ class P2P:
             # involves only some ranks must not be that first one (torch.distributed.batch_isend_irecv)
             comm.barrier(group)
         self.shapes: dict[int, tuple] = {}      # sending stage -> (shape, dtype) of this step's forward messages
+        self.every_header = False
 
-    def begin_step(self) -> None:
-        self.shapes = {}
+    def begin_step(self, every_header: bool = False) -> None:
+        """Training: a header before each stage's first forward message of the step. Evaluation (every_header):
+        before each message, since its last micro-batch may have fewer rows."""
+        self.shapes, self.every_header = {}, every_header
 
     def _peer(self, stage: int) -> int:
         return self.group.ranks[stage % self.p]
@@ -78,7 +81,7 @@ class P2P:
         heads = []
         for a, stage, like in recvs:
             direction, src, _ = self._route(a, stage)
-            if direction == FWD and src not in self.shapes:   # the step's first message from that stage
+            if direction == FWD and (self.every_header or src not in self.shapes):   # (a shape not known yet)
                 head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
                 ops.append(P2POp("recv", head, self._peer(src), self._tag(direction, src, a.micro)))
                 heads.append((src, head))
@@ -108,7 +111,7 @@ class P2P:
         """The header of stage `src`'s first forward message of the step (None after it: later messages must
         have its shape, which the receiver allocates)."""
         seen = self.shapes.get(src)
-        if seen is not None:
+        if seen is not None and not self.every_header:
             if seen != (tuple(t.shape), t.dtype):
                 raise ValueError(
                     f"pipeline stage {src} sends micro-batch {a.micro} of shape {tuple(t.shape)} {t.dtype}, but its "
@@ -222,7 +225,7 @@ class Runner:
             lists = forward_only(self.p, m, v)
             check(lists, self.p, m, v, forward_only=True)
             self._eval_plans[m] = items(lists[self.rank])
-        self.p2p.begin_step()
+        self.p2p.begin_step(every_header=True)
         for it in self._eval_plans[m]:
             if isinstance(it, tuple):
                 pending = self._exchange(it, outputs, received, {}, pending)

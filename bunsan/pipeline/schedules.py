@@ -327,7 +327,7 @@ def check(schedule: Schedule, p: int, m: int, v: int = 1,
     if p > 1:     # (one rank has no peer: a pipeline of one stage sends nothing)
         p2p_rules.check_order(schedule, p)
         try:
-            simulate(schedule, p, v, rules="nccl")
+            simulate(schedule, p, v, rules="nccl", every_header=forward_only)
         except RuntimeError as e:
             raise ValueError(str(e)) from e
     if max_in_flight is not None:
@@ -350,11 +350,12 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, p: int, v: int = 1, t_fwd: float | Sequence[float] = 1.0,
-             t_bwd: float | Sequence[float] = 2.0, rules: str = "buffered") -> SimResult:
+             t_bwd: float | Sequence[float] = 2.0, rules: str = "buffered", every_header: bool = False) -> SimResult:
     """Run each rank's list in order; computes take t_fwd / t_bwd per chunk (one number, or one per global
     stage: unequal stages, e.g. measured ones); communication is free. Under the "buffered" rules (gloo, the
     shared-memory mailbox) sends never wait and a recv waits for its send; under "nccl" (p2p_rules.py) the
-    transfers between two computes are one batch that completes when every peer has posted its side.
+    transfers between two computes are one batch that completes when every peer has posted its side (a header
+    before each stage's first forward message, or before every one with `every_header`: evaluation).
     Raise RuntimeError on deadlock."""
     if len(schedule) != p:
         raise ValueError(f"schedule has {len(schedule)} rank lists, expected p={p}")
@@ -364,7 +365,7 @@ def simulate(schedule: Schedule, p: int, v: int = 1, t_fwd: float | Sequence[flo
         return t if isinstance(t, (int, float)) else t[a.chunk * p + r]
 
     if rules == "nccl":
-        clock, busy, intervals = p2p_rules.simulate(schedule, p, duration)
+        clock, busy, intervals = p2p_rules.simulate(schedule, p, duration, every_header)
         makespan = max(clock, default=0.0)
         return SimResult(makespan, busy, intervals, 1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0)
     if rules != "buffered":
