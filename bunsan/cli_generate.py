@@ -13,6 +13,18 @@ def torch_dtype(name: str):
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
+def hf_tokenizer(checkpoint, tokenizer_path: str | None, vocab_size: int):
+    """The tokenizer of a Hugging Face directory: --tokenizer, else its tokenizer.json, else bytes, which only a
+    model of at most 256 tokens can use (its ids beyond would have no text)."""
+    from .data import load_tokenizer
+    tok = Path(checkpoint) / "tokenizer.json"
+    path = tokenizer_path or (str(tok) if tok.is_file() else None)
+    if path is None and vocab_size > 256:
+        raise ValueError(f"{checkpoint} has no tokenizer.json, and its model's vocabulary of {vocab_size} tokens is "
+                         "not bytes (256): pass --tokenizer PATH/tokenizer.json (the tokenizer it was trained with)")
+    return load_tokenizer(path)
+
+
 def _memory(text: str | None) -> dict | None:
     """'0=20GiB,cpu=64GiB' -> {0: bytes, 'cpu': bytes}."""
     from .planner.hardware import parse_bytes
@@ -31,13 +43,12 @@ def _memory(text: str | None) -> dict | None:
 def _generate_placed(args) -> int:
     import torch
 
-    from .data import load_tokenizer
     from .inference import load
     from .inference.report import lines, start
     from .models import generate
+    from .models.hf import read_config
 
-    tok = Path(args.checkpoint) / "tokenizer.json"
-    tokenizer = load_tokenizer(args.tokenizer or (str(tok) if tok.is_file() else None))
+    tokenizer = hf_tokenizer(args.checkpoint, args.tokenizer, read_config(args.checkpoint).vocab_size)
     ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
     if ids.numel() == 0:
         raise ValueError("--prompt is empty; give some text to continue")

@@ -32,8 +32,7 @@ def add_parser(sub) -> None:
 
 def load_model(args):
     """(model, tokenizer, name, context) for the server."""
-    from .cli_generate import _memory, torch_dtype, trained_model
-    from .data import load_tokenizer
+    from .cli_generate import _memory, hf_tokenizer, torch_dtype, trained_model
     ckpt = Path(args.checkpoint)
     dtype = torch_dtype(args.dtype)
     trained = (ckpt / "final" / "model.safetensors").is_file() or (
@@ -50,8 +49,7 @@ def load_model(args):
         else:
             from .models.hf import load_llama
             model = load_llama(ckpt, dtype).eval()
-        tok = ckpt / "tokenizer.json"
-        tokenizer = load_tokenizer(args.tokenizer or (str(tok) if tok.is_file() else None))
+        tokenizer = hf_tokenizer(ckpt, args.tokenizer, model.config.vocab_size)
     return model, tokenizer, ckpt.resolve().name, _context(args, model.config)
 
 

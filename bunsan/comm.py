@@ -26,7 +26,6 @@ copies here, inside the collective, so the step itself stays on the device.
 from __future__ import annotations
 
 import datetime
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 

@@ -25,14 +25,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
+def _worker(rank: int, world: int, port: int, inbox, outbox, make_group: bool = True, threads: int = 1) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import torch
     import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    torch.set_num_threads(threads)
+    if make_group:   # (else the job makes it, e.g. bunsan.initialize from the environment)
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     while True:
         job = inbox.get()
         if job is None:
@@ -42,17 +43,22 @@ def _worker(rank: int, world: int, port: int, inbox, outbox) -> None:
             outbox.put((rank, True, fn(rank, *args)))
         except BaseException:  # report everything, including assertion errors, to the parent
             outbox.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class Pool:
-    def __init__(self, world: int):
+    """`world` spawned ranks that run one job at a time; `make_group=False` leaves the process group to the
+    job (the GPU self-check's ranks make theirs through bunsan.initialize)."""
+
+    def __init__(self, world: int, make_group: bool = True, threads: int = 1):
         ctx = mp.get_context("spawn")
         self.world = world
         port = _free_port()
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.inboxes[r], self.outbox), daemon=True)
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.inboxes[r], self.outbox, make_group,
+                                                        threads), daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()

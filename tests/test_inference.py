@@ -106,3 +106,12 @@ def test_a_model_in_memory_is_placed_and_offloaded_to_a_directory(tmp_path, tied
     in_memory, dmap = load(tiny_model(0, tie_word_embeddings=tied), "auto", batch=2, max_seq=28, prompt_len=12)
     assert set(dmap.values()) == {"cpu"}
     assert torch.equal(generate(in_memory, ids, 16), want)
+
+
+def test_a_model_beyond_bytes_without_its_tokenizer_is_refused(tmp_path, capsys):
+    from bunsan.cli import main
+    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "hi", "--device-map", "auto"]) == 2
+    assert "vocabulary of 4096 tokens is not bytes (256): pass --tokenizer" in capsys.readouterr().err
