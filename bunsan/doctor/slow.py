@@ -1,7 +1,8 @@
 """Slow synchronisation: how much of the step a rank spent blocked on communication, and what to change.
 
 Comm times every wait on a collective or a message (comm.wait_s): the part of communication that backward
-did not hide. Past `train.comm_warn_share` of the step time the summary says so and suggests what moves
+did not hide. On gloo the host blocks, and the host clock times it; on NCCL the compute stream waits, and CUDA
+events on it time that (comm_stats.WaitClock). Past `train.comm_warn_share` of the step time the summary says so and suggests what moves
 it: bigger buckets (fewer, larger collectives), overlapping reduction with backward, a lower ZeRO stage
 (less traffic), or the layout `bunsan plan` ranks first for these processes.
 """
