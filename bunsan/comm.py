@@ -159,10 +159,12 @@ class Comm:
         """gloo with device tensors: the op runs on host copies (gloo's transports read host memory)."""
         return self.device.type != "cpu" and self._is_gloo(group)
 
-    def _via_host(self, run, tensors: list[torch.Tensor], written: int, async_op: bool):
-        """Run `run(host copies)` (synchronously) and copy host copy `written` back: gloo on a GPU rank, a
-        configuration for sharing one GPU (tests, the self-check), not a fast path."""
-        hosts = [t.detach().to("cpu") for t in tensors]   # host: gloo reads host memory
+    def _via_host(self, run, tensors: list[torch.Tensor], written: int, async_op: bool, output_only: bool = False):
+        """Run `run(host copies)` (synchronously) and copy host copy `written` back (`output_only`: it is not
+        read, so not copied over): gloo on a GPU rank, a configuration for sharing one GPU (tests, the
+        self-check), not a fast path."""
+        hosts = [torch.empty_like(t, device="cpu") if output_only and i == written
+                 else t.detach().to("cpu") for i, t in enumerate(tensors)]   # host: gloo reads host memory
         run(hosts)
         tensors[written].copy_(hosts[written])
         return _Handle(self, None, "staged", None) if async_op else None
@@ -266,7 +268,8 @@ class Comm:
             out.copy_(shard.view_as(out))
             return self._finished("all_gather", group, async_op)
         if self._staged(group, out, shard):
-            return self._via_host(lambda h: self._all_gather(h[0], h[1], group, False), [out, shard], 0, async_op)
+            return self._via_host(lambda h: self._all_gather(h[0], h[1], group, False), [out, shard], 0, async_op,
+                                  output_only=True)
         return self._all_gather(out, shard, group, async_op)
 
     def _all_gather(self, out, shard, group, async_op):
@@ -288,7 +291,7 @@ class Comm:
             return self._finished("reduce_scatter", group, async_op)
         if self._staged(group, out, full):
             return self._via_host(lambda h: self._reduce_scatter(h[0], h[1], group, False), [out, full], 0,
-                                  async_op)
+                                  async_op, output_only=True)
         return self._reduce_scatter(out, full, group, async_op)
 
     def _reduce_scatter(self, out, full, group, async_op):
@@ -315,12 +318,14 @@ class Comm:
     def all_reduce_scalars(self, values: list[float], group: Group) -> list[float]:
         """SUM a few float64 scalars across the group, read back on the host: a sync, so for set-up,
         checkpoints and evaluation, never inside the step (which reduces device tensors with all_reduce)."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)  # host: read back below anyway
         self.all_reduce(t, group)
         return t.tolist()   # host: the caller wants the numbers
 
     def barrier(self, group: Group) -> None:
-        """All ranks of the group reach this point (a one-element all-reduce on the device)."""
+        """A one-element all-reduce on the device: on gloo every rank's host reaches this point; on NCCL it only
+        orders the ranks' streams (the host goes on), which is what the pipeline's step start needs. A host
+        barrier on NCCL reads a result back: all_reduce_scalars (as checkpoints do)."""
         if group.size > 1:
             self.all_reduce(torch.zeros(1, device=self.device), group)
 

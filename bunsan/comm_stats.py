@@ -59,6 +59,9 @@ def logical_bytes(op: str, nbytes: int, n: int) -> int:
     return nbytes  # broadcast, send, recv
 
 
+MAX_PENDING = 1024       # device waits kept unread before the completed ones are added up
+
+
 class WaitClock:
     """Seconds this rank spent blocked on communication (the doctor's slow-sync share).
 
@@ -87,6 +90,14 @@ class WaitClock:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         self._pending.append((token, end))
+        if len(self._pending) > MAX_PENDING:   # no optimizer step settles them (serving, long evaluations)
+            left = []
+            for begin, end in self._pending:
+                if end.query():
+                    self.device_s += begin.elapsed_time(end) / 1e3
+                else:
+                    left.append((begin, end))
+            self._pending = left
 
     def settle(self) -> None:
         """Add up the device waits recorded so far (waits for the last of them to complete)."""

@@ -56,12 +56,14 @@ class Strategy:
         views = [v for i, v in pieces if i not in excluded and v.numel()]
         if not views:
             return torch.zeros(1, dtype=torch.float64, device=flat.device)
-        return sum(n.double() ** 2 for n in torch._foreach_norm(views, 2, dtype=torch.float32)).reshape(1)
+        norms = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32))
+        return norms.double().square().sum().reshape(1)
 
     def global_norm(self, local_sq: torch.Tensor, sharded: bool) -> torch.Tensor:
         """sqrt of the sum of squared contributions: over data-parallel shards (ZeRO) and tensor-parallel
-        slices and pipeline stages; a device tensor (the engine reads it)."""
-        total = local_sq
+        slices and pipeline stages; a device tensor (the engine reads it). An offloaded optimizer's gradient
+        shard is on the host: its 8-byte square goes to the device for the reductions."""
+        total = local_sq.to(self.comm.device)
         if sharded:
             self.comm.all_reduce(total, self.group)
         for other in (getattr(self, "tp_group", None), getattr(self, "pp_group", None)):

@@ -60,6 +60,9 @@ def pick_device(backend: str | None = None) -> torch.device:
     if rank >= count:
         if backend == "gloo":
             return torch.device("cuda", rank % count)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        if count == 1 and visible and "," not in visible:
+            return torch.device("cuda", 0)    # the launcher gave each process its own one GPU (SLURM, k8s)
         raise RuntimeError(f"LOCAL_RANK {rank} has no GPU of its own: {count} visible (CUDA_VISIBLE_DEVICES="
                            f"{_visible()}), and NCCL cannot put two ranks on one GPU; launch at most {count} "
                            f"processes per node (--nproc-per-node {count}) or make more GPUs visible, or set "
@@ -80,9 +83,18 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     """
     backend = None if backend in (None, "auto") else backend
     if dist.is_initialized():
-        if torch.cuda.is_available() and "LOCAL_RANK" not in os.environ:
-            return torch.device("cuda", torch.cuda.current_device())   # the user chose it with set_device
-        return pick_device(backend_name())
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        bound = getattr(dist.group.WORLD, "bound_device_id", None)     # init_process_group(device_id=...)
+        if bound is not None:
+            device = bound
+        elif "LOCAL_RANK" not in os.environ:
+            device = torch.device("cuda", torch.cuda.current_device())   # the user chose it with set_device
+        else:
+            device = pick_device(backend_name())
+        # events and streams (timings, offload copies) use the current device: make it this rank's
+        torch.cuda.set_device(device)
+        return device
     device = pick_device(backend)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = datetime.timedelta(seconds=collective_timeout(timeout_s, backend))

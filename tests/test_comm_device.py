@@ -88,3 +88,20 @@ def test_a_local_failure_is_not_blamed_on_a_peer():
     assert "this rank's own" in str(local) and "Another rank" not in str(local)
     lost = comm.error("all_reduce", ONE, "Connection closed by peer")
     assert "Another rank probably died" in str(lost)
+
+
+def test_a_launcher_that_gives_each_process_its_own_gpu_is_understood(gpus):
+    gpus(1, LOCAL_RANK="5", WORLD_SIZE="8", CUDA_VISIBLE_DEVICES="5")    # SLURM --gpus-per-task=1
+    assert pick_device() == torch.device("cuda", 0)
+    gpus(1, LOCAL_RANK="1", WORLD_SIZE="2")                              # one GPU for two ranks: refused
+    with pytest.raises(RuntimeError, match="LOCAL_RANK 1 has no GPU of its own"):
+        pick_device()
+
+
+def test_an_offloaded_shards_norm_is_reduced_on_the_rank_device():
+    """With offload_optimizer the fp32 gradient shard (and so its squared norm) is on the host; the norm's
+    reductions and the engine's one read happen on the device."""
+    from bunsan.data_parallel import Strategy
+    strategy = object.__new__(Strategy)
+    strategy.comm, strategy.group = Comm(device=torch.device("meta")), ONE
+    assert strategy.global_norm(torch.ones(1, dtype=torch.float64), sharded=True).device.type == "meta"

@@ -5,7 +5,8 @@ with a host output and a device input raises, and every read of a device value o
 `.tolist()`, `float(t)`) stalls the host until the GPU catches up. None of that shows on a CPU, where host and
 device are one. So the modules on the step's path are read as source:
 
-- a tensor factory (`torch.zeros`, `torch.tensor`, ...) must say where it builds (`device=`);
+- a tensor factory (`torch.zeros`, `torch.tensor`, ...) must say where it builds (`device=`), and
+  `torch.tensor(data, device=...)` is marked: it copies host data to the device synchronously;
 - a host read (`.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `float(...)`/`int(...)`/`bool(...)` of a tensor
   expression) must be marked `# host: <why>` on its line: the step has one such point, at the optimizer
   boundary, and everything else that reads the host is set-up, a checkpoint, or a host-only transport;
@@ -70,6 +71,9 @@ def violations(path: Path) -> list[str]:
             continue
         if _is_torch_factory(node) and not any(k.arg == "device" for k in node.keywords):
             out.append((node.lineno, f"torch.{node.func.attr}(...) without device="))
+        elif _is_torch_factory(node) and node.func.attr in ("tensor", "as_tensor"):
+            out.append((node.lineno, f"torch.{node.func.attr}(..., device=) copies host data to the device, "
+                                     "and waits for the stream to do it"))
         elif isinstance(node.func, ast.Attribute) and node.func.attr in HOST_METHODS and not node.args:
             out.append((node.lineno, f".{node.func.attr}() reads a tensor on the host"))
         elif isinstance(node.func, ast.Name) and node.func.id in HOST_CASTS and len(node.args) == 1 \

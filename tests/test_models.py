@@ -196,6 +196,11 @@ def test_gqa_kernel_choice_keeps_cuda_off_the_math_kernel():
     assert not native("cuda", torch.bfloat16, 128, masked=True)   # flash takes no mask
     assert not native("cuda", torch.bfloat16, 512, masked=False)  # beyond flash's head_dim
     assert native("cpu", torch.float32, 128, masked=True) and not native("mps", torch.float16, 64, masked=False)
+    assert not native("cuda", torch.bfloat16, 128, False, capability=(7, 0))       # V100: no flash
+    assert not native("cuda", torch.bfloat16, 100, False)                          # head_dim not a multiple of 8
+    assert not native("cuda", torch.bfloat16, 256, False, capability=(8, 6))       # A10 trains flash <= 192
+    assert native("cuda", torch.bfloat16, 256, False, capability=(8, 6), training=False)
+    assert native("cuda", torch.bfloat16, 128, False, capability=(8, 9))
 
 
 def test_tied_vs_untied_counts():

@@ -188,28 +188,31 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_attention_heads * hd, h, bias=False)
 
     @staticmethod
-    def native_gqa(device_type: str, dtype: torch.dtype, head_dim: int, masked: bool) -> bool:
+    def native_gqa(device_type: str, dtype: torch.dtype, head_dim: int, masked: bool,
+                   capability: tuple[int, int] = (9, 0), training: bool = True) -> bool:
         """Whether attention hands SDPA the K/V heads as they are (``enable_gqa=True``) rather than repeated
         to every query head. Only where a fused kernel takes grouped heads (torch 2.13), so that no call that
         ran fused with repeated K/V lands on the math kernel (which materialises the s x s scores) instead:
 
           CPU           the flash kernel takes GQA with and without a mask, fp32 and 16-bit, and trains
                         no slower than with repeated K/V (measured on the small preset)
-          CUDA 16-bit   FlashAttention-2 and cuDNN take GQA, without an attn_mask; flash needs head_dim <= 256
-                        (and sm80+: on older GPUs this call would take the math kernel)
+          CUDA 16-bit   FlashAttention-2 and cuDNN take GQA, without an attn_mask; flash needs sm80+, head_dim
+                        a multiple of 8 and <= 256, and to train on sm86/sm89 (A10, L4, L40, RTX 30/40) <= 192
           CUDA fp32     only the memory-efficient kernel runs fp32 there, and it needs equal head counts
           CUDA + mask   the memory-efficient kernel takes the mask but not GQA; cuDNN takes both but declines
                         many shapes and is not first in line on every GPU, so K/V stay repeated
           other devices K/V stay repeated, as they always were
 
-        Depends only on static facts (device type, dtype, shapes) so torch.compile guards on it for free.
-        The estimator prices attention's saved K/V with this same rule.
+        Depends only on static facts (device type and capability, dtype, shapes, grad mode) so torch.compile
+        guards on it for free. The estimator prices attention's saved K/V with this same rule (for an sm90 GPU).
         """
         if device_type == "cpu":
             return True
-        if device_type == "cuda":
-            return dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and not masked
-        return False
+        if device_type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or masked:
+            return False
+        if capability < (8, 0) or head_dim % 8 or head_dim > 256:
+            return False
+        return not (training and capability in ((8, 6), (8, 9)) and head_dim > 192)
 
     def forward(self, x, cos, sin, kv_cache_layer=None):
         b, s, _ = x.shape
@@ -228,7 +231,12 @@ class Attention(nn.Module):
             # bottom-right aligned: query i (absolute past+i) sees keys <= past+i.
             mask = torch.ones(s, total, dtype=torch.bool, device=x.device).tril(diagonal=total - s)
         n_rep = q.shape[1] // k.shape[1]
-        gqa = n_rep > 1 and self.native_gqa(q.device.type, q.dtype, self.head_dim, mask is not None)
+        capability = (9, 0)
+        if q.device.type == "cuda":
+            gpu = torch.cuda.get_device_properties(q.device)
+            capability = (gpu.major, gpu.minor)
+        gqa = n_rep > 1 and self.native_gqa(q.device.type, q.dtype, self.head_dim, mask is not None, capability,
+                                            torch.is_grad_enabled())
         if n_rep > 1 and not gqa:
             # kv head j serves query heads j*n_rep..(j+1)*n_rep-1 (HF repeat_kv); enable_gqa groups them alike
             k = k.repeat_interleave(n_rep, dim=1)

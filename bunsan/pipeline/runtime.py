@@ -122,7 +122,11 @@ class P2P:
             raise ValueError(f"pipeline messages have at most {_HEADER - 2} dims; got shape {tuple(t.shape)}")
         self.shapes[src] = (tuple(t.shape), t.dtype)
         values = [shm_mailbox.DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER - 2 - t.dim())
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=torch.int64, device=self.device)  # host: the device is the host
+        # through pinned memory, asynchronously: torch.tensor(..., device=cuda) would wait for the stream
+        pinned = torch.tensor(values, dtype=torch.int64, pin_memory=True)   # host: the header's values
+        return pinned.to(self.device, non_blocking=True)
 
     def _through_mailbox(self, sends: list, recvs: list) -> tuple[list, list]:
         """Shared memory: a post never waits (its descriptor carries dtype and shape); a fetch blocks."""
@@ -189,8 +193,10 @@ class Runner:
         self._wait(pending)
         return total
 
-    def _exchange(self, batch: tuple, outputs: dict, received: dict, grads: dict, pending: list) -> list:
-        """Post one batch of transfers; file what arrived (activations to forward, gradients to backward)."""
+    def _exchange(self, batch: tuple, outputs: dict, received: dict, grads: dict, pending: list,
+                  record: bool = True) -> list:
+        """Post one batch of transfers; file what arrived (activations to forward, gradients to backward).
+        `record`: time it in the step's timeline (evaluation does not: it is not the step)."""
         sends, recvs = [], []
         for a in batch:
             s, key = self._stage(a), (a.micro, a.chunk)
@@ -204,7 +210,7 @@ class Runner:
             else:   # recv_bwd: the gradient of an output this rank sent forward
                 recvs.append((a, s, outputs[key]))
         first = batch[0]
-        with self._record(first.kind, first.micro, first.chunk):
+        with self._record(first.kind, first.micro, first.chunk) if record else _NULL:
             pending = self._prune(pending)
             got, sent = self.p2p.exchange(sends, recvs)
         for (a, _, _), t in zip(recvs, got):
@@ -228,7 +234,7 @@ class Runner:
         self.p2p.begin_step(every_header=True)
         for it in self._eval_plans[m]:
             if isinstance(it, tuple):
-                pending = self._exchange(it, outputs, received, {}, pending)
+                pending = self._exchange(it, outputs, received, {}, pending, record=False)
                 for a in it:           # a forward's output is done with once sent
                     if a.kind == "send_fwd":
                         outputs.pop((a.micro, a.chunk))

@@ -74,7 +74,7 @@ def eval_batch(engine, batch) -> float:
     if lm:
         count = (tensors["labels"] != -100).sum().double()
     else:   # loss_fn gives a mean per micro-batch: weight it by its rows
-        count, mean_of = torch.tensor(float(rows), dtype=torch.float64, device=engine.device), loss_of
+        count, mean_of = torch.full((), float(rows), dtype=torch.float64, device=engine.device), loss_of
         loss_of = lambda out, mb: (None, mean_of(out, mb)[1] * mb[0].shape[0])   # noqa: E731
     total = pipe.runner.evaluate(micro, first_input, loss_of, seq_len)
     comm.broadcast(total, pipe.p - 1, mesh.pp_group)

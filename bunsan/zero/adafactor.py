@@ -101,4 +101,4 @@ class ShardedAdafactor(torch.optim.Optimizer):
             if group["weight_decay"]:
                 t.mul_(1 - lr * group["weight_decay"])
             denom = (upd_rms[i] / (numel ** 0.5 * group["d"])).clamp(min=1.0)
-            t.sub_(update * (alpha / denom).to(t.dtype))
+            t.sub_(update.mul_((alpha / denom).to(t.dtype)))     # (update is not needed after)

@@ -20,7 +20,7 @@ from .unit_buffer import UnitBuffer
 
 class FrozenShards:
     def __init__(self, module: nn.Module, groups: list[list[nn.Parameter]], comm, group, device: torch.device,
-                 home: torch.device, dtype: torch.dtype, seed: int):
+                 home: torch.device, dtype: torch.dtype, seed: int, pin_memory: bool = False):
         self.comm, self.group, self.device, self.dtype = comm, group, device, dtype
         self.params = [p for g in groups for p in g]
         index, start = [], 0
@@ -32,7 +32,9 @@ class FrozenShards:
         self.names = [names[p] for p in self.params]
         self.shapes = [tuple(p.shape) for p in self.params]
         self.slices = self.layout.shard_slices()
-        self.shard = torch.empty(self.layout.shard_numel, dtype=dtype, device=home)
+        # (pinned where the trained shards are: the gathers' copies from the host then run asynchronously; these
+        # shards are never written after, so no copy can race a write)
+        self.shard = torch.empty(self.layout.shard_numel, dtype=dtype, device=home, pin_memory=pin_memory)
         meta = any(p.is_meta for p in self.params)
         for k, (lo, hi, s) in enumerate(self.slices):
             if not self.layout.buckets[k].size:

@@ -134,7 +134,8 @@ class FullyShardedDP(Sharded):
         self.pinned = bool(off_p and off_p.device != "none" and off_p.pin_memory and device.type == "cuda")
         self.param_shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.param_home,
                                        pin_memory=self.pinned and off_p.device == "cpu")
-        self.copies = CopyMarks(device)     # host->device copies of host shards still in flight, per unit
+        # host->device copies of host shards still in flight, per unit (shards on the device need no marks)
+        self.copies = CopyMarks(device if self.param_home.type == "cpu" else torch.device("cpu"))
         self.slices = self.layout.shard_slices()
         meta = any(p.is_meta for p in self.params)
         for k, u in enumerate(self.units):
@@ -159,7 +160,7 @@ class FullyShardedDP(Sharded):
             taken = {p for g in unit_frozen for p in g}
             unit_frozen.append([p for p in frozen if p not in taken])
             self.frozen = FrozenShards(module, unit_frozen, comm, group, device, self.param_home, self.dtype,
-                                       cfg.train.seed)
+                                       cfg.train.seed, pin_memory=self.pinned and off_p.device == "cpu")
         if meta:
             self.params = replace_meta_parameters(module, self.params, device, self.dtype)
         for k, u in enumerate(self.units):   # (LoRA: a unit may hold no trained weight, only frozen ones)
