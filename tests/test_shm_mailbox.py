@@ -66,7 +66,9 @@ def _pipeline(rank, world, mode):
            "train": {"gloo_collectives": mode}}
     engine = bunsan.initialize(tiny_model(), cfg)
     losses = [engine.train_batch(b) for b in batches(2, 8, 16)]
+    spans = len(engine.pipe.recorder.intervals)
     losses.append(engine.eval_batch(batches(1, 7, 16)[0]))     # forward only, micro-batches of 2, 2, 2, 1 rows
+    assert len(engine.pipe.recorder.intervals) == spans        # evaluation is not in the last step's timeline
     return losses, engine.pipe.runner.p2p.box is not None
 
 
