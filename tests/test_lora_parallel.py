@@ -17,9 +17,9 @@ LORA = {"enabled": True, "r": 4, "alpha": 8.0, "dropout": 0.0,
         "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]}
 
 
-def _cfg(tp=1, sp=False, dp=1, pp=1, m=1, stage=0):
+def _cfg(tp=1, sp=False, dp=1, pp=1, m=1, stage=0, clip=1.0):
     return {"train_micro_batch_size_per_gpu": ROWS // (dp * m), "gradient_accumulation_steps": m,
-            "optimizer": optimizer_config("sgd"), "gradient_clipping": 1.0, "lora": LORA,
+            "optimizer": optimizer_config("sgd"), "gradient_clipping": clip, "lora": LORA,
             "tensor_parallel": {"size": tp, "sequence_parallel": sp},
             "pipeline": {"stages": pp, "schedule": "1f1b"},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000,
@@ -40,14 +40,14 @@ def _train(rank, world, cfg):
     return losses, to_numpy(engine.consolidated_state_dict()), memory, trainable
 
 
-def _reference(meta_init: bool):
+def _reference(meta_init: bool, clip: float = 1.0):
     from bunsan.config import Config
     from bunsan.lora import apply_lora
     model = tiny_model()
     if meta_init:
         model.init_weights(seed=1234)      # what a model built on meta draws: weights by name
     apply_lora(model, Config.load({"lora": LORA}).lora, seed=1234)
-    return reference_train(model, batches(STEPS, ROWS, SEQ), "sgd", 1.0)
+    return reference_train(model, batches(STEPS, ROWS, SEQ), "sgd", clip)
 
 
 CASES = {"tp2": dict(tp=2), "tp2-sp": dict(tp=2, sp=True), "pp2": dict(pp=2, m=2),
@@ -55,12 +55,13 @@ CASES = {"tp2": dict(tp=2), "tp2-sp": dict(tp=2, sp=True), "pp2": dict(pp=2, m=2
          "tp2-dp2-zero3": dict(tp=2, dp=2, stage=3)}
 
 
+@pytest.mark.parametrize("clip", [0.0, 1.0])      # without clipping a uniform gradient-scale error shows
 @pytest.mark.parametrize("name", list(CASES))
-def test_lora_layout_matches_single_process(pools, name):
+def test_lora_layout_matches_single_process(pools, name, clip):
     kw = CASES[name]
     world = kw.get("tp", 1) * kw.get("dp", 1) * kw.get("pp", 1)
-    results = pools.run(world, _train, world, _cfg(**kw))
-    ref_losses, ref_state = _reference(meta_init=kw.get("pp", 1) > 1)
+    results = pools.run(world, _train, world, _cfg(**kw, clip=clip))
+    ref_losses, ref_state = _reference(meta_init=kw.get("pp", 1) > 1, clip=clip)
     assert any(".lora_A." in k for k in ref_state) and any(".base_layer." in k for k in ref_state)
     for losses, state, _, _ in results:
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

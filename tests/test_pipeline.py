@@ -34,11 +34,11 @@ def _train(rank, world, cfg, overrides, meta):
     return losses, state, local, held, engine.pp_rank
 
 
-def _check(results, overrides, seed_init=False):
+def _check(results, overrides, seed_init=False, clip=1.0):
     model = tiny_model(**overrides)
     if seed_init:
         model.init_weights(seed=1234)      # what meta construction draws: weights by name
-    ref_losses, ref_state = reference_train(model, batches(STEPS, ROWS, SEQ), "sgd", 1.0)
+    ref_losses, ref_state = reference_train(model, batches(STEPS, ROWS, SEQ), "sgd", clip)
     for losses, state, local, _, _ in results:
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
         assert state.keys() == ref_state.keys()
@@ -50,11 +50,14 @@ CASES = [(2, "gpipe", 2, 1), (2, "1f1b", 4, 1), (2, "interleaved", 4, 2),
          (4, "gpipe", 4, 1), (4, "1f1b", 8, 1), (4, "interleaved", 4, 2)]
 
 
+# SGD without clipping sees a uniform gradient-scale error (a mean over the wrong count of micro-batches or
+# stages), which clipping to 1 rescales away; with clipping, the global norm over stages is checked.
+@pytest.mark.parametrize("clip", [0.0, 1.0])
 @pytest.mark.parametrize("pp,schedule,m,v", CASES)
-def test_pipeline_matches_single_process(pools, pp, schedule, m, v):
+def test_pipeline_matches_single_process(pools, pp, schedule, m, v, clip):
     overrides = {"num_hidden_layers": 8} if pp * v > 4 else {}
-    results = pools.run(pp, _train, pp, _cfg(pp, schedule, m, v=v), overrides, False)
-    _check(results, overrides)
+    results = pools.run(pp, _train, pp, _cfg(pp, schedule, m, v=v, clip=clip), overrides, False)
+    _check(results, overrides, clip=clip)
 
 
 def test_tied_embeddings_across_stages_stay_tied(pools):
@@ -73,14 +76,15 @@ def test_meta_model_materialises_only_its_stage(pools):
     assert sum(held) == total and max(held) < 0.7 * total
 
 
+@pytest.mark.parametrize("clip", [0.0, 1.0])
 @pytest.mark.parametrize("name,pp,dp,tp,stage,sp", [
     ("pp2_dp2_zero1", 2, 2, 1, 1, False), ("pp2_dp2_zero0", 2, 2, 1, 0, False), ("pp2_tp2", 2, 1, 2, 0, False),
     ("pp2_tp2_sp", 2, 1, 2, 0, True), ("pp2_dp2_tp2_zero1", 2, 2, 2, 1, False)])
-def test_pipeline_composes(pools, name, pp, dp, tp, stage, sp):
+def test_pipeline_composes(pools, name, pp, dp, tp, stage, sp, clip):
     world = pp * dp * tp
-    results = pools.run(world, _train, world, _cfg(pp, "1f1b", 2, dp=dp, tp=tp, stage=stage, sp=sp),
+    results = pools.run(world, _train, world, _cfg(pp, "1f1b", 2, dp=dp, tp=tp, stage=stage, sp=sp, clip=clip),
                         {"tie_word_embeddings": True}, False)
-    _check(results, {"tie_word_embeddings": True})
+    _check(results, {"tie_word_embeddings": True}, clip=clip)
 
 
 def _eval_and_errors(rank, world):

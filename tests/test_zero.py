@@ -57,13 +57,16 @@ def test_zero_fp32_matches_single_process(pools, stage, world, grad_accum, opt_n
     _check(pools.run(world, _train, world, _cfg(world, stage, grad_accum, opt_name, clip)), opt_name, clip)
 
 
+@pytest.mark.parametrize("opt_name,clip", [("adamw", 1.0), ("sgd", 0.0)])   # SGD unclipped: gradient scale
 @pytest.mark.parametrize("stage,offload", [(1, "cpu"), (2, "nvme"), (3, "cpu"), (3, "nvme")])
-def test_offloaded_optimizer_matches_single_process(pools, tmp_path, stage, offload):
+def test_offloaded_optimizer_matches_single_process(pools, tmp_path, stage, offload, opt_name, clip):
     zero = {"offload_optimizer": {"device": offload, "nvme_path": str(tmp_path)}, "sub_group_size": 40_000}
     if stage == 3:   # parameter shards follow the optimizer: host memory, or the NVMe swap file
         zero["offload_param"] = {"device": offload, "nvme_path": str(tmp_path)}
-    results = pools.run(2, _train, 2, _cfg(2, stage, 1, "adamw", 1.0, **zero))
-    _check(results, "adamw", 1.0)
+    results = pools.run(2, _train, 2, _cfg(2, stage, 1, opt_name, clip, **zero))
+    _check(results, opt_name, clip)
+    if opt_name != "adamw":
+        return
     psi = sum(p.numel() for p in tiny_model().parameters())
     for _, _, mem, _ in results:
         assert mem["host"] >= mem["optimizer_states"] + mem["master_weights"]
