@@ -1,7 +1,7 @@
 """What NCCL's point-to-point rules demand of a pipeline schedule, checked without torch.
 
 gloo matches messages by tag and a send never waits for its receiver, so any schedule whose receives all have
-sends completes there (schedules.simulate's "buffered" rules). NCCL is stricter:
+sends completes there (simulation.py's "buffered" rules). NCCL is stricter:
 
 1. it ignores tags: the k-th message from rank a to rank b lands in the k-th receive b posts from a, so the two
    ranks must list the transfers between them in the same order (`check_order`), or a message fills another's
@@ -14,7 +14,7 @@ batch_isend_irecv, as Megatron does: send-forward with receive-backward, send-ba
 and waits for the batch before the next compute. The first forward message of each stage in a step carries a
 header (dtype and shape) that the receiver must read before it can allocate the message: a batch with such a
 receive posts its sends and the headers first, then the receives.
-`simulate` runs the lists under these rules: a batch completes only once every operation in it has its
+simulation.py runs the lists under these rules: a batch completes only once every operation in it has its
 counterpart posted, and a rank waits for its batch.
 
     rank 0:  F0 [sF0] F1 [sF1] F2 [sF2 rB0] B0 ...      ([...]: one batch)
@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+KINDS = ("recv_fwd", "forward", "send_fwd", "recv_bwd", "backward", "send_bwd")
 COMPUTE = ("forward", "backward")
 
 
@@ -132,50 +133,3 @@ def plan(acts: list, rank: int, p: int, headed: set) -> list:
         else:
             out.append(Batch(tuple(sends + recvs), it))
     return out
-
-
-def simulate(schedule: list, p: int, duration, every_header: bool = False) -> tuple[list, list, list]:
-    """Run the lists under NCCL's rules (module docstring); duration(action, rank) -> a compute's time.
-    Returns (per-rank clocks, busy times, compute intervals); raises RuntimeError on a deadlock."""
-    headed = set().union(*(header_links(acts, r, p, every_header) for r, acts in enumerate(schedule)))
-    plans = [plan(acts, r, p, headed) for r, acts in enumerate(schedule)]
-    clock, pc = [0.0] * p, [0] * p
-    busy, intervals = [0.0] * p, [[] for _ in range(p)]
-    posted = {"send": {}, "recv": {}}        # link -> when its operation was posted
-    counterpart = {"send": "recv", "recv": "send"}
-    waiting = [False] * p                    # the rank has posted its current batch
-    progressed = True
-    # Sweep the ranks until nobody moves: a batch completes at the latest of its own and its counterparts'
-    # posting times, whatever order the ranks are visited in.
-    while progressed:
-        progressed = False
-        for r in range(p):
-            while pc[r] < len(plans[r]):
-                it = plans[r][pc[r]]
-                if isinstance(it, Batch):
-                    if not waiting[r]:
-                        waiting[r] = True
-                        for side, key in it.ops:
-                            posted[side][key] = clock[r]
-                        progressed = True
-                    theirs = [posted[counterpart[side]].get(key) for side, key in it.ops]
-                    if any(t is None for t in theirs):
-                        break                                  # a peer has not posted its side yet
-                    clock[r] = max([clock[r], *theirs])
-                    waiting[r] = False
-                else:
-                    dur = duration(it, r)
-                    intervals[r].append((it, clock[r], clock[r] + dur))
-                    clock[r] += dur
-                    busy[r] += dur
-                pc[r] += 1
-                progressed = True
-    stuck = [f"rank {r} waits at {_describe(plans[r][pc[r]])}" for r in range(p) if pc[r] < len(plans[r])]
-    if stuck:
-        raise RuntimeError("pipeline schedule deadlocks under NCCL's rules (a send waits for its receive; the "
-                           "transfers between two computes are one batch): " + "; ".join(stuck))
-    return clock, busy, intervals
-
-
-def _describe(it) -> str:
-    return it.describe() if isinstance(it, Batch) else it.label(True)

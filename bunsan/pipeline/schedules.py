@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
 from . import p2p_rules
-
-KINDS = ("recv_fwd", "forward", "send_fwd", "recv_bwd", "backward", "send_bwd")
-COMPUTE = ("forward", "backward")
+from .p2p_rules import COMPUTE, KINDS
+from .simulation import SimResult, simulate  # noqa: F401  (schedules' public API: check() runs it)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _SHORT = {"recv_fwd": "rF", "forward": "F", "send_fwd": "sF",
           "recv_bwd": "rB", "backward": "B", "send_bwd": "sB"}
@@ -337,72 +336,6 @@ def check(schedule: Schedule, p: int, m: int, v: int = 1,
         for rank, (peak, limit) in enumerate(zip(peak_in_flight(schedule), limits)):
             if peak > limit:
                 raise ValueError(f"rank {rank} holds {peak} micro-batch chunks in flight, more than {limit}")
-
-
-# ---------------------------------------------------------------- simulating
-
-@dataclass
-class SimResult:
-    makespan: float
-    busy: list       # per-rank compute time
-    intervals: list  # per rank: [(Action, start, end)] for compute actions
-    bubble: float    # idle fraction: 1 - sum(busy) / (p * makespan)
-
-
-def simulate(schedule: Schedule, p: int, v: int = 1, t_fwd: float | Sequence[float] = 1.0,
-             t_bwd: float | Sequence[float] = 2.0, rules: str = "buffered", every_header: bool = False) -> SimResult:
-    """Run each rank's list in order; computes take t_fwd / t_bwd per chunk (one number, or one per global
-    stage: unequal stages, e.g. measured ones); communication is free. Under the "buffered" rules (gloo, the
-    shared-memory mailbox) sends never wait and a recv waits for its send; under "nccl" (p2p_rules.py) the
-    transfers between two computes are one batch that completes when every peer has posted its side (a header
-    before each stage's first forward message, or before every one with `every_header`: evaluation).
-    Raise RuntimeError on deadlock."""
-    if len(schedule) != p:
-        raise ValueError(f"schedule has {len(schedule)} rank lists, expected p={p}")
-
-    def duration(a: Action, r: int) -> float:
-        t = t_fwd if a.kind == "forward" else t_bwd
-        return t if isinstance(t, (int, float)) else t[a.chunk * p + r]
-
-    if rules == "nccl":
-        clock, busy, intervals = p2p_rules.simulate(schedule, p, duration, every_header)
-        makespan = max(clock, default=0.0)
-        return SimResult(makespan, busy, intervals, 1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0)
-    if rules != "buffered":
-        raise ValueError(f"rules={rules!r}: expected 'buffered' or 'nccl'")
-    clock, pc = [0.0] * p, [0] * p
-    busy, intervals = [0.0] * p, [[] for _ in range(p)]
-    sent = {}  # link -> time the send happened
-    progressed = True
-    # Sweep the ranks until nobody moves: a recv's time is max(own clock, send time)
-    # whichever order ranks are visited in, so repeated sweeps give the exact timeline.
-    while progressed:
-        progressed = False
-        for r in range(p):
-            while pc[r] < len(schedule[r]):
-                a = schedule[r][pc[r]]
-                if a.kind not in KINDS or not 0 <= a.chunk < v:
-                    raise ValueError(f"rank {r} action {pc[r]} {a!r}: unknown kind or chunk outside 0..{v - 1}")
-                if a.kind in COMPUTE:
-                    dur = duration(a, r)
-                    intervals[r].append((a, clock[r], clock[r] + dur))
-                    clock[r] += dur
-                    busy[r] += dur
-                elif a.kind.startswith("send"):
-                    sent[_link(a, r, p)] = clock[r]
-                elif _link(a, r, p) in sent:
-                    clock[r] = max(clock[r], sent[_link(a, r, p)])
-                else:
-                    break  # blocked on a recv
-                pc[r] += 1
-                progressed = True
-    stuck = [f"rank {r} waits at action {pc[r]} ({schedule[r][pc[r]].label(True)})"
-             for r in range(p) if pc[r] < len(schedule[r])]
-    if stuck:
-        raise RuntimeError("pipeline schedule deadlocks: " + "; ".join(stuck))
-    makespan = max(clock, default=0.0)
-    bubble = 1.0 - sum(busy) / (p * makespan) if makespan > 0 else 0.0
-    return SimResult(makespan, busy, intervals, bubble)
 
 
 def theory_bubble(name: str, p: int, m: int, v: int = 1) -> float:
