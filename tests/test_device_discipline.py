@@ -26,7 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "bunsan"
 
 STEP_MODULES = [
-    "engine.py", "comm.py", "data_parallel.py", "grad_sync.py", "precision.py", "transforms.py", "lm_loss.py",
+    "engine.py", "comm.py", "comm_work.py", "data_parallel.py", "grad_sync.py", "precision.py", "transforms.py",
+    "lm_loss.py",
     "pipeline/runtime.py", "pipeline/step.py",
     "zero/stage12.py", "zero/stage3.py", "zero/reduce.py", "zero/optimizer.py", "zero/frozen.py",
     "zero/unit_buffer.py", "zero/offload.py", "zero/adafactor.py",
