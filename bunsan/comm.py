@@ -133,7 +133,8 @@ class Comm:
         from .doctor.rollcall import roll_call
         seq = self._seq[group.name]
         text = str(cause).lower()
-        head = f"rank {self.global_rank}: {op} #{seq} on group '{group.name}' (ranks {list(group.ranks)}) failed: {cause}."
+        head = (f"rank {self.global_rank}: {op} #{seq} on group '{group.name}' (ranks {list(group.ranks)}) "
+                f"failed: {cause}.")
         # Another rank is to blame only for a timeout or a lost connection: then a roll call says where each is.
         if not any(w in text for w in ("timed out", "timeout", "connection", "closed", "reset", "peer", "broken",
                                        "remote", "watchdog")):
@@ -295,7 +296,8 @@ class Comm:
         if not self._staged(group, o.tensor):
             call = dist.isend if o.kind == "send" else dist.irecv
             return self._run("p2p", group, 0, lambda: call(o.tensor, o.peer, group=group.pg, tag=o.tag), True)
-        host = o.tensor.detach().to("cpu") if o.kind == "send" else torch.empty_like(o.tensor, device="cpu")  # host: gloo
+        # host: gloo reads host memory
+        host = o.tensor.detach().to("cpu") if o.kind == "send" else torch.empty_like(o.tensor, device="cpu")
         if o.kind == "send":     # the handle keeps the host copy alive until the send completed
             return self._run("p2p", group, 0, lambda: dist.isend(host, o.peer, group=group.pg, tag=o.tag), True,
                              after=lambda: host)

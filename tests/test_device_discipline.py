@@ -65,7 +65,8 @@ def violations(path: Path) -> list[str]:
     out = []
 
     def marked(node) -> bool:
-        return any(m in lines[i - 1] for m in MARKS for i in range(node.lineno, getattr(node, "end_lineno", node.lineno) + 1))
+        span = range(node.lineno, getattr(node, "end_lineno", node.lineno) + 1)
+        return any(m in lines[i - 1] for m in MARKS for i in span)
 
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.Call) or marked(node):
