@@ -136,22 +136,27 @@ def test_tokens_are_drawn_where_the_generator_lives():
 @pytest.mark.parametrize("where", ["cpu", "disk"])
 def test_a_bf16_load_has_bf16_weights_and_kv_cache(tmp_path, monkeypatch, where):
     """dtype reaches every block, those on disk included (read per use in that dtype), and the KV cache."""
-    from bunsan.models.generate import KVCache
     dmap = {"embed_tokens": where, "layers.0": "cpu", "layers.1": where, "layers.2": "cpu", "layers.3": "cpu",
             "norm": "cpu", "lm_head": "cpu"}
     model, _ = load(tiny_model(0), dmap, dtype=torch.bfloat16, offload_dir=tmp_path / "off")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.rope_cos.dtype == torch.float32            # positions stay exact; apply_rope casts per use
-    captured = []
-    real = KVCache.__init__
-
-    def spy(self, *args, **kwargs):
-        real(self, *args, **kwargs)
-        captured.append(self)
-    monkeypatch.setattr(KVCache, "__init__", spy)
+    captured = _record_kv_caches(monkeypatch)
     out = generate(model, torch.tensor([list(b"def ")]), 5)
     assert out.shape == (1, 9)
     assert {k.dtype for k in captured[0].k + captured[0].v} == {torch.bfloat16}
+
+
+def _record_kv_caches(monkeypatch) -> list:
+    """Every KVCache made from now on, in order (to read its dtype)."""
+    from bunsan.models.generate import KVCache
+    made, real = [], KVCache.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(self)
+    monkeypatch.setattr(KVCache, "__init__", spy)
+    return made
 
 
 def _trained_checkpoint(directory, model):
@@ -181,19 +186,12 @@ def test_generate_dtype_bf16_from_a_trained_checkpoint(tmp_path, capsys, monkeyp
     equal to the bf16 model's own generation."""
     from bunsan.cli import main
     from bunsan.cli_generate import trained_model
-    from bunsan.models.generate import KVCache
     whole = tiny_model(0).eval()
     ckpt = _trained_checkpoint(tmp_path / "final", whole)
     model, _ = trained_model(ckpt, dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     want = generate(model, torch.tensor([list(b"def ")]), 10)
-    caches = []
-    real = KVCache.__init__
-
-    def spy(self, *args, **kwargs):
-        real(self, *args, **kwargs)
-        caches.append(self)
-    monkeypatch.setattr(KVCache, "__init__", spy)
+    caches = _record_kv_caches(monkeypatch)
     assert main(["generate", "--checkpoint", str(tmp_path), "--prompt", "def ", "--max-new-tokens", "10",
                  "--dtype", "bf16"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == bytes(want[0].tolist()).decode("utf-8", errors="replace")
