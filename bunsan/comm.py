@@ -92,8 +92,8 @@ class Comm:
                     "the engine's device (engine.device). This is a bug in the caller, not a lost peer.")
         self.tensors_checked += len(tensors)
 
-    def _staged(self, group: Group, *tensors: torch.Tensor) -> bool:
-        """gloo with device tensors: the op runs on host copies (gloo's transports read host memory)."""
+    def _staged(self, group: Group) -> bool:
+        """gloo on a GPU rank (its tensors are on the device, as _check made sure): the op runs on host copies."""
         return self.device.type != "cpu" and self._is_gloo(group)
 
     def _via_host(self, run, tensors: list[torch.Tensor], written: int, async_op: bool, output_only: bool = False):
@@ -189,7 +189,7 @@ class Comm:
         self._check("all_reduce", group, t)
         if group.size == 1:
             return self._finished("all_reduce", group, async_op)
-        if self._staged(group, t):
+        if self._staged(group):
             return self._via_host(lambda h: self._all_reduce(h[0], group, op, False), [t], 0, async_op)
         return self._all_reduce(t, group, op, async_op)
 
@@ -205,7 +205,7 @@ class Comm:
         if group.size == 1:
             out.copy_(shard.view_as(out))
             return self._finished("all_gather", group, async_op)
-        if self._staged(group, out, shard):
+        if self._staged(group):
             return self._via_host(lambda h: self._all_gather(h[0], h[1], group, False), [out, shard], 0, async_op,
                                   output_only=True)
         return self._all_gather(out, shard, group, async_op)
@@ -227,7 +227,7 @@ class Comm:
         if group.size == 1:
             out.copy_(full.view_as(out))
             return self._finished("reduce_scatter", group, async_op)
-        if self._staged(group, out, full):
+        if self._staged(group):
             return self._via_host(lambda h: self._reduce_scatter(h[0], h[1], group, False), [out, full], 0,
                                   async_op, output_only=True)
         return self._reduce_scatter(out, full, group, async_op)
@@ -244,7 +244,7 @@ class Comm:
         self._check("broadcast", group, t)
         if group.size == 1:
             return self._finished("broadcast", group, async_op)
-        if self._staged(group, t):
+        if self._staged(group):
             return self._via_host(lambda h: self._broadcast(h[0], src_rank, group, False), [t], 0, async_op)
         return self._broadcast(t, src_rank, group, async_op)
 
@@ -293,7 +293,7 @@ class Comm:
         return [self._gloo_p2p(o, group) for o in ops]
 
     def _gloo_p2p(self, o: P2POp, group: Group) -> _Handle:
-        if not self._staged(group, o.tensor):
+        if not self._staged(group):
             call = dist.isend if o.kind == "send" else dist.irecv
             return self._run("p2p", group, 0, lambda: call(o.tensor, o.peer, group=group.pg, tag=o.tag), True)
         # host: gloo reads host memory
