@@ -1,7 +1,7 @@
 """gloo collectives on CPU: torch's own vs bunsan's point-to-point exchanges and shared memory.
 
 bunsan.comm runs all-reduce, reduce-scatter and all-gather through shared memory where a group's ranks share
-a host (bunsan/shm.py), else all-gather and reduce-scatter as direct exchanges on gloo (bunsan/exchange.py);
+a host (bunsan/comm/shm.py), else all-gather and reduce-scatter as direct exchanges on gloo (bunsan/comm/exchange.py);
 this measures why: per bucket, with --in-flight buckets launched at once (as ZeRO's backward hooks and
 post-step gather do), through bunsan's Comm with train.gloo_collectives 'native', 'exchange' and 'shm'.
 
@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 from bench_dp import machine, spawn_ranks
-from bunsan.comm import Comm
-from bunsan.distributed import Mesh
+from bunsan.comm.collectives import Comm
+from bunsan.comm.mesh import Mesh
 
 OPS = ("all_reduce/native", "all_reduce/shm", "reduce_scatter/native", "reduce_scatter/exchange", "reduce_scatter/shm",
        "all_gather/native", "all_gather/exchange", "all_gather/shm")

@@ -47,8 +47,8 @@ def one(rank, world, path, batch, new, mode):
         model = load_llama(path).eval()
         kv = None
         if mode == "tp":
-            from bunsan.comm import Comm
-            from bunsan.distributed import Mesh
+            from bunsan.comm.collectives import Comm
+            from bunsan.comm.mesh import Mesh
             from bunsan.tensor_parallel import TPContext, apply_tensor_parallel
             mesh = Mesh.create(tp=world)
             apply_tensor_parallel(model, TPContext(Comm(), mesh.tp_group)).gather_output = True

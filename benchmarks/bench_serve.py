@@ -34,7 +34,7 @@ def _model():
 def _serve(model, slots):
     import uvicorn
 
-    from bunsan.data import load_tokenizer
+    from bunsan.training.data import load_tokenizer
     from bunsan.serve import Batcher, Limits, build_app
     batcher = Batcher(model, slots, 256)
     app = build_app(batcher, load_tokenizer(None), "bench", Limits(max_concurrent=1024))
@@ -67,7 +67,7 @@ def _load(url, clients, n, max_tokens):
 def _sequential(model, n, max_tokens):
     import torch
 
-    from bunsan.data import load_tokenizer
+    from bunsan.training.data import load_tokenizer
     from bunsan.models import generate
     tok = load_tokenizer(None)
     start, made = time.perf_counter(), 0

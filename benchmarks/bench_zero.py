@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import bunsan
-from bunsan.memory import model_state_bytes
+from bunsan.memory.theory import model_state_bytes
 from bench_dp import GiB, contender_list, machine, make_batches, run_one_by_one, spawn_ranks, timed_steps
 
 WORLD = 2

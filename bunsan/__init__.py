@@ -7,15 +7,17 @@ import inspect
 import torch
 import torch.nn as nn
 
-from . import models, pipeline, zero
-from .comm import Comm, CommError
-from .config import Config, ConfigError
-from .distributed import Mesh, backend_name, collective_timeout, init_distributed
-from .engine import Engine
-from .tensor_parallel import TPContext, apply_tensor_parallel
-from .transforms import apply_activation_checkpointing, apply_compile
-from .estimator import estimate
-from .planner.search import plan
+from bunsan import models, pipeline, zero
+from bunsan.comm.collectives import Comm, CommError
+from bunsan.config.root import Config, ConfigError
+from bunsan.comm.mesh import Mesh
+from bunsan.comm.process_group import backend_name, collective_timeout, init_distributed
+from bunsan.engine.engine import Engine
+from bunsan.tensor_parallel import TPContext, apply_tensor_parallel
+from bunsan.transforms.checkpointing import apply_activation_checkpointing
+from bunsan.transforms.compile import apply_compile
+from bunsan.estimator import estimate
+from bunsan.planner.search import plan
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "Config", "ConfigError", "Engine", "Mesh", "CommError", "models", "zero",
@@ -54,7 +56,7 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
                 gloo_collectives=cfg.train.gloo_collectives, device=device)
     pipe = None
     if cfg.lora.enabled:   # against the whole model, before a pipeline keeps this rank's part of it
-        from .lora import check_targets
+        from bunsan.transforms.lora import check_targets
         check_targets(model, cfg.lora)
     if mesh.pp > 1:   # keep (and build) only this rank's stages; the rest of the model is never allocated
         pipe = pipeline.setup(model, mesh, cfg, device, cfg.train.seed)
@@ -64,7 +66,7 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
             for g in optimizer.param_groups:
                 g["params"] = [p for p in g["params"] if id(p) in held]
     if cfg.lora.enabled:   # before the engine: only the adapters are trainable, so only they get grads and states
-        from .lora import adapter_aware, apply_lora
+        from bunsan.transforms.lora import adapter_aware, apply_lora
         apply_lora(model, cfg.lora, cfg.train.seed, check=False)
         if callable(getattr(model, "init_parameter", None)):   # a meta model is drawn later, adapters included
             model.init_parameter = adapter_aware(model.init_parameter)

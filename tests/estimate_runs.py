@@ -61,7 +61,7 @@ def run_layout(rank: int, extra: dict, timed_steps: int = 1) -> dict:
     The peak is that of the first timed step; `seconds` is the median of `timed_steps` steps."""
     import torch
     import bunsan
-    from bunsan.memory import current_rss_bytes, reset_peak_memory
+    from bunsan.memory.measure import current_rss_bytes, reset_peak_memory
     from bunsan.models.llama import LlamaConfig
     from bunsan.zero.host_buffer import trim_heap
 

@@ -86,7 +86,7 @@ def test_hugging_face_weights_load_into_any_layout(pools, tmp_path, cfg):
 FAULTY = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path
-    import bunsan.engine as engine
+    import bunsan.engine.engine as engine
     train_batch = engine.Engine.train_batch
     marker = Path(__file__).with_name("killed")
     def dying(self, batch):
@@ -96,7 +96,7 @@ FAULTY = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)   # after step 3, before its checkpoint: once
         return out
     engine.Engine.train_batch = dying
-    from bunsan.cli import main
+    from bunsan.cli.main import main
     sys.exit(main(sys.argv[1:]))
 """)
 
@@ -159,7 +159,7 @@ def _save_for_convert(rank, world, root):
 
 
 def test_convert_consolidates_any_layout(pools, tmp_path):
-    from bunsan.cli import main
+    from bunsan.cli.main import main
     want = pools.run(4, _save_for_convert, 4, str(tmp_path / "ckpt"))[0]
     assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "one.safetensors")]) == 0
     got = load_file(str(tmp_path / "one.safetensors"))

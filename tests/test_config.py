@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bunsan.config import BatchSizes, Config, ConfigError
+from bunsan.config.root import BatchSizes, Config, ConfigError
 
 BLOG_DP = {"train_batch_size": 2048, "gradient_accumulation_steps": 2, "fp16": {"enabled": True}}
 BLOG_ZERO3 = {"train_batch_size": 8, "fp16": {"enabled": True},

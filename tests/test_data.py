@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from bunsan.data import (ByteTokenizer, HFTokenizer, TokenBatches, TokenCache, default_corpus_files,
-                         load_tokenizer, make_loader, resolve_paths, unigram_entropy)
+from bunsan.training.data import (ByteTokenizer, HFTokenizer, TokenBatches, TokenCache, default_corpus_files, load_tokenizer, make_loader, resolve_paths, unigram_entropy)
 
 
 @pytest.fixture

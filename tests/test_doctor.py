@@ -35,7 +35,7 @@ def test_out_of_memory_says_where_what_and_what_would_fit(tmp_path):
 
 def _sleeper(rank, world):
     import bunsan
-    from bunsan.comm import CommError
+    from bunsan.comm.collectives import CommError
     cfg = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "train": {"timeout_s": 3}}
     engine = bunsan.initialize(tiny_model(0), cfg)
     data = batches(2, 4, seq=8)
@@ -64,8 +64,8 @@ def test_a_rank_that_does_not_come_is_named_with_every_ranks_last_step():
 
 def _slowed(rank, world, delay):
     import bunsan
-    from bunsan import comm
-    from bunsan.config import Config
+    from bunsan.comm import collectives as comm
+    from bunsan.config.root import Config
     from bunsan.doctor.slow import comm_advice
     original = comm.Comm._run
 
@@ -97,7 +97,7 @@ def test_slow_synchronisation_is_called_out_with_what_to_change(pools):
 
 
 def test_bunsan_doctor_checks_the_machine_and_the_config(tmp_path, capsys):
-    from bunsan.cli import main
+    from bunsan.cli.main import main
     assert main(["doctor", "--nproc", "2", "--checkpoint-dir", str(tmp_path / "ck")]) == 0
     out = capsys.readouterr().out
     for line in ("torch", "backends", "host", "ranks (gloo)", "2 processes joined", "config", "disk"):

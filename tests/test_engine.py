@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import bunsan
-from bunsan.config import Config
-from bunsan.optim import LRSchedule
+from bunsan.config.root import Config
+from bunsan.optim.schedule import LRSchedule
 from reference import batches, rank_slice, tiny_model
 
 
@@ -120,8 +120,8 @@ def test_initialize_rejects_unimplemented_features_and_unknown_arguments():
 
 
 def _stuck(rank, world, op):
-    from bunsan.comm import Comm, CommError
-    from bunsan.distributed import Mesh
+    from bunsan.comm.collectives import Comm, CommError
+    from bunsan.comm.mesh import Mesh
     mesh = Mesh.create()
     comm = Comm(timeout_s=3)
     if rank == 1:
@@ -130,7 +130,7 @@ def _stuck(rank, world, op):
     try:
         if op == "all_reduce":
             comm.all_reduce(torch.ones(4), mesh.dp_group)
-        else:                     # on gloo: a point-to-point exchange (bunsan/exchange.py)
+        else:                     # on gloo: a point-to-point exchange (bunsan/comm/exchange.py)
             comm.reduce_scatter(torch.empty(4), torch.ones(8), mesh.dp_group)
     except CommError as e:
         return str(e), time.monotonic() - t0

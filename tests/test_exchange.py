@@ -1,14 +1,14 @@
-"""All-gather and reduce-scatter as point-to-point exchanges on gloo (bunsan/exchange.py) and through shared memory
-(bunsan/shm.py) equal torch's own."""
+"""All-gather and reduce-scatter as point-to-point exchanges on gloo (bunsan/comm/exchange.py) and through shared memory
+(bunsan/comm/shm.py) equal torch's own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bunsan import shm
-from bunsan.comm import Comm
-from bunsan.distributed import Mesh
+from bunsan.comm import shm
+from bunsan.comm.collectives import Comm
+from bunsan.comm.mesh import Mesh
 
 
 def _inputs(rank: int, world: int, numel: int, k: int, dtype) -> torch.Tensor:

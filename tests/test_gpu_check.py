@@ -94,7 +94,7 @@ def test_sync_rows_count_the_steps_host_reads(report):
         assert all(1 <= k <= n["limit_per_step"] for k in per_step), (name, per_step)
         assert sum(n["sync_sources"].values()) > 0
         # the step's one read at the optimizer boundary is among what was counted, and named
-        assert any(w.startswith("bunsan/engine.py") for w in n["sync_sources"]), n["sync_sources"]
+        assert any(w.startswith("bunsan/engine/engine.py") for w in n["sync_sources"]), n["sync_sources"]
 
 
 def test_throughput_and_memory_rows_have_their_figures(report):

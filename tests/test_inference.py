@@ -45,7 +45,7 @@ def test_device_map_errors(tmp_path):
 
 
 def test_generate_command_with_a_device_map(tmp_path, capsys):
-    from bunsan.cli import main
+    from bunsan.cli.main import main
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -64,7 +64,7 @@ def test_generate_command_with_a_device_map(tmp_path, capsys):
 
 def test_generate_command_with_a_device_map_in_bf16(tmp_path, capsys):
     """--dtype bf16 over CPU and disk: the same greedy text as the whole model loaded in bf16."""
-    from bunsan.cli import main
+    from bunsan.cli.main import main
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -109,7 +109,7 @@ def test_a_model_in_memory_is_placed_and_offloaded_to_a_directory(tmp_path, tied
 
 
 def test_a_model_beyond_bytes_without_its_tokenizer_is_refused(tmp_path, capsys):
-    from bunsan.cli import main
+    from bunsan.cli.main import main
     cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)

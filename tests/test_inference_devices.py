@@ -165,7 +165,7 @@ def _trained_checkpoint(directory, model):
 
     from safetensors.torch import save_file
 
-    from bunsan.config import Config
+    from bunsan.config.root import Config
     directory.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / "model.safetensors"))
     (directory / "config.json").write_text(json.dumps({"model": model.config.to_hf(),
@@ -175,7 +175,7 @@ def _trained_checkpoint(directory, model):
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_dtype_is_one_of_three(tmp_path, capsys, command):
-    from bunsan.cli import main
+    from bunsan.cli.main import main
     with pytest.raises(SystemExit) as e:
         main([command, "--checkpoint", str(tmp_path), "--dtype", "fp64"])
     assert e.value.code == 2 and "invalid choice: 'fp64'" in capsys.readouterr().err
@@ -184,8 +184,8 @@ def test_dtype_is_one_of_three(tmp_path, capsys, command):
 def test_generate_dtype_bf16_from_a_trained_checkpoint(tmp_path, capsys, monkeypatch):
     """--dtype bf16 loads the weights in bf16 (not fp32 as before), the KV cache follows, greedy text comes out
     equal to the bf16 model's own generation."""
-    from bunsan.cli import main
-    from bunsan.cli_generate import trained_model
+    from bunsan.cli.main import main
+    from bunsan.cli.generate import trained_model
     whole = tiny_model(0).eval()
     ckpt = _trained_checkpoint(tmp_path / "final", whole)
     model, _ = trained_model(ckpt, dtype=torch.bfloat16)
@@ -201,8 +201,8 @@ def test_generate_dtype_bf16_from_a_trained_checkpoint(tmp_path, capsys, monkeyp
 def test_serve_dtype_reaches_weights_and_the_slot_cache(tmp_path):
     """--dtype for each way `bunsan serve` loads: a trained checkpoint, a HF directory, a HF directory over a
     device map."""
-    from bunsan.cli import build_parser
-    from bunsan.cli_serve import load_model
+    from bunsan.cli.main import build_parser
+    from bunsan.cli.serve import load_model
     from bunsan.models.hf import save_llama
     from bunsan.serve import SlotCache
     whole = tiny_model(0).eval()

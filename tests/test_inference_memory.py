@@ -135,7 +135,7 @@ def _ratio(line):
 
 def test_generate_prints_predicted_and_measured_per_device(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    from bunsan.cli import main
+    from bunsan.cli.main import main
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
                                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)

@@ -48,8 +48,8 @@ def test_only_adapters_train(pools, zero):
 
 def test_merged_adapters_give_the_same_logits():
     import peft
-    from bunsan.lora import apply_lora, merge_lora
-    from bunsan.config import Config
+    from bunsan.transforms.lora import apply_lora, merge_lora
+    from bunsan.config.root import Config
     model = tiny_model(0)
     apply_lora(model, Config.load({"lora": LORA}).lora)
     with torch.no_grad():
@@ -68,7 +68,7 @@ def test_merged_adapters_give_the_same_logits():
 
 def test_convert_merges_a_lora_checkpoint(pools, tmp_path):
     from safetensors.torch import load_file
-    from bunsan.cli import main
+    from bunsan.cli.main import main
     _, after, _, _ = pools.run(2, _train, 2, 1, str(tmp_path / "ck"))[0]
     assert main(["convert", str(tmp_path / "ck"), str(tmp_path / "m.safetensors"), "--merge-lora"]) == 0
     merged = load_file(str(tmp_path / "m.safetensors"))

@@ -41,8 +41,8 @@ def _train(rank, world, cfg):
 
 
 def _reference(meta_init: bool, clip: float = 1.0):
-    from bunsan.config import Config
-    from bunsan.lora import apply_lora
+    from bunsan.config.root import Config
+    from bunsan.transforms.lora import apply_lora
     model = tiny_model()
     if meta_init:
         model.init_weights(seed=1234)      # what a model built on meta draws: weights by name
@@ -88,8 +88,8 @@ def test_tensor_parallel_splits_the_adapters(pools):
     tp_results = pools.run(2, _train, 2, _cfg(tp=2))
     one = pools.run(1, _train, 1, _cfg())[0]
     split = {"q_proj", "v_proj", "gate_proj"}                     # column: B split, A whole
-    from bunsan.config import Config
-    from bunsan.lora import apply_lora
+    from bunsan.config.root import Config
+    from bunsan.transforms.lora import apply_lora
     model = tiny_model()
     apply_lora(model, Config.load({"lora": LORA}).lora)
     full = one[3]

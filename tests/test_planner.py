@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from bunsan.cli import main
-from bunsan.config import Config
+from bunsan.cli.main import main
+from bunsan.config.root import Config
 from bunsan.estimator import estimate_layout
 from bunsan.planner.layout import Layout
 from bunsan.planner.search import layouts, plan

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import bunsan
-from bunsan.precision import LossScaleError, LossScaler
+from bunsan.engine.precision import LossScaleError, LossScaler
 from reference import ADAM_EPS, batches, rank_slice, tiny_model, to_numpy
 
 

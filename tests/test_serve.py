@@ -30,7 +30,7 @@ def _port() -> int:
 
 class Server:
     def __init__(self, model, slots=3, context=96, **limits):
-        from bunsan.data import load_tokenizer
+        from bunsan.training.data import load_tokenizer
         from bunsan.serve import Batcher, Limits, build_app
         self.tokenizer = load_tokenizer(None)
         self.batcher = Batcher(model, slots, context)
@@ -113,7 +113,7 @@ def test_a_stop_string_ends_the_completion_before_it(server, model):
 
 def test_no_part_of_a_stop_string_is_ever_sent():
     """A stop string spread over tokens: its first characters wait until it is clear whether it completes."""
-    from bunsan.data import load_tokenizer
+    from bunsan.training.data import load_tokenizer
     from bunsan.serve.app import _Text
     tok = load_tokenizer(None)                        # one byte, one token: every stop string spans tokens
     t = _Text(tok, ["\n\n"])
@@ -125,7 +125,7 @@ def test_no_part_of_a_stop_string_is_ever_sent():
 def test_text_decodes_incrementally_and_keeps_multibyte_characters_whole():
     """Deltas add up to the whole text (characters spelled over several byte tokens included), and each token
     decodes only the ids since the last whole character: linear, not quadratic, work."""
-    from bunsan.data import load_tokenizer
+    from bunsan.training.data import load_tokenizer
     from bunsan.serve.app import _Text
     tok = load_tokenizer(None)
     decoded = [0]
@@ -216,7 +216,7 @@ def test_concurrency_limit_and_shutdown():
 
 
 def test_serve_refuses_what_it_cannot_do(tmp_path, capsys):
-    from bunsan.cli import main
+    from bunsan.cli.main import main
     assert main(["serve", "--checkpoint", str(tmp_path), "--tp", "2", "--device-map", "auto"]) == 2
     assert "--tp and --device-map both spread the model: use one" in capsys.readouterr().err
     assert main(["serve", "--checkpoint", str(tmp_path), "--slots", "0"]) == 2
@@ -226,7 +226,7 @@ def test_serve_refuses_what_it_cannot_do(tmp_path, capsys):
 def test_the_command_loads_hf_and_trained_checkpoints(tmp_path, model):
     import argparse
 
-    from bunsan.cli_serve import load_model
+    from bunsan.cli.serve import load_model
     from bunsan.models.hf import save_llama
     save_llama(model.state_dict(), model.config, tmp_path / "hf")
     args = argparse.Namespace(checkpoint=str(tmp_path / "hf"), tokenizer=None, device_map=None, max_memory=None,
@@ -272,7 +272,7 @@ def test_tensor_parallel_serving_and_a_dead_rank(tmp_path, model):
     import subprocess
     import sys
 
-    from bunsan.data import load_tokenizer
+    from bunsan.training.data import load_tokenizer
     from bunsan.models.hf import save_llama
     save_llama(model.state_dict(), model.config, tmp_path / "hf")
     port = _port()

@@ -1,4 +1,4 @@
-"""Collectives through shared memory (bunsan/shm.py): the rank-order sum, any dtype and layout, chunked; a late
+"""Collectives through shared memory (bunsan/comm/shm.py): the rank-order sum, any dtype and layout, chunked; a late
 peer is a clear error, not a hang; where a rank cannot map the file no rank uses it."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from bunsan import shm
-from bunsan.comm import Comm, CommError
-from bunsan.distributed import Mesh
+from bunsan.comm import shm
+from bunsan.comm.collectives import Comm, CommError
+from bunsan.comm.mesh import Mesh
 
 DTYPES = ["float32", "bfloat16", "float64", "int64"]
 

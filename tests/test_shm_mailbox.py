@@ -1,4 +1,4 @@
-"""Pipeline messages through shared memory (bunsan/shm_mailbox.py): any order, any dtype and shape, messages no
+"""Pipeline messages through shared memory (bunsan/comm/mailbox.py): any order, any dtype and shape, messages no
 slot holds through gloo, everything released; a pipeline trains the same bits with it as over gloo."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import bunsan
-from bunsan import shm_mailbox
-from bunsan.comm import Comm
-from bunsan.distributed import Mesh
+from bunsan.comm import mailbox as shm_mailbox
+from bunsan.comm.collectives import Comm
+from bunsan.comm.mesh import Mesh
 from reference import batches, optimizer_config, tiny_model
 
 # (tag, tensor): the first two fit the test's 256-byte slots, the third does not (gloo), the fourth finds both

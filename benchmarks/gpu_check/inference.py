@@ -35,8 +35,8 @@ def _sizes(dry: bool) -> dict:
 
 
 def _max_memory(dev) -> dict | None:
-    from bunsan.cli_generate import _memory
-    return _memory(GPU_MAX_MEMORY) if dev.type == "cuda" else None
+    from bunsan.cli.generate import parse_max_memory
+    return parse_max_memory(GPU_MAX_MEMORY) if dev.type == "cuda" else None
 
 
 def write_model(path: str, preset: str) -> dict:
@@ -95,7 +95,7 @@ def main(section: Section) -> None:
                         + (f", measured memory {ratio:.2f}x predicted" if ratio else ""))
 
     def rate(row):
-        from bunsan.data import load_tokenizer
+        from bunsan.training.data import load_tokenizer
         from bunsan.inference import load
         from bunsan.models import generate
         tok = load_tokenizer(None)

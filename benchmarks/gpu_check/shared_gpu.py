@@ -54,7 +54,7 @@ def _train(rank: int, name: str, sz, ckpt_dir: str | None) -> dict:
     import torch
 
     import bunsan
-    from bunsan.comm import DeviceError
+    from bunsan.comm.collectives import DeviceError
 
     from .common import rank_slice
     extra = LAYOUTS[name]

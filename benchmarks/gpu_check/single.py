@@ -66,9 +66,9 @@ def main(section: Section) -> None:
     import torch
 
     import bunsan
-    from bunsan.config import Config
-    from bunsan.distributed import backend_name
-    from bunsan.lora import apply_lora
+    from bunsan.config.root import Config
+    from bunsan.comm.process_group import backend_name
+    from bunsan.transforms.lora import apply_lora
 
     sz, dev, data = begin(section, LAYOUTS)
     base = build_model(sz.preset, seed=0)

@@ -121,7 +121,7 @@ def _top(sources: list[str], n: int = 5) -> dict:
 
 def main(section: Section) -> None:
     import bunsan
-    from bunsan.distributed import backend_name
+    from bunsan.comm.process_group import backend_name
 
     dry = section.dry_run
     sz, dev, data = begin(section, LAYOUTS)

@@ -111,7 +111,7 @@ def _measure(step, dev, plan: Plan, mb: int, result_kwargs: dict) -> Result:
     """Warm up, then time `plan.timed` steps between two device syncs; peaks from after the warm-up."""
     import torch
 
-    from bunsan.memory import peak_rss_bytes, reset_peak_memory
+    from bunsan.memory.measure import peak_rss_bytes, reset_peak_memory
     start = time.perf_counter()
     losses = [step()]
     first = time.perf_counter() - start
@@ -155,7 +155,7 @@ def main(section: Section) -> None:
     import torch.nn.functional as F
 
     import bunsan
-    from bunsan.metrics import peak_flops
+    from bunsan.training.metrics import peak_flops
     from bunsan.models import Llama, flops_per_token
 
     dry = section.dry_run

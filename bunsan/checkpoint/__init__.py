@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from . import store
-from .assemble import read_local
-from .pieces import frozen_of, locals_of
-from .store import CheckpointError
+from bunsan.checkpoint import store
+from bunsan.checkpoint.assemble import read_local
+from bunsan.checkpoint.pieces import frozen_of, locals_of
+from bunsan.checkpoint.store import CheckpointError
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
 

@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from .pieces import Local
-from .store import CheckpointError, Reader
+from bunsan.checkpoint.pieces import Local
+from bunsan.checkpoint.store import CheckpointError, Reader
 
 
 def _same_place(p: dict, t: Local) -> bool:

@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..models.hf import save_llama
-from ..lora import merge_lora as merge_lora_into
-from ..models.llama import LlamaConfig
-from . import store
-from .assemble import read_local
-from .pieces import Local
-from .store import CheckpointError
+from bunsan.models.hf import save_llama
+from bunsan.transforms.lora import merge_lora as merge_lora_into
+from bunsan.models.llama import LlamaConfig
+from bunsan.checkpoint import store
+from bunsan.checkpoint.assemble import read_local
+from bunsan.checkpoint.pieces import Local
+from bunsan.checkpoint.store import CheckpointError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -7,9 +7,9 @@ import dataclasses
 
 import torch
 
-from ..lora import is_adapter
-from ..models.hf import HFWeights, save_llama
-from .pieces import frozen_of, locals_of
+from bunsan.transforms.lora import is_adapter
+from bunsan.models.hf import HFWeights, save_llama
+from bunsan.checkpoint.pieces import frozen_of, locals_of
 
 
 def _local(weights: HFWeights, t) -> torch.Tensor:

@@ -82,7 +82,7 @@ def _free_port() -> int:
 
 
 def _timed_all_reduce(comm, group, device: torch.device) -> tuple[bool, float]:
-    """(the sum came out right, milliseconds) of a 4 MiB all-reduce (a bucket-sized message) through comm.py,
+    """(the sum came out right, milliseconds) of a 4 MiB all-reduce (a bucket-sized message) through comm/collectives.py,
     after one to warm the connections up."""
     t = torch.ones(1 << 20, device=device)
     comm.all_reduce(t, group)
@@ -97,7 +97,7 @@ def _world(timeout_s: float, device: torch.device):
     """(Comm on `device`, the world as a comm Group) of an initialised process group."""
     import torch.distributed as dist
 
-    from ..comm import Comm, Group
+    from bunsan.comm.collectives import Comm, Group
     rank, world = dist.get_rank(), dist.get_world_size()
     return Comm(timeout_s=timeout_s, device=device), Group("world", dist.group.WORLD, world, rank, tuple(range(world)))
 
@@ -206,14 +206,14 @@ def disk(path: str, checkpoint_bytes: float | None) -> Check:
 
 def config(model, cfg, nproc: int, device_type: str) -> tuple[Check, float]:
     """(the estimate against each rank's memory, bytes of one checkpoint)."""
-    from ..estimator import estimate
+    from bunsan.estimator import estimate
     est = estimate(model, cfg, gpus=nproc, device_type=device_type)
     if device_type == "cuda":
         have = min(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
         where = "the smallest GPU's free memory"
     else:
         have, where = host_available() / nproc, f"available host memory / {nproc} ranks"
-    from ..memory import optimizer_state_bytes_per_param
+    from bunsan.memory.theory import optimizer_state_bytes_per_param
     opt = cfg.optimizer
     ckpt = est.n_params * (4 + optimizer_state_bytes_per_param(opt.type, opt.params))   # fp32 master + states
     status = "ok" if est.peak <= 0.9 * have else "fail"

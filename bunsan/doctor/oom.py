@@ -80,9 +80,9 @@ def explain(engine, phase: str, seq_len: int | None, exc: BaseException) -> str:
                      "activation_checkpointing, a smaller micro-batch with more accumulation, or offload")
         return "\n".join(lines)
     try:
-        from ..estimator import estimate_layout
-        from ..planner.layout import Layout
-        from ..planner.search import plan
+        from bunsan.estimator import estimate_layout
+        from bunsan.planner.layout import Layout
+        from bunsan.planner.search import plan
         cfg = engine.cfg
         current = Layout.from_config(cfg, world)
         if seq_len:                       # what the failing batch had, whatever the config says

@@ -15,9 +15,9 @@ import torch
 def better_layout(model_config, cfg, world: int, device_type: str) -> str | None:
     """The layout `bunsan plan` ranks first for these processes, when it is not the one running."""
     try:
-        from ..planner.layout import Layout
-        from ..planner.search import plan
-        from .oom import layout_changes, capacity
+        from bunsan.planner.layout import Layout
+        from bunsan.planner.search import plan
+        from bunsan.doctor.oom import layout_changes, capacity
         current = Layout.from_config(cfg, world)
         memory, _ = capacity(torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu"))
         p = plan(model_config, gpus=world, gpu_memory=memory, gpu="cpu" if device_type == "cpu" else "h100",

@@ -1,8 +1,8 @@
 """Memory estimates per GPU and per host for a model under a layout (`bunsan estimate`)."""
 
-from .estimate import Estimate, Item, estimate, estimate_layout
-from .shape import ModelShape, load_shape, rank_params
-from .states import zero_paper
+from bunsan.estimator.estimate import Estimate, Item, estimate, estimate_layout
+from bunsan.estimator.shape import ModelShape, load_shape, rank_params
+from bunsan.memory.theory import zero_paper
 
 __all__ = ["Estimate", "Item", "ModelShape", "estimate", "estimate_layout", "load_shape", "rank_params",
            "zero_paper"]

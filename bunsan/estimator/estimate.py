@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..pipeline import schedules
-from ..planner.layout import Layout
-from ..shm import ring_bytes
-from ..shm_mailbox import resident_bytes
-from .activations import Micro, stage_activation_bytes
-from .shape import ModelShape, RankParams, load_shape, lora_rank_params, rank_params
-from .states import bucket_sizes, model_states
-from ..zero.reduce import IN_FLIGHT
+from bunsan.pipeline import schedules
+from bunsan.planner.layout import Layout
+from bunsan.comm.shm import ring_bytes
+from bunsan.comm.mailbox import resident_bytes
+from bunsan.estimator.activations import Micro, stage_activation_bytes
+from bunsan.estimator.shape import ModelShape, RankParams, load_shape, lora_rank_params, rank_params
+from bunsan.memory.theory import bucket_sizes, model_states
+from bunsan.zero.reduce import IN_FLIGHT
 
 GiB = 1024 ** 3
 # Not visible to torch.cuda.max_memory_allocated but taken from the GPU: CUDA context, kernels, cuBLAS and
@@ -152,7 +152,7 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
             msg = d * micro.b * micro.s * c.hidden_size / micro.seq_div
             items.append(Item("pipeline buffers", device=2 * msg * flight, phase="backward",
                               note="stage input and output per micro-batch in flight"))
-            if on_cpu:   # the shared-memory mailbox's slots (shm_mailbox.py), touched as far as messages reach
+            if on_cpu:   # the shared-memory mailbox's slots (comm/mailbox.py), touched as far as messages reach
                 items.append(Item("pipeline mailbox", device=resident_bytes(layout.pp, msg),
                                   note="shared-memory slots to and from the neighbouring stages"))
     biggest = max(rp.numels, default=0)
@@ -228,7 +228,7 @@ def estimate(model, config=None, *, gpus: int | None = None, nodes: int = 1, gpu
              device_type: str | None = None, runtime_bytes: float | None = None) -> Estimate:
     """Memory per GPU for `model` (preset name, config.json, LlamaConfig or meta nn.Module) under `config`
     (dict, path or bunsan.Config) on `gpus` processes (default: the config's tp x pp)."""
-    from ..config import Config
+    from bunsan.config.root import Config
     cfg = Config.load(config)
     world = gpus or cfg.tensor_parallel.size * cfg.pipeline.stages
     layout = Layout.from_config(cfg, world)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.llama import Attention, LlamaConfig
+from bunsan.models.llama import Attention, LlamaConfig
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..models.llama import Llama, LlamaConfig
-from ..models.presets import get_preset
-from ..pipeline.partition import model_layers, partition
-from ..tensor_parallel.plan import LLAMA_PLAN, check_llama
+from bunsan.models.llama import Llama, LlamaConfig
+from bunsan.models.presets import get_preset
+from bunsan.pipeline.partition import model_layers, partition
+from bunsan.tensor_parallel.plan import LLAMA_PLAN, check_llama
 
 
 @dataclass
@@ -66,7 +66,7 @@ def load_shape(model, overrides: dict | None = None) -> ModelShape:
     if not isinstance(model, (str, Path)):
         raise TypeError(f"model must be a preset name, a config.json path, a LlamaConfig or an nn.Module, "
                         f"got {type(model).__name__}")
-    from ..models.presets import canonical_name, presets
+    from bunsan.models.presets import canonical_name, presets
     if canonical_name(str(model)) not in presets and (m := _COUNT.match(str(model))):
         return _bare(float(m[1]) * _SCALE[m[2].lower()], str(model))
     path = Path(model)
@@ -84,7 +84,7 @@ def load_shape(model, overrides: dict | None = None) -> ModelShape:
         for k, v in (overrides or {}).items():
             setattr(cfg, k, v)
         return _llama_shape(cfg, path.parent.name or path.stem)
-    from ..models.presets import build_config
+    from bunsan.models.presets import build_config
     return _llama_shape(build_config(str(model), **(overrides or {})) if overrides else get_preset(str(model)),
                         str(model))
 
@@ -187,7 +187,7 @@ def lora_rank_params(shape: ModelShape, lora, tp: int = 1, pp: int = 1, virtual_
     model with peft's adapters, cut by the same TP plan and partitioner (adapters split with their layer)."""
     import copy
 
-    from ..lora import apply_lora
+    from bunsan.transforms.lora import apply_lora
     module = copy.deepcopy(shape.module)    # on meta: nothing is allocated, and the shape stays plain
     apply_lora(module, lora)
     with_adapters = ModelShape(shape.name, module, shape.llama, shape.bare)

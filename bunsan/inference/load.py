@@ -14,10 +14,10 @@ import weakref
 import torch
 import torch.nn as nn
 
-from ..models.hf import HFWeights, read_config
-from ..models.llama import Llama
-from ..estimator.inference import InferenceMemory, inference_memory
-from .placement import Block, human, place
+from bunsan.models.hf import HFWeights, read_config
+from bunsan.models.llama import Llama
+from bunsan.estimator.inference import InferenceMemory, inference_memory
+from bunsan.inference.placement import Block, human, place
 
 
 def model_blocks(model: Llama, dtype: torch.dtype) -> list[Block]:
@@ -277,7 +277,7 @@ def _load_module(model: Llama, device_map, max_memory, dtype, headroom, batch, m
             raise ValueError(f"blocks {on_disk[0]}..{on_disk[-1]} go to disk, and a model in memory has no file to "
                              "read them from: pass offload_dir= (a directory for their safetensors), or give the "
                              "devices and CPU more max_memory")
-        from ..models.hf import save_llama
+        from bunsan.models.hf import save_llama
         save_llama(model.state_dict(), cfg, offload_dir)
         return load(offload_dir, dmap, None, dtype, headroom, batch, max_seq, prompt_len)
     missing = sorted({b.name for b in model_blocks(model, dtype)} - set(dmap))

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..estimator.inference import InferenceMemory
-from ..memory import current_rss_bytes, peak_rss_bytes, reset_peak_memory
-from .placement import human
+from bunsan.estimator.inference import InferenceMemory
+from bunsan.memory.measure import current_rss_bytes, peak_rss_bytes, reset_peak_memory
+from bunsan.inference.placement import human
 
 
 def start(max_memory: dict | None) -> int:

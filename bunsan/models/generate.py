@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from .llama import Llama, LlamaConfig
+from bunsan.models.llama import Llama, LlamaConfig
 
 
 class _LayerKV:

@@ -5,7 +5,7 @@ import copy
 import dataclasses
 import difflib
 
-from .llama import LlamaConfig
+from bunsan.models.llama import LlamaConfig
 
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from . import schedules
-from .partition import StageModule, model_layers, partition
-from .runtime import P2P, Runner
-from .timeline import Recorder
+from bunsan.pipeline import schedules
+from bunsan.pipeline.partition import StageModule, model_layers, partition
+from bunsan.pipeline.runtime import P2P, Runner
+from bunsan.pipeline.timeline import Recorder
 
 
 @dataclass
@@ -111,7 +111,7 @@ def write_timeline(per_rank: list, pipe: Pipe, out_dir) -> dict:
     ideal step, (p-1)/(v*m), made a fraction of the whole the same way); simulated: see simulated_bubble."""
     from pathlib import Path
 
-    from .timeline import render_png, render_text, summarise
+    from bunsan.pipeline.timeline import render_png, render_text, summarise
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     theory = schedules.theory_bubble(pipe.schedule, pipe.p, pipe.n_micro, pipe.v)
@@ -127,7 +127,7 @@ def write_timeline(per_rank: list, pipe: Pipe, out_dir) -> dict:
 def simulated_bubble(per_rank: list, pipe: Pipe) -> float:
     """The schedule's bubble with this step's measured per-stage compute times and free communication: what
     the stages' imbalance alone costs (the textbook theory assumes equal stages); the rest is runtime."""
-    from .timeline import stage_times
+    from bunsan.pipeline.timeline import stage_times
     fwd, bwd = stage_times(per_rank, pipe.p, pipe.v)
     return schedules.simulate(schedules.build(pipe.schedule, pipe.p, pipe.n_micro, pipe.v), pipe.p, pipe.v,
                               fwd, bwd).bubble

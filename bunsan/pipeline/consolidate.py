@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from .timeline import Interval
+from bunsan.pipeline.timeline import Interval
 
 
 def _broadcast_json(obj, src: int, comm, group, device: torch.device):

@@ -177,6 +177,6 @@ class StageModule(nn.Module):
 
     def init_buffers(self) -> None:
         if self.llama and self.config is not None:
-            from ..models.llama import rope_tables
+            from bunsan.models.llama import rope_tables
             cos, sin = rope_tables(self.config, device=self.rope_cos.device)
             self.rope_cos, self.rope_sin = cos.to(self.rope_cos.dtype), sin.to(self.rope_sin.dtype)

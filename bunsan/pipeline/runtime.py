@@ -5,7 +5,7 @@ next compute (p2p_rules.py: what NCCL demands; schedules.check proves every sche
 Sends are waited at the end of the step, or once done. Over gloo and NCCL the first forward message of each
 stage in a step is preceded by a header (dtype and shape; the later ones of the step must match it, and a
 gradient has the shape of the activation it belongs to), so stages need not know each other's shapes; through
-the shared-memory mailbox of neighbouring ranks on one host (shm_mailbox.py) its descriptor carries them.
+the shared-memory mailbox of neighbouring ranks on one host (comm/mailbox.py) its descriptor carries them.
 Every message has a tag made of (direction, sending stage, micro-batch): on gloo the messages of one step can
 never be confused; NCCL ignores tags and matches in order, which the schedule checker proves consistent.
 """
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import shm_mailbox
-from ..comm import P2POp
-from .p2p_rules import items
-from .schedules import Action, check, forward_only
+from bunsan.comm import mailbox as shm_mailbox
+from bunsan.comm.collectives import P2POp
+from bunsan.pipeline.p2p_rules import items
+from bunsan.pipeline.schedules import Action, check, forward_only
 
 _HEADER = 10            # dtype code, ndim, up to 8 dims
 FWD, BWD = 0, 1

@@ -13,9 +13,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence, Union
 
-from . import p2p_rules
-from .p2p_rules import COMPUTE, KINDS
-from .simulation import SimResult, simulate  # noqa: F401  (schedules' public API: check() runs it)
+from bunsan.pipeline import p2p_rules
+from bunsan.pipeline.p2p_rules import COMPUTE, KINDS
+from bunsan.pipeline.simulation import SimResult, simulate  # noqa: F401  (schedules' public API: check() runs it)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 _SHORT = {"recv_fwd": "rF", "forward": "F", "send_fwd": "sF",
           "recv_bwd": "rB", "backward": "B", "send_bwd": "sB"}

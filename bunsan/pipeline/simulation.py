@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import p2p_rules
-from .p2p_rules import COMPUTE, KINDS, Batch, link
+from bunsan.pipeline import p2p_rules
+from bunsan.pipeline.p2p_rules import COMPUTE, KINDS, Batch, link
 
 DONE, POSTED, BLOCKED = "done", "posted", "blocked"   # what trying a transfer item did
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config_sections import OPTIMIZERS
-from ..memory import optimizer_state_bytes_per_param
-from ..models.llama import LlamaConfig
-from ..pipeline.schedules import theory_bubble
-from ..tensor_parallel.plan import check_llama
-from . import hardware
-from .hardware import GPU, Interconnect
-from .layout import Layout
+from bunsan.config.sections import OPTIMIZERS
+from bunsan.memory.theory import optimizer_state_bytes_per_param
+from bunsan.models.llama import LlamaConfig
+from bunsan.pipeline.schedules import theory_bubble
+from bunsan.tensor_parallel.plan import check_llama
+from bunsan.planner import hardware
+from bunsan.planner.hardware import GPU, Interconnect
+from bunsan.planner.layout import Layout
 
 # Fraction of dense peak a well-tuned training step sustains. Megatron-LM and PaLM report
 # 40-55% MFU on A100/H100 at scale; 0.4 is a conservative estimate, not a measurement.
@@ -41,7 +41,7 @@ OVERLAP = 0.8
 # costing about twice the forward, that is 1/3 of forward + backward (Megatron-LM).
 RECOMPUTE_FRACTION = 1 / 3
 FORWARD_FRACTION = 1 / 3   # forward share of forward + backward; backward is the other 2/3
-# fp32 optimizer-state bytes per parameter besides the 4-byte master copy (as memory.py's K;
+# fp32 optimizer-state bytes per parameter besides the 4-byte master copy (as memory/theory.py's K;
 # 8-bit AdamW keeps two 1-byte moments; Adafactor's factored moments are negligible).
 MASTER_BYTES = 4
 GRAD_SHARD_BYTES = 4   # bunsan keeps the reduced gradient shard in fp32 (zero/optimizer.py)

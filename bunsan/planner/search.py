@@ -13,11 +13,11 @@ import functools
 import itertools
 from dataclasses import dataclass, field
 
-from ..estimator.estimate import Estimate, estimate_layout
-from ..estimator.shape import ModelShape, load_shape, rank_params
-from .cost import StepTime, step_time, train_time
-from .hardware import GPU, gpu_spec, interconnect
-from .layout import Layout
+from bunsan.estimator.estimate import Estimate, estimate_layout
+from bunsan.estimator.shape import ModelShape, load_shape, rank_params
+from bunsan.planner.cost import StepTime, step_time, train_time
+from bunsan.planner.hardware import GPU, gpu_spec, interconnect
+from bunsan.planner.layout import Layout
 
 GiB = 1024 ** 3
 MARGIN = 0.10   # memory kept free for the allocator's fragmentation and what the estimate leaves out

@@ -21,7 +21,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from .batcher import Batcher, Request
+from bunsan.serve.batcher import Batcher, Request
 
 
 @dataclass

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models.generate import KVCache, next_token
-from ..models.llama import Llama
-from .tp import HEARTBEAT_S
+from bunsan.models.generate import KVCache, next_token
+from bunsan.models.llama import Llama
+from bunsan.serve.tp import HEARTBEAT_S
 
 
 class _SlotLayer:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .ops import RegionLinear, TPContext, into_parallel_region, out_of_parallel_region, region_of
+from bunsan.tensor_parallel.ops import (RegionLinear, TPContext, into_parallel_region, out_of_parallel_region, region_of)
 
 
 def split_rows(w: torch.Tensor, tp: int, rank: int, pad_to: int | None = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import ReduceFromTP
+from bunsan.tensor_parallel.ops import ReduceFromTP
 
 
 def vocab_parallel_loss_sum(logits: torch.Tensor, labels: torch.Tensor, head) -> torch.Tensor:

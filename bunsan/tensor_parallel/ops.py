@@ -1,4 +1,4 @@
-"""Megatron's conjugate communication operators, as autograd functions that go through comm.py.
+"""Megatron's conjugate communication operators, as autograd functions that go through comm/collectives.py.
 
     f  (copy_to_tp):        forward identity         backward all-reduce     (input of a column-split block)
     g  (reduce_from_tp):    forward all-reduce       backward identity       (output of a row-split block)
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import Comm, Group
+from bunsan.comm.collectives import Comm, Group
 
 
 @dataclass

@@ -18,9 +18,8 @@ import fnmatch
 import torch
 import torch.nn as nn
 
-from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead,
-                     parallel_input_hook, sum_grad_over_tp)
-from .ops import TPContext
+from bunsan.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, parallel_input_hook, sum_grad_over_tp)
+from bunsan.tensor_parallel.ops import TPContext
 
 LLAMA_PLAN = {
     "embed_tokens": "vocab_embedding",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..optim import build_optimizer, optimizer_spec
+from bunsan.optim.optimizers import build_optimizer, optimizer_spec
 
 
 class Init:
@@ -28,7 +28,7 @@ class Init:
 
 def make_strategy(trainable, comm, group, cfg, device, user_optimizer, module):
     """The data-parallel strategy for `zero_optimization.stage`."""
-    from ..data_parallel import Replicated
+    from bunsan.zero.stage0 import Replicated
     zero = cfg.zero_optimization
     stage = zero.stage
     if stage >= 2 and not zero.contiguous_gradients:
@@ -45,7 +45,7 @@ def make_strategy(trainable, comm, group, cfg, device, user_optimizer, module):
     spec_params = list(reversed(trainable))  # the strategies order parameters for backward
     spec = optimizer_spec(user_optimizer, cfg.optimizer, spec_params, device)
     if stage in (1, 2):
-        from .stage12 import ShardedGrads
+        from bunsan.zero.stage12 import ShardedGrads
         return ShardedGrads(trainable, comm, group, zero, spec, device, stage)
-    from .stage3 import FullyShardedDP
+    from bunsan.zero.stage3 import FullyShardedDP
     return FullyShardedDP(trainable, comm, group, cfg, spec, device, module)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .layout import ShardLayout
-from .materialize import replace_meta_parameters, unit_full_weights
-from .unit_buffer import UnitBuffer
+from bunsan.zero.layout import ShardLayout
+from bunsan.zero.materialize import replace_meta_parameters, unit_full_weights
+from bunsan.zero.unit_buffer import UnitBuffer
 
 
 class FrozenShards:

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from .host_buffer import HostBuffer
-from .layout import ShardLayout
-from .swap import SwapFile
+from bunsan.zero.host_buffer import HostBuffer
+from bunsan.zero.layout import ShardLayout
+from bunsan.zero.swap import SwapFile
 
 ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 # Elementwise updates with blockwise-quantised states: each fragment is quantised in blocks of its own
@@ -122,7 +122,7 @@ class ShardedOptimizer:
         if not pgroups:  # a rank whose shard is all padding still needs an optimizer object
             pgroups = [{"params": [torch.zeros(0, device=self.home)], **self.groups[0][1]}]
         if self.factored:
-            from .adafactor import ShardedAdafactor
+            from bunsan.zero.adafactor import ShardedAdafactor
             frags = self.layout.fragments
             where = {id(self.frag_tensors[i]): (frags[i].param, frags[i].param_offset) for i in sg.frags}
             return ShardedAdafactor(pgroups, where, self._shapes, self._all_reduce, **self.defaults)

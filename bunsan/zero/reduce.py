@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from .host_buffer import HostPool, trim_heap
-from .layout import ShardLayout
-from .offload import HostAdds
+from bunsan.zero.host_buffer import HostPool, trim_heap
+from bunsan.zero.layout import ShardLayout
+from bunsan.zero.offload import HostAdds
 
 IN_FLIGHT = 2
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import all_reduce_on
-from ..data_parallel import Sharded
-from ..grad_sync import BucketHooks, FlatParams
-from .host_buffer import TRIM_EVERY
-from .layout import ShardLayout
-from .optimizer import ShardedOptimizer
-from .reduce import ShardReducer
+from bunsan.comm.collectives import all_reduce_on
+from bunsan.zero.strategy import Sharded
+from bunsan.zero.buckets import BucketHooks, FlatParams
+from bunsan.zero.host_buffer import TRIM_EVERY
+from bunsan.zero.layout import ShardLayout
+from bunsan.zero.optimizer import ShardedOptimizer
+from bunsan.zero.reduce import ShardReducer
 
 
 class ShardedGrads(Sharded):

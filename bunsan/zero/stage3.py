@@ -28,18 +28,18 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ..comm import all_reduce_on
-from ..data_parallel import Sharded
-from ..grad_sync import BucketHooks
-from .layout import ShardLayout
-from .host_buffer import TRIM_EVERY, trim_heap
-from .frozen import FrozenShards
-from .materialize import replace_meta_parameters, unit_full_weights
-from .offload import CopyMarks
-from .optimizer import ShardedOptimizer
-from .reduce import ShardReducer
-from .unit_buffer import UnitBuffer
-from .swap import SwapFile
+from bunsan.comm.collectives import all_reduce_on
+from bunsan.zero.strategy import Sharded
+from bunsan.zero.buckets import BucketHooks
+from bunsan.zero.layout import ShardLayout
+from bunsan.zero.host_buffer import TRIM_EVERY, trim_heap
+from bunsan.zero.frozen import FrozenShards
+from bunsan.zero.materialize import replace_meta_parameters, unit_full_weights
+from bunsan.zero.offload import CopyMarks
+from bunsan.zero.optimizer import ShardedOptimizer
+from bunsan.zero.reduce import ShardReducer
+from bunsan.zero.unit_buffer import UnitBuffer
+from bunsan.zero.swap import SwapFile
 
 
 class _PreBackward(torch.autograd.Function):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .host_buffer import HostBuffer
+from bunsan.zero.host_buffer import HostBuffer
 
 
 class UnitBuffer:

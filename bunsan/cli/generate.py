@@ -1,0 +1,152 @@
+"""`bunsan generate`: sample from a trained checkpoint, on one process, tensor-parallel ranks, or a Hugging Face
+Llama spread over devices, CPU and disk (--device-map)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bunsan.cli.launch import relaunch, under_torchrun
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("generate", help="sample text from a trained checkpoint")
+    g.add_argument("--checkpoint", required=True, help="output dir of `bunsan train` (or its final/ folder)")
+    g.add_argument("--prompt", default="def ")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tokenizer", default=None, help="override the tokenizer recorded in the checkpoint")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (KV cache sharded by heads)")
+    g.add_argument("--device-map", choices=("auto", "balanced", "sequential"),
+                   help="spread a Hugging Face Llama directory over devices, CPU and disk (blocks whole)")
+    g.add_argument("--max-memory", help="budgets for --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB (default: all CPU)")
+    g.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="the weights' and the KV cache's dtype (sampling is fp32 whatever it is)")
+
+
+def torch_dtype(name: str):
+    """--dtype's value (fp32, bf16 or fp16; argparse keeps out the rest) as a torch dtype."""
+    import torch
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def hf_tokenizer(checkpoint, tokenizer_path: str | None, vocab_size: int):
+    """The tokenizer of a Hugging Face directory: --tokenizer, else its tokenizer.json, else bytes, which only a
+    model of at most 256 tokens can use (its ids beyond would have no text)."""
+    from bunsan.training.data import load_tokenizer
+    tok = Path(checkpoint) / "tokenizer.json"
+    path = tokenizer_path or (str(tok) if tok.is_file() else None)
+    if path is None and vocab_size > 256:
+        raise ValueError(f"{checkpoint} has no tokenizer.json, and its model's vocabulary of {vocab_size} tokens is "
+                         "not bytes (256): pass --tokenizer PATH/tokenizer.json (the tokenizer it was trained with)")
+    return load_tokenizer(path)
+
+
+def parse_max_memory(text: str | None) -> dict | None:
+    """'0=20GiB,cpu=64GiB' -> {0: bytes, 'cpu': bytes}."""
+    from bunsan.planner.hardware import parse_bytes
+    if not text:
+        return None
+    out = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--max-memory item {item!r} is not DEVICE=SIZE; write e.g. 0=20GiB,cpu=64GiB")
+        key = key.strip()
+        out[int(key) if key.isdigit() else key] = parse_bytes(value)
+    return out
+
+
+def _generate_placed(args) -> int:
+    import torch
+
+    from bunsan.inference import load
+    from bunsan.inference.report import lines, start
+    from bunsan.models import generate
+    from bunsan.models.hf import read_config
+
+    tokenizer = hf_tokenizer(args.checkpoint, args.tokenizer, read_config(args.checkpoint).vocab_size)
+    ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
+    if ids.numel() == 0:
+        raise ValueError("--prompt is empty; give some text to continue")
+    max_memory = parse_max_memory(args.max_memory)
+    # torch imports its meta-tensor kernels (sympy, ~800 modules, ~70 MB) at the first meta op: before the baseline
+    torch.empty(0, device="meta").normal_()
+    baseline = start(max_memory)
+    model, dmap = load(args.checkpoint, args.device_map, max_memory, dtype=torch_dtype(args.dtype), batch=1,
+                       max_seq=ids.shape[1] + args.max_new_tokens, prompt_len=ids.shape[1])
+    g = torch.Generator().manual_seed(args.seed)      # on the CPU: next_token draws there, whatever the head's device
+    with torch.no_grad():
+        out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       eos_token_id=tokenizer.eos_token_id, generator=g)
+    print(tokenizer.decode(out[0].tolist()))
+    print("\n".join(lines(model, dmap, baseline, args.checkpoint)))
+    return 0
+
+
+def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=None):
+    """(model, tokenizer) of `bunsan train`'s output directory (or its final/ folder), on the CPU, its weights
+    in `dtype` (default fp32)."""
+    from safetensors.torch import load_file
+
+    from bunsan.config.root import Config
+    from bunsan.training.data import load_tokenizer
+    from bunsan.models import Llama, LlamaConfig
+    ckpt = Path(path)
+    if (ckpt / "final").is_dir():
+        ckpt = ckpt / "final"
+    weights, meta_path = ckpt / "model.safetensors", ckpt / "config.json"
+    if not weights.is_file() or not meta_path.is_file():
+        raise SystemExit(f"bunsan {command}: {ckpt} has no model.safetensors + config.json; point --checkpoint at "
+                         "the output directory of `bunsan train` (or its final/ folder)")
+    meta = json.loads(meta_path.read_text())
+    cfg = Config.load(meta.get("bunsan_config", {}))
+    model = Llama(LlamaConfig.from_hf(meta["model"]))
+    model.load_state_dict(load_file(str(weights)), strict=False)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval(), load_tokenizer(tokenizer_path or cfg.data.tokenizer)
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from bunsan.models import generate
+
+    if args.device_map:
+        if args.tp > 1:
+            raise ValueError("--tp and --device-map both spread the model: use one (tensor parallel splits every "
+                             "layer over processes; a device map puts whole layers on devices, CPU and disk)")
+        return _generate_placed(args)
+    if args.tp > 1 and not under_torchrun():
+        return relaunch(args, args.tp)
+
+    model, tokenizer = trained_model(args.checkpoint, args.tokenizer, "generate", torch_dtype(args.dtype))
+    ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
+    if ids.numel() == 0:
+        raise SystemExit("bunsan generate: --prompt is empty; give some text to continue")
+    kv_heads, rank = None, 0
+    if args.tp > 1:   # every rank holds 1/tp of the heads (and of the KV cache) and of the vocabulary
+        from bunsan.comm.collectives import Comm
+        from bunsan.comm.mesh import Mesh
+        from bunsan.comm.process_group import init_distributed
+        from bunsan.tensor_parallel import TPContext, apply_tensor_parallel
+        device = init_distributed()        # each rank its GPU (cuda:LOCAL_RANK, NCCL), or the CPU (gloo)
+        model.to(device)                   # before the split: each rank cuts its shards where it computes
+        ids = ids.to(device)
+        mesh = Mesh.create(tp=args.tp)
+        ctx = TPContext(Comm(device=device), mesh.tp_group)
+        apply_tensor_parallel(model, ctx).gather_output = True
+        kv_heads, rank = model.config.num_key_value_heads // args.tp, mesh.rank
+    # on the CPU: every rank draws the same tokens from the same gathered logits, whatever its device
+    g = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():
+        out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       eos_token_id=tokenizer.eos_token_id, generator=g, kv_heads=kv_heads)
+    if rank == 0:
+        print(tokenizer.decode(out[0].tolist()))
+    return 0
+
+

@@ -1,0 +1,53 @@
+"""Starting processes: torchrun (`torch.distributed.run`) does it all.
+
+`bunsan run` hands torchrun the user's script; `bunsan train --nproc N` (and
+`generate` / `serve --tp N`) re-run the same command on N processes under torchrun,
+the arguments travelling in the environment (torchrun's own parser would read
+options such as --nproc that follow the module name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+WORKER_ARGV = "BUNSAN_WORKER_ARGV"
+
+
+def worker_argv(argv: list[str]) -> list[str]:
+    """A worker started by `relaunch` reads its real arguments from the environment."""
+    return json.loads(os.environ[WORKER_ARGV]) if argv == [WORKER_ARGV] else argv
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def run_script(rest: list[str]) -> int:
+    """`bunsan run ...`: everything after `run` is torchrun's (a single node is --standalone)."""
+    from torch.distributed.run import main as torchrun
+    if not rest:
+        raise SystemExit("bunsan run: give the script to launch, e.g. bunsan run --nproc-per-node 2 train.py")
+    multi_node = any(a.startswith(("--nnodes", "--rdzv-endpoint", "--rdzv_endpoint")) for a in rest)
+    torchrun((["--standalone"] if not multi_node else []) + rest)
+    return 0
+
+
+def relaunch(args, nproc: int) -> int:
+    """Run this same command on `nproc` processes under torchrun; the exit code of the doctor's OOM advice
+    survives when any process ran out of memory."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+    os.environ[WORKER_ARGV] = json.dumps(args.argv)
+    try:
+        torchrun(["--standalone", f"--nproc-per-node={nproc}", "--module", "bunsan.cli", WORKER_ARGV])
+    except ChildFailedError as e:
+        print(f"bunsan: {args.cmd} failed on {len(e.failures)} process(es); see their errors above", file=sys.stderr)
+        from bunsan.doctor.oom import EXIT_CODE
+        return EXIT_CODE if any(f.exitcode == EXIT_CODE for f in e.failures.values()) else 1
+    return 0
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ

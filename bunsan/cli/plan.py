@@ -1,0 +1,203 @@
+"""`bunsan estimate` and `bunsan plan`: memory per GPU for one layout, and the layouts that fit, ranked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GiB = 1024 ** 3
+
+# Flags of `bunsan estimate` that map onto config keys (the rest of the layout comes from --config).
+ESTIMATE_FLAGS = {
+    "zero": ("zero_optimization.stage", int), "tp": ("tensor_parallel.size", int), "pp": ("pipeline.stages", int),
+    "schedule": ("pipeline.schedule", str), "virtual_stages": ("pipeline.virtual_stages", int),
+    "micro_batch": ("train_micro_batch_size_per_gpu", int), "grad_accum": ("gradient_accumulation_steps", int),
+    "seq_len": ("data.seq_len", int), "optimizer": ("optimizer.type", str),
+    "offload_optimizer": ("zero_optimization.offload_optimizer.device", str),
+    "offload_param": ("zero_optimization.offload_param.device", str),
+}
+ESTIMATE_SWITCHES = {"bf16": "bf16.enabled", "fp16": "fp16.enabled", "checkpointing": "activation_checkpointing.enabled",
+                     "sp": "tensor_parallel.sequence_parallel"}
+
+
+def add_parsers(sub) -> None:
+    e = sub.add_parser("estimate", help="memory per GPU and per host of a model under a layout")
+    e.add_argument("--model", required=True, help="preset (tiny, small, 135m, 1b, 7b, 13b, 70b), a Hugging Face "
+                   "config.json or model directory, or a parameter count (7.5B: model states only)")
+    e.add_argument("--config", help="bunsan/DeepSpeed config file for the layout (default: bunsan's defaults)")
+    e.add_argument("--gpus", type=int, help="GPUs in all (default: tp x pp of the config)")
+    e.add_argument("--nodes", type=int, default=1)
+    e.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB or 24GiB (default: the --gpu's)")
+    e.add_argument("--gpu", default=None, help="GPU model for its memory (h100, a100, l40s, ...)")
+    e.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: price a CPU run (gloo)")
+    for name, (key, typ) in ESTIMATE_FLAGS.items():
+        e.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, help=f"sets {key}")
+    for flag, key in ESTIMATE_SWITCHES.items():
+        e.add_argument("--" + flag, action="store_true", help=f"sets {key}")
+    e.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
+    p = sub.add_parser("plan", help="layouts that fit a model on given GPUs, ranked by estimated step time")
+    p.add_argument("--model", required=True, help="preset, Hugging Face config.json or model directory")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu", default="h100", help="GPU model (h100, h200, a100, a100-40gb, l40s, a10, v100, rtx4090)")
+    p.add_argument("--gpu-memory", help="memory per GPU (default: the --gpu's), e.g. 80GB")
+    p.add_argument("--host-memory", help="host memory per node, to rule out offload that cannot fit, e.g. 1TB")
+    p.add_argument("--seq-len", type=int, help="tokens per sample (default: min(model max, 4096))")
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step (default: max(gpus, 8))")
+    p.add_argument("--interconnect", help="link inside a node: nvlink, pcie (default nvlink)")
+    p.add_argument("--inter-node", default="infiniband", help="link between nodes: infiniband, ethernet")
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), help="default: bf16 where the GPU has it")
+    p.add_argument("--tokens", type=float, help="training tokens, for the time-to-train column (e.g. 1e12)")
+    p.add_argument("--efficiency", type=float, default=0.4, help="fraction of the GPU's peak FLOP/s reached")
+    p.add_argument("--margin", type=float, default=0.10, help="fraction of GPU memory kept free (default 0.10)")
+    p.add_argument("--top", type=int, default=8, help="layouts to show")
+    p.add_argument("--output", help="write the best layout's config here (JSON) for bunsan train / initialize")
+
+
+def _bytes(text: str | None) -> float | None:
+    from bunsan.planner.hardware import parse_bytes
+    return None if text is None else float(parse_bytes(text))
+
+
+def _console():
+    from rich.console import Console
+    console = Console()
+    if not console.is_terminal:       # piped or in CI: wide enough that the tables stay one line a row
+        console = Console(width=max(console.width, 160))
+    return console
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:,.2f}" if x else "-"
+
+
+def cmd_estimate(args) -> int:
+    from rich.table import Table
+
+    from bunsan.config.root import Config
+    from bunsan.estimator import estimate
+    from bunsan.planner.hardware import gpu_spec
+
+    cfg = Config.load(args.config)
+    updates = {key: v for name, (key, _) in ESTIMATE_FLAGS.items() if (v := getattr(args, name)) is not None}
+    updates.update({key: True for flag, key in ESTIMATE_SWITCHES.items() if getattr(args, flag)})
+    if updates:
+        cfg = cfg.override(updates)
+    memory = _bytes(args.gpu_memory)
+    if memory is None and args.gpu:
+        memory = float(gpu_spec(args.gpu).memory_bytes)
+    est = estimate(args.model, cfg, gpus=args.gpus, nodes=args.nodes, gpu_memory=memory, device_type=args.device)
+    if args.json:
+        print(json.dumps({"model": est.model, "params": est.n_params, "layout": est.layout.describe(),
+                          "peak_bytes": est.peak, "stage_peaks": est.stage_peaks,
+                          "host_bytes_per_node": est.host_per_node, "disk_bytes_per_node": est.disk_per_node,
+                          "gpu_memory": memory, "fits": est.fits(),
+                          "items": [vars(i) for i in est.items]}, indent=2))
+        return 0
+    console = _console()
+    lay = est.layout
+    title = (f"{est.model}: {est.n_params / 1e9:.3g}B parameters, {lay.describe()}, seq {lay.seq_len}, "
+             f"{lay.gpus} GPU(s) on {est.nodes} node(s)")
+    table = Table(title=title)
+    for col in ("item", "per GPU GiB", "host GiB", "disk GiB", "when", "what"):
+        table.add_column(col, justify="right" if "GiB" in col else "left")
+    for i in est.items:
+        table.add_row(i.name, _gib(i.device), _gib(i.host), _gib(i.disk), i.phase, i.note)
+    table.add_row("peak", _gib(est.peak), _gib(sum(i.host for i in est.items)), _gib(sum(i.disk for i in est.items)),
+                  "", "always + the larger of backward and step", style="bold")
+    console.print(table)
+    if lay.pp > 1:
+        console.print("pipeline ranks' peaks (GiB): " + ", ".join(f"{p / GiB:.2f}" for p in est.stage_peaks)
+                      + f"; the table shows rank {est.rank}")
+    console.print(f"per node: host {est.host_per_node / GiB:,.1f} GiB, disk {est.disk_per_node / GiB:,.1f} GiB")
+    _zero_table(console, est)
+    if memory is not None:
+        verdict = "fits" if est.fits() else "does NOT fit"
+        console.print(f"GPU memory {memory / GiB:.1f} GiB: {verdict}, headroom {est.headroom / GiB:+.2f} GiB")
+    return 0
+
+
+def _zero_table(console, est) -> None:
+    """Model states per GPU for every ZeRO stage: the paper's accounting next to bunsan's buffers."""
+    from rich.table import Table
+
+    from bunsan.estimator import zero_paper
+    from bunsan.memory.theory import optimizer_bytes
+    lay = est.layout
+    psi = est.n_params / (lay.tp * lay.pp)
+    k = optimizer_bytes(lay.optimizer, [(1,)]) + (4 if lay.dtype_bytes < 4 else 0)
+    t = Table(title=f"model states per GPU by ZeRO stage (Ψ = {psi / 1e9:.3g}B per model-parallel rank, "
+                    f"N = {lay.dp}, K = {k:g})")
+    for col in ("stage", "ZeRO paper GB (16-bit Ψ, grads)", "this layout's precision GB"):
+        t.add_column(col, justify="right")
+    for stage in range(4):
+        ours = _states_at(est, stage)
+        t.add_row(str(stage), f"{zero_paper(psi, lay.dp, k, stage) / 1e9:,.1f}", f"{ours / 1e9:,.1f}" if ours else "-")
+    console.print(t)
+
+
+def _states_at(est, stage: int) -> float | None:
+    from bunsan.estimator.shape import rank_params
+    from bunsan.memory.theory import model_states
+    lay = est.layout
+    rp = max(rank_params(est.shape, lay.tp, lay.pp, lay.virtual_stages), key=lambda r: r.total)
+    st = model_states(rp, lay.dp, stage, lay.dtype_bytes, lay.optimizer)
+    return st["model_states"] + st["disk"]
+
+
+def cmd_plan(args) -> int:
+    from rich.table import Table
+
+    from bunsan.planner.search import plan
+
+    tokens = int(args.tokens) if args.tokens else None
+    result = plan(args.model, args.gpus, _bytes(args.gpu_memory), gpu=args.gpu, nodes=args.nodes,
+                  seq_len=args.seq_len, global_batch=args.global_batch, interconnect_name=args.interconnect,
+                  inter_node=args.inter_node, precision=args.precision, margin=args.margin, total_tokens=tokens,
+                  efficiency=args.efficiency, host_memory=_bytes(args.host_memory), keep=max(args.top, 1))
+    console = _console()
+    best = result.best
+    lay0 = best.layout if best else None
+    console.print(f"{result.model}: {result.n_params / 1e9:.3g}B parameters on {result.gpus} x {result.gpu.name} "
+                  f"({result.gpu_memory / GiB:.0f} GiB, {result.margin:.0%} kept free), {result.nodes} node(s)"
+                  + (f"; seq {lay0.seq_len}, global batch {lay0.global_batch}" if lay0 else ""))
+    console.print(f"{result.considered} layouts priced, {result.too_big} too big, {len(result.ranked)} shown")
+    if not result.ranked:
+        console.print("[bold red]nothing fits.[/] What would:")
+        for s in result.suggestions:
+            console.print(f"  - {s}")
+        return 1
+    table = Table()
+    cols = ["#", "layout", "peak GiB", "host GiB/node", "step s", "tokens/s", "MFU", "why"]
+    if tokens:
+        cols.insert(7, "days")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("layout", "why") else "right")
+    for n, c in enumerate(result.ranked[:args.top], 1):
+        row = [str(n), c.layout.describe(), f"{c.peak / GiB:.1f}", f"{c.estimate.host_per_node / GiB:.0f}",
+               f"{c.step.total:.3g}", f"{c.step.tokens_per_s:,.0f}", f"{c.step.mfu:.1%}", c.why]
+        if tokens:
+            row.insert(7, f"{result.days(c):,.1f}")
+        table.add_row(*row)
+    console.print(table)
+    console.print(best.step.explain())
+    if args.output:
+        cfg = best.layout.to_config(_model_section(args.model))
+        cfg["train_batch_size"] = best.layout.global_batch
+        Path(args.output).write_text(json.dumps(cfg, indent=2) + "\n")
+        console.print(f"wrote {args.output}: bunsan train {args.output} --nproc {best.layout.gpus}")
+    return 0
+
+
+def _model_section(model: str) -> dict:
+    """The config's model section: the preset, or a Hugging Face config's shape as overrides."""
+    from bunsan.models.presets import canonical_name, presets
+    name = canonical_name(model)
+    if name in presets:
+        return {"model": {"preset": name}}
+    from bunsan.estimator import load_shape
+    c = load_shape(model).llama
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
+    return {"model": {"preset": "small", **{f: getattr(c, f) for f in fields}}}

@@ -1,0 +1,105 @@
+"""Process start-up and device choice: the process group every other group is cut from.
+
+`init_distributed` reads the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT); without it bunsan runs as a world of one, backed by an
+in-memory store, so that the same code paths run everywhere. The device is chosen
+once: CUDA + NCCL when a GPU is present, else CPU + gloo.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+
+DEFAULT_TIMEOUT_S = {"nccl": 600.0, "gloo": 120.0}   # train.timeout_s unset (see collective_timeout)
+
+
+def collective_timeout(timeout_s: float | None, backend: str) -> float:
+    """The collective timeout: train.timeout_s, else 10 minutes on NCCL, where it is also the watchdog's and a
+    first compiled step or a slow checkpoint barrier must not abort the job, and 2 minutes on gloo."""
+    return float(timeout_s) if timeout_s is not None else DEFAULT_TIMEOUT_S.get(backend, 600.0)
+
+
+def _visible() -> str:
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+
+
+def pick_device(backend: str | None = None) -> torch.device:
+    """This process's GPU (cuda:LOCAL_RANK) when CUDA is present, else the CPU.
+
+    Under NCCL every rank needs a GPU of its own: a rank without LOCAL_RANK, or with more ranks than visible
+    GPUs, would put two ranks on one GPU and fail later with "Duplicate GPU detected", so it is refused here.
+    gloo may share a GPU between ranks (backend "gloo": collectives through host memory)."""
+    if not torch.cuda.is_available():
+        if backend == "nccl":
+            raise RuntimeError("backend 'nccl' needs CUDA GPUs, and none is visible (CUDA_VISIBLE_DEVICES="
+                               f"{_visible()}); use train.backend 'gloo' (or 'auto') on CPU machines")
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = os.environ.get("LOCAL_RANK")
+    if local is None:
+        if world > 1 and backend != "gloo":
+            raise RuntimeError(f"WORLD_SIZE is {world} but LOCAL_RANK is not set, so this rank cannot tell which "
+                               f"of the {count} visible GPUs (CUDA_VISIBLE_DEVICES={_visible()}) is its own; launch "
+                               "with torchrun or `bunsan run` (they set LOCAL_RANK), or set LOCAL_RANK per process")
+        local = "0"
+    rank = int(local)
+    if rank >= count:
+        if backend == "gloo":
+            return torch.device("cuda", rank % count)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        if count == 1 and visible and "," not in visible:
+            return torch.device("cuda", 0)    # the launcher gave each process its own one GPU (SLURM, k8s)
+        raise RuntimeError(f"LOCAL_RANK {rank} has no GPU of its own: {count} visible (CUDA_VISIBLE_DEVICES="
+                           f"{_visible()}), and NCCL cannot put two ranks on one GPU; launch at most {count} "
+                           f"processes per node (--nproc-per-node {count}) or make more GPUs visible, or set "
+                           "train.backend to 'gloo' to share GPUs (slow: collectives through host memory)")
+    return torch.device("cuda", rank)
+
+
+def backend_name() -> str:
+    """The default process group's backend: 'nccl' or 'gloo'."""
+    name = str(dist.get_backend())
+    return "nccl" if "nccl" in name else "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> torch.device:
+    """Initialise torch.distributed once (reusing a group the user already made) and return the device.
+
+    backend None or "auto": NCCL when a GPU is present, else gloo. timeout_s None: collective_timeout's default.
+    """
+    backend = None if backend in (None, "auto") else backend
+    if dist.is_initialized():
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        bound = getattr(dist.group.WORLD, "bound_device_id", None)     # init_process_group(device_id=...)
+        if bound is not None:
+            device = bound
+        elif "LOCAL_RANK" not in os.environ:
+            device = torch.device("cuda", torch.cuda.current_device())   # the user chose it with set_device
+        else:
+            device = pick_device(backend_name())
+        # events and streams (timings, offload copies) use the current device: make it this rank's
+        torch.cuda.set_device(device)
+        return device
+    device = pick_device(backend)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    timeout = datetime.timedelta(seconds=collective_timeout(timeout_s, backend))
+    extra = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if backend == "nccl":
+            extra["device_id"] = device   # communicators made at once, bound to this GPU
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout, **extra)
+    else:
+        # A world of one: no launcher, no ports, same code paths.
+        store = dist.HashStore()
+        dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout, **extra)
+    return device

@@ -1,0 +1,228 @@
+"""One typed config tree. DeepSpeed's keys work unchanged; bunsan's own sections sit
+beside them. Everything is validated before any work starts: unknown keys, wrong types,
+ranges and cross-field rules all raise ConfigError naming the key and the fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from bunsan.config.errors import ConfigError, Rule, convert, lookup, unwrap
+from bunsan.config.sections import (BF16, FP16, OPTIMIZERS, SCHEDULERS, ActivationCheckpointing, Checkpoint, Data, Lora, Int, ModelOverrides, OptInt, Optimizer, Pipeline, Scheduler, Section, TensorParallel, Tensorboard, Train, Zero, optimizer_signature)
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+__all__ = ["BatchSizes", "Config", "ConfigError"]
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    train_batch_size: int
+    micro_batch: int
+    grad_accum: int
+    dp_size: int
+
+
+# Features that parse but are not built yet: (predicate, message formatted with c=config).
+# Delete a row when its feature lands.
+UNIMPLEMENTED: list[tuple[typing.Callable[[Config], bool], str]] = [
+    (lambda c: c.pipeline.stages > 1 and c.zero_optimization.stage > 1,
+     "pipeline.stages={c.pipeline.stages} with zero_optimization.stage={c.zero_optimization.stage}: ZeRO-2 and -3 "
+     "reduce gradients (and ZeRO-3 gathers parameters) inside every backward, while a pipeline splits each "
+     "micro-batch's backward into pieces spread over its schedule and reduces once after it; bunsan (like "
+     "DeepSpeed and Megatron) combines pipelines with ZeRO-1 at most; set zero_optimization.stage to 0 or 1"),
+    (lambda c: c.activation_checkpointing.partition_activations,
+     "activation_checkpointing.partition_activations=true: partitioning checkpointed activations across "
+     "tensor-parallel ranks is not implemented; use tensor_parallel.sequence_parallel, which shards the "
+     "activations between blocks, and set partition_activations to false"),
+    (lambda c: c.activation_checkpointing.cpu_checkpointing,
+     "activation_checkpointing.cpu_checkpointing=true: offloading checkpointed activations to CPU is not "
+     "planned; set it to false (activation_checkpointing.enabled recomputes activations instead)"),
+]
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML reads 5e8 and 1e-3 as strings (YAML 1.1); read them as floats, like YAML 1.2."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."))
+
+
+def _read_file(path: str | os.PathLike) -> dict:
+    p, kinds = Path(path), {".json": "JSON", ".yaml": "YAML", ".yml": "YAML", ".toml": "TOML"}
+    if not p.exists():
+        raise ConfigError(f"config file '{p}' does not exist (working directory {os.getcwd()}); check the path")
+    kind = kinds.get(p.suffix.lower())
+    if kind is None:
+        raise ConfigError(f"config file '{p}' has unsupported extension '{p.suffix}'; "
+                          f"use .json, .yaml/.yml or .toml")
+    try:
+        text = p.read_text(encoding="utf-8")
+        data = (json.loads(text) if kind == "JSON" else tomllib.loads(text) if kind == "TOML"
+                else yaml.load(text, Loader=_YamlLoader))
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:  # JSON/TOML errors are ValueErrors
+        raise ConfigError(f"config file '{p}' could not be read as {kind}: {e}; fix the syntax "
+                          f"(or check the file is {kind})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file '{p}' must hold a mapping of keys at the top level, got "
+                          f"{type(data).__name__}; write it as {{\"train_batch_size\": ..., ...}}")
+    return data
+
+
+class Config(Section):
+    """The whole config. Build it with Config.load(dict | path | Config | None); derive
+    variants with override({"dotted.key": value}); every problem raises ConfigError."""
+
+    train_batch_size: OptInt = Field(None, ge=1)
+    train_micro_batch_size_per_gpu: OptInt = Field(None, ge=1)
+    gradient_accumulation_steps: OptInt = Field(None, ge=1)
+    gradient_clipping: float = Field(0.0, ge=0)  # 0 = off
+    steps_per_print: Int = Field(10, ge=1)
+    wall_clock_breakdown: bool = False
+    fp16: FP16 = Field(default_factory=FP16)
+    bf16: BF16 = Field(default_factory=BF16)
+    optimizer: Optimizer = Field(default_factory=Optimizer)
+    scheduler: Optional[Scheduler] = None
+    zero_optimization: Zero = Field(default_factory=Zero)
+    activation_checkpointing: ActivationCheckpointing = Field(default_factory=ActivationCheckpointing)
+    tensorboard: Tensorboard = Field(default_factory=Tensorboard)
+    tensor_parallel: TensorParallel = Field(default_factory=TensorParallel)
+    pipeline: Pipeline = Field(default_factory=Pipeline)
+    lora: Lora = Field(default_factory=Lora)
+    model: ModelOverrides = Field(default_factory=ModelOverrides)
+    data: Data = Field(default_factory=Data)
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
+    train: Train = Field(default_factory=Train)
+
+    @model_validator(mode="after")
+    def _precision(self) -> Config:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise Rule(("fp16.enabled", "fp16 and bf16 are both enabled; set fp16.enabled or bf16.enabled to "
+                                        "false (bf16 needs no loss scaling, prefer it where the hardware has it)"))
+        return self
+
+    @classmethod
+    def load(cls, src: dict | str | os.PathLike | Config | None = None) -> Config:
+        """Defaults (None), a dict, a .json/.yaml/.yml/.toml path, or a Config (re-validated copy)."""
+        where = ""
+        if src is None:
+            data: Any = {}
+        elif isinstance(src, Config):
+            data = src.to_dict()
+        elif isinstance(src, dict):
+            data = src
+        elif isinstance(src, (str, os.PathLike)):
+            data, where = _read_file(src), f"config file '{src}'"
+        else:
+            raise ConfigError(f"config must be a dict, a file path or a bunsan.Config, got {type(src).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise convert(e, cls, where) from None
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    def override(self, updates: dict[str, Any]) -> Config:
+        """A new Config with dotted keys replaced: {"zero_optimization.stage": 2}. String values
+        (from the command line) are read as YAML scalars: "10", "true", "1e-3", "[0.9, 0.95]"."""
+        data = self.to_dict()
+        for path, value in updates.items():
+            parts = str(path).split(".")
+            field = lookup(Config, parts)
+            if isinstance(value, str):
+                value = _parse_cli(path, value, field)
+            node = data
+            for p in parts[:-1]:
+                if not isinstance(node.get(p), dict):
+                    node[p] = {}  # a section that is None now (scheduler, offload_*)
+                node = node[p]
+            if parts[-1] == "type" and parts[0] in ("optimizer", "scheduler") and isinstance(value, str):
+                _keep_params_of(parts[0], value, node)
+            node[parts[-1]] = value
+        return Config.load(data)
+
+    def batch_sizes(self, dp_size: int) -> BatchSizes:
+        """DeepSpeed's rule train_batch_size = micro_batch x grad_accum x dp_size; any two give
+        the third. Only train_batch_size: grad_accum 1. Otherwise micro 8 and grad_accum 1 by default."""
+        if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+            raise ConfigError(f"data-parallel size must be a positive integer, got {dp_size!r}")
+        tbs, mb, ga = self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+        if tbs is None:
+            mb, ga = mb or 8, ga or 1
+            return BatchSizes(mb * ga * dp_size, mb, ga, dp_size)
+        if mb is not None and ga is not None:
+            if tbs != mb * ga * dp_size:
+                raise ConfigError(_mismatch(tbs, mb, ga, dp_size))
+        elif mb is not None:
+            ga = _divide(tbs, f"train_micro_batch_size_per_gpu {mb} x ", mb, dp_size)
+        elif ga is not None:
+            mb = _divide(tbs, f"gradient_accumulation_steps {ga} x ", ga, dp_size)
+        else:
+            mb, ga = _divide(tbs, "", 1, dp_size), 1
+        return BatchSizes(tbs, mb, ga, dp_size)
+
+    def unimplemented(self) -> list[str]:
+        return [msg.format(c=self) for pred, msg in UNIMPLEMENTED if pred(self)]
+
+
+def _parse_cli(path: str, value: str, field: Any) -> Any:
+    ann = unwrap(field.annotation) if field is not None else None
+    if ann is str:  # keep paths and names verbatim ("1e3" stays a string)
+        nullable = type(None) in typing.get_args(field.annotation)
+        return None if nullable and value in ("null", "~") else value
+    try:
+        parsed = yaml.load(value, Loader=_YamlLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: could not read {value!r} as a YAML value ({e}); quote strings and "
+                          f"write lists as [a, b]") from None
+    return [parsed] if ann == list[str] and isinstance(parsed, str) else parsed
+
+
+def _keep_params_of(section: str, new_type: str, node: dict) -> None:
+    """On a type change, drop params the new type does not take (e.g. WarmupLR's filled-in defaults)."""
+    if section == "optimizer":
+        canon = OPTIMIZERS.get(new_type.lower())
+        names = set(optimizer_signature(canon)) if canon else None
+    else:
+        canon = {n.lower(): n for n in SCHEDULERS}.get(new_type.lower())
+        names = set(SCHEDULERS[canon]) if canon else None
+    if names is not None and isinstance(node.get("params"), dict) and canon != node.get("type"):
+        node["params"] = {k: v for k, v in node["params"].items() if k in names}
+
+
+def _divide(tbs: int, what: str, factor: int, dp: int) -> int:
+    unit = factor * dp
+    if tbs % unit:
+        lo = tbs // unit * unit
+        choices = f"{lo} or {lo + unit}" if lo else f"{unit}"
+        raise ConfigError(f"train_batch_size {tbs} is not divisible by {what}data-parallel size {dp} "
+                          f"(= {unit}); set train_batch_size to {choices}")
+    return tbs // unit
+
+
+def _mismatch(tbs: int, mb: int, ga: int, dp: int) -> str:
+    prod = mb * ga * dp
+    if tbs % (mb * dp) == 0:
+        fix = f"set gradient_accumulation_steps to {tbs // (mb * dp)}"
+    elif tbs % (ga * dp) == 0:
+        fix = f"set train_micro_batch_size_per_gpu to {tbs // (ga * dp)}"
+    else:
+        fix = f"set train_batch_size to {prod} (or remove it and it is derived)"
+    return (f"train_batch_size {tbs} != micro_batch {mb} x grad_accum {ga} x data-parallel size {dp} "
+            f"(= {prod}); {fix}")

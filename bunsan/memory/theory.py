@@ -1,0 +1,136 @@
+"""Memory theory: what the model states of one rank should take, in one place.
+
+Used by the engine's memory report (measure.py), the estimator and the planner.
+Two accountings:
+- the ZeRO paper's (`zero_paper`, `model_state_bytes`): Ψ parameters, K optimizer
+  bytes per parameter; parameters and gradients in the model dtype, fp32 master
+  weights when the model is 16-bit, plus the optimizer's own state;
+- bunsan's buffers as allocated (`model_states`): the flat parameter buffer and its
+  gradients are padded per bucket to a multiple of N x 16 elements; stages 2 and 3
+  keep the gradient shard in fp32 (micro-steps add without 16-bit rounding), where
+  the ZeRO paper counts 16-bit gradients; an fp32 model is its own master copy.
+  It says where each kind lives (device, host or disk) for each offload setting.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from bunsan.zero.layout import ALIGN, ShardLayout
+
+if TYPE_CHECKING:   # the estimator builds it; theory only reads its fields
+    from bunsan.estimator.shape import RankParams
+
+
+def optimizer_state_bytes_per_param(opt_type: str, params: dict | None = None) -> float:
+    """K without master weights: fp32 state bytes per parameter of torch's optimizers (dense estimate)."""
+    t = opt_type.lower()
+    params = params or {}
+    if t in ("adamw", "adam"):
+        return 12.0 if params.get("amsgrad") else 8.0
+    if t == "sgd":
+        return 4.0 if params.get("momentum", 0) else 0.0
+    if t == "adamw8bit":   # two 1-byte moments plus an fp32 absmax per block of 256 each
+        return 2.0 + 8.0 / 256
+    return 0.0  # Adafactor: factored, depends on shapes -> see adafactor_state_bytes
+
+
+def adafactor_state_bytes(shapes) -> int:
+    """torch.optim.Adafactor keeps row and column second moments for matrices, a full one for vectors."""
+    total = 0
+    for shape in shapes:
+        if len(shape) >= 2:  # row_var (..., R, 1) and col_var (..., 1, C)
+            lead = math.prod(shape[:-2])
+            total += 4 * lead * (shape[-2] + shape[-1])
+        else:
+            total += 4 * math.prod(shape)
+    return total
+
+
+def model_state_bytes(psi: int, dtype_bytes: int, opt_bytes_per_param: float, dp: int = 1, stage: int = 0,
+                      grad_shard_bytes: int | None = None) -> dict:
+    """Predicted model-state bytes per rank for ZeRO stage `stage` over `dp` ranks.
+
+    The ZeRO paper counts 16-bit gradient shards at stages 2-3; bunsan accumulates the
+    shard in fp32 (grad_shard_bytes=4) so that micro-steps add without 16-bit rounding.
+    """
+    master = 4 if dtype_bytes < 4 else 0
+    shard = {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}[stage]
+    grad_bytes = grad_shard_bytes if (grad_shard_bytes and stage >= 2) else dtype_bytes
+    out = {"params": psi * dtype_bytes / shard[0], "grads": psi * grad_bytes / shard[1],
+           "master_weights": psi * master / shard[2], "optimizer_states": psi * opt_bytes_per_param / shard[2]}
+    out["total"] = out["params"] + out["grads"] + out["master_weights"] + out["optimizer_states"]
+    return out
+
+
+# bitsandbytes 8-bit AdamW: two 1-byte states per element plus an fp32 absmax per block of 256; tensors
+# under 4096 elements keep 32-bit states (its min_8bit_size).
+BNB_BLOCK, BNB_MIN_8BIT = 256, 4096
+
+
+def optimizer_bytes(opt: str, shapes: list[tuple[int, ...]], params: dict | None = None) -> float:
+    """Optimizer-state bytes of these (whole) tensors, master weights excluded."""
+    t = opt.lower()
+    numels = [math.prod(s) for s in shapes]
+    if t == "adafactor":
+        return adafactor_state_bytes(shapes)
+    if t in ("adamw8bit", "adamw_8bit", "adam8bit"):   # + two 256-entry fp32 quantisation maps per tensor
+        return sum(2 * n + 2 * 4 * -(-n // BNB_BLOCK) + 2 * 256 * 4 if n >= BNB_MIN_8BIT else 8 * n for n in numels)
+    return optimizer_state_bytes_per_param(t, params) * sum(numels)
+
+
+def bucket_sizes(numels: list[int], bucket_elems: int, stage: int, units: list[int] | None = None) -> list[int]:
+    """Elements of each gradient bucket: stage 3 reduces unit by unit, stages 0-2 group parameters in
+    backward order as the strategies do (ShardLayout.greedy_buckets)."""
+    if stage == 3 and units is not None:
+        return list(units)
+    back = list(reversed(numels))
+    return [sum(back[i] for i in group) for group in ShardLayout.greedy_buckets(back, bucket_elems)]
+
+
+def padded(numels: list[int], n: int, bucket_elems: int, stage: int, units: list[int] | None = None) -> int:
+    """Elements of the flat buffer: buckets padded to n x ALIGN (stage 0: one rank, no padding)."""
+    if stage == 0:
+        return sum(numels)
+    groups = bucket_sizes(numels, bucket_elems, stage, units)
+    step = n * ALIGN
+    return sum(-(-g // step) * step for g in groups)
+
+
+def model_states(rp: "RankParams", dp: int, stage: int, d: int, opt: str, opt_params: dict | None = None,
+                 bucket_elems: int = 10_000_000, offload_optimizer: str = "none",
+                 offload_param: str = "none", on_cpu: bool = False) -> dict:
+    """Bytes by kind (params, grads, master_weights, optimizer_states: what is resident in memory) and
+    by place (device, host, disk). `on_cpu`: the compute device is the CPU, so host and device are one."""
+    units = rp.units + ([rp.root] if rp.root else [])
+    total = padded(rp.numels, dp, bucket_elems, stage, units)
+    shard = total / dp
+    opt_elems = total if stage == 0 else shard
+    # An fp32 model is its own master copy, unless the optimizer steps somewhere else (another device, disk).
+    separate = d < 4 or offload_optimizer == "nvme" or (offload_optimizer == "cpu" and not on_cpu)
+    kinds = {"params": total * d / (dp if stage == 3 else 1),
+             "grads": total * d if stage <= 1 else shard * 4,
+             "master_weights": opt_elems * 4 if separate else 0.0,
+             # (Adafactor under ZeRO: each rank keeps the row and column moments of the matrices it has a part
+             # of, about 1/N of them)
+             "optimizer_states": optimizer_bytes(opt, rp.shapes, opt_params) * (opt_elems / max(rp.total, 1))}
+    # With the optimizer offloaded (cpu or nvme) it steps on the host, where stages 2-3 reduce the fp32 shard.
+    host_grads = "cpu" if stage >= 2 and offload_optimizer != "none" else "none"
+    place = {"params": offload_param, "grads": host_grads, "master_weights": offload_optimizer,
+             "optimizer_states": offload_optimizer}
+    host = sum(v for k, v in kinds.items() if place[k] == "cpu")
+    disk = sum(v for k, v in kinds.items() if place[k] == "nvme")
+    out = {k: (0.0 if place[k] == "nvme" else v) for k, v in kinds.items()}
+    out["model_states"] = sum(out.values())
+    out["host"], out["disk"] = host, disk
+    out["on_disk"] = {k: v for k, v in kinds.items() if place[k] == "nvme"}
+    out["device"] = out["model_states"] - host
+    return out
+
+
+def zero_paper(psi: float, n: int, k: float = 12, stage: int = 0) -> float:
+    """Model-state bytes per rank in the ZeRO paper's accounting: 16-bit parameters and gradients
+    (2 bytes each) and K bytes of optimizer state per parameter (12 for mixed-precision Adam)."""
+    return {0: (2 + 2 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
+            3: (2 + 2 + k) * psi / n}[stage]

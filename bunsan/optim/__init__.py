@@ -1,0 +1,1 @@
+"""Optimizers (one table, optimizers.py) and learning-rate schedules (schedule.py)."""

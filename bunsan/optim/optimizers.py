@@ -1,0 +1,93 @@
+"""The optimizers bunsan builds: one table, and the factory over it.
+
+Optimizers are torch's own (AdamW, Adam, SGD, Adafactor) and bitsandbytes' AdamW8bit;
+the config's `optimizer.params` go to the constructor unchanged, so DeepSpeed's JSON
+works. The config validates names against this table and the planner prices them
+from it, so an optimizer added here is known everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    name: str                  # as the config spells it (matched case-insensitively)
+    where: str                 # the class, imported when first built
+    fused_on_cuda: bool        # torch has a fused CUDA kernel: use it unless the user chose foreach/fused
+    install: str = ""          # how to get the package when it is not torch
+
+
+OPTIMIZERS = {k.name.lower(): k for k in (
+    OptimizerKind("AdamW", "torch.optim.AdamW", True),
+    OptimizerKind("Adam", "torch.optim.Adam", True),
+    OptimizerKind("SGD", "torch.optim.SGD", True),
+    OptimizerKind("Adafactor", "torch.optim.Adafactor", False),
+    # blockwise 8-bit moments; its CPU kernels make it testable without a GPU
+    OptimizerKind("AdamW8bit", "bitsandbytes.optim.AdamW8bit", False, "pip install 'bitsandbytes>=0.50'"),
+)}
+
+
+def optimizer_class(name: str):
+    """The class of the optimizer the config names (its module is imported only now)."""
+    kind = OPTIMIZERS[name.lower()]
+    module, cls = kind.where.rsplit(".", 1)
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError:
+        raise ValueError(f"optimizer.type {kind.name} needs the {module.split('.')[0]} package ({kind.install}); "
+                         "install it or use AdamW") from None
+
+
+def _configured(opt_cfg, device: torch.device):
+    """The optimizer class and constructor keywords from the config (fused on CUDA unless the user chose)."""
+    cls = optimizer_class(opt_cfg.type)
+    kwargs = dict(opt_cfg.params)
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    if device.type == "cuda" and OPTIMIZERS[opt_cfg.type.lower()].fused_on_cuda:
+        if "foreach" not in kwargs and "fused" not in kwargs:
+            kwargs["fused"] = True
+    return cls, kwargs
+
+
+def build_optimizer(params_or_groups, opt_cfg, device: torch.device) -> torch.optim.Optimizer:
+    """Build the configured optimizer over `params_or_groups`."""
+    cls, kwargs = _configured(opt_cfg, device)
+    return cls(params_or_groups, **kwargs)
+
+
+def optimizer_spec(user_optimizer, opt_cfg, params: list, device: torch.device):
+    """(class, constructor defaults, [(parameter indices, group hyperparameters)]) for a sharded optimizer.
+
+    A user-built optimizer keeps its class, defaults and per-group hyperparameters.
+    """
+    if user_optimizer is None:
+        cls, kwargs = _configured(opt_cfg, device)
+        return cls, kwargs, [(list(range(len(params))), {})]
+    if any(user_optimizer.state.values()):
+        raise ValueError("the optimizer passed to bunsan.initialize already has state; pass a fresh optimizer")
+    index = {p: i for i, p in enumerate(params)}
+    groups = [([index[p] for p in g["params"]], {k: v for k, v in g.items() if k != "params"})
+              for g in user_optimizer.param_groups]
+    return type(user_optimizer), dict(user_optimizer.defaults), groups
+
+
+def rebuild_over(optimizer: torch.optim.Optimizer, mapping: dict) -> torch.optim.Optimizer:
+    """The same optimizer class and hyperparameters (per group) over other tensors (fp32 masters).
+
+    `mapping` maps each model parameter to the tensor that replaces it. A user-built optimizer is
+    honoured this way when bunsan keeps fp32 master weights for a 16-bit model.
+    """
+    groups = []
+    for g in optimizer.param_groups:
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        groups.append({"params": [mapping[p] for p in g["params"]], **hyper})
+    if any(optimizer.state.values()):
+        raise ValueError("the optimizer passed to bunsan.initialize already has state; pass a fresh optimizer "
+                         "(bunsan moves it onto its fp32 master weights) or load state after initialize")
+    return type(optimizer)(groups, **optimizer.defaults)

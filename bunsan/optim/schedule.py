@@ -1,0 +1,85 @@
+"""Learning-rate schedules: plain functions of the step, with DeepSpeed's names and formulas
+(WarmupLR, WarmupDecayLR, WarmupCosineLR) plus constant / warmup_cosine / warmup_linear;
+the engine writes the lr into every param group before each step.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+class LRSchedule:
+    """lr for optimizer step `step` (0-based) of a param group whose configured lr is `base_lr`."""
+
+    def __init__(self, sched_cfg, total_steps: int | None = None):
+        self.type = (sched_cfg.type if sched_cfg is not None else "constant")
+        self.p = dict(sched_cfg.params) if sched_cfg is not None else {}
+        self.total_steps = total_steps
+        key = self.type.lower()
+        self._fn = {"constant": self._constant, "warmuplr": self._warmup_lr, "warmupdecaylr": self._warmup_decay,
+                    "warmupcosinelr": self._warmup_cosine_ds, "warmup_cosine": self._warmup_cosine,
+                    "warmup_linear": self._warmup_linear}.get(key)
+        if self._fn is None:
+            raise ValueError(f"scheduler.type '{self.type}' is not known; use WarmupLR, WarmupDecayLR, "
+                             "WarmupCosineLR, constant, warmup_cosine or warmup_linear")
+
+    def __call__(self, step: int, base_lr: float) -> float:
+        return float(self._fn(step, base_lr))
+
+    def _total(self, key: str) -> int:
+        total = self.p.get(key) or self.total_steps
+        if not total:
+            raise ValueError(f"scheduler {self.type} needs scheduler.params.{key}; set it (or train.steps)")
+        return int(total)
+
+    # DeepSpeed: warm-up gamma, log or linear, reaching 1 at warmup_num_steps.
+    def _gamma(self, step: int) -> float:
+        n = max(2, int(self.p.get("warmup_num_steps", 1000)))
+        if step >= n:
+            return 1.0
+        if self.p.get("warmup_type", "log") == "log":
+            return math.log(step + 1) / math.log(n)
+        return step / n
+
+    @staticmethod
+    def _constant(step, base_lr):
+        return base_lr
+
+    def _warmup_lr(self, step, base_lr):
+        lo, hi = self.p.get("warmup_min_lr", 0.0), self.p.get("warmup_max_lr", 0.001)
+        return lo + (hi - lo) * self._gamma(step)
+
+    def _warmup_decay(self, step, base_lr):
+        n, total = max(2, int(self.p.get("warmup_num_steps", 1000))), self._total("total_num_steps")
+        if step < n:
+            return self._warmup_lr(step, base_lr)
+        lo, hi = self.p.get("warmup_min_lr", 0.0), self.p.get("warmup_max_lr", 0.001)
+        return lo + (hi - lo) * max(0.0, (total - step) / max(1.0, total - n))
+
+    def _warmup_cosine_ds(self, step, base_lr):
+        n, total = max(2, int(self.p.get("warmup_num_steps", 1000))), self._total("total_num_steps")
+        if step < n:
+            lo = self.p.get("warmup_min_ratio", 0.0)
+            return base_lr * (lo + self._gamma(step) * (1.0 - lo))
+        cmin = self.p.get("cos_min_ratio", 0.0001)
+        ratio = (1 + math.cos(math.pi * (step - n + 1) / max(1, total - n))) / 2
+        return base_lr * max(0.0, cmin + (1.0 - cmin) * ratio)
+
+    def _decay_fraction(self, step) -> float | None:
+        """None during warm-up, else how far through the decay phase we are (0..1)."""
+        warm, total = int(self.p.get("warmup_steps", 0)), self._total("total_steps")
+        if step < warm:
+            return None
+        return min(1.0, (step - warm) / max(1, total - warm))
+
+    def _warmup_cosine(self, step, base_lr):
+        frac, floor = self._decay_fraction(step), self.p.get("min_lr_ratio", 0.1)
+        if frac is None:
+            return base_lr * (step + 1) / int(self.p["warmup_steps"])
+        return base_lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    def _warmup_linear(self, step, base_lr):
+        frac, floor = self._decay_fraction(step), self.p.get("min_lr_ratio", 0.1)
+        if frac is None:
+            return base_lr * (step + 1) / int(self.p["warmup_steps"])
+        return base_lr * (1 - (1 - floor) * frac)

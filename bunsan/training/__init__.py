@@ -1,0 +1,1 @@
+"""What `bunsan train` adds around the engine: data, tokenizer, metrics and the loop (loop.py)."""

@@ -1,0 +1,348 @@
+"""Text -> tokens -> deterministic, resumable, data-parallel batches.
+
+Tokens live in one flat memory-mapped ``.npy`` per (files, tokenizer) under a
+cache dir. Batches are windows of ``seq_len + 1`` tokens drawn from a seeded
+per-epoch permutation; the sample position is global, so a run can resume on a
+different data-parallel size and still read the same samples in the same order.
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import math
+import os
+import sysconfig
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from bunsan.training.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: F401  (re-exported)
+
+_CACHE_VERSION = 1  # bump when the on-disk format or document separation changes
+
+
+
+# Excluded from the default corpus: tests (huge, repetitive), vendored or bundled
+# code, codec tables (encodings/*: generated hex maps) and generated data modules.
+_EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3",
+                  "__pycache__", "encodings", "pydoc_data", "turtledemo"}
+
+
+def default_corpus_files() -> list[Path]:
+    """The running Python's standard library ``.py`` sources, sorted by relative path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for d, dirs, names in os.walk(root):
+        rel = Path(d).relative_to(root)
+        # Prune while walking: site-packages alone can hold far more files than the stdlib.
+        dirs[:] = [x for x in dirs if x not in _EXCLUDED_DIRS and not (rel == Path(".") and x.startswith("config-"))]
+        files.extend(Path(d) / n for n in names if n.endswith(".py") and not n.startswith("_sysconfigdata"))
+    files.sort(key=lambda p: p.relative_to(root).as_posix())
+    if not files:
+        raise FileNotFoundError(f"no .py files found under the standard library at {root}; "
+                                "pass data paths explicitly")
+    return files
+
+
+def _dir_files(d: Path) -> list[Path]:
+    # Hidden entries (.git, .venv) are skipped: their contents are not text corpus.
+    out = []
+    for root, dirs, names in os.walk(d):
+        dirs[:] = sorted(x for x in dirs if not x.startswith(".") and x != "__pycache__")
+        out.extend(Path(root) / n for n in sorted(names) if not n.startswith("."))
+    return out
+
+
+def resolve_paths(paths: list[str] | str) -> list[Path]:
+    """Expand files, directories (recursive) and globs into a de-duplicated file list."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    out: list[Path] = []
+    for pat in map(str, paths):
+        pat_x = os.path.expanduser(pat)
+        if any(ch in pat_x for ch in "*?["):
+            hits = sorted(Path(h) for h in glob.glob(pat_x, recursive=True))
+            found = [f for h in hits for f in (_dir_files(h) if h.is_dir() else [h])]
+        elif Path(pat_x).is_dir():
+            found = _dir_files(Path(pat_x))
+        elif Path(pat_x).is_file():
+            found = [Path(pat_x)]
+        else:
+            raise FileNotFoundError(f"data path {pat!r} does not exist")
+        if not found:
+            raise FileNotFoundError(f"data path {pat!r} matched no files")
+        out.extend(found)
+    first = {}
+    for f in out:  # de-duplicate by real path, keeping first-seen order
+        first.setdefault(f.resolve(), f)
+    return list(first.values())
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("BUNSAN_CACHE", Path.home() / ".cache" / "bunsan")) / "tokens"
+
+
+class TokenCache:
+    """Tokenise ``files`` once into a flat memory-mapped ``.npy``.
+
+    The file name is a hash of (paths, sizes, mtimes, tokenizer identity,
+    max_bytes), so an edited file or another tokenizer gets a new cache. Writers
+    build into a private temp file and ``os.replace`` it into place: readers never
+    see a partial file, and two processes building at once both succeed (the last
+    rename wins with identical bytes).
+    """
+
+    def __init__(self, files, tokenizer=None, cache_dir=None, max_bytes: int | None = None):
+        self.files = [Path(f) for f in files]
+        if not self.files:
+            raise ValueError("TokenCache needs at least one file")
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        self.max_bytes = max_bytes
+        self.builds = 0  # how many times this object tokenised (tests check reuse)
+
+    @property
+    def key(self) -> str:
+        stats = []
+        for f in self.files:
+            st = f.stat()
+            stats.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+        blob = json.dumps([_CACHE_VERSION, self.tokenizer.identity, self.max_bytes, stats])
+        return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+    @property
+    def path(self) -> Path:
+        return self.cache_dir / f"{self.tokenizer.identity}-{self.key}.npy"
+
+    def _read_documents(self) -> list[bytes]:
+        docs, left = [], self.max_bytes if self.max_bytes is not None else float("inf")
+        for f in self.files:
+            if left <= 0:
+                break
+            docs.append(f.read_bytes()[: None if left == float("inf") else int(left)])
+            left -= len(docs[-1])
+        return docs
+
+    def build(self) -> Path:
+        """Tokenise and atomically publish; returns the cache path."""
+        vocab = self.tokenizer.vocab_size
+        dtype = np.uint16 if vocab <= 2**16 else np.uint32
+        tokens = self.tokenizer.encode_documents(self._read_documents()).astype(dtype, copy=False)
+        dest = self.path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            with open(tmp, "wb") as fh:
+                np.save(fh, tokens)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self.builds += 1
+        return dest
+
+    def load(self, build: bool = True, timeout: float = 600.0) -> np.ndarray:
+        """The token array (read-only memmap). With ``build=False`` wait for another
+        process (e.g. rank 0) to publish it, up to ``timeout`` seconds."""
+        path = self.path
+        if not path.exists():
+            if build:
+                self.build()
+            else:
+                deadline = time.monotonic() + timeout
+                while not path.exists():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"waited {timeout:.0f}s for token cache {path} "
+                                           "that another rank should build; did rank 0 fail?")
+                    time.sleep(0.2)
+        return np.load(path, mmap_mode="r")
+
+
+def load_tokens(files=None, tokenizer=None, cache_dir=None, max_bytes=None, build=True) -> np.ndarray:
+    """Convenience: default corpus and byte tokenizer unless given."""
+    files = default_corpus_files() if files is None else resolve_paths(files)
+    return TokenCache(files, tokenizer, cache_dir, max_bytes).load(build=build)
+
+
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """Entropy of the token frequency distribution in nats: the loss of a model
+    that predicts every token from global counts alone."""
+    counts = np.bincount(np.asarray(tokens).ravel())
+    counts = counts[counts > 0].astype(np.float64)
+    p = counts / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+
+class TokenBatches:
+    """Deterministic data-parallel batches of non-overlapping ``seq_len + 1`` windows.
+
+    Global windows [pos, pos + G) of the (per-epoch permuted) window order form
+    one step; rank r takes rows [r*G/dp, (r+1)*G/dp) of it, so ranks read
+    disjoint data and concatenating their rows gives the dp=1 batch. ``position``
+    counts global samples, so resume works across data-parallel sizes.
+
+        windows:  | w0 | w1 | w2 | ... | w_{n-val-1} | val ... |
+        step k:   perm_e[kG .. kG+G)  ->  rank0 | rank1 | ... (G/dp rows each)
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, dp_rank: int = 0,
+                 dp_size: int = 1, seed: int = 0, split: str = "train", val_fraction: float = 0.01):
+        if split not in ("train", "val"):
+            raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+        if seq_len <= 0 or global_batch <= 0:
+            raise ValueError(f"seq_len ({seq_len}) and global_batch ({global_batch}) must be positive")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
+        if global_batch % dp_size:
+            raise ValueError(f"global batch {global_batch} is not divisible by data-parallel size {dp_size}; "
+                             f"use a multiple of {dp_size} (e.g. {math.ceil(global_batch / dp_size) * dp_size})")
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.tokens, self.seq_len, self.global_batch = tokens, seq_len, global_batch
+        self.dp_rank, self.dp_size, self.seed, self.split = dp_rank, dp_size, seed, split
+        self.val_fraction = val_fraction
+        w = seq_len + 1
+        n = len(tokens) // w
+        n_val = math.ceil(n * val_fraction) if val_fraction > 0 else 0
+        self.n_windows_total = n
+        self.first, self.n_windows = (0, n - n_val) if split == "train" else (n - n_val, n_val)
+        if self.n_windows < global_batch:
+            raise ValueError(
+                f"corpus too small for the {split} split: {len(tokens):,} tokens make {n:,} windows of "
+                f"seq_len+1 = {w} ({self.n_windows:,} in {split}, val_fraction {val_fraction}), fewer than "
+                f"global batch {global_batch}; add data, or lower seq_len or the batch size")
+        self.micro = global_batch // dp_size
+        self.position = 0
+        self._perm_cache: dict[int, np.ndarray] = {}
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.n_windows // self.global_batch
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perm_cache:
+            if self.split == "val":  # val keeps corpus order so evaluations compare like with like
+                perm = np.arange(self.n_windows)
+            else:
+                perm = np.random.default_rng(self.seed + epoch).permutation(self.n_windows)
+            if len(self._perm_cache) >= 2:  # a step spans at most two epochs
+                self._perm_cache.pop(min(self._perm_cache))
+            self._perm_cache[epoch] = perm
+        return self._perm_cache[epoch]
+
+    def window_ids(self, position: int) -> np.ndarray:
+        """This rank's window indices for the step starting at global sample ``position``."""
+        g = np.arange(position + self.dp_rank * self.micro, position + (self.dp_rank + 1) * self.micro)
+        epochs, offs = np.divmod(g, self.n_windows)
+        out = np.empty(len(g), dtype=np.int64)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = self._perm(int(e))[offs[sel]]
+        return out + self.first
+
+    def batch_at(self, position: int) -> dict[str, torch.Tensor]:
+        w = self.seq_len + 1
+        view = self.tokens[: self.n_windows_total * w].reshape(self.n_windows_total, w)
+        rows = torch.from_numpy(np.asarray(view[self.window_ids(position)], dtype=np.int64))
+        return {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        batch = self.batch_at(self.position)
+        self.position += self.global_batch
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "seed": self.seed, "seq_len": self.seq_len,
+                "split": self.split, "n_windows": self.n_windows}
+
+    def load_state_dict(self, d: dict) -> None:
+        for k in ("seed", "seq_len", "split", "n_windows"):
+            if k in d and d[k] != getattr(self, k):
+                raise ValueError(f"data state mismatch: checkpoint {k}={d[k]!r}, current {k}={getattr(self, k)!r}; "
+                                 "the corpus, seed or seq_len changed since the checkpoint")
+        self.position = int(d["position"])
+
+    def __getstate__(self):
+        # A memmap would be pickled by value into every DataLoader worker; send its path.
+        state = dict(self.__dict__, _perm_cache={})
+        t, root = self.tokens, self.tokens
+        while isinstance(root.base, np.ndarray):  # a slice's .offset is its parent's: find the mapping
+            root = root.base
+        if isinstance(root, np.memmap) and root.filename and t.ndim == 1 and t.flags.c_contiguous:
+            off = root.offset + t.ctypes.data - root.ctypes.data
+            state["tokens"] = ("__memmap__", root.filename, off, t.dtype.str, t.shape)
+        return state
+
+    def __setstate__(self, state):
+        t = state["tokens"]
+        if isinstance(t, tuple) and t[0] == "__memmap__":
+            _, fn, off, dt, shape = t
+            state["tokens"] = np.memmap(fn, dtype=np.dtype(dt), mode="r", offset=off, shape=shape)
+        self.__dict__.update(state)
+
+
+class _StepDataset(torch.utils.data.Dataset):
+    """Map-style view: item k is the batch at ``start + k * G`` (order fixed by index)."""
+
+    def __init__(self, batches: TokenBatches, start: int):
+        self.batches, self.start = batches, start
+
+    def __len__(self) -> int:
+        return 2**62  # effectively endless; the sampler decides what is read
+
+    def __getitem__(self, k: int):
+        return self.batches.batch_at(self.start + k * self.batches.global_batch)
+
+
+class _Counting(torch.utils.data.Sampler):
+    def __iter__(self):
+        k = 0
+        while True:
+            yield k
+            k += 1
+
+
+class BatchLoader:
+    """Yields ``batches``' sequence, optionally from worker processes, and keeps
+    ``batches.position`` in step with what was handed out (so checkpoints resume)."""
+
+    def __init__(self, batches: TokenBatches, num_workers: int = 0, pin_memory: bool = False,
+                 prefetch_factor: int = 2):
+        self.batches, self.num_workers = batches, num_workers
+        self.pin_memory, self.prefetch_factor = pin_memory, prefetch_factor
+
+    def __iter__(self):
+        b = self.batches
+        if self.num_workers <= 0:
+            pin = self.pin_memory and torch.cuda.is_available()
+            for batch in b:
+                yield {k: v.pin_memory() for k, v in batch.items()} if pin else batch
+            return
+        loader = torch.utils.data.DataLoader(
+            _StepDataset(b, b.position), batch_size=None, sampler=_Counting(),
+            num_workers=self.num_workers, pin_memory=self.pin_memory and torch.cuda.is_available(),
+            prefetch_factor=self.prefetch_factor, persistent_workers=False)
+        for batch in loader:  # DataLoader returns items in index order
+            b.position += b.global_batch
+            yield batch
+
+    def state_dict(self) -> dict:
+        return self.batches.state_dict()
+
+    def load_state_dict(self, d: dict) -> None:
+        self.batches.load_state_dict(d)  # takes effect at the next iter()
+
+
+def make_loader(batches: TokenBatches, num_workers: int = 0, pin_memory: bool = False,
+                prefetch_factor: int = 2) -> BatchLoader:
+    return BatchLoader(batches, num_workers, pin_memory, prefetch_factor)

@@ -1,0 +1,1 @@
+"""Model transforms applied from outside the model: LoRA, activation checkpointing, compile."""
