@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent / "bunsan"
 
 STEP_MODULES = [
     "engine/engine.py", "comm/collectives.py", "comm/work.py", "zero/strategy.py", "zero/stage0.py",
-    "zero/buckets.py", "engine/precision.py", "transforms/checkpointing.py", "engine/loss.py",
+    "zero/buckets.py", "engine/precision.py", "transforms/checkpointing.py", "models/loss.py",
     "pipeline/runtime.py", "pipeline/step.py",
     "zero/stage12.py", "zero/stage3.py", "zero/reduce.py", "zero/optimizer.py", "zero/frozen.py",
     "zero/unit_buffer.py", "zero/offload.py", "zero/adafactor.py",
@@ -165,7 +165,7 @@ def _host_reads_per_step(rank, layers: int, stage: int) -> int:
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_host_reads_per_step_do_not_grow_with_layers_or_buckets(pools, stage):
     """One read at the optimizer boundary (norm, loss and token count together), plus on the CPU the loss's
-    label check per micro-batch (bunsan/engine/loss.py: free on the host, skipped on a GPU): nothing per layer,
+    label check per micro-batch (bunsan/models/loss.py: free on the host, skipped on a GPU): nothing per layer,
     bucket or unit. On a GPU, scripts/gpu-check counts the real synchronisations."""
     (shallow,), (deep,) = pools.run(1, _host_reads_per_step, 2, stage), pools.run(1, _host_reads_per_step, 8, stage)
     assert shallow == deep == 1 + 2

@@ -144,7 +144,7 @@ def test_a_missing_rank_fails_with_rank_and_op_instead_of_hanging(pools, op):
     finally:
         pools.discard(2)          # the group is unusable after an abandoned collective
     assert f"rank 0: {op} #1 on group 'dp'" in msg and "train.timeout_s" in msg
-    assert "ranks [1] did not arrive" in msg          # the roll call (bunsan/doctor/rollcall.py)
+    assert "ranks [1] did not arrive" in msg          # the roll call (bunsan/comm/rollcall.py)
     assert waited < 30
 
 

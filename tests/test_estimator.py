@@ -5,14 +5,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from bunsan.engine.loss import lm_loss_sum
+from bunsan.models.loss import lm_loss_sum
 
 from bunsan.estimator import estimate, estimate_layout, load_shape, rank_params, zero_paper
 from bunsan.estimator.activations import Micro, block_bytes, block_input_bytes, loss_bytes, stage_activation_bytes
 from bunsan.memory.theory import model_state_bytes
 from bunsan.models import Llama
 from bunsan.models.presets import build_config
-from bunsan.planner.layout import Layout
+from bunsan.estimator.layout import Layout
 from bunsan.transforms.checkpointing import apply_activation_checkpointing
 
 GB = 1e9

@@ -252,9 +252,9 @@ def test_sends_that_only_gloo_buffers_deadlock_under_nccl():
 def test_interleaving_needs_megatrons_pairs_under_nccl(p, m, v):
     """The interleaved order with one batch between each two computes deadlocks on NCCL; grouped as Megatron
     does (a forward and a backward back to back, their four transfers one batch) it completes."""
-    from bunsan.pipeline.schedules import _interleaved_warmup, _megatron_slot, _pipedream_order, _wrap
-    fwd, bwd = _megatron_slot("forward", p, v), _megatron_slot("backward", p, v)
-    per_compute = [_wrap(_pipedream_order(m * v, _interleaved_warmup(p, m, v, r), fwd, bwd), r, p, v)
+    from bunsan.pipeline.schedules import interleaved_warmup, megatron_slot, pipedream_order, wrap_with_p2p
+    fwd, bwd = megatron_slot("forward", p, v), megatron_slot("backward", p, v)
+    per_compute = [wrap_with_p2p(pipedream_order(m * v, interleaved_warmup(p, m, v, r), fwd, bwd), r, p, v)
                    for r in range(p)]
     simulate(per_compute, p, v)                            # buffered: completes
     with pytest.raises(ValueError, match=rf"deadlocks under NCCL's rules .*: rank 0 waits at batch \[sB0.{v - 1}\]"):

@@ -7,7 +7,7 @@ import pytest
 from bunsan.cli.main import main
 from bunsan.config.root import Config
 from bunsan.estimator import estimate_layout
-from bunsan.planner.layout import Layout
+from bunsan.estimator.layout import Layout
 from bunsan.planner.search import layouts, plan
 from bunsan.estimator import load_shape
 

@@ -7,8 +7,8 @@ import pytest
 from bunsan.models.llama import LlamaConfig
 from bunsan.planner import cost
 from bunsan.planner.cost import step_time, train_time
-from bunsan.planner.hardware import GPU, Interconnect, gpu_spec, interconnect, parse_bytes
-from bunsan.planner.layout import Layout
+from bunsan.estimator.hardware import GPU, Interconnect, gpu_spec, interconnect, parse_bytes
+from bunsan.estimator.layout import Layout
 
 # Small, hand-countable model: h=256, I=688, L=4, 8 heads (MHA), V=1000, untied.
 MODEL = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,

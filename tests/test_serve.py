@@ -114,11 +114,11 @@ def test_a_stop_string_ends_the_completion_before_it(server, model):
 def test_no_part_of_a_stop_string_is_ever_sent():
     """A stop string spread over tokens: its first characters wait until it is clear whether it completes."""
     from bunsan.training.data import load_tokenizer
-    from bunsan.serve.app import _Text
+    from bunsan.serve.app import TextStream
     tok = load_tokenizer(None)                        # one byte, one token: every stop string spans tokens
-    t = _Text(tok, ["\n\n"])
+    t = TextStream(tok, ["\n\n"])
     assert "".join(t.add(i) for i in tok.encode("Hi\nthere\n\nmore")) == "Hi\nthere" and t.stopped
-    t = _Text(tok, ["XYZ"])
+    t = TextStream(tok, ["XYZ"])
     assert "".join(t.add(i) for i in tok.encode("abXY")) + t.rest() == "abXY" and not t.stopped
 
 
@@ -126,7 +126,7 @@ def test_text_decodes_incrementally_and_keeps_multibyte_characters_whole():
     """Deltas add up to the whole text (characters spelled over several byte tokens included), and each token
     decodes only the ids since the last whole character: linear, not quadratic, work."""
     from bunsan.training.data import load_tokenizer
-    from bunsan.serve.app import _Text
+    from bunsan.serve.app import TextStream
     tok = load_tokenizer(None)
     decoded = [0]
 
@@ -136,12 +136,12 @@ def test_text_decodes_incrementally_and_keeps_multibyte_characters_whole():
             return tok.decode(ids)
     text = "naïve café — 東京 " * 40
     ids = tok.encode(text)
-    t = _Text(Counting(), ["STOP"])
+    t = TextStream(Counting(), ["STOP"])
     deltas = [t.add(i) for i in ids]
     assert "".join(deltas) + t.rest() == text and not t.stopped
     assert all("\ufffd" not in d for d in deltas)            # never half a character
     assert decoded[0] < 8 * len(ids) + 2 * len(ids)          # a few ids per token (+ rest's whole decode)
-    t = _Text(tok, ["東京"])
+    t = TextStream(tok, ["東京"])
     assert "".join(t.add(i) for i in tok.encode("café 東京 more")) == "café " and t.stopped
 
 

@@ -46,7 +46,7 @@ def hf_tokenizer(checkpoint, tokenizer_path: str | None, vocab_size: int):
 
 def parse_max_memory(text: str | None) -> dict | None:
     """'0=20GiB,cpu=64GiB' -> {0: bytes, 'cpu': bytes}."""
-    from bunsan.planner.hardware import parse_bytes
+    from bunsan.estimator.hardware import parse_bytes
     if not text:
         return None
     out = {}

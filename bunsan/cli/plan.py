@@ -56,7 +56,7 @@ def add_parsers(sub) -> None:
 
 
 def _bytes(text: str | None) -> float | None:
-    from bunsan.planner.hardware import parse_bytes
+    from bunsan.estimator.hardware import parse_bytes
     return None if text is None else float(parse_bytes(text))
 
 
@@ -77,7 +77,7 @@ def cmd_estimate(args) -> int:
 
     from bunsan.config.root import Config
     from bunsan.estimator import estimate
-    from bunsan.planner.hardware import gpu_spec
+    from bunsan.estimator.hardware import gpu_spec
 
     cfg = Config.load(args.config)
     updates = {key: v for name, (key, _) in ESTIMATE_FLAGS.items() if (v := getattr(args, name)) is not None}

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from bunsan.comm import exchange, shm, mailbox as shm_mailbox
 from bunsan.comm.stats import CommStats, WaitClock, logical_bytes
-from bunsan.comm.work import CommError, DeviceError, Group, P2POp, _Handle
+from bunsan.comm.work import CommError, DeviceError, Group, P2POp, Handle
 
 __all__ = ["Comm", "CommError", "DeviceError", "Group", "P2POp", "all_reduce_on", "logical_bytes"]
 
@@ -104,7 +104,7 @@ class Comm:
                  else t.detach().to("cpu") for i, t in enumerate(tensors)]   # host: gloo reads host memory
         run(hosts)
         tensors[written].copy_(hosts[written])
-        return _Handle(self, None, "staged", None) if async_op else None
+        return Handle(self, None, "staged", None) if async_op else None
 
     def transport(self, group: Group) -> str:
         """What carries the group's CPU collectives (after its first one): 'shm', 'exchange' (all-gather and
@@ -130,7 +130,7 @@ class Comm:
 
     # -- errors and running ------------------------------------------------------------------------
     def error(self, op: str, group: Group, cause) -> CommError:
-        from bunsan.doctor.rollcall import roll_call
+        from bunsan.comm.rollcall import roll_call
         seq = self._seq[group.name]
         text = str(cause).lower()
         head = (f"rank {self.global_rank}: {op} #{seq} on group '{group.name}' (ranks {list(group.ranks)}) "
@@ -161,7 +161,7 @@ class Comm:
                 self.clock.stop(token)
         if op != "p2p":
             self.stats.record(op, group.name, logical_bytes(op, nbytes() if callable(nbytes) else nbytes, group.size))
-        handle = _Handle(self, work, op, group, on_device, after)
+        handle = Handle(self, work, op, group, on_device, after)
         if async_op:
             return handle
         handle.wait()
@@ -181,7 +181,7 @@ class Comm:
 
     @staticmethod
     def _finished(op: str, group: Group, async_op: bool):
-        return _Handle(None, None, op, group) if async_op else None
+        return Handle(None, None, op, group) if async_op else None
 
     # -- collectives ---------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor, group: Group, async_op: bool = False, op: str = "sum"):
@@ -275,7 +275,7 @@ class Comm:
     def irecv(self, t: torch.Tensor, src: int, group: Group, tag: int = 0):
         return self.batch_p2p([P2POp("recv", t, src, tag)], group)[0]
 
-    def batch_p2p(self, ops: list[P2POp], group: Group) -> list[_Handle]:
+    def batch_p2p(self, ops: list[P2POp], group: Group) -> list[Handle]:
         """Post sends and receives together; a handle per op. On NCCL they are one group
         (torch.distributed.batch_isend_irecv, as Megatron posts them): NCCL ignores tags, a send may wait until its
         peer posts the receive, and a pair's operations share a stream, so a send and a receive between two
@@ -292,7 +292,7 @@ class Comm:
             return [handle] * len(ops)
         return [self._gloo_p2p(o, group) for o in ops]
 
-    def _gloo_p2p(self, o: P2POp, group: Group) -> _Handle:
+    def _gloo_p2p(self, o: P2POp, group: Group) -> Handle:
         if not self._staged(group):
             call = dist.isend if o.kind == "send" else dist.irecv
             return self._run("p2p", group, 0, lambda: call(o.tensor, o.peer, group=group.pg, tag=o.tag), True)

@@ -38,7 +38,7 @@ class P2POp:
     tag: int = 0
 
 
-class _Handle:
+class Handle:
     """An async work object (or several: a batch, an exchange); wait() once, then `after` (a staged copy back)."""
 
     def __init__(self, comm, works, op: str, group: Group, on_device: bool = False, after=None):

@@ -1,7 +1,7 @@
-"""The doctor: advice when training runs out of memory (oom.py), hangs in a collective (rollcall.py) or spends
-its step waiting for communication (slow.py), and `bunsan doctor`'s checks before a long run (checks.py)."""
+"""The doctor: advice when training runs out of memory (oom.py) or spends its step waiting for
+communication (slow.py), and `bunsan doctor`'s checks before a long run (checks.py). Which rank a hung
+collective waits for is the comm layer's roll call (comm/rollcall.py)."""
 
 from bunsan.doctor.oom import OutOfMemory, is_oom
-from bunsan.doctor.rollcall import post_step, roll_call
 
-__all__ = ["OutOfMemory", "is_oom", "post_step", "roll_call"]
+__all__ = ["OutOfMemory", "is_oom"]

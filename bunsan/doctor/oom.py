@@ -81,7 +81,7 @@ def explain(engine, phase: str, seq_len: int | None, exc: BaseException) -> str:
         return "\n".join(lines)
     try:
         from bunsan.estimator import estimate_layout
-        from bunsan.planner.layout import Layout
+        from bunsan.estimator.layout import Layout
         from bunsan.planner.search import plan
         cfg = engine.cfg
         current = Layout.from_config(cfg, world)

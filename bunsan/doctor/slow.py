@@ -15,7 +15,7 @@ import torch
 def better_layout(model_config, cfg, world: int, device_type: str) -> str | None:
     """The layout `bunsan plan` ranks first for these processes, when it is not the one running."""
     try:
-        from bunsan.planner.layout import Layout
+        from bunsan.estimator.layout import Layout
         from bunsan.planner.search import plan
         from bunsan.doctor.oom import layout_changes, capacity
         current = Layout.from_config(cfg, world)

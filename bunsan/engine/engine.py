@@ -22,8 +22,8 @@ import torch.nn as nn
 from bunsan.comm.collectives import Comm
 from bunsan.comm.mesh import Mesh
 from bunsan.doctor.oom import OutOfMemory, explain, is_oom
-from bunsan.doctor.rollcall import post_step
-from bunsan.engine.loss import lm_loss_sum
+from bunsan.comm.rollcall import post_step
+from bunsan.models.loss import lm_loss_sum
 from bunsan.memory.measure import measured_memory, reset_peak_memory
 from bunsan.optim.schedule import LRSchedule
 from bunsan.pipeline import step as pipeline_step

@@ -93,7 +93,7 @@ def loss_bytes(c: LlamaConfig, m: Micro) -> tuple[float, float]:
     v = -(-c.vocab_size // m.tp)
     n = m.b * m.s * v
     if m.tp == 1:
-        from bunsan.engine.loss import default_chunk_rows
+        from bunsan.models.loss import default_chunk_rows
         chunk = min(m.b * m.s, default_chunk_rows(c.vocab_size)) * v
         backward = m.d * n + (8 * chunk if m.d < 4 else 0)
         forward = 8 * chunk if m.d < 4 else 4 * chunk

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from bunsan.pipeline import schedules
-from bunsan.planner.layout import Layout
+from bunsan.estimator.layout import Layout
 from bunsan.comm.shm import ring_bytes
 from bunsan.comm.mailbox import resident_bytes
 from bunsan.estimator.activations import Micro, stage_activation_bytes

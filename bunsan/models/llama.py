@@ -272,7 +272,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def _seed_for(seed: int, name: str) -> int:
+def seed_for(seed: int, name: str) -> int:
     # Per-parameter seed from (seed, name): weights do not depend on device, on
     # init order, or on which layers a pipeline stage holds.
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
@@ -322,7 +322,7 @@ class Llama(nn.Module):
         if seed is None:
             p.normal_(0.0, s)
         else:
-            g = torch.Generator().manual_seed(_seed_for(seed, name))
+            g = torch.Generator().manual_seed(seed_for(seed, name))
             # drawn by a CPU generator, so the weights are the same on any device
             drawn = torch.empty(p.shape, dtype=torch.float32)  # host: the generator's device
             p.copy_(drawn.normal_(0.0, s, generator=g))

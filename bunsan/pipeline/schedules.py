@@ -48,7 +48,7 @@ def _validate(p: int, m: int, v: int) -> None:
             raise ValueError(f"{what} must be a positive integer, got {val!r}")
 
 
-def _wrap(compute: list, rank: int, p: int, v: int, slots: list | None = None) -> list:
+def wrap_with_p2p(compute: list, rank: int, p: int, v: int, slots: list | None = None) -> list:
     """Put each compute between the recv that feeds it and the send that hands its result on. With `slots`
     (lists of computes, in order), the computes of a slot run back to back: their recvs come before the slot
     and their sends after it, so the sends of one slot and the recvs of the next are one batch (p2p_rules.py)."""
@@ -68,7 +68,7 @@ def _wrap(compute: list, rank: int, p: int, v: int, slots: list | None = None) -
 
 
 def _megatron_slots(order: list, warmup: int) -> list:
-    """Megatron's interleaved grouping of a _pipedream_order list: each warm-up forward alone, then the
+    """Megatron's interleaved grouping of a pipedream_order list: each warm-up forward alone, then the
     (forward, backward) pairs, then each remaining backward alone. Under NCCL a send must find its receive posted
     (p2p_rules.py): with one batch per pair (send-forward, send-backward, recv-forward, recv-backward) the
     interleaved schedule cannot deadlock, where one batch between each two computes does (a rank's lone
@@ -79,7 +79,7 @@ def _megatron_slots(order: list, warmup: int) -> list:
     return head + pairs + [[a] for a in order[warmup + 2 * steady:]]
 
 
-def _pipedream_order(n: int, warmup: int, fwd: Callable[[int], Action], bwd: Callable[[int], Action]) -> list:
+def pipedream_order(n: int, warmup: int, fwd: Callable[[int], Action], bwd: Callable[[int], Action]) -> list:
     """`warmup` forwards, then forward/backward pairs, then the remaining backwards.
 
     warmup == n is GPipe (all forwards first); smaller warm-ups bound the
@@ -94,7 +94,7 @@ def _pipedream_order(n: int, warmup: int, fwd: Callable[[int], Action], bwd: Cal
 def _single_chunk(p: int, m: int, warmup: Callable[[int], int]) -> Schedule:
     _validate(p, m, 1)
     fwd, bwd = (lambda k: Action("forward", k)), (lambda k: Action("backward", k))
-    return [_wrap(_pipedream_order(m, warmup(r), fwd, bwd), r, p, 1) for r in range(p)]
+    return [wrap_with_p2p(pipedream_order(m, warmup(r), fwd, bwd), r, p, 1) for r in range(p)]
 
 
 def gpipe(p: int, m: int) -> Schedule:
@@ -111,7 +111,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     return _single_chunk(p, m, lambda r: min(p - r - 1, m))
 
 
-def _interleaved_warmup(p: int, m: int, v: int, rank: int) -> int:
+def interleaved_warmup(p: int, m: int, v: int, rank: int) -> int:
     """Megatron-LM's warm-up forward count for rank `rank` (in chunk-forwards)."""
     if v == 1:
         return min(p - rank - 1, m)  # Megatron runs plain 1F1B without virtual chunks
@@ -123,7 +123,7 @@ def _interleaved_warmup(p: int, m: int, v: int, rank: int) -> int:
     return min((p - rank - 1) * 2 + (v - 1) * p, m * v)
 
 
-def _megatron_slot(kind: str, p: int, v: int) -> Callable[[int], Action]:
+def megatron_slot(kind: str, p: int, v: int) -> Callable[[int], Action]:
     """The k-th forward (backward) on a rank: chunks rotate every p micro-batches, backwards from the last chunk."""
     def slot(k: int) -> Action:
         chunk = (k // p) % v
@@ -144,12 +144,12 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
         raise ValueError(f"interleaved schedule needs micro-batches m={m} to be a multiple of stages p={p} "
                          f"(micro-batches rotate through chunks in groups of p); "
                          f"set gradient_accumulation_steps to {fix}")
-    fwd, bwd = _megatron_slot("forward", p, v), _megatron_slot("backward", p, v)
+    fwd, bwd = megatron_slot("forward", p, v), megatron_slot("backward", p, v)
     out = []
     for r in range(p):
-        warmup = _interleaved_warmup(p, m, v, r)
-        order = _pipedream_order(m * v, warmup, fwd, bwd)
-        out.append(_wrap(order, r, p, v, _megatron_slots(order, warmup) if v > 1 else None))
+        warmup = interleaved_warmup(p, m, v, r)
+        order = pipedream_order(m * v, warmup, fwd, bwd)
+        out.append(wrap_with_p2p(order, r, p, v, _megatron_slots(order, warmup) if v > 1 else None))
     return out
 
 
@@ -178,7 +178,7 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
 def forward_only(p: int, m: int, v: int = 1) -> Schedule:
     """Evaluation: every micro-batch through every chunk, micro-batch by micro-batch, no backward."""
     _validate(p, m, v)
-    return [_wrap([Action("forward", k, c) for k in range(m) for c in range(v)], r, p, v) for r in range(p)]
+    return [wrap_with_p2p([Action("forward", k, c) for k in range(m) for c in range(v)], r, p, v) for r in range(p)]
 
 
 def in_flight_bound(name: str, p: int, m: int, v: int, rank: int) -> int:
@@ -188,7 +188,7 @@ def in_flight_bound(name: str, p: int, m: int, v: int, rank: int) -> int:
         return m
     if name == "1f1b":
         return min(p - rank, m)
-    return min(_interleaved_warmup(p, m, v, rank) + 1, m * v)
+    return min(interleaved_warmup(p, m, v, rank) + 1, m * v)
 
 
 # ---------------------------------------------------------------- checking
@@ -260,7 +260,7 @@ def _in_slot(acts: list, i: int, target: Action, step: int, passable: str) -> bo
 
 
 def _check_wrapping(acts: list, rank: int, p: int, v: int) -> None:
-    """Each recv comes before its compute and each send after it, in its slot (_wrap)."""
+    """Each recv comes before its compute and each send after it, in its slot (wrap_with_p2p)."""
     last = p * v - 1
     for i, a in enumerate(acts):
         if a.kind in COMPUTE:

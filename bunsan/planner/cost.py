@@ -27,9 +27,9 @@ from bunsan.memory.theory import optimizer_state_bytes_per_param
 from bunsan.models.llama import LlamaConfig
 from bunsan.pipeline.schedules import theory_bubble
 from bunsan.tensor_parallel.plan import check_llama
-from bunsan.planner import hardware
-from bunsan.planner.hardware import GPU, Interconnect
-from bunsan.planner.layout import Layout
+from bunsan.estimator import hardware
+from bunsan.estimator.hardware import GPU, Interconnect
+from bunsan.estimator.layout import Layout
 
 # Fraction of dense peak a well-tuned training step sustains. Megatron-LM and PaLM report
 # 40-55% MFU on A100/H100 at scale; 0.4 is a conservative estimate, not a measurement.

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from bunsan.estimator.estimate import Estimate, estimate_layout
 from bunsan.estimator.shape import ModelShape, load_shape, rank_params
 from bunsan.planner.cost import StepTime, step_time, train_time
-from bunsan.planner.hardware import GPU, gpu_spec, interconnect
-from bunsan.planner.layout import Layout
+from bunsan.estimator.hardware import GPU, gpu_spec, interconnect
+from bunsan.estimator.layout import Layout
 
 GiB = 1024 ** 3
 MARGIN = 0.10   # memory kept free for the allocator's fragmentation and what the estimate leaves out

@@ -56,7 +56,7 @@ def _explain(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-class _Text:
+class TextStream:
     """Token ids to text deltas; stops at the first stop string (which is not sent).
 
     Decodes incrementally: ids[:r] are text already (`text_r`); each token decodes only ids[p:], with ids[p:r]
@@ -141,7 +141,7 @@ def build_app(batcher: Batcher, tokenizer, model_name: str, limits: Limits | Non
             return _error(503, "the model worker has stopped; the server is shutting down", "server_error")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        text = _Text(tokenizer, [s for s in stop if s])
+        text = TextStream(tokenizer, [s for s in stop if s])
         counted = [True]
 
         def release() -> None:        # once, whichever comes first: the batcher's end or the response's

@@ -60,9 +60,9 @@ def init_adapter(name: str, p: torch.Tensor, seed: int) -> None:
     if ".lora_B." in name:
         p.zero_()
         return
-    from bunsan.models.llama import _seed_for
+    from bunsan.models.llama import seed_for
     bound = 1.0 / math.sqrt(p.shape[1])
-    g = torch.Generator().manual_seed(_seed_for(seed, name))
+    g = torch.Generator().manual_seed(seed_for(seed, name))
     p.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(-bound, bound, generator=g))
 
 
