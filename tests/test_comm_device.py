@@ -101,7 +101,7 @@ def test_a_launcher_that_gives_each_process_its_own_gpu_is_understood(gpus):
 def test_an_offloaded_shards_norm_is_reduced_on_the_rank_device():
     """With offload_optimizer the fp32 gradient shard (and so its squared norm) is on the host; the norm's
     reductions and the engine's one read happen on the device."""
-    from bunsan.zero.strategy import Strategy
-    strategy = object.__new__(Strategy)
-    strategy.comm, strategy.group = Comm(device=torch.device("meta")), ONE
+    from bunsan.zero.strategy import OtherDims, Sharded
+    strategy = object.__new__(type("Bare", (Sharded,), dict.fromkeys(Sharded.__abstractmethods__, None)))
+    strategy.comm, strategy.group, strategy.dims = Comm(device=torch.device("meta")), ONE, OtherDims()
     assert strategy.global_norm(torch.ones(1, dtype=torch.float64), sharded=True).device.type == "meta"

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent / "bunsan"
 STEP_MODULES = [
     "engine/engine.py", "comm/collectives.py", "comm/work.py", "zero/strategy.py", "zero/stage0.py",
     "zero/buckets.py", "engine/precision.py", "transforms/checkpointing.py", "models/loss.py",
-    "pipeline/runtime.py", "pipeline/step.py",
+    "pipeline/runtime.py", "pipeline/forward_backward.py", "engine/batch.py",
     "zero/stage12.py", "zero/stage3.py", "zero/reduce.py", "zero/optimizer.py", "zero/frozen.py",
     "zero/unit_buffer.py", "zero/offload.py", "zero/adafactor.py",
     "tensor_parallel/ops.py", "tensor_parallel/layers.py", "tensor_parallel/loss.py",

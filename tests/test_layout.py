@@ -157,3 +157,22 @@ def test_the_layer_table_is_the_one_the_docs_draw():
     for pkg in LAYER_OF:
         if pkg != "(api)":
             assert f"{pkg}/" in doc, f"docs/architecture.md does not place {pkg}/"
+
+
+COMMUNICATING = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+                 "broadcast", "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "gather", "scatter",
+                 "all_to_all", "all_to_all_single", "reduce", "monitored_barrier", "broadcast_object_list",
+                 "all_gather_object", "gather_object", "scatter_object_list", "send_object_list", "recv_object_list"}
+
+
+def test_only_comm_talks_to_other_ranks():
+    """One door: every collective and point-to-point call is comm/'s (checked, counted, timed out)."""
+    wrong = []
+    for path in source_files("bunsan"):
+        if (PACKAGE / "comm") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in COMMUNICATING and ast.unparse(node.func.value) in ("dist", "torch.distributed"):
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node.func)}")
+    assert not wrong, "talks to other ranks outside comm/:\n" + "\n".join(wrong)

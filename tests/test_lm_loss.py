@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bunsan.engine import loss as lm_loss
+from bunsan.models import loss as lm_loss
 from bunsan.models.loss import default_chunk_rows, lm_loss_sum
 
 V = 97   # prime: no chunk size divides the rows evenly by accident

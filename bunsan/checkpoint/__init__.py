@@ -21,7 +21,6 @@ from bunsan.checkpoint.store import CheckpointError
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
 
-SCALER_FIELDS = ("scale", "cur_hysteresis", "iter", "last_overflow_iter", "skipped_steps")
 
 
 def _barrier(engine) -> None:
@@ -73,9 +72,7 @@ def save_checkpoint(engine, save_dir, tag: str | None = None, client_state: dict
     tag = tag or store.tag_for(engine.global_step)
     if "/" in tag or tag.startswith(".") or tag == "latest":
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name, not hidden and not 'latest'")
-    if engine.micro_steps:
-        raise RuntimeError(f"save_checkpoint in the middle of an optimizer step ({engine.micro_steps} of "
-                           f"{engine.grad_accum} micro-batches done): save after engine.step() completes one")
+    counters = engine.state_dict()   # (refuses a save in the middle of an optimizer step)
     rank, world = engine.mesh.rank, engine.mesh.world.size
     if rank == 0:
         store.begin(root, tag)
@@ -84,12 +81,10 @@ def save_checkpoint(engine, save_dir, tag: str | None = None, client_state: dict
     store.write_rank(root, tag, rank, tensors, index)
     _barrier(engine)
     if rank == 0:
-        scaler = engine.scaler
         meta = {"step": engine.global_step, "config": engine.cfg.to_dict(),
                 "layout": {"dp": engine.mesh.dp, "tp": engine.mesh.tp, "pp": engine.mesh.pp,
                            "zero": engine.dp.stage, "dtype": str(engine.dtype).removeprefix("torch.")},
-                "engine": {"global_step": engine.global_step, "skipped_steps": engine.skipped_steps,
-                           "scaler": {k: getattr(scaler, k) for k in SCALER_FIELDS} if scaler else None},
+                "engine": counters,
                 "model": _model_config(engine), "client_state": client_state or {}}
         store.commit(root, tag, world, meta, keep_last or engine.cfg.checkpoint.keep_last)
     _barrier(engine)
@@ -167,7 +162,7 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
         return {k: getattr(torch, p.get("dtype", "float32")) for k, p in covering(params[i], lo, hi).items()
                 if "opaque" not in p}
 
-    defaults = getattr(engine.dp, "opt_defaults", None) or getattr(engine.optimizer, "defaults", {})
+    defaults = engine.dp.opt_defaults
     fused = bool(defaults.get("fused"))
 
     def put(i, lo, master, state):
@@ -214,12 +209,7 @@ def _load_state(reader, t, kind, lo, hi, state, piece: dict) -> None:
 
 
 def _restore_engine(engine, meta: dict, reader) -> None:
-    e = meta["engine"]
-    engine.global_step, engine.skipped_steps, engine.micro_steps = e["global_step"], e["skipped_steps"], 0
-    if engine.scaler is not None and e.get("scaler"):
-        for k, v in e["scaler"].items():
-            setattr(engine.scaler, k, v)
-    engine._set_lr()
+    engine.load_state_dict(meta["engine"])
     if meta["world"] == engine.mesh.world.size:   # same processes: each continues its own random stream
         rng = reader.tensor("rng/torch", store.rank_file(engine.mesh.rank))
         if rng is not None:

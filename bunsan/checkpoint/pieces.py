@@ -70,12 +70,12 @@ def locals_of(engine) -> tuple[list[Local], list[bool]]:
     names: dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
-    shapes = getattr(engine.dp, "_shapes", None)   # ZeRO-3: released parameters are empty, the layout knows
+    shapes = engine.dp.param_shapes   # (ZeRO-3's released parameters are empty: the strategy keeps the shapes)
     out, writes = [], []
     for i, p in enumerate(engine.dp.params):
         name = names[id(p)]
         owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
-        local_shape = tuple(shapes[i]) if shapes is not None else tuple(p.shape)
+        local_shape = tuple(shapes[i])
         shape, dim, start = _tp_place(owner, p, local_shape, mesh.tp_rank)
         out.append(Local(canonical.get(name, name), shape, local_shape, dim, start))
         replicated_tp = dim is None and mesh.tp > 1
@@ -90,7 +90,7 @@ def frozen_of(engine) -> list[tuple[Local, int, torch.Tensor, bool]]:
     module, mesh = engine.module, engine.mesh
     trained = {id(p) for p in engine.dp.params}
     canonical = engine.pipe.canonical if engine.pipe is not None else {}
-    sharded = getattr(engine.dp, "frozen", None)
+    sharded = engine.dp.frozen_shards
     out, seen = [], set()
 
     def local(name, p, shape):

@@ -7,13 +7,12 @@ rank. Two ways to drive it:
     out = engine(x); engine.backward(loss); engine.step()   # DeepSpeed-style, once per micro-batch
 
 Where gradients, master weights and optimizer states live is the strategy's
-business (zero/strategy.py for ZeRO stage 0, zero/ for stages 1-3); tensor
+business (zero/: the interface in strategy.py, stages 0-3 beside it); tensor
 parallelism has already swapped the model's layers when the engine is built.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -21,16 +20,17 @@ import torch.nn as nn
 
 from bunsan.comm.collectives import Comm
 from bunsan.comm.mesh import Mesh
-from bunsan.doctor.oom import OutOfMemory, explain, is_oom
 from bunsan.comm.rollcall import post_step
-from bunsan.models.loss import lm_loss_sum
-from bunsan.memory.measure import measured_memory, reset_peak_memory
-from bunsan.optim.schedule import LRSchedule
-from bunsan.pipeline import step as pipeline_step
-from bunsan.pipeline.consolidate import gather_intervals, gather_stages
+from bunsan.doctor.oom import OutOfMemory, explain, is_oom
+from bunsan.engine.batch import Objective, make_objective, model_inputs, rows_of, split, token_count
 from bunsan.engine.precision import LossScaler, model_dtype
+from bunsan.memory.measure import measured_memory, reset_peak_memory
+from bunsan.models.loss import lm_loss_sum
+from bunsan.optim.schedule import LRSchedule
+from bunsan.pipeline import forward_backward as pipeline
+from bunsan.pipeline.consolidate import gather_intervals, gather_stages
 from bunsan.tensor_parallel import consolidate, vocab_parallel_loss_sum
-from bunsan.zero import make_strategy
+from bunsan.zero.strategy import Strategy
 
 
 def _refuse_empty_batch(values: list[float]) -> None:
@@ -39,8 +39,11 @@ def _refuse_empty_batch(values: list[float]) -> None:
 
 
 class Engine:
-    def __init__(self, model: nn.Module, cfg, mesh: Mesh, device: torch.device, comm: Comm,
-                 optimizer: torch.optim.Optimizer | None = None, loss_fn=None, tp=None, pipe=None):
+    """The step around a data-parallel strategy (`dp`, built by bunsan.initialize over the transformed
+    model): loss, loss scaling, clipping, the learning-rate schedule and the step counters."""
+
+    def __init__(self, model: nn.Module, cfg, mesh: Mesh, device: torch.device, comm: Comm, dp: Strategy,
+                 loss_fn=None, tp=None, pipe=None):
         self.cfg, self.mesh, self.device, self.comm = cfg, mesh, device, comm
         self.tp_ctx, self.tp_head = tp if tp is not None else (None, None)
         self.module = model
@@ -48,26 +51,9 @@ class Engine:
         bs = cfg.batch_sizes(mesh.dp)
         self.train_batch_size, self.micro_batch, self.grad_accum = bs.train_batch_size, bs.micro_batch, bs.grad_accum
         self.dtype = model_dtype(cfg)
-        if self.dtype != torch.float32 and optimizer is not None and \
-                any(p.dtype != torch.float32 for g in optimizer.param_groups for p in g["params"]):
-            raise ValueError("with fp16/bf16 bunsan keeps fp32 master weights itself: build the optimizer over "
-                             "the fp32 model and let bunsan cast the model")
-        if any(p.is_meta for p in model.parameters()):   # bunsan.zero.Init: ZeRO-3 materialises shards
-            model.to(dtype=self.dtype)
-        else:
-            model.to(device=device, dtype=self.dtype)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        if not trainable:
-            if cfg.lora.enabled:
-                raise ValueError(f"rank {mesh.rank} holds no layer named in lora.target_modules "
-                                 f"{list(cfg.lora.target_modules)} (a pipeline stage of only the embedding or "
-                                 "head?): target more modules, or use fewer pipeline stages")
-            raise ValueError("the model has no parameters with requires_grad=True; nothing to train")
-        self.dp = make_strategy(trainable, comm, mesh.dp_group, cfg, device, optimizer, model)
-        self.dp.set_tensor_parallel(mesh.tp_group if self.tp_ctx is not None else None)
+        self.dp = dp
         self.pipe = pipe
         if pipe is not None:
-            self.dp.set_pipeline(mesh.pp_group, {model.get_parameter(n) for n in pipe.duplicates})
             pipe.start(comm, mesh, device)
         self.optimizer = self.dp.optimizer
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
@@ -75,10 +61,10 @@ class Engine:
         self.scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
 
         self.global_step = 0
-        self.micro_steps = 0        # micro-batches seen in the current optimizer step (DeepSpeed path)
+        self._micro_steps = 0       # micro-batches seen in the current optimizer step (DeepSpeed-style loop)
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")
-        self._post_scale = 1.0      # multiplies the all-reduced gradients before the step
+        self.phase = "set-up"       # what runs now, for the doctor's out-of-memory advice
         comm.stats.new_step()       # the initial broadcast is set-up, not step 1's traffic
         self._last_comm = comm.stats.summary()
         self._set_lr()
@@ -92,9 +78,26 @@ class Engine:
     pp_size = property(lambda self: self.mesh.pp)
     loss_scale = property(lambda self: self.scaler.scale if self.scaler else 1.0)
 
+    micro_steps = property(lambda self: self._micro_steps, doc="micro-batches done in the current step")
+
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
+
+    def state_dict(self) -> dict:
+        """The engine's own state, what a checkpoint needs besides model and optimizer: step counters and the
+        loss scaler (the learning rate follows from them). JSON-able."""
+        if self._micro_steps:
+            raise RuntimeError(f"the engine is in the middle of an optimizer step ({self._micro_steps} of "
+                               f"{self.grad_accum} micro-batches done): save after engine.step() completes one")
+        return {"global_step": self.global_step, "skipped_steps": self.skipped_steps,
+                "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.global_step, self.skipped_steps, self._micro_steps = state["global_step"], state["skipped_steps"], 0
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self._set_lr()
 
     def _set_lr(self) -> None:
         for g, base in zip(self.optimizer.param_groups, self.base_lrs):
@@ -103,7 +106,7 @@ class Engine:
     # -- DeepSpeed-style loop --------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
         self._no_pipeline("engine(inputs)")
-        if self.micro_steps == 0 and self.device.type == "cuda":   # the reported peak is this step's
+        if self._micro_steps == 0 and self.device.type == "cuda":   # the reported peak is this step's
             reset_peak_memory(self.device)
         return self.module(*args, **kwargs)
 
@@ -116,38 +119,38 @@ class Engine:
     forward = __call__
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.grad_accum == 0
+        return (self._micro_steps + 1) % self.grad_accum == 0
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's mean loss; the gradients of the step average over micro-batches and ranks."""
+        """Backward of one micro-batch's mean loss; the gradients of the step average over micro-batches and
+        ranks (a mean per micro-batch: the step multiplies the reduced sum by 1/dp)."""
         self._no_pipeline("engine.backward(loss)")
-        self._backward(loss / self.grad_accum, sync=self.is_gradient_accumulation_boundary())
-        self._post_scale = 1.0 / self.mesh.dp
+        scale = self.scaler.scale if self.scaler else 1.0
+        loss = loss / self.grad_accum
+        self._backward(loss * scale if scale != 1.0 else loss, sync=self.is_gradient_accumulation_boundary())
 
     def step(self) -> None:
         """Call once per micro-batch; the optimizer steps on the accumulation boundary."""
         self._no_pipeline("engine.step()")
-        boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
-        if boundary:
-            self._optimizer_step()
-            self.micro_steps = 0
+        if self.is_gradient_accumulation_boundary():
+            self._optimizer_step(1.0 / self.mesh.dp)
+        else:
+            self._micro_steps += 1
 
     def _backward(self, loss: torch.Tensor, sync: bool) -> None:
+        """Backward of an already divided and scaled loss; `sync`: this micro-batch's gradients are final."""
         self.dp.begin_backward(sync)
-        scale = self.scaler.scale if self.scaler else 1.0
-        (loss * scale if scale != 1.0 else loss).backward()
+        loss.backward()
         self.dp.end_backward(sync)
 
     # -- the optimizer step ----------------------------------------------------------------------
-    def _optimizer_step(self, extra: tuple[torch.Tensor, ...] = (), check=None) -> list[float]:
+    def _optimizer_step(self, post_scale: float, extra: tuple[torch.Tensor, ...] = (), check=None) -> list[float]:
         """Unscale, clip and step. The global gradient norm and `extra` (device scalars the caller wants: the
         step's loss, its token count) are read on the host here, together: the step's one host sync, where it
         must be, since clipping and skipping depend on the norm. `check(extra values)` may refuse the step
         (raise) before anything is applied. Returns the values of `extra`."""
         self.phase = "optimizer step"
-        inv = self._post_scale / (self.scaler.scale if self.scaler else 1.0)
-        norm_t = self.dp.unscale(inv)
+        norm_t = self.dp.unscale(post_scale / (self.scaler.scale if self.scaler else 1.0))
         read = torch.cat([norm_t.reshape(1).double(), *(e.reshape(1).double() for e in extra)])
         norm, *values = read.tolist()   # host: the step's one read (norm, loss, tokens)
         self.comm.clock.settle()        # the step's communication waits are complete: their CUDA events read now
@@ -171,48 +174,26 @@ class Engine:
             if clip > 0 and norm > clip:
                 self.dp.clip(clip / (norm + 1e-6))
             self.dp.step()
-        # As DeepSpeed: every step counts, a skipped (overflow) step does not advance the schedule.
+        self._finish_step()
+        return values
+
+    def _finish_step(self) -> None:
+        """As DeepSpeed: every step counts, a skipped (overflow) step does not advance the schedule."""
         self.global_step += 1
+        self._micro_steps = 0
         self.comm.finished_step = self.global_step
-        if self.mesh.world.size > 1:      # for the doctor's roll call, should a collective hang
+        if self.mesh.world.size > 1:      # for the roll call, should a collective hang
             post_step(self.mesh.rank, self.global_step)
         self._set_lr()
         self.dp.zero_grad()
         self._last_comm = self.comm.stats.summary()
         self.comm.stats.new_step()
-        return values
 
-    # -- whole steps -----------------------------------------------------------------------------
-    def _split(self, batch):
-        """Split a per-rank batch into gradient_accumulation_steps micro-batches (dim 0)."""
-        tensors = batch.values() if isinstance(batch, dict) else batch
-        rows = {t.shape[0] for t in tensors}
-        expect = self.micro_batch * self.grad_accum
-        if rows != {expect}:
-            raise ValueError(f"batch has {sorted(rows)} rows per data-parallel rank; expected micro_batch "
-                             f"{self.micro_batch} x gradient_accumulation_steps {self.grad_accum} = {expect} "
-                             f"(train_batch_size {self.train_batch_size} over {self.mesh.dp} ranks)")
-        if isinstance(batch, dict):
-            chunks = {k: v.to(self.device, non_blocking=True).chunk(self.grad_accum) for k, v in batch.items()}
-            return [{k: v[i] for k, v in chunks.items()} for i in range(self.grad_accum)]
-        chunks = [t.to(self.device, non_blocking=True).chunk(self.grad_accum) for t in batch]
-        return [tuple(c[i] for c in chunks) for i in range(self.grad_accum)]
-
+    # -- the step: one for every layout ----------------------------------------------------------
     def _lm_loss_sum(self, logits, labels):
         if self.tp_head is not None:   # logits are split by vocabulary: never gather them
             return vocab_parallel_loss_sum(logits, labels, self.tp_head)
         return lm_loss_sum(logits, labels)
-
-    def _micro_loss(self, mb):
-        """(summed or mean loss, token count) of one micro-batch."""
-        if isinstance(mb, dict) and self.loss_fn is None:
-            labels = mb["labels"]
-            return self._lm_loss_sum(self.module(mb["input_ids"]), labels), (labels != -100).sum()
-        if self.loss_fn is None:
-            raise ValueError("pass loss_fn to bunsan.initialize for batches that are not language-model dicts")
-        if isinstance(mb, dict):
-            return self.loss_fn(self.module(mb["input_ids"]), mb["labels"]), None
-        return self.loss_fn(self.module(*mb[:-1]), mb[-1]), None
 
     def train_batch(self, batch) -> float:
         """One optimizer step over micro_batch x grad_accum rows; the mean loss of the global batch. Running out
@@ -224,67 +205,77 @@ class Engine:
             if not is_oom(e):
                 raise
             seq = batch["input_ids"].shape[-1] if isinstance(batch, dict) and "input_ids" in batch else None
-            where = self.phase + (f", ZeRO-3 unit {self.dp.current_unit}" if getattr(self.dp, "current_unit", None)
-                                  else "")
-            raise OutOfMemory(explain(self, where, seq, e)) from e
+            unit = self.dp.current_unit
+            raise OutOfMemory(explain(self, self.phase + (f", ZeRO-3 unit {unit}" if unit else ""), seq, e)) from e
 
     def _train_batch(self, batch) -> float:
         self.module.train()
         if self.device.type == "cuda":     # the reported peak is this step's, not set-up's
             reset_peak_memory(self.device)
+        objective = make_objective(batch, self.loss_fn, self._lm_loss_sum)
         micro = self._split(batch)
-        lm = isinstance(batch, dict) and self.loss_fn is None
-        check, n_global = None, None
-        if lm:
+        objective.scale = self.scaler.scale if self.scaler else 1.0
+        if objective.lm:
             # The global mean over tokens: summed losses divided by the token count of the whole global batch,
             # counted and reduced on the device (read with the norm; a global batch of no tokens is refused then).
-            n_global = torch.stack([(mb["labels"] != -100).sum() for mb in micro]).sum().double().reshape(1)
-            self.comm.all_reduce(n_global, self.mesh.dp_group)
+            tokens = token_count(micro)
+            self.comm.all_reduce(tokens, self.mesh.dp_group)
             # (in fp32, as the loss: a float64 divisor would promote the loss and round its gradient twice)
-            div, self._post_scale = n_global[0].clamp(min=1.0).float(), 1.0
-            check = _refuse_empty_batch
+            objective.div = tokens[0].clamp(min=1.0).float()
         else:
-            div, self._post_scale = self.grad_accum, 1.0 / self.mesh.dp
-        if self.pipe is not None:
-            total = pipeline_step.run_schedule(self, micro, lm, div)
-        else:
-            total = torch.zeros(1, dtype=torch.float64, device=self.device)
-            for i, mb in enumerate(micro):
-                self.phase = f"forward of micro-batch {i + 1}/{len(micro)}"
-                loss, _ = self._micro_loss(mb)
-                self.phase = f"backward of micro-batch {i + 1}/{len(micro)}"
-                self._backward(loss / div, sync=i == len(micro) - 1)
-                total += loss.detach().double()
+            objective.div, objective.post_scale = self.grad_accum, 1.0 / self.mesh.dp
+        total = self._forward_backward(micro, objective)
         self.comm.all_reduce(total, self.mesh.dp_group)
-        self.micro_steps = 0
-        if lm:
-            summed, tokens = self._optimizer_step((total, n_global), check)
-            return summed / tokens
-        summed, = self._optimizer_step((total,))
+        if objective.lm:
+            summed, n = self._optimizer_step(objective.post_scale, (total, tokens), _refuse_empty_batch)
+            return summed / n
+        summed, = self._optimizer_step(objective.post_scale, (total,))
         return summed / (self.grad_accum * self.mesh.dp)
+
+    def _split(self, batch) -> list:
+        """A per-rank batch as gradient_accumulation_steps micro-batches (dim 0), on the device."""
+        rows, expect = rows_of(batch), self.micro_batch * self.grad_accum
+        if rows != {expect}:
+            raise ValueError(f"batch has {sorted(rows)} rows per data-parallel rank; expected micro_batch "
+                             f"{self.micro_batch} x gradient_accumulation_steps {self.grad_accum} = {expect} "
+                             f"(train_batch_size {self.train_batch_size} over {self.mesh.dp} ranks)")
+        return split(batch, self.grad_accum, self.device)
+
+    def _forward_backward(self, micro: list, objective: Objective) -> torch.Tensor:
+        """Forward and backward of every micro-batch; this rank's summed loss (a device tensor). A pipeline
+        runs them in its schedule's order; otherwise one after another, the last one reducing gradients."""
+        if self.pipe is not None:
+            return pipeline.forward_backward(self.pipe, micro, objective, self.dp, self.module, self._set_phase)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for i, mb in enumerate(micro):
+            self.phase = f"forward of micro-batch {i + 1}/{len(micro)}"
+            loss, reported = objective(self.module(*model_inputs(mb)), mb)
+            self.phase = f"backward of micro-batch {i + 1}/{len(micro)}"
+            self._backward(loss, sync=i == len(micro) - 1)
+            total += reported.detach().double()
+        return total
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
 
     @torch.no_grad()
     def eval_batch(self, batch) -> float:
-        """Mean loss over a per-rank batch (any number of rows), averaged over the data-parallel group."""
+        """Mean loss over a per-rank batch (any number of rows), averaged over the data-parallel group: over
+        tokens for language-model batches, over rows for a loss_fn."""
         self.module.eval()
-        if self.pipe is not None:
-            try:
-                return pipeline_step.eval_batch(self, batch)
-            finally:
-                self.module.train()
         try:
-            if isinstance(batch, dict) and self.loss_fn is None:
-                labels = batch["labels"].to(self.device)
-                s = self._lm_loss_sum(self.module(batch["input_ids"].to(self.device)), labels).double()
-                sums = torch.stack([s, (labels != -100).sum().double()])
-                self.comm.all_reduce(sums, self.mesh.dp_group)
-                total, n = sums.tolist()   # host: evaluation returns a number
-                return total / n
-            loss, _ = self._micro_loss(tuple(t.to(self.device) for t in batch) if not isinstance(batch, dict)
-                                       else {k: v.to(self.device) for k, v in batch.items()})
-            loss = loss.detach().double().reshape(1)
-            self.comm.all_reduce(loss, self.mesh.dp_group)
-            return loss.tolist()[0] / self.mesh.dp   # host: evaluation returns a number
+            objective = make_objective(batch, self.loss_fn, self._lm_loss_sum)
+            rows = max(rows_of(batch))
+            # a pipeline needs micro-batches to fill its stages; up to grad_accum of them, as in training
+            micro = split(batch, max(1, min(rows, self.grad_accum)) if self.pipe is not None else 1, self.device)
+            if self.pipe is not None:
+                total = pipeline.forward(self.pipe, micro, objective)
+            else:
+                total = objective.summed(self.module(*model_inputs(micro[0])), micro[0]).double().reshape(1)
+            sums = torch.cat([total, objective.count(micro)])
+            self.comm.all_reduce(sums, self.mesh.dp_group)
+            summed, n = sums.tolist()   # host: evaluation returns a number
+            return summed / n
         finally:
             self.module.train()
 
@@ -307,8 +298,7 @@ class Engine:
 
     def gathered_parameters(self):
         """Context in which every parameter holds its full value (ZeRO-3 gathers and releases after)."""
-        gathered = getattr(self.dp, "gathered", None)
-        return gathered() if gathered is not None else contextlib.nullcontext()
+        return self.dp.gathered()
 
     def comm_stats(self) -> dict:
         """Communication of the last completed optimizer step and totals since start."""

@@ -59,15 +59,14 @@ def measured_memory(engine) -> dict:
     report.setdefault("host", 0)
     report.setdefault("disk", 0)
     frozen = [p for p in engine.module.parameters() if not p.requires_grad]
-    sharded = getattr(dp, "frozen", None) is not None      # ZeRO-3 shards frozen weights too (bytes_by_kind)
+    sharded = dp.frozen_shards is not None      # ZeRO-3 shards frozen weights too (bytes_by_kind)
     frozen_bytes = _tensor_bytes(frozen)
     if not sharded:
         report["params"] += frozen_bytes
     report["buffers"] = _tensor_bytes(engine.module.buffers())
     report["model_states"] = sum(report[k] for k in ("params", "grads", "master_weights", "optimizer_states"))
     report["device"] = report["model_states"] - report["host"]   # what stays on the compute device
-    opt_name = dp.opt_class.__name__ if hasattr(dp, "opt_class") else type(engine.optimizer).__name__
-    defaults = dp.opt_defaults if hasattr(dp, "opt_defaults") else engine.optimizer.defaults
+    opt_name, defaults = dp.opt_class.__name__, dp.opt_defaults
     psi = sum(dp.layout.numels)   # ZeRO-3 parameters are empty between gathers: count from the layout
     theory = model_state_bytes(psi, dp.dtype.itemsize, optimizer_state_bytes_per_param(opt_name, defaults),
                                engine.mesh.dp, dp.stage, grad_shard_bytes=4)

@@ -1,5 +1,5 @@
 """Pipeline parallelism: cut the model into stages (partition.py), order the work (schedules.py), run it
-(runtime.py) and show where the time went (timeline.py).
+(runtime.py, driven by forward_backward.py for the engine's step) and show where the time went (timeline.py).
 
 `setup()` is what `bunsan.initialize` calls when `pipeline.stages > 1`: it keeps (and, for a model built on
 the meta device, materialises) only this rank's stages, finds weights tied across stages (a Llama's
@@ -32,8 +32,11 @@ class Pipe:
     duplicates: set = field(default_factory=set)    # tied copies counted in the gradient norm elsewhere
     recorder: Recorder | None = None
     canonical: dict = field(default_factory=dict)  # parameter name -> the name its tensor has first in the model
+    comm: object = None
+    group: object = None       # the pipeline group (the mesh's pp group)
 
     def start(self, comm, mesh, device) -> None:
+        self.comm, self.group = comm, mesh.pp_group
         p2p = P2P(comm, mesh.pp_group, self.p, self.p * self.v, self.n_micro, device)
         self.runner = Runner(self.stage, self.actions, self.p, mesh.pp_rank, p2p, device, self.recorder)
 

@@ -129,7 +129,6 @@ def parallel_input_hook(ctx: TPContext):
 
 def sum_grad_over_tp(param: nn.Parameter, ctx: TPContext) -> None:
     """A replicated weight that each rank sees only part of the data for (SP norms): sum its gradient."""
-    param._bunsan_tp_replicated = True
     if not param.requires_grad:      # frozen (a LoRA base): no gradient to sum
         return
 

@@ -130,11 +130,15 @@ def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | None = 
         elif style == "norm" and ctx.sequence_parallel:
             for p in m.parameters():
                 sum_grad_over_tp(p, ctx)
-    for m in model.modules():   # whatever no style split is replicated: count it once in the gradient norm
-        if getattr(m, "tp_style", None) is None:
-            for p in m.parameters(recurse=False):
-                p._bunsan_tp_replicated = True
     return head
+
+
+def replicated_parameter_names(model: nn.Module) -> set[str]:
+    """Parameters no style split (norms, biases of row layers, LoRA factors left whole): every TP rank holds
+    the same values, so the gradient norm counts them on one rank only."""
+    return {f"{name}.{pname}" if name else pname for name, m in model.named_modules()
+            if getattr(m, "tp_style", None) is None
+            for pname, _ in m.named_parameters(recurse=False, remove_duplicate=False)}
 
 
 def consolidate(state: dict[str, torch.Tensor], model: nn.Module, ctx: TPContext,

@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 
 from bunsan.optim.optimizers import build_optimizer, optimizer_spec
+from bunsan.zero.strategy import OtherDims, Strategy
+
+__all__ = ["Init", "OtherDims", "Strategy", "make_strategy"]
 
 
 class Init:
@@ -26,8 +29,8 @@ class Init:
         return self._ctx.__exit__(*exc)
 
 
-def make_strategy(trainable, comm, group, cfg, device, user_optimizer, module):
-    """The data-parallel strategy for `zero_optimization.stage`."""
+def make_strategy(trainable, comm, group, cfg, device, user_optimizer, module, dims: OtherDims):
+    """The data-parallel strategy for `zero_optimization.stage` over `trainable` (parameters of `module`)."""
     from bunsan.zero.stage0 import Replicated
     zero = cfg.zero_optimization
     stage = zero.stage
@@ -40,12 +43,12 @@ def make_strategy(trainable, comm, group, cfg, device, user_optimizer, module):
     if any(p.is_meta for p in trainable) and stage < 3:
         raise ValueError("parameters on the meta device (bunsan.zero.Init) need zero_optimization.stage 3")
     if stage == 0:
-        return Replicated(trainable, comm, group, zero, lambda ps: build_optimizer(ps, cfg.optimizer, device),
+        return Replicated(trainable, comm, group, zero, dims, module, lambda ps: build_optimizer(ps, cfg.optimizer, device),
                           user_optimizer)
     spec_params = list(reversed(trainable))  # the strategies order parameters for backward
     spec = optimizer_spec(user_optimizer, cfg.optimizer, spec_params, device)
     if stage in (1, 2):
         from bunsan.zero.stage12 import ShardedGrads
-        return ShardedGrads(trainable, comm, group, zero, spec, device, stage)
+        return ShardedGrads(trainable, comm, group, zero, dims, module, spec, device, stage)
     from bunsan.zero.stage3 import FullyShardedDP
-    return FullyShardedDP(trainable, comm, group, cfg, spec, device, module)
+    return FullyShardedDP(trainable, comm, group, cfg, dims, module, spec, device)

@@ -18,8 +18,8 @@ from bunsan.zero.strategy import Strategy
 class Replicated(Strategy):
     """ZeRO stage 0: every rank holds everything; bucketed all-reduce overlapped with backward."""
 
-    def __init__(self, params, comm, group, zero_cfg, build_optimizer, user_optimizer=None):
-        super().__init__(params, comm, group, zero_cfg)
+    def __init__(self, params, comm, group, zero_cfg, dims, module, build_optimizer, user_optimizer=None):
+        super().__init__(params, comm, group, zero_cfg, dims, module)
         groups = ShardLayout.greedy_buckets([p.numel() for p in self.params], int(zero_cfg.reduce_bucket_size))
         self.layout = ShardLayout(self.params, groups, n=1, rank=0, align=1)
         self.flat = FlatParams(self.params, self.layout)

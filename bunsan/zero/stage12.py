@@ -28,8 +28,8 @@ from bunsan.zero.reduce import ShardReducer
 
 
 class ShardedGrads(Sharded):
-    def __init__(self, params, comm, group, zero_cfg, opt_spec, device, stage: int):
-        super().__init__(params, comm, group, zero_cfg)
+    def __init__(self, params, comm, group, zero_cfg, dims, module, opt_spec, device, stage: int):
+        super().__init__(params, comm, group, zero_cfg, dims, module)
         self.stage = stage
         n, r = group.size, group.rank
         buckets = ShardLayout.greedy_buckets([p.numel() for p in self.params], int(zero_cfg.reduce_bucket_size))
@@ -39,7 +39,6 @@ class ShardedGrads(Sharded):
         self.slices = self.layout.shard_slices()
         off = zero_cfg.offload_optimizer
         cls, defaults, groups = opt_spec
-        self.opt_class, self.opt_defaults = cls, defaults
         self.opt = ShardedOptimizer(
             self.layout, cls, defaults, groups, device, self.dtype,
             master_alias=None if self.mixed else self.flat.data,

@@ -96,8 +96,8 @@ def find_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
 class FullyShardedDP(Sharded):
     stage = 3
 
-    def __init__(self, trainable, comm, group, cfg, opt_spec, device, module: nn.Module):
-        super().__init__(trainable, comm, group, cfg.zero_optimization)
+    def __init__(self, trainable, comm, group, cfg, dims, module: nn.Module, opt_spec, device):
+        super().__init__(trainable, comm, group, cfg.zero_optimization, dims, module)
         zero = self.zero
         n, r = group.size, group.rank
         self.device, self.module = device, module
@@ -126,7 +126,7 @@ class FullyShardedDP(Sharded):
         frozen = [p for p in module.parameters() if not p.requires_grad]
         names = {p: name for name, p in module.named_parameters(remove_duplicate=True)}
         self.names = [names[p] for p in self.params]
-        self._shapes = [tuple(p.shape) for p in self.params]
+        self._param_shapes = [tuple(p.shape) for p in self.params]
 
         # This rank's shard of every unit, materialised one unit at a time.
         off_p, off_o = zero.offload_param, zero.offload_optimizer
@@ -153,13 +153,13 @@ class FullyShardedDP(Sharded):
             for k, (lo, hi, s) in enumerate(self.slices):
                 self.param_swap.write(f"u{k}", self.param_shard[s:s + hi - lo])
         self._dirty: dict[int, torch.Tensor] = {}
-        self.frozen = None
+        self.frozen_shards = None
         if frozen:   # LoRA's base: sharded too, in units matching the trained ones
             held = set(frozen)
             unit_frozen = [[p for p in m.parameters() if p in held] for m, _ in order[:-1]]
             taken = {p for g in unit_frozen for p in g}
             unit_frozen.append([p for p in frozen if p not in taken])
-            self.frozen = FrozenShards(module, unit_frozen, comm, group, device, self.param_home, self.dtype,
+            self.frozen_shards = FrozenShards(module, unit_frozen, comm, group, device, self.param_home, self.dtype,
                                        cfg.train.seed, pin_memory=self.pinned and off_p.device == "cpu")
         if meta:
             self.params = replace_meta_parameters(module, self.params, device, self.dtype)
@@ -168,20 +168,19 @@ class FullyShardedDP(Sharded):
             start = self.layout.buckets[k].start
             for i in u.params:   # views first: slicing checks the storage's size
                 self.params[i].data = u.buf.view(self.layout.offsets[i] - start, self.layout.numels[i],
-                                                 self._shapes[i])
+                                                 self._param_shapes[i])
             u.buf.free()
         for k, u in enumerate(self.units):
             u.persistent = self._size(k) <= zero.stage3_param_persistence_threshold
 
         cls, defaults, groups = opt_spec
-        self.opt_class, self.opt_defaults = cls, defaults
         alias = not self.mixed and self.param_swap is None
         self.opt = self.optimizer = ShardedOptimizer(
             self.layout, cls, defaults, groups, device, self.dtype,
             master_alias=self.param_shard if alias else None, alias_by="shard",
             init_shard=self.param_shard, offload=off_o.device if off_o else "none",
             nvme_path=off_o.nvme_path if off_o else None, sub_group_size=int(zero.sub_group_size),
-            rank=comm.global_rank, pin_memory=bool(off_o and off_o.pin_memory), shapes=self._shapes,
+            rank=comm.global_rank, pin_memory=bool(off_o and off_o.pin_memory), shapes=self._param_shapes,
             all_reduce=all_reduce_on(comm, group, device))
         if self.param_swap is not None:
             self.param_shard = None
@@ -195,7 +194,7 @@ class FullyShardedDP(Sharded):
     # -- gather / release ------------------------------------------------------------------------
     def _size(self, k: int) -> int:
         """Elements of unit k gathered: trained and frozen."""
-        return self.layout.buckets[k].size + (self.frozen.size(k) if self.frozen is not None else 0)
+        return self.layout.buckets[k].size + (self.frozen_shards.size(k) if self.frozen_shards is not None else 0)
 
     def unit_shard(self, k: int) -> torch.Tensor:
         """This rank's slice of unit k, wherever it lives (device, host, or the NVMe swap file)."""
@@ -207,7 +206,7 @@ class FullyShardedDP(Sharded):
         return self._dirty[k]
 
     def _launch_gather(self, k: int):
-        handles = [self.frozen.launch_gather(k)] if self.frozen is not None else []
+        handles = [self.frozen_shards.launch_gather(k)] if self.frozen_shards is not None else []
         if self.layout.buckets[k].size:
             mine = self.unit_shard(k).to(self.device, non_blocking=True)
             self.copies.copied(k)     # (pinned host memory: the copy runs on; the next write of it waits)
@@ -231,8 +230,8 @@ class FullyShardedDP(Sharded):
         if not u.gathered or (u.persistent and not force):
             return
         u.buf.free()
-        if self.frozen is not None:
-            self.frozen.free(k)
+        if self.frozen_shards is not None:
+            self.frozen_shards.free(k)
         u.gathered = False
         self._released += 1
         if self._trim and self._released % TRIM_EVERY == 0:
@@ -249,11 +248,15 @@ class FullyShardedDP(Sharded):
 
     def resident_bytes(self, param: torch.Tensor) -> int:
         """Bytes of the buffer of the unit holding `param` that occupy memory now (0 when released)."""
-        k = self.frozen.holds(param) if self.frozen is not None else None
+        k = self.frozen_shards.holds(param) if self.frozen_shards is not None else None
         if k is not None:
-            return self.frozen.resident_bytes(k)
+            return self.frozen_shards.resident_bytes(k)
         u = next(u for u in self.units if any(self.params[i] is param for i in u.params))
         return u.buf.resident_bytes()
+
+    @property
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        return self._param_shapes
 
     @contextlib.contextmanager
     def gathered(self):
@@ -317,7 +320,7 @@ class FullyShardedDP(Sharded):
             self.release(self.forward_order[pos + 1])
 
     def _holds_frozen(self, k: int) -> bool:
-        return self.frozen is not None and self.frozen.size(k) > 0
+        return self.frozen_shards is not None and self.frozen_shards.size(k) > 0
 
     def _after_reduce(self, k: int) -> None:
         self.units[k].in_backward = False
@@ -378,8 +381,8 @@ class FullyShardedDP(Sharded):
         item = self.dtype.itemsize
         gathered = sum(self._size(k) for k, u in enumerate(self.units) if u.gathered) * item
         params = self.param_shard.numel() * item if self.param_shard is not None else 0
-        if self.frozen is not None:
-            params += self.frozen.shard.numel() * item
+        if self.frozen_shards is not None:
+            params += self.frozen_shards.shard.numel() * item
         out = {"params": params + gathered, "grads": self.layout.shard_numel * 4, **self.opt.bytes_by_kind()}
         if self.param_swap is not None:
             out["disk"] += self.param_swap.size()

@@ -1,0 +1,208 @@
+"""`initialize`: a plain model becomes a training engine through transforms applied in one visible order,
+
+    pipeline cut -> LoRA -> materialise -> tensor parallel -> activation checkpointing -> compile
+    -> data parallel (the ZeRO strategy) -> Engine
+
+torchtitan's order. Each transform below is a function with one job; the model code never learns about
+any of them (parameter names and state-dict keys stay those of the plain model).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from bunsan import pipeline
+from bunsan.comm.collectives import Comm
+from bunsan.comm.mesh import Mesh
+from bunsan.comm.process_group import backend_name, collective_timeout, init_distributed
+from bunsan.config.errors import ConfigError
+from bunsan.config.root import Config
+from bunsan.engine.engine import Engine
+from bunsan.engine.precision import model_dtype
+from bunsan.tensor_parallel import TPContext, apply_tensor_parallel, replicated_parameter_names
+from bunsan.transforms.checkpointing import apply_activation_checkpointing
+from bunsan.transforms.compile import apply_compile
+from bunsan.transforms.lora import adapter_aware, apply_lora, check_targets
+from bunsan.zero import OtherDims, make_strategy
+
+
+@dataclass
+class Placement:
+    """Where this rank runs and with whom: chosen once, before any transform."""
+    cfg: Config
+    device: torch.device
+    mesh: Mesh
+    comm: Comm
+
+
+def initialize(model: nn.Module | None = None, config=None, optimizer: torch.optim.Optimizer | None = None,
+               loss_fn=None, tp_plan: dict | None = None, **deepspeed_kwargs) -> Engine:
+    """Wrap a plain model for distributed training; `config` is a dict, a file path or a Config.
+
+    Works whether torch.distributed was initialised by the user, by torchrun's environment,
+    or not at all (then this process is a world of one). DeepSpeed's keyword form
+    `initialize(model=..., optimizer=..., config=...)` is accepted; so are its
+    `model_parameters` (ignored: bunsan trains the parameters with requires_grad) and
+    `config_params` (an alias of config). `tp_plan` maps module paths to tensor-parallel
+    styles for a model other than bunsan's Llama (see bunsan.tensor_parallel.plan).
+    """
+    if model is None:
+        raise TypeError("bunsan.initialize needs a model: initialize(model, config)")
+    at = place(load_config(config, deepspeed_kwargs))
+    user_groups = optimizer_groups_by_name(optimizer, model, at.cfg)
+    model, pipe = cut_pipeline(model, at)
+    add_lora(model, at.cfg)
+    materialize(model, at)
+    model, tp = tensor_parallel(model, at, tp_plan)
+    recompute(model, at.cfg, pipe)
+    if at.cfg.train.compile:
+        apply_compile(model)
+    optimizer = follow_user_optimizer(optimizer, user_groups, model)
+    dp = data_parallel(model, at, optimizer, tp, pipe)
+    return Engine(model, at.cfg, at.mesh, at.device, at.comm, dp, loss_fn=loss_fn, tp=tp, pipe=pipe)
+
+
+def load_config(config, deepspeed_kwargs: dict) -> Config:
+    if config is None:
+        config = deepspeed_kwargs.pop("config_params", None)
+    deepspeed_kwargs.pop("model_parameters", None)
+    if deepspeed_kwargs:
+        raise TypeError(f"bunsan.initialize got unexpected arguments {sorted(deepspeed_kwargs)}; it takes "
+                        "model, config, optimizer, loss_fn, tp_plan")
+    cfg = Config.load(config)
+    missing = cfg.unimplemented()
+    if missing:
+        raise ConfigError("\n".join(missing))
+    return cfg
+
+
+def place(cfg: Config) -> Placement:
+    """The process group, this rank's device and the (pp, dp, tp) mesh."""
+    device = init_distributed(cfg.train.backend, timeout_s=cfg.train.timeout_s)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.train.tf32
+    mesh = Mesh.create(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size)
+    comm = Comm(timeout_s=collective_timeout(cfg.train.timeout_s, backend_name()),
+                gloo_collectives=cfg.train.gloo_collectives, device=device)
+    return Placement(cfg, device, mesh, comm)
+
+
+def optimizer_groups_by_name(optimizer, model: nn.Module, cfg: Config) -> list[list[list[str]]] | None:
+    """The user's optimizer groups as parameter names (every alias of a tied weight): the transforms replace
+    and drop parameters, and names are what survive them."""
+    if optimizer is None:
+        return None
+    if cfg.lora.enabled:
+        raise ValueError("lora.enabled with an optimizer passed in: the adapters are made after it, so let "
+                         "bunsan build the optimizer from the config's optimizer section")
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    return [[aliases[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+def follow_user_optimizer(optimizer, groups_by_name, model: nn.Module):
+    """Point the user's optimizer groups at this rank's parameters (a pipeline keeps a stage's; tensor
+    parallelism swaps layers for shards); a weight this rank does not hold leaves its group."""
+    if optimizer is None:
+        return None
+    held = dict(model.named_parameters(remove_duplicate=False))
+    for g, names in zip(optimizer.param_groups, groups_by_name):
+        params = [next(held[n] for n in alias if n in held) for alias in names if any(n in held for n in alias)]
+        g["params"] = list({id(p): p for p in params}.values())
+    return optimizer
+
+
+def cut_pipeline(model: nn.Module, at: Placement):
+    """Keep (and build) only this rank's stages; the rest of the model is never allocated."""
+    if at.cfg.lora.enabled:   # against the whole model, before a stage keeps part of it
+        check_targets(model, at.cfg.lora)
+    if at.mesh.pp == 1:
+        return model, None
+    pipe = pipeline.setup(model, at.mesh, at.cfg, at.device, at.cfg.train.seed)
+    return pipe.stage, pipe
+
+
+def add_lora(model: nn.Module, cfg: Config) -> None:
+    """Before the engine: only the adapters are trainable, so only they get gradients and optimizer states."""
+    if not cfg.lora.enabled:
+        return
+    apply_lora(model, cfg.lora, cfg.train.seed, check=False)
+    if callable(getattr(model, "init_parameter", None)):   # a meta model is drawn later, adapters included
+        model.init_parameter = adapter_aware(model.init_parameter)
+
+
+def materialize(model: nn.Module, at: Placement) -> None:
+    """Allocate a model built on the meta device and initialise it with its own init_weights; ZeRO-3 without
+    tensor parallelism instead materialises each rank's shard only, unit by unit (zero/stage3.py)."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    if at.cfg.zero_optimization.stage == 3 and at.mesh.tp == 1:
+        return
+    init = getattr(model, "init_weights", None)
+    if init is None:
+        raise ValueError(f"{type(model).__name__} was built on the meta device but has no init_weights(); "
+                         "build it on a real device or give it an init_weights method")
+    model.to_empty(device=at.device)
+    seed = at.cfg.train.seed
+    torch.manual_seed(seed)
+    if "seed" in inspect.signature(init).parameters:  # same weights on any device and any stage
+        init(seed=seed)
+    else:
+        init()
+
+
+def tensor_parallel(model: nn.Module, at: Placement, tp_plan: dict | None):
+    """Swap layers for their Megatron column/row/vocab-parallel forms; (TPContext, vocab head) or None."""
+    if at.mesh.tp == 1:
+        return model, None
+    ctx = TPContext(at.comm, at.mesh.tp_group, at.cfg.tensor_parallel.sequence_parallel)
+    return model, (ctx, apply_tensor_parallel(model, ctx, tp_plan))
+
+
+def recompute(model: nn.Module, cfg: Config, pipe) -> None:
+    """Activation checkpointing of every block; a pipeline stage of only the embedding or head has none."""
+    if not cfg.activation_checkpointing.enabled:
+        return
+    if pipe is not None and not hasattr(model, "layers"):
+        return
+    apply_activation_checkpointing(model)
+
+
+def data_parallel(model: nn.Module, at: Placement, optimizer, tp, pipe):
+    """The model in its training dtype on the device, and the ZeRO strategy that owns its gradients, master
+    weights and optimizer states."""
+    cfg, mesh = at.cfg, at.mesh
+    dtype = model_dtype(cfg)
+    if dtype != torch.float32 and optimizer is not None and \
+            any(p.dtype != torch.float32 for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("with fp16/bf16 bunsan keeps fp32 master weights itself: build the optimizer over "
+                         "the fp32 model and let bunsan cast the model")
+    if any(p.is_meta for p in model.parameters()):   # bunsan.zero.Init: ZeRO-3 materialises shards
+        model.to(dtype=dtype)
+    else:
+        model.to(device=at.device, dtype=dtype)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        if cfg.lora.enabled:
+            raise ValueError(f"rank {mesh.rank} holds no layer named in lora.target_modules "
+                             f"{list(cfg.lora.target_modules)} (a pipeline stage of only the embedding or "
+                             "head?): target more modules, or use fewer pipeline stages")
+        raise ValueError("the model has no parameters with requires_grad=True; nothing to train")
+    return make_strategy(trainable, at.comm, mesh.dp_group, cfg, at.device, optimizer, model,
+                         other_dims(model, mesh, tp, pipe))
+
+
+def other_dims(model: nn.Module, mesh: Mesh, tp, pipe) -> OtherDims:
+    """The tensor- and pipeline-parallel facts the data-parallel strategy's gradient norm needs."""
+    elsewhere = set(pipe.duplicates) if pipe is not None else set()
+    if tp is not None and mesh.tp_rank != 0:
+        elsewhere |= replicated_parameter_names(model)
+    return OtherDims(tp_group=mesh.tp_group if tp is not None else None,
+                     pp_group=mesh.pp_group if pipe is not None else None,
+                     counted_elsewhere=frozenset(elsewhere))
