@@ -217,7 +217,7 @@ def build_rows(results: dict[str, list[dict]]) -> tuple[list[str], list[list[str
 
 
 def cpu_model() -> str:
-    """The CPU's model name (Linux), which moves every figure: runners differ between sessions."""
+    """The CPU's model name (Linux), which moves every figure: the machine may differ from run to run."""
     try:
         with open("/proc/cpuinfo") as f:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")

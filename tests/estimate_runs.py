@@ -13,7 +13,7 @@ import os
 import tempfile
 import time
 
-# Big enough that model states and activations outweigh the ~0.3 GiB runtime, small enough for CI.
+# Big enough that model states and activations outweigh the process's runtime, small enough for CI.
 MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512)
 SEQ = 128

@@ -47,8 +47,8 @@ def make_optimizer(name: str, params, **kw):
     if name == "adamw":
         # eps (ADAM_EPS) 1e-5 rather than 1e-8: Adam divides each gradient element by its own magnitude, so elements
         # whose gradient sits at the fp32 noise floor (|g| ~ 1e-10, reduction-order noise ~ 1e-9) would
-        # turn that noise into lr-sized weight differences whatever the layout. 1e-6 still let single elements
-        # drift by ~1e-6 on AMD EPYC runners (other kernels, other roundings). SGD cases test scale exactly.
+        # turn that noise into lr-sized weight differences whatever the layout. 1e-6 still lets single elements
+        # drift where the CPU's kernels round differently. SGD cases test scale exactly.
         return torch.optim.AdamW(params, lr=kw.get("lr", 1e-3), weight_decay=kw.get("weight_decay", 0.01),
                                  eps=ADAM_EPS)
     if name == "sgd":

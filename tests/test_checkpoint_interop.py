@@ -127,8 +127,8 @@ def test_a_killed_rank_resumes_and_ends_like_an_uninterrupted_run(tmp_path, corp
     script = tmp_path / "faulty.py"
     script.write_text(FAULTY)
     args, broken = _train_args(tmp_path, corpus, "broken")
-    # torchrun restarts the job once. On these machines torch's own restart of a gloo job fails to reconnect
-    # about one time in three (a 10-line torch script does the same), so relaunching by hand, as an operator
+    # torchrun restarts the job once. torch's own restart of a gloo job sometimes fails to reconnect (a
+    # 10-line torch script does the same), so relaunching by hand, as an operator
     # would, is allowed once more: either way the job resumes from its newest whole checkpoint.
     logs = ""
     for _ in range(2):

@@ -98,7 +98,7 @@ def test_the_step_builds_on_the_device_and_reads_the_host_only_where_marked(modu
 def test_the_lint_catches_what_it_is_for(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import torch\n"
-                   "total = torch.zeros((), dtype=torch.float64)\n"       # the engine's old accumulator
+                   "total = torch.zeros((), dtype=torch.float64)\n"       # a factory without device=
                    "n = int((labels != -100).sum())\n"                     # a sync per micro-batch
                    "v = loss.item()\n"
                    "ok = torch.zeros(3, device=dev)\n"

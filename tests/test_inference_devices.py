@@ -182,7 +182,7 @@ def test_dtype_is_one_of_three(tmp_path, capsys, command):
 
 
 def test_generate_dtype_bf16_from_a_trained_checkpoint(tmp_path, capsys, monkeypatch):
-    """--dtype bf16 loads the weights in bf16 (not fp32 as before), the KV cache follows, greedy text comes out
+    """--dtype bf16 loads the weights in bf16 (not fp32), the KV cache follows, greedy text comes out
     equal to the bf16 model's own generation."""
     from bunsan.cli.main import main
     from bunsan.cli.generate import trained_model

@@ -65,9 +65,9 @@ def test_consecutive_hysteresis_refills_on_every_clean_step():
 
 # -- engine runs in 16-bit ---------------------------------------------------------------------------
 # Adam's eps at 1e-5, not 1e-8: an element whose gradient is at the noise floor moves by about lr whatever its
-# sign. With 1e-8, on an AMD EPYC runner, ~1% of the embedding's weights differed by up to lr after 3 steps
-# although the first step's reduced bf16 gradients were bit-identical to the replay's (a last-bit difference
-# elsewhere, amplified; on the earlier sessions' runners the test passed).
+# sign, so with 1e-8 a last-bit difference anywhere in the step (kernels that round differently on another CPU)
+# is amplified into lr-sized weight differences, even where the reduced bf16 gradients are bit-identical to
+# the replay's.
 
 
 def _bf16_engine(rank, world):

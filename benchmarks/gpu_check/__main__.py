@@ -33,9 +33,9 @@ SECTIONS = [
     ("inference", 50, 90, "bunsan generate --device-map auto and bunsan serve on the GPU in bf16"),
     ("throughput", None, 90, "1B: tokens/s and MFU, eager and compiled, vs torch's loop; memory vs estimate"),
 ]
-# The issue: under 8 minutes on the H200, the wheels' install and the table included. A dry run takes ~40 s on
-# two idle cores; its limit stays under the test's timeout, so that an overloaded machine gets a report of what
-# was skipped rather than a killed run.
+# The issue: under 8 minutes on the H200, the wheels' install and the table included. A dry run's limit stays
+# under the test's timeout, so that an overloaded machine gets a report of what was skipped rather than a killed
+# run.
 TIME_LIMIT_S = {False: 460.0, True: 260.0}
 GRACE_S = 15.0                                 # past its deadline a section may still be writing its last row
 MIN_SECTION_S = 10.0                           # less than this left: the section is not started

@@ -9,8 +9,8 @@ weights beside its fp32 master; autocast casts the fp32 weights at each use inst
 F.cross_entropy(logits.float()) that most loops write. MFU = tokens/s x (6N + 12 L h s) / the GPU's dense bf16
 peak (bunsan.metrics.PEAK_BF16_FLOPS, NVIDIA's datasheet); an 8192^3 bf16 matrix product gives the measured
 ceiling beside it. The issue's targets (>= 45% MFU compiled; bunsan >= torch's loop) are reported as met or
-not; a row fails only if its steps error. A dry run: the tiny preset, sequence 64, compile off (inductor on
-two CPU cores would take minutes), no MFU (a CPU has no known peak), memory against the CPU-side estimate, and
+not; a row fails only if its steps error. A dry run: the tiny preset, sequence 64, compile off (inductor's
+compile would dominate a CPU dry run), no MFU (a CPU has no known peak), memory against the CPU-side estimate, and
 a simulated out-of-memory at the first micro-batch so that the search's retry path runs too.
 """
 

@@ -72,7 +72,7 @@ def _generate_placed(args) -> int:
     if ids.numel() == 0:
         raise ValueError("--prompt is empty; give some text to continue")
     max_memory = parse_max_memory(args.max_memory)
-    # torch imports its meta-tensor kernels (sympy, ~800 modules, ~70 MB) at the first meta op: before the baseline
+    # the first meta op imports torch's meta-tensor kernels (sympy among them, not the model's memory): before the baseline
     torch.empty(0, device="meta").normal_()
     baseline = start(max_memory)
     model, dmap = load(args.checkpoint, args.device_map, max_memory, dtype=torch_dtype(args.dtype), batch=1,

@@ -13,10 +13,10 @@ Every collective and point-to-point call in bunsan goes through this module, so 
 On gloo (`train.gloo_collectives`), collectives between host tensors go through:
 
     shm       (default) all-reduce, reduce-scatter and all-gather through shared memory when the group's ranks
-              share a host (shm.py: 3-10x faster than gloo's loopback TCP), and the pipeline's messages through a
+              share a host (shm.py: no loopback TCP), and the pipeline's messages through a
               mailbox (comm/mailbox.py: mailbox, post, fetch); otherwise as `exchange`
-    exchange  all-gather and reduce-scatter as direct exchanges of point-to-point messages (exchange.py: gloo's
-              own are 3x slower); all-reduce gloo's
+    exchange  all-gather and reduce-scatter as direct exchanges of point-to-point messages (exchange.py: what a
+              ring moves, every transfer in flight at once); all-reduce gloo's
     native    torch's own collectives
 
 gloo on a GPU rank (several ranks sharing one GPU, `train.backend: gloo`) moves device tensors through host

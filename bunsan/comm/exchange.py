@@ -1,10 +1,9 @@
 """All-gather and reduce-scatter as direct point-to-point exchanges, for gloo (collectives.py's, called only by it).
 
 gloo has no native reduce-scatter: torch emulates it with an all-reduce of a copy
-and then keeps a slice, and its all-gather is slower still. Measured on the
-2-core CPU machine, 2 ranks, 40 MB buckets, 4 in flight (benchmarks/RESULTS.md):
-reduce-scatter 70-80 ms native vs 22-30 ms exchanged, all-gather 57-59 ms vs
-18 ms, all-reduce 33-41 ms. ZeRO (stages 1-3) and sequence parallelism live on
+and then keeps a slice, moving a whole all-reduce for 1/N of the result, and its
+all-gather is slower still (figures: benchmarks/RESULTS.md, gloo collectives).
+ZeRO (stages 1-3) and sequence parallelism live on
 these two collectives, so on gloo bunsan runs them as exchanges: every rank
 sends each peer the chunk that peer owns (reduce-scatter) or its own shard
 (all-gather), and receives the same. That moves (N-1)/N of the tensor per rank,

@@ -1,8 +1,8 @@
 """All-reduce, reduce-scatter and all-gather through shared memory, for the ranks of a group on one host.
 
 collectives.py's, called only by it, for CPU tensors on gloo groups (`train.gloo_collectives: shm`, the default).
-gloo moves every byte through loopback TCP, and on CPU that is work for the same cores that compute: 3-5 ms
-per 4 MB all-reduce on the 2-core machine, against 0.35-0.5 ms here (benchmarks/RESULTS.md). Each rank owns a
+gloo moves every byte through loopback TCP, and on CPU that is work for the same cores that compute; shared
+memory skips the sockets (figures: benchmarks/RESULTS.md, gloo collectives). Each rank owns a
 slot in one mapped file; an operation is a few memcpy-sized tensor ops and one or two waits on the peers'
 flags:
 

@@ -382,8 +382,8 @@ class Train(Section):
     # auto: NCCL on GPUs, gloo on CPUs. gloo on GPUs lets ranks share one GPU (collectives through host copies)
     backend: Backend = "auto"
     comm_warn_share: float = Field(0.3, ge=0, le=1)  # the doctor speaks when waiting on comm exceeds this share
-    # On gloo: collectives through shared memory where a group's ranks share a host (shm, 3-10x faster), else
-    # all-gather and reduce-scatter as point-to-point exchanges (exchange, 3x faster than native); comm/collectives.py
+    # On gloo: collectives through shared memory where a group's ranks share a host (shm: no loopback TCP), else
+    # all-gather and reduce-scatter as point-to-point exchanges (exchange: all in flight at once); comm/collectives.py
     gloo_collectives: GlooCollectives = "shm"
     metrics_file: str = "metrics.jsonl"
     log_memory: bool = True

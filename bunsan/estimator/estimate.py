@@ -25,11 +25,12 @@ GiB = 1024 ** 3
 # Not visible to torch.cuda.max_memory_allocated but taken from the GPU: CUDA context, kernels, cuBLAS and
 # NCCL workspaces. A typical figure for torch on H100/A100; measure yours (nvidia-smi minus allocated).
 CUDA_RUNTIME_BYTES = 0.75 * GiB
-# Resident set of a CPU worker before the model: Python, torch, gloo (measured 0.22-0.23 GiB, torch 2.13).
+# Resident set of a CPU worker before the model: Python, torch, gloo (calibrated on CPU runs: benchmarks/RESULTS.md,
+# memory estimator and planner).
 CPU_RUNTIME_BYTES = 0.23 * GiB
 # What a CPU worker keeps resident after its first step that no tensor accounts for: the math library's
-# buffers and heap the allocator cannot return. Measured 95-96 MiB for 2.5M- to 20M-parameter models
-# (gc-visible tensors = model states exactly; the rest of the resident set after malloc_trim).
+# buffers and heap the allocator cannot return: the resident set after malloc_trim beyond the runtime and the
+# gc-visible tensors (which are the model states exactly); calibrated as CPU_RUNTIME_BYTES is.
 CPU_WORKSPACE_BYTES = 96 * 1024 ** 2
 # Host memory of each GPU process besides offloaded states (CUDA libraries, pinned staging): assumed.
 HOST_PROCESS_BYTES = 2 * GiB

@@ -194,14 +194,14 @@ class Attention(nn.Module):
         to every query head. Only where a fused kernel takes grouped heads (torch 2.13), so that no call that
         ran fused with repeated K/V lands on the math kernel (which materialises the s x s scores) instead:
 
-          CPU           the flash kernel takes GQA with and without a mask, fp32 and 16-bit, and trains
-                        no slower than with repeated K/V (measured on the small preset)
+          CPU           the flash kernel takes GQA with and without a mask, fp32 and 16-bit, in training
+                        too: the same kernel as with repeated K/V, without the repeated copies
           CUDA 16-bit   FlashAttention-2 and cuDNN take GQA, without an attn_mask; flash needs sm80+, head_dim
                         a multiple of 8 and <= 256, and to train on sm86/sm89 (A10, L4, L40, RTX 30/40) <= 192
           CUDA fp32     only the memory-efficient kernel runs fp32 there, and it needs equal head counts
           CUDA + mask   the memory-efficient kernel takes the mask but not GQA; cuDNN takes both but declines
                         many shapes and is not first in line on every GPU, so K/V stay repeated
-          other devices K/V stay repeated, as they always were
+          other devices K/V stay repeated: equal head counts are what every SDPA kernel takes
 
         Depends only on static facts (device type and capability, dtype, shapes, grad mode) so torch.compile
         guards on it for free. The estimator prices attention's saved K/V with this same rule (for an sm90 GPU).

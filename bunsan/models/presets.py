@@ -16,10 +16,10 @@ _smollm_135m = LlamaConfig(  # HuggingFaceTB/SmolLM-135M
     tie_word_embeddings=True)
 
 presets: dict[str, LlamaConfig] = {
-    # ~0.8M params: forward+backward at 8x64 in tens of ms on a CPU; for tests.
+    # ~0.8M params: forward+backward at 8x64 is cheap on a CPU; for tests.
     "tiny": LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
-    # ~4.5M params, byte vocab: the default job; learns Python source in minutes on 2 cores.
+    # ~4.5M params, byte vocab: the default job, small enough to learn Python source on a CPU.
     "small": LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024),
     "135m": _smollm_135m,

@@ -139,7 +139,7 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100"
         raise ValueError(f"{gpus} GPUs cannot be spread evenly over {nodes} nodes; use a multiple of {nodes}")
     spec = gpu_spec(gpu)
     memory = float(gpu_memory if gpu_memory is not None else spec.memory_bytes)
-    if precision is None:   # 16-bit (bf16 where the GPU has it) and fp32; CPUs run bf16 matmuls 5x slower
+    if precision is None:   # 16-bit (bf16 where the GPU has it) and fp32; CPUs: fp32, faster there than bf16
         half = "bf16" if "bf16" in spec.peak_flops else "fp16"
         precisions = ["fp32"] if spec.name == "cpu" else [half, "fp32"]
     else:

@@ -28,7 +28,7 @@ from bunsan.models import Llama, build_config, flops_per_token
 from bunsan.models.hf import read_config
 from bunsan.pipeline import write_timeline
 
-# `bunsan train` without a config file: the small preset learns Python source in a few minutes on 2 cores.
+# `bunsan train` without a config file: the small preset, sized to learn Python source on a CPU.
 MAIN_JOB = {
     "train_micro_batch_size_per_gpu": 4,
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},

@@ -2,8 +2,8 @@
 
 A stage-3 unit is gathered and released twice per step. Through glibc's malloc a
 released unit leaves a hole in the heap that activations then split, so resident
-memory creeps far above what the process holds (about 1 GiB on a 135M-parameter
-model). A private anonymous mapping instead is dropped with madvise(DONTNEED): the
+memory creeps far above what the process holds. A private anonymous mapping
+instead is dropped with madvise(DONTNEED): the
 pages leave at once, the address and the tensor (and every view autograd saved)
 stay valid, and the next gather faults fresh zero pages back in.
 

@@ -11,7 +11,7 @@ when a later bucket needs the staging room, or at the end of backward: by then t
     copy stream:               \\-> copy k to pinned -> event k
     host:                                      (bucket k + DEPTH) wait event k, add k into the fp32 shard
 
-On the CPU (no device) the add happens at once, as before.
+On the CPU (no device) the add happens at once: host and device are one, so there is no copy to overlap.
 """
 
 from __future__ import annotations

@@ -7,15 +7,13 @@ once, which bounds the full-size gradient memory to that many buckets.
 
 A bucket's first reduce since the shard was made (stage 1's only one, the first
 micro-step's in stages 2-3) lands straight in its slice of the fp32 shard when
-the dtypes and devices match: no output buffer and no add (135M, 2 ranks: the
-add and the buffer's fresh pages were ~5% of stage 1's step).
+the dtypes and devices match: no output buffer to fault in and no add to run.
 
 Within one backward a reduced bucket's staging and output buffers stay resident in the pool
 and are reused as they are for later buckets; only the slots no gradient wrote and the
 padding are zeroed.
-Taking each bucket from the pool as fresh zero pages instead faulted in the whole model's
-gradient size every step (135M: 540 MB, ~0.15 s more than refilling resident buffers, in a
-micro-benchmark). When backward ends their pages are dropped, so forward never holds them.
+Taking each bucket from the pool as fresh zero pages instead would fault in the whole model's
+gradient size every step. When backward ends their pages are dropped, so forward never holds them.
 """
 
 from __future__ import annotations

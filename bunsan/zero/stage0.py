@@ -105,7 +105,7 @@ class Replicated(Strategy):
     def zero_grad(self) -> None:
         self._g32 = None
         self._inv = self._coef = 1.0
-        self.flat.grad.zero_()   # not flat.zero_grad(): stage 0 keeps DDP's speed (no page faults per step)
+        self.flat.grad.zero_()   # not flat.zero_grad(): the pages stay resident, so no page faults per step
 
     def visit_state(self, fn, create=None) -> None:
         for i, p in enumerate(self.params):

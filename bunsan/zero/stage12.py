@@ -52,9 +52,9 @@ class ShardedGrads(Sharded):
         self.opt.drop_grad()
         self.optimizer = self.opt
         # Heap trims in backward at stage 2 only. Stage 1 holds its full gradient buffer through backward, so
-        # a trim returns just the activation pages the next forward faults back in: 135M, 2 ranks, they cost
-        # ~0.3-0.5 s of a ~6.3 s step and lowered the peak by 0.25 GiB (2.94 vs 3.19 GiB; DDP 3.78). At stage 2
-        # they cost nothing measurable and lowered the peak by 0.4 GiB.
+        # a trim returns just the activation pages the next forward faults back in: page faults on every step
+        # for a modestly lower peak. Stage 2 holds no full gradient buffer, and there trims lower the peak for
+        # little cost (figures: benchmarks/RESULTS.md, ZeRO).
         trim = zero_cfg.trim_host_memory and device.type == "cpu" and stage == 2
         self.reducer = ShardReducer(self.layout, comm, group, self.dtype, self.opt, zero_cfg,
                                     source=self._flat_bucket if stage == 1 else None,
@@ -92,8 +92,8 @@ class ShardedGrads(Sharded):
         gather = _Gather(self)
         self.opt.step(self._write_back, after=gather.stepped_below)   # each bucket leaves once stepped
         gather.finish()
-        # No heap trim here: the pages backward's trims left are reused by the next forward, and returning
-        # them cost ~0.2 s of page faults per step (135M, 2 ranks) without lowering the peak.
+        # No heap trim here: the pages backward's trims left are reused by the next forward, which would only
+        # fault them back in, without lowering the peak.
 
     def _all_gather(self) -> None:
         _Gather(self).finish()
@@ -105,8 +105,8 @@ class ShardedGrads(Sharded):
 
     def zero_grad(self) -> None:
         if self.stage == 1:
-            # Zeroed in place, not dropped (flat.zero_grad()): refaulting 4Ψ bytes of pages in every backward
-            # cost stage 1 ~7% of its step (135M, 2 ranks), and the formula counts these gradients as held.
+            # Zeroed in place, not dropped (flat.zero_grad()): dropped, 4Ψ bytes of pages would be faulted back
+            # in every backward, and the formula counts these gradients as held anyway.
             self.flat.grad.zero_()
         self.opt.drop_grad()
 
