@@ -48,7 +48,7 @@ def make_strategy(trainable, comm, group, cfg, device, user_optimizer, module, d
     spec_params = list(reversed(trainable))  # the strategies order parameters for backward
     spec = optimizer_spec(user_optimizer, cfg.optimizer, spec_params, device)
     if stage in (1, 2):
-        from bunsan.zero.stage12 import ShardedGrads
-        return ShardedGrads(trainable, comm, group, zero, dims, module, spec, device, stage)
+        from bunsan.zero.stage12 import Stage1, Stage2
+        return (Stage1 if stage == 1 else Stage2)(trainable, comm, group, zero, dims, module, spec, device)
     from bunsan.zero.stage3 import FullyShardedDP
     return FullyShardedDP(trainable, comm, group, cfg, dims, module, spec, device)

@@ -28,18 +28,23 @@ from bunsan.zero.reduce import ShardReducer
 
 
 class ShardedGrads(Sharded):
-    def __init__(self, params, comm, group, zero_cfg, dims, module, opt_spec, device, stage: int):
+    """What stages 1 and 2 share: the buckets, the sharded optimizer, the reducer and the all-gather after
+    the step. The subclasses differ in where a micro-step's gradients go (Stage1, Stage2 below)."""
+
+    keeps_full_grads: bool       # stage 1: a flat gradient buffer through backward; stage 2: none
+    trims_host_memory: bool      # heap trims in backward (see Stage2)
+
+    def __init__(self, params, comm, group, zero_cfg, dims, module, opt_spec, device):
         super().__init__(params, comm, group, zero_cfg, dims, module)
-        self.stage = stage
         n, r = group.size, group.rank
         buckets = ShardLayout.greedy_buckets([p.numel() for p in self.params], int(zero_cfg.reduce_bucket_size))
         self.layout = ShardLayout(self.params, buckets, n, r)
-        self.flat = FlatParams(self.params, self.layout, with_grads=stage == 1)
+        self.flat = FlatParams(self.params, self.layout, with_grads=self.keeps_full_grads)
         comm.broadcast(self.flat.data, 0, group)
         self.slices = self.layout.shard_slices()
         off = zero_cfg.offload_optimizer
         cls, defaults, groups = opt_spec
-        self.opt = ShardedOptimizer(
+        self.opt = self.optimizer = ShardedOptimizer(
             self.layout, cls, defaults, groups, device, self.dtype,
             master_alias=None if self.mixed else self.flat.data,
             init_shard=torch.cat([self.flat.data[lo:hi] for lo, hi, _ in self.slices]),
@@ -50,37 +55,20 @@ class ShardedGrads(Sharded):
         # The fp32 gradient shard exists only from the first reduce to the step (made by the reducer, freed
         # by zero_grad), so it is not held through forward and the loss, where activations peak.
         self.opt.drop_grad()
-        self.optimizer = self.opt
-        # Heap trims in backward at stage 2 only. Stage 1 holds its full gradient buffer through backward, so
-        # a trim returns just the activation pages the next forward faults back in: page faults on every step
-        # for a modestly lower peak. Stage 2 holds no full gradient buffer, and there trims lower the peak for
-        # little cost (figures: benchmarks/RESULTS.md, ZeRO).
-        trim = zero_cfg.trim_host_memory and device.type == "cpu" and stage == 2
+        trim = zero_cfg.trim_host_memory and device.type == "cpu" and self.trims_host_memory
         self.reducer = ShardReducer(self.layout, comm, group, self.dtype, self.opt, zero_cfg,
-                                    source=self._flat_bucket if stage == 1 else None,
+                                    source=self._flat_bucket if self.keeps_full_grads else None,
                                     trim_every=TRIM_EVERY if trim else 0)
         self.reducer.device = self.flat.data.device
         self.hooks = BucketHooks(self.params, [b.params for b in self.layout.buckets], self.reducer.launch,
-                                 on_grad=self.reducer.stage_grad if stage == 2 else None,
+                                 on_grad=None if self.keeps_full_grads else self.reducer.stage_grad,
                                  overlap=zero_cfg.overlap_comm)
 
     def _flat_bucket(self, k: int) -> torch.Tensor:
         b = self.layout.buckets[k]
         return self.flat.grad[b.start:b.start + b.size]
 
-    # -- backward --------------------------------------------------------------------------------
-    def begin_backward(self, sync: bool) -> None:
-        if self.stage == 1:
-            if not self.flat.grads_attached():
-                self.flat.attach()
-            if sync:
-                self.hooks.begin()
-        else:
-            self.hooks.begin()        # stage 2 reduces every micro-step into the fp32 shard
-
     def end_backward(self, sync: bool) -> None:
-        if self.stage == 1 and not sync:
-            return
         self.hooks.finish()
         self.reducer.drain()
 
@@ -92,30 +80,64 @@ class ShardedGrads(Sharded):
         gather = _Gather(self)
         self.opt.step(self._write_back, after=gather.stepped_below)   # each bucket leaves once stepped
         gather.finish()
-        # No heap trim here: the pages backward's trims left are reused by the next forward, which would only
-        # fault them back in, without lowering the peak.
-
-    def _all_gather(self) -> None:
-        _Gather(self).finish()
+        # No heap trim here: the pages backward's trims left are reused by the next forward, and returning
+        # them would only fault them back in.
 
     def sync_params_from_master(self) -> None:
         if not self.opt.aliased:
             self.opt.visit(lambda j, master, state: self._write_back(self.layout.fragments[j], master))
-        self._all_gather()
+        _Gather(self).finish()
 
     def zero_grad(self) -> None:
-        if self.stage == 1:
-            # Zeroed in place, not dropped (flat.zero_grad()): dropped, 4Ψ bytes of pages would be faulted back
-            # in every backward, and the formula counts these gradients as held anyway.
-            self.flat.grad.zero_()
         self.opt.drop_grad()
 
     def bytes_by_kind(self) -> dict:
-        # Stage 2: the fp32 gradient shard, counted at its size during backward and the step.
-        grads = (self.flat.grad.numel() * self.flat.grad.element_size() if self.stage == 1
-                 else self.layout.shard_numel * 4)
-        return {"params": self.flat.data.numel() * self.flat.data.element_size(), "grads": grads,
+        return {"params": self.flat.data.numel() * self.flat.data.element_size(), "grads": self._grad_bytes(),
                 **self.opt.bytes_by_kind()}
+
+
+class Stage1(ShardedGrads):
+    """Optimizer states sharded; full gradients accumulate as in stage 0 and are reduce-scattered on the last
+    micro-step only."""
+
+    stage = 1
+    keeps_full_grads = True
+    # A trim in backward would return just the activation pages the next forward faults back in: the full
+    # gradient buffer, held through backward, is what sets the peak.
+    trims_host_memory = False
+
+    def begin_backward(self, sync: bool) -> None:
+        if not self.flat.grads_attached():
+            self.flat.attach()
+        if sync:
+            self.hooks.begin()
+
+    def end_backward(self, sync: bool) -> None:
+        if sync:
+            super().end_backward(sync)
+
+    def zero_grad(self) -> None:
+        # Zeroed in place, not dropped (flat.zero_grad()): dropping would fault 4Ψ bytes of pages back in
+        # every backward, and the ZeRO formula counts these gradients as held.
+        self.flat.grad.zero_()
+        super().zero_grad()
+
+    def _grad_bytes(self) -> int:
+        return self.flat.grad.numel() * self.flat.grad.element_size()
+
+
+class Stage2(ShardedGrads):
+    """Gradients sharded too: every micro-step reduces into the persistent fp32 gradient shard."""
+
+    stage = 2
+    keeps_full_grads = False
+    trims_host_memory = True     # no full gradient buffer: trims lower the peak for little cost
+
+    def begin_backward(self, sync: bool) -> None:
+        self.hooks.begin()
+
+    def _grad_bytes(self) -> int:
+        return self.layout.shard_numel * 4    # the fp32 gradient shard, counted during backward and the step
 
 
 class _Gather:
