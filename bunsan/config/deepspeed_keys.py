@@ -79,7 +79,7 @@ def rename_aliases(data: Any) -> Any:
         *parents, old = alias.split(".")
         new = key.split(".")[-1]
         node = data
-        for i, part in enumerate(parents):   # copy the path down so the caller's dicts stay as they were
+        for part in parents:   # copy the path down so the caller's dicts stay as they were
             if not isinstance(node.get(part), dict):
                 break
             node[part] = dict(node[part])
