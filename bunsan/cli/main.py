@@ -1,7 +1,7 @@
-"""The `bunsan` command: run | train | generate | estimate | plan | convert | serve | doctor.
+"""The `bunsan` command: run | train | generate | estimate | plan | convert | serve | doctor | config.
 
 One module per command (train.py, generate.py, plan.py, convert.py, serve.py,
-doctor.py), each with add_parser(s) and cmd_*; process start-up is launch.py's.
+doctor.py, config.py), each with add_parser(s) and cmd_*; process start-up is launch.py's.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bunsan.cli import convert, doctor, generate, plan, serve, train
+from bunsan.cli import config, convert, doctor, generate, plan, serve, train
 from bunsan.cli.launch import run_script, worker_argv
 
 
@@ -24,12 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_parser(sub)
     doctor.add_parser(sub)
     convert.add_parser(sub)
+    config.add_parser(sub)
     return p
 
 
 COMMANDS = {"train": train.cmd_train, "generate": generate.cmd_generate, "estimate": plan.cmd_estimate,
             "plan": plan.cmd_plan, "convert": convert.cmd_convert, "doctor": doctor.cmd_doctor,
-            "serve": serve.cmd_serve}
+            "serve": serve.cmd_serve, "config": config.cmd_config}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,7 +106,7 @@ def _field_at(root: type, loc: tuple) -> tuple[type | None, FieldInfo | None]:
     return cls, cls.model_fields.get(loc[-1])
 
 
-def _bounds(field: FieldInfo | None) -> str:
+def field_bounds(field: FieldInfo | None) -> str:
     words = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
     parts = [f"{op} {getattr(m, k)}" for m in (field.metadata if field else [])
              for k, op in words.items() if getattr(m, k, None) is not None]
@@ -141,7 +141,7 @@ def _lines(err: dict, root: type) -> list[str]:
     if kind == "list_type":
         return [f"{key}: expected a list, got {show(v)}; write it as a list, e.g. [...]{dflt}"]
     if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        rule = _bounds(field) or err["msg"].replace("Input should be ", "")
+        rule = field_bounds(field) or err["msg"].replace("Input should be ", "")
         return [f"{key}: must be {rule}, got {show(v)}; set it to a value {rule}{dflt}"]
     if kind == "literal_error":
         choices = [str(c) for c in typing.get_args(unwrap(field.annotation))] if field else []

@@ -15,8 +15,11 @@ from typing import Any, Optional
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from bunsan.config.bunsan_sections import Checkpoint, Data, Lora, ModelOverrides, Pipeline, TensorParallel, Train
+from bunsan.config.deepspeed_keys import canonical, log_ignored, rename_aliases
 from bunsan.config.errors import ConfigError, Rule, convert, lookup, unwrap
-from bunsan.config.sections import (BF16, FP16, OPTIMIZERS, SCHEDULERS, ActivationCheckpointing, Checkpoint, Data, Lora, Int, ModelOverrides, OptInt, Optimizer, Pipeline, Scheduler, Section, TensorParallel, Tensorboard, Train, Zero, optimizer_signature)
+from bunsan.config.sections import (BF16, FP16, OPTIMIZERS, SCHEDULERS, ActivationCheckpointing, Int, OptInt,
+                                    Optimizer, Scheduler, Section, Tensorboard, Zero, optimizer_signature)
 
 try:
     import tomllib
@@ -34,21 +37,25 @@ class BatchSizes:
     dp_size: int
 
 
-# Features that parse but are not built yet: (predicate, message formatted with c=config).
-# Delete a row when its feature lands.
-UNIMPLEMENTED: list[tuple[typing.Callable[[Config], bool], str]] = [
-    (lambda c: c.pipeline.stages > 1 and c.zero_optimization.stage > 1,
+# Features that parse but are not built yet: (the key the row is about, predicate, message formatted with
+# c=config). bunsan.initialize raises ConfigError with the messages of the rows that hold; loading does not,
+# so plans and estimates can still price such a config. Delete a row when its feature lands.
+UNIMPLEMENTED: list[tuple[str, typing.Callable[[Config], bool], str]] = [
+    ("pipeline.stages", lambda c: c.pipeline.stages > 1 and c.zero_optimization.stage > 1,
      "pipeline.stages={c.pipeline.stages} with zero_optimization.stage={c.zero_optimization.stage}: ZeRO-2 and -3 "
      "reduce gradients (and ZeRO-3 gathers parameters) inside every backward, while a pipeline splits each "
      "micro-batch's backward into pieces spread over its schedule and reduces once after it; bunsan (like "
      "DeepSpeed and Megatron) combines pipelines with ZeRO-1 at most; set zero_optimization.stage to 0 or 1"),
-    (lambda c: c.activation_checkpointing.partition_activations,
+    ("activation_checkpointing.partition_activations", lambda c: c.activation_checkpointing.partition_activations,
      "activation_checkpointing.partition_activations=true: partitioning checkpointed activations across "
      "tensor-parallel ranks is not implemented; use tensor_parallel.sequence_parallel, which shards the "
      "activations between blocks, and set partition_activations to false"),
-    (lambda c: c.activation_checkpointing.cpu_checkpointing,
+    ("activation_checkpointing.cpu_checkpointing", lambda c: c.activation_checkpointing.cpu_checkpointing,
      "activation_checkpointing.cpu_checkpointing=true: offloading checkpointed activations to CPU is not "
      "planned; set it to false (activation_checkpointing.enabled recomputes activations instead)"),
+    ("fp16.auto_cast", lambda c: c.fp16.auto_cast,
+     "fp16.auto_cast=true: casting floating-point forward inputs to float16 is not implemented; cast them "
+     "yourself before calling the engine (token ids need no cast) and set fp16.auto_cast to false"),
 ]
 
 
@@ -88,32 +95,51 @@ class Config(Section):
     """The whole config. Build it with Config.load(dict | path | Config | None); derive
     variants with override({"dotted.key": value}); every problem raises ConfigError."""
 
-    train_batch_size: OptInt = Field(None, ge=1)
-    train_micro_batch_size_per_gpu: OptInt = Field(None, ge=1)
-    gradient_accumulation_steps: OptInt = Field(None, ge=1)
-    gradient_clipping: float = Field(0.0, ge=0)  # 0 = off
-    steps_per_print: Int = Field(10, ge=1)
-    wall_clock_breakdown: bool = False
-    fp16: FP16 = Field(default_factory=FP16)
-    bf16: BF16 = Field(default_factory=BF16)
-    optimizer: Optimizer = Field(default_factory=Optimizer)
-    scheduler: Optional[Scheduler] = None
-    zero_optimization: Zero = Field(default_factory=Zero)
-    activation_checkpointing: ActivationCheckpointing = Field(default_factory=ActivationCheckpointing)
-    tensorboard: Tensorboard = Field(default_factory=Tensorboard)
-    tensor_parallel: TensorParallel = Field(default_factory=TensorParallel)
-    pipeline: Pipeline = Field(default_factory=Pipeline)
-    lora: Lora = Field(default_factory=Lora)
-    model: ModelOverrides = Field(default_factory=ModelOverrides)
-    data: Data = Field(default_factory=Data)
-    checkpoint: Checkpoint = Field(default_factory=Checkpoint)
-    train: Train = Field(default_factory=Train)
+    # (one-line descriptions: `bunsan config --explain KEY`; a section's is its class docstring)
+    train_batch_size: OptInt = Field(None, ge=1, description="Samples per optimizer step over all data-parallel "
+                                     "ranks = micro-batch x accumulation x dp size; None = derived (DeepSpeed's)")
+    train_micro_batch_size_per_gpu: OptInt = Field(None, ge=1, description="Samples per forward and backward on "
+                                                   "each data-parallel rank; None = derived, or 8 (DeepSpeed's)")
+    gradient_accumulation_steps: OptInt = Field(None, ge=1, description="Micro-batches per optimizer step (the "
+                                                "pipeline's micro-batches); None = derived, or 1 (DeepSpeed's)")
+    gradient_clipping: float = Field(0.0, ge=0, description="Clip the global gradient L2 norm to this before the "
+                                                            "step; 0 = off (DeepSpeed's meaning)")
+    steps_per_print: Int = Field(10, ge=1, description="Optimizer steps between metric records (loss, lr, "
+                                                       "tokens/s), printed and written (DeepSpeed's meaning)")
+    wall_clock_breakdown: bool = Field(False, description="DeepSpeed's per-phase timing print; accepted and "
+                                                          "ignored (bunsan config --explain gives the reason)")
+    fp16: FP16 = Field(default_factory=FP16, description=FP16.__doc__)
+    bf16: BF16 = Field(default_factory=BF16, description=BF16.__doc__)
+    optimizer: Optimizer = Field(default_factory=Optimizer, description=Optimizer.__doc__)
+    scheduler: Optional[Scheduler] = Field(None, description="The learning-rate schedule (DeepSpeed's section and "
+                                                             "types, and bunsan's); None = constant lr")
+    zero_optimization: Zero = Field(default_factory=Zero, description=Zero.__doc__)
+    activation_checkpointing: ActivationCheckpointing = Field(default_factory=ActivationCheckpointing,
+                                                              description=ActivationCheckpointing.__doc__)
+    tensorboard: Tensorboard = Field(default_factory=Tensorboard, description=Tensorboard.__doc__)
+    tensor_parallel: TensorParallel = Field(default_factory=TensorParallel, description=TensorParallel.__doc__)
+    pipeline: Pipeline = Field(default_factory=Pipeline, description=Pipeline.__doc__)
+    lora: Lora = Field(default_factory=Lora, description=Lora.__doc__)
+    model: ModelOverrides = Field(default_factory=ModelOverrides, description=ModelOverrides.__doc__)
+    data: Data = Field(default_factory=Data, description=Data.__doc__)
+    checkpoint: Checkpoint = Field(default_factory=Checkpoint, description=Checkpoint.__doc__)
+    train: Train = Field(default_factory=Train, description=Train.__doc__)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        return rename_aliases(data)
 
     @model_validator(mode="after")
     def _precision(self) -> Config:
         if self.fp16.enabled and self.bf16.enabled:
             raise Rule(("fp16.enabled", "fp16 and bf16 are both enabled; set fp16.enabled or bf16.enabled to "
                                         "false (bf16 needs no loss scaling, prefer it where the hardware has it)"))
+        return self
+
+    @model_validator(mode="after")
+    def _log_ignored(self) -> Config:
+        log_ignored(self)  # DeepSpeed keys bunsan has no use for: said once, never silently accepted
         return self
 
     @classmethod
@@ -143,7 +169,8 @@ class Config(Section):
         (from the command line) are read as YAML scalars: "10", "true", "1e-3", "[0.9, 0.95]"."""
         data = self.to_dict()
         for path, value in updates.items():
-            parts = str(path).split(".")
+            path = canonical(str(path))
+            parts = path.split(".")
             field = lookup(Config, parts)
             if isinstance(value, str):
                 value = _parse_cli(path, value, field)
@@ -178,7 +205,7 @@ class Config(Section):
         return BatchSizes(tbs, mb, ga, dp_size)
 
     def unimplemented(self) -> list[str]:
-        return [msg.format(c=self) for pred, msg in UNIMPLEMENTED if pred(self)]
+        return [msg.format(c=self) for _, pred, msg in UNIMPLEMENTED if pred(self)]
 
 
 def _parse_cli(path: str, value: str, field: Any) -> Any:

@@ -1,6 +1,7 @@
-"""The sections of the config tree, one pydantic model each. DeepSpeed's keys and
-defaults where DeepSpeed has them; bunsan's own sections beside them. Cross-field rules
-raise Rule so the message names the exact key (see config/errors.py)."""
+"""DeepSpeed's sections of the config tree, one pydantic model each, with DeepSpeed's keys and
+defaults (bunsan's own sections are in bunsan_sections.py). Every field has a one-line description
+(`bunsan config --explain KEY` prints it). Cross-field rules raise Rule so the message names the
+exact key (see config/errors.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def _lower(v: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_whole)]
+OptInt = Optional[Int]  # None = not set
 
 
 def Choice(*names: str) -> Any:  # case-insensitive enum of strings
@@ -43,18 +45,28 @@ class Section(BaseModel):
 
 
 class FP16(Section):
-    enabled: bool = False
-    loss_scale: float = Field(0.0, ge=0)  # 0 = dynamic scaling, else a static scale
-    initial_scale_power: Int = Field(16, ge=0, le=64)
-    loss_scale_window: Int = Field(1000, ge=1)
-    hysteresis: Int = Field(2, ge=1)
-    min_loss_scale: float = Field(1.0, gt=0)
-    consecutive_hysteresis: bool = False
-    auto_cast: bool = False
+    """float16 mixed precision with a dynamic loss scale; DeepSpeed's keys and meaning."""
+    enabled: bool = Field(False, description="Cast the model to float16, keep fp32 master weights and scale the "
+                                             "loss (DeepSpeed's meaning)")
+    loss_scale: float = Field(0.0, ge=0, description="Static loss scale; 0 = dynamic scaling (DeepSpeed's meaning)")
+    initial_scale_power: Int = Field(16, ge=0, le=64, description="Dynamic scaling starts at 2**this "
+                                                                 "(DeepSpeed's meaning)")
+    loss_scale_window: Int = Field(1000, ge=1, description="Steps without overflow before the dynamic scale doubles "
+                                                           "(DeepSpeed's meaning)")
+    hysteresis: Int = Field(2, ge=1, description="Overflowing steps absorbed before the dynamic scale halves "
+                                                 "(DeepSpeed's meaning)")
+    min_loss_scale: float = Field(1.0, gt=0, description="Floor of the dynamic scale; unlike DeepSpeed, an overflow "
+                                                         "at the floor stops the run with an error")
+    consecutive_hysteresis: bool = Field(False, description="Refill hysteresis after every step without overflow, "
+                                                            "not only when the scale grows (DeepSpeed's meaning)")
+    auto_cast: bool = Field(False, description="Cast floating-point forward inputs to float16 (DeepSpeed's meaning); "
+                                               "not built: true is an error")
 
 
 class BF16(Section):
-    enabled: bool = False
+    """bfloat16 mixed precision; DeepSpeed's key and meaning (DeepSpeed's older name: bfloat16)."""
+    enabled: bool = Field(False, description="Cast the model to bfloat16 and keep fp32 master weights; no loss "
+                                             "scaling (DeepSpeed's meaning)")
 
 
 def _finite(x: Any) -> bool:
@@ -100,8 +112,12 @@ def _check_optimizer_params(name: str, params: dict) -> list[tuple[str, str]]:
 
 
 class Optimizer(Section):
-    type: str = "AdamW"
-    params: dict[str, Any] = Field(default_factory=dict)  # torch defaults are merged in by bunsan.optim
+    """The optimizer bunsan builds when initialize() gets none; DeepSpeed's section."""
+    type: str = Field("AdamW", description="Optimizer class, case-insensitive: AdamW, Adam, SGD, Adafactor "
+                                           "or AdamW8bit (DeepSpeed's Adam with adam_w_mode is AdamW)")
+    # torch defaults are merged in by bunsan.optim
+    params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the optimizer's "
+                                   "constructor (lr, betas, weight_decay, ...); torch's defaults fill the rest")
 
     @model_validator(mode="before")
     @classmethod
@@ -163,8 +179,11 @@ def _check_schedule_value(k: str, v: Any) -> tuple[Any, str | None]:
 
 
 class Scheduler(Section):
-    type: str
-    params: dict[str, Any] = Field(default_factory=dict)  # defaults filled in
+    """The learning-rate schedule; DeepSpeed's section and types, plus bunsan's own types."""
+    type: str = Field(description="WarmupLR, WarmupDecayLR or WarmupCosineLR (DeepSpeed's meaning), or bunsan's "
+                                  "constant, warmup_cosine or warmup_linear")
+    params: dict[str, Any] = Field(default_factory=dict, description="Parameters of the schedule type (steps count "
+                                   "optimizer steps); unset ones take the type's defaults (DeepSpeed's names)")
 
     @model_validator(mode="before")
     @classmethod
@@ -199,11 +218,11 @@ class Scheduler(Section):
 
 
 class Offload(Section):
-    device: Device = "none"
-    nvme_path: Optional[str] = None
-    pin_memory: bool = False
-    buffer_count: Int = Field(4, ge=1)
-    fast_init: bool = False
+    """Where offloaded state lives; OffloadOptimizer and OffloadParam add their own keys."""
+    device: Device = Field("none", description="Where the offloaded state lives: none, cpu (host memory) or nvme "
+                                               "(a swap file under nvme_path) (DeepSpeed's meaning)")
+    nvme_path: Optional[str] = Field(None, description="Directory on a fast local disk for the swap file; needed "
+                                                       "with device nvme (DeepSpeed's meaning)")
 
     @model_validator(mode="after")
     def _nvme(self) -> Offload:
@@ -213,34 +232,68 @@ class Offload(Section):
         return self
 
 
+class OffloadOptimizer(Offload):
+    """ZeRO-Offload: fp32 master weights and optimizer states on the host or NVMe, stepped on the CPU."""
+    pin_memory: bool = Field(False, description="Page-lock the host fp32 master weights (on a GPU) for faster "
+                                                "copies to and from the device (DeepSpeed's meaning)")
+    buffer_count: Int = Field(4, ge=1, description="DeepSpeed's NVMe buffer pool for optimizer states; accepted "
+                                                   "and ignored (bunsan config --explain gives the reason)")
+    fast_init: bool = Field(False, description="DeepSpeed's fast optimizer initialisation on NVMe; accepted and "
+                                               "ignored (bunsan config --explain gives the reason)")
+
+
+class OffloadParam(Offload):
+    """ZeRO-3 parameter shards on the host or NVMe between uses."""
+    pin_memory: bool = Field(False, description="Page-lock the host parameter shards (on a GPU) so host-to-device "
+                                                "copies run asynchronously (DeepSpeed's meaning)")
+    buffer_count: Int = Field(4, ge=1, description="With device nvme and pin_memory on a GPU: pinned buffers that "
+                                                   "NVMe reads land in, used in turn (DeepSpeed's meaning)")
+
+
 def offloads(o: Offload | None) -> bool:
     return o is not None and o.device != "none"
 
 
 class Zero(Section):
-    stage: Int = Field(0, ge=0, le=3)
-    # Elements per gradient bucket. DeepSpeed's default (5e8) puts a small model in one bucket, which
-    # cannot overlap backward; bunsan's is 1e7 (40 MB of fp32), near torch DDP's 25 MB.
-    reduce_bucket_size: Int = Field(10_000_000, ge=1)
-    allgather_bucket_size: Int = Field(500_000_000, ge=1)
-    overlap_comm: bool = True
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
-    allgather_partitions: bool = True
-    stage3_prefetch_bucket_size: Int = Field(50_000_000, ge=0)
-    stage3_param_persistence_threshold: Int = Field(100_000, ge=0)
-    stage3_max_live_parameters: Int = Field(1_000_000_000, ge=0)
-    stage3_max_reuse_distance: Int = Field(1_000_000_000, ge=0)
-    stage3_gather_16bit_weights_on_model_save: bool = False
-    sub_group_size: Int = Field(1_000_000_000, ge=1)
-    # bunsan: class names of the modules gathered as one ZeRO-3 unit ([] = the elements of model.layers)
-    stage3_unit_modules: list[str] = []
-    # bunsan, CPU only: give the heap's free pages back to the OS every 4 reduced buckets (stage 2) or
-    # released ZeRO-3 units, and after each ZeRO-3 step (glibc malloc_trim), so resident memory follows what
-    # is held; costs page faults. Stage 1 never trims (see zero/stage12.py)
-    trim_host_memory: bool = True
-    offload_optimizer: Optional[Offload] = None
-    offload_param: Optional[Offload] = None
+    """ZeRO data parallelism: shards optimizer states (1), gradients (2) and parameters (3); DeepSpeed's section."""
+    stage: Int = Field(0, ge=0, le=3, description="0 replicates (DDP); 1 shards optimizer states, 2 also gradients, "
+                                                  "3 also parameters (DeepSpeed's meaning)")
+    # DeepSpeed's default (5e8) puts a small model in one bucket, which cannot overlap backward; bunsan's is 1e7
+    # (40 MB of fp32), near torch DDP's 25 MB.
+    reduce_bucket_size: Int = Field(10_000_000, ge=1, description="Gradient elements per reduce bucket (DeepSpeed's "
+                                                                  "meaning; default 1e7, not DeepSpeed's 5e8)")
+    allgather_bucket_size: Int = Field(500_000_000, ge=1, description="ZeRO-1/2: most elements all-gathered at "
+                                       "once after the step, as shards are stepped (DeepSpeed's meaning)")
+    overlap_comm: bool = Field(True, description="Reduce gradient buckets while backward still runs "
+                                                 "(DeepSpeed's meaning)")
+    contiguous_gradients: bool = Field(True, description="Copy gradients into contiguous buckets (DeepSpeed's "
+                                                         "meaning); bunsan always does, false is an error at stage 2-3")
+    reduce_scatter: bool = Field(True, description="Average gradients with reduce-scatter; false: all-reduce and "
+                                                   "keep this rank's slice (DeepSpeed's meaning)")
+    allgather_partitions: bool = Field(True, description="Gather updated shards with all-gather (DeepSpeed's "
+                                                         "meaning); false (DeepSpeed's broadcasts) is an error")
+    stage3_prefetch_bucket_size: Int = Field(50_000_000, ge=0, description="ZeRO-3: 0 turns off prefetching the "
+                                             "next unit; any other value prefetches it whatever its size")
+    stage3_param_persistence_threshold: Int = Field(100_000, ge=0, description="ZeRO-3: units of at most this many "
+                                                    "elements stay gathered (DeepSpeed's, per unit not per tensor)")
+    stage3_max_live_parameters: Int = Field(1_000_000_000, ge=0, description="ZeRO-3: a prefetch waits while it would "
+                                            "take the gathered elements past this (DeepSpeed's meaning)")
+    stage3_max_reuse_distance: Int = Field(1_000_000_000, ge=0, description="DeepSpeed's ZeRO-3 reuse window in "
+                                           "elements; accepted and ignored (bunsan config --explain gives the reason)")
+    stage3_gather_16bit_weights_on_model_save: bool = Field(False, description="DeepSpeed: gather ZeRO-3 "
+                                                            "weights in save_16bit_model; accepted and ignored "
+                                                            "(bunsan always gathers whole weights to save)")
+    sub_group_size: Int = Field(1_000_000_000, ge=1, description="Elements per optimizer sub-group, stepped (and "
+                                                                 "swapped to NVMe) one at a time (DeepSpeed's meaning)")
+    stage3_unit_modules: list[str] = Field(default_factory=list, description="bunsan: class names of the modules "
+                                           "gathered as one ZeRO-3 unit; [] = the elements of model.layers")
+    # Costs page faults; stage 1 never trims (see zero/stage12.py).
+    trim_host_memory: bool = Field(True, description="bunsan, CPU only: return free heap pages to the OS during "
+                                   "ZeRO-2/3 steps (malloc_trim), so resident memory follows what is held")
+    offload_optimizer: Optional[OffloadOptimizer] = Field(None, description="ZeRO-Offload of master weights and "
+                                                          "optimizer states, stage 1-3 (DeepSpeed's section)")
+    offload_param: Optional[OffloadParam] = Field(None, description="ZeRO-3 offload of parameter shards "
+                                                  "(DeepSpeed's section)")
 
     @model_validator(mode="after")
     def _offload_stage(self) -> Zero:
@@ -258,132 +311,26 @@ class Zero(Section):
 
 
 class ActivationCheckpointing(Section):
-    enabled: bool = False  # bunsan's switch; the rest are DeepSpeed's keys
-    partition_activations: bool = False
-    cpu_checkpointing: bool = False
-    contiguous_memory_optimization: bool = False
-    number_checkpoints: Optional[Int] = Field(None, ge=1)
-    synchronize_checkpoint_boundary: bool = False
-    profile: bool = False
-
-
-class Lora(Section):
-    """Low-rank adapters (peft) on the named linear layers; the base weights are frozen."""
-    enabled: bool = False
-    r: Int = Field(8, ge=1)
-    alpha: float = Field(16.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-
+    """Recompute activations in backward instead of keeping them; DeepSpeed's section plus bunsan's switch."""
+    enabled: bool = Field(False, description="bunsan: recompute each transformer block's activations in backward "
+                                             "(DeepSpeed enables checkpointing from model code instead)")
+    partition_activations: bool = Field(False, description="Shard checkpointed activations over tensor-parallel "
+                                                           "ranks (DeepSpeed's meaning); not built: true is an error")
+    cpu_checkpointing: bool = Field(False, description="Move checkpointed activations to CPU memory (DeepSpeed's "
+                                                       "meaning); not built: true is an error")
+    contiguous_memory_optimization: bool = Field(False, description="DeepSpeed: one buffer for partitioned "
+                                                 "activations; accepted and ignored (bunsan config --explain)")
+    number_checkpoints: Optional[Int] = Field(None, ge=1, description="DeepSpeed: checkpoints that buffer is sized "
+                                              "for; accepted and ignored (bunsan config --explain)")
+    synchronize_checkpoint_boundary: bool = Field(False, description="DeepSpeed: CUDA synchronize at each "
+                                                  "checkpoint; accepted and ignored (bunsan config --explain)")
+    profile: bool = Field(False, description="DeepSpeed: time each checkpointed function; accepted and ignored "
+                                             "(bunsan config --explain)")
 
 class Tensorboard(Section):
-    enabled: bool = False
-    output_path: str = ""
-    job_name: str = "bunsan"
-
-
-class TensorParallel(Section):
-    size: Int = Field(1, ge=1)
-    sequence_parallel: bool = False
-
-    @model_validator(mode="after")
-    def _sp(self) -> TensorParallel:
-        if self.sequence_parallel and self.size == 1:
-            raise Rule(("sequence_parallel", "sequence parallelism splits activations across tensor-parallel "
-                                             "ranks and needs size > 1, got size 1; set tensor_parallel.size to 2 "
-                                             "or more, or set sequence_parallel to false"))
-        return self
-
-
-class Pipeline(Section):
-    stages: Int = Field(1, ge=1)
-    schedule: Schedule = "1f1b"
-    virtual_stages: Int = Field(1, ge=1)
-    partition: Partition = "uniform"
-
-    @model_validator(mode="after")
-    def _virtual(self) -> Pipeline:
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
-            raise Rule(("virtual_stages", f"virtual_stages {self.virtual_stages} needs the interleaved schedule, "
-                                          f"got schedule '{self.schedule}'; set pipeline.schedule to 'interleaved' "
-                                          f"or virtual_stages to 1"))
-        return self
-
-
-OptInt = Optional[Int]  # None = not set
-
-
-class ModelOverrides(Section):
-    preset: str = "small"
-    vocab_size: OptInt = Field(None, ge=1)
-    hidden_size: OptInt = Field(None, ge=1)
-    intermediate_size: OptInt = Field(None, ge=1)
-    num_hidden_layers: OptInt = Field(None, ge=1)
-    num_attention_heads: OptInt = Field(None, ge=1)
-    num_key_value_heads: OptInt = Field(None, ge=1)
-    max_position_embeddings: OptInt = Field(None, ge=1)
-    rms_norm_eps: Optional[float] = Field(None, gt=0)
-    rope_theta: Optional[float] = Field(None, gt=0)
-    tie_word_embeddings: Optional[bool] = None
-
-    @model_validator(mode="after")
-    def _heads(self) -> ModelOverrides:
-        h, a, k, problems = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, []
-        if h and a and h % a:
-            problems.append(("hidden_size", f"hidden_size {h} is not divisible by num_attention_heads {a}; set "
-                                            f"hidden_size to a multiple of {a} (e.g. {max(a, h // a * a)})"))
-        if a and k and a % k:
-            divisors = ", ".join(str(d) for d in range(1, a + 1) if a % d == 0)
-            problems.append(("num_key_value_heads", f"num_attention_heads {a} is not divisible by "
-                                                    f"num_key_value_heads {k}; set num_key_value_heads to one of {divisors}"))
-        if problems:
-            raise Rule(*problems)
-        return self
-
-
-class Data(Section):
-    paths: list[str] = Field(default_factory=list)  # files or globs; [] = the built-in corpus
-    tokenizer: Optional[str] = None  # path to a Hugging Face tokenizer.json; None = bytes
-    seq_len: Int = Field(256, ge=2)
-    num_workers: Int = Field(0, ge=0)
-    pin_memory: bool = False
-    prefetch_factor: Int = Field(2, ge=1)
-    cache_dir: Optional[str] = None
-    max_bytes: OptInt = Field(None, ge=1)
-    val_fraction: float = Field(0.01, ge=0, lt=0.5)
-
-
-class Checkpoint(Section):
-    dir: Optional[str] = None          # where `bunsan train` saves (and resumes from)
-    save_interval: Int = Field(0, ge=0)  # optimizer steps between saves; 0 = only at the end (with dir set)
-    keep_last: Int = Field(3, ge=1)
-    resume: bool = True                # `bunsan train` continues from the newest whole checkpoint in dir
-
-    @model_validator(mode="after")
-    def _dir(self) -> Checkpoint:
-        if self.save_interval and not self.dir:
-            raise Rule(("save_interval", f"save_interval {self.save_interval} needs a directory to save into; "
-                                         "set checkpoint.dir (e.g. runs/bunsan/checkpoints) or save_interval 0"))
-        return self
-
-
-class Train(Section):
-    steps: Int = Field(200, ge=1)
-    seed: Int = Field(1234, ge=0)
-    output_dir: str = "runs/bunsan"
-    init_from: Optional[str] = None    # a Hugging Face Llama directory: its shape and weights start the run
-    compile: bool = False
-    tf32: bool = True
-    eval_interval: Int = Field(0, ge=0)
-    eval_batches: Int = Field(4, ge=1)
-    # Collective timeout; unset: 600 s on NCCL (also its watchdog's: a first compiled step or a slow checkpoint
-    # barrier must not abort the job), 120 s on gloo (distributed.collective_timeout)
-    timeout_s: Optional[float] = Field(None, gt=0)
-    # auto: NCCL on GPUs, gloo on CPUs. gloo on GPUs lets ranks share one GPU (collectives through host copies)
-    backend: Backend = "auto"
-    comm_warn_share: float = Field(0.3, ge=0, le=1)  # the doctor speaks when waiting on comm exceeds this share
-    # On gloo: collectives through shared memory where a group's ranks share a host (shm: no loopback TCP), else
-    # all-gather and reduce-scatter as point-to-point exchanges (exchange: all in flight at once); comm/collectives.py
-    gloo_collectives: GlooCollectives = "shm"
-    metrics_file: str = "metrics.jsonl"
-    log_memory: bool = True
+    """The metric records also as TensorBoard scalars; DeepSpeed's section."""
+    enabled: bool = Field(False, description="Write the metric records as TensorBoard scalars (needs the "
+                                             "tensorboard package) (DeepSpeed's meaning)")
+    output_path: str = Field("", description="Directory of the event files; '' = train.output_dir/tensorboard "
+                                             "(DeepSpeed's meaning)")
+    job_name: str = Field("bunsan", description="Subdirectory of output_path for this run (DeepSpeed's meaning)")

@@ -1,0 +1,160 @@
+"""bunsan's own sections, which DeepSpeed has no counterpart for: tensor and pipeline parallelism, LoRA, the
+model `bunsan train` builds, its data, checkpoints and run. DeepSpeed's sections are in sections.py."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from pydantic import Field, model_validator
+
+from bunsan.config.errors import Rule
+from bunsan.config.sections import Backend, GlooCollectives, Int, OptInt, Partition, Schedule, Section
+
+
+class Lora(Section):
+    """Low-rank adapters (peft) on the named linear layers; the base weights are frozen."""
+    enabled: bool = Field(False, description="Train low-rank adapters on lora.target_modules, base weights frozen "
+                                             "(needs peft); the final weights have them merged in")
+    r: Int = Field(8, ge=1, description="Rank of each adapter (its inner dimension)")
+    alpha: float = Field(16.0, gt=0, description="Adapter scale: the low-rank update is multiplied by alpha / r")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability on each adapter's input")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      description="Names of the linear layers that get adapters (peft's "
+                                                  "target_modules)")
+
+
+class TensorParallel(Section):
+    """bunsan: Megatron-style tensor parallelism inside each transformer block."""
+    size: Int = Field(1, ge=1, description="Ranks each block's attention and MLP are split over; the rest of the "
+                                           "world is data and pipeline parallel")
+    sequence_parallel: bool = Field(False, description="Also shard the activations between blocks along the "
+                                                       "sequence over the tensor-parallel ranks; needs size > 1")
+
+    @model_validator(mode="after")
+    def _sp(self) -> TensorParallel:
+        if self.sequence_parallel and self.size == 1:
+            raise Rule(("sequence_parallel", "sequence parallelism splits activations across tensor-parallel "
+                                             "ranks and needs size > 1, got size 1; set tensor_parallel.size to 2 "
+                                             "or more, or set sequence_parallel to false"))
+        return self
+
+
+class Pipeline(Section):
+    """bunsan: pipeline parallelism over consecutive layers; its micro-batches are gradient_accumulation_steps."""
+    stages: Int = Field(1, ge=1, description="Pipeline stages the layers are cut into, one rank each; needs at "
+                                             "least this many micro-batches (gradient_accumulation_steps)")
+    schedule: Schedule = Field("1f1b", description="Order of the micro-batches' forwards and backwards: gpipe, "
+                                                   "1f1b or interleaved")
+    virtual_stages: Int = Field(1, ge=1, description="Model chunks per pipeline rank; more than 1 needs the "
+                                                     "interleaved schedule (Megatron's virtual pipeline)")
+    partition: Partition = Field("uniform", description="How layers are cut into stages: uniform (blocks), "
+                                                        "parameters (parameter counts) or balanced (matmul work)")
+
+    @model_validator(mode="after")
+    def _virtual(self) -> Pipeline:
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise Rule(("virtual_stages", f"virtual_stages {self.virtual_stages} needs the interleaved schedule, "
+                                          f"got schedule '{self.schedule}'; set pipeline.schedule to 'interleaved' "
+                                          f"or virtual_stages to 1"))
+        return self
+
+
+class ModelOverrides(Section):
+    """bunsan: the Llama `bunsan train` builds, a preset and per-field overrides (None = the preset's)."""
+    preset: str = Field("small", description="Model preset: tiny, small, 135m, 1b, 7b, 13b or 70b (llama-13b "
+                                             "style names work too)")
+    vocab_size: OptInt = Field(None, ge=1, description="Vocabulary size in tokens; None = the tokenizer's (at "
+                                                       "least it)")
+    hidden_size: OptInt = Field(None, ge=1, description="Width of the residual stream; None = the preset's")
+    intermediate_size: OptInt = Field(None, ge=1, description="Width of the MLP's hidden layer; None = the preset's")
+    num_hidden_layers: OptInt = Field(None, ge=1, description="Transformer blocks; None = the preset's")
+    num_attention_heads: OptInt = Field(None, ge=1, description="Query heads (must divide hidden_size); None = the "
+                                                                "preset's")
+    num_key_value_heads: OptInt = Field(None, ge=1, description="Key/value heads, grouped-query attention (must "
+                                                                "divide num_attention_heads); None = the preset's")
+    max_position_embeddings: OptInt = Field(None, ge=1, description="Longest sequence in tokens (at least "
+                                                                    "data.seq_len); None = the preset's")
+    rms_norm_eps: Optional[float] = Field(None, gt=0, description="Epsilon of the RMS norms; None = the preset's")
+    rope_theta: Optional[float] = Field(None, gt=0, description="Base of the rotary position embedding; None = the "
+                                                                "preset's")
+    tie_word_embeddings: Optional[bool] = Field(None, description="Share the embedding and output head weights; "
+                                                                  "None = the preset's")
+
+    @model_validator(mode="after")
+    def _heads(self) -> ModelOverrides:
+        h, a, k, problems = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, []
+        if h and a and h % a:
+            problems.append(("hidden_size", f"hidden_size {h} is not divisible by num_attention_heads {a}; set "
+                                            f"hidden_size to a multiple of {a} (e.g. {max(a, h // a * a)})"))
+        if a and k and a % k:
+            divisors = ", ".join(str(d) for d in range(1, a + 1) if a % d == 0)
+            problems.append(("num_key_value_heads", f"num_attention_heads {a} is not divisible by "
+                                                    f"num_key_value_heads {k}; set num_key_value_heads to one of {divisors}"))
+        if problems:
+            raise Rule(*problems)
+        return self
+
+
+class Data(Section):
+    """bunsan: the text `bunsan train` tokenizes (once, cached) and batches."""
+    paths: list[str] = Field(default_factory=list, description="Text files, directories or globs; [] = the built-in "
+                                                               "corpus (Python's standard library source)")
+    tokenizer: Optional[str] = Field(None, description="Path to a Hugging Face tokenizer.json; None = bytes (256 "
+                                                       "tokens)")
+    seq_len: Int = Field(256, ge=2, description="Tokens per training sample")
+    num_workers: Int = Field(0, ge=0, description="DataLoader worker processes; 0 = batches are built in the "
+                                                  "training process")
+    pin_memory: bool = Field(False, description="Page-lock batches for faster host-to-GPU copies (CUDA only)")
+    prefetch_factor: Int = Field(2, ge=1, description="Batches each worker prepares ahead (with num_workers > 0)")
+    cache_dir: Optional[str] = Field(None, description="Directory of the tokenized corpus cache; None = "
+                                                       "$BUNSAN_CACHE/tokens or ~/.cache/bunsan/tokens")
+    max_bytes: OptInt = Field(None, ge=1, description="Read at most this many bytes of text; None = all")
+    val_fraction: float = Field(0.01, ge=0, lt=0.5, description="Fraction of the tokens held out for the "
+                                                                "validation loss")
+
+
+class Checkpoint(Section):
+    """bunsan: the sharded checkpoints `bunsan train` saves and resumes from."""
+    dir: Optional[str] = Field(None, description="Where `bunsan train` saves checkpoints (and resumes from); None = "
+                                                 "no checkpoints")
+    save_interval: Int = Field(0, ge=0, description="Optimizer steps between saves; 0 = only at the end (with dir "
+                                                    "set)")
+    keep_last: Int = Field(3, ge=1, description="Whole checkpoints kept in dir; older ones are deleted")
+    resume: bool = Field(True, description="`bunsan train` continues from the newest whole checkpoint in dir")
+
+    @model_validator(mode="after")
+    def _dir(self) -> Checkpoint:
+        if self.save_interval and not self.dir:
+            raise Rule(("save_interval", f"save_interval {self.save_interval} needs a directory to save into; "
+                                         "set checkpoint.dir (e.g. runs/bunsan/checkpoints) or save_interval 0"))
+        return self
+
+
+class Train(Section):
+    """bunsan: the run `bunsan train` does, and process-wide settings initialize() also reads."""
+    steps: Int = Field(200, ge=1, description="Optimizer steps to train (also the schedule's total when it has none)")
+    seed: Int = Field(1234, ge=0, description="Random seed of the initial weights, the data order and dropout")
+    output_dir: str = Field("runs/bunsan", description="Directory of the metrics, the pipeline timeline and the "
+                                                       "final weights (final/)")
+    init_from: Optional[str] = Field(None, description="A Hugging Face Llama directory whose shape and weights "
+                                                       "start the run; None = the model section, fresh weights")
+    compile: bool = Field(False, description="torch.compile each transformer block (after activation checkpointing)")
+    tf32: bool = Field(True, description="Allow TF32 matmuls and convolutions on CUDA")
+    eval_interval: Int = Field(0, ge=0, description="Optimizer steps between validation losses; 0 = only at the end")
+    eval_batches: Int = Field(4, ge=1, description="Validation batches per validation loss")
+    # Unset: 600 s on NCCL (also its watchdog's: a first compiled step or a slow checkpoint barrier must not
+    # abort the job), 120 s on gloo (distributed.collective_timeout)
+    timeout_s: Optional[float] = Field(None, gt=0, description="Seconds a collective may wait before it fails; "
+                                                               "None = 600 on NCCL, 120 on gloo")
+    # gloo on GPUs lets ranks share one GPU (collectives through host copies)
+    backend: Backend = Field("auto", description="Process-group backend: auto (NCCL on GPUs, gloo on CPUs), nccl "
+                                                 "or gloo")
+    comm_warn_share: float = Field(0.3, ge=0, le=1, description="The summary advises when waiting for "
+                                   "communication exceeds this share of the step time")
+    # shm is 3-10x faster than native where a group's ranks share a host; exchange 3x (comm/collectives.py)
+    gloo_collectives: GlooCollectives = Field("shm", description="On gloo: collectives through shared memory "
+                                              "(shm), point-to-point exchanges (exchange) or gloo's own (native)")
+    metrics_file: str = Field("metrics.jsonl", description="File in output_dir the metric records go to, one JSON "
+                                                           "object per line")
+    log_memory: bool = Field(True, description="Add every rank's measured memory to each metric record (one small "
+                                               "all-gather)")
