@@ -30,7 +30,7 @@ STEP_MODULES = [
     "zero/buckets.py", "engine/precision.py", "transforms/checkpointing.py", "models/loss.py",
     "pipeline/runtime.py", "pipeline/forward_backward.py", "engine/batch.py",
     "zero/stage12.py", "zero/stage3.py", "zero/reduce.py", "zero/optimizer.py", "zero/frozen.py",
-    "zero/unit_buffer.py", "zero/offload.py", "zero/adafactor.py",
+    "zero/unit_buffer.py", "zero/units.py", "zero/offload.py", "zero/adafactor.py",
     "tensor_parallel/ops.py", "tensor_parallel/layers.py", "tensor_parallel/loss.py",
     "models/llama.py",
 ]

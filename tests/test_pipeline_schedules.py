@@ -22,7 +22,7 @@ def _cases():
 CASES = list(_cases())
 
 
-def _bounds(name, p, m, v):
+def field_bounds(name, p, m, v):
     return [in_flight_bound(name, p, m, v, r) for r in range(p)]
 
 
@@ -45,7 +45,7 @@ def _assert_timeline_respects_dependencies(result, p, m, v):
 @pytest.mark.parametrize("name,p,m,v", CASES)
 def test_schedule_checks_and_simulates(name, p, m, v):
     schedule = build(name, p, m, v)
-    check(schedule, p, m, v, max_in_flight=_bounds(name, p, m, v))
+    check(schedule, p, m, v, max_in_flight=field_bounds(name, p, m, v))
     result = simulate(schedule, p, v)
     _assert_timeline_respects_dependencies(result, p, m, v)
     assert result.busy == [m * v * 3.0] * p  # every rank computes all its chunks once
@@ -176,7 +176,7 @@ def test_check_catches_misplaced_and_unmatched_communication():
 def test_check_enforces_in_flight_bound():
     check(gpipe(4, 8), 4, 8, max_in_flight=8)
     with pytest.raises(ValueError, match=r"rank 0 holds 8 micro-batch chunks in flight, more than 4"):
-        check(gpipe(4, 8), 4, 8, max_in_flight=_bounds("1f1b", 4, 8, 1))
+        check(gpipe(4, 8), 4, 8, max_in_flight=field_bounds("1f1b", 4, 8, 1))
 
 
 def test_simulate_reports_deadlock():

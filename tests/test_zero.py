@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import bunsan
-from bunsan.zero.stage3 import find_units
+from bunsan.zero.units import find_units
 from reference import ADAM_EPS, batches, optimizer_config, rank_slice, reference_train, tiny_model, to_numpy
 
 STEPS, ROWS = 3, 12                      # 12 rows: divisible by 2 and 4 ranks x accumulation 1 and 3

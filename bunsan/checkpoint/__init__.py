@@ -133,17 +133,36 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
                               "save one with engine.save_checkpoint or check the path")
     tag, meta = _verified(engine, root, tags)
     reader = store.Reader(root, tag, meta)
-    params, _ = locals_of(engine)
-    kinds = {t.name: sorted(reader.kinds_of(t.name) - {"master", "frozen"}) if load_optimizer_states else []
-             for t in params}
+    states = _StateLoader(engine, reader, meta, load_optimizer_states)
+    with torch.no_grad():
+        engine.dp.visit_state(states.put, states.create if load_optimizer_states else None)
+        for local, lo, t, _ in frozen_of(engine):
+            t.copy_(read_local(reader, local, "frozen", lo, lo + t.numel()))
+        engine.dp.sync_params_from_master()     # (also drops gathered copies of ZeRO-3 units, frozen parts too)
+    _restore_engine(engine, meta, reader)
+    _barrier(engine)
+    return root / tag, meta.get("client_state", {})
 
-    def covering(t, lo: int, hi: int) -> dict:
+
+class _StateLoader:
+    """Puts a checkpoint's master weights and optimizer states into the pieces this rank's strategy steps,
+    whatever layout saved them (each piece is read from the saved pieces that cover it)."""
+
+    def __init__(self, engine, reader, meta: dict, load_optimizer_states: bool):
+        self.reader, self.engine = reader, engine
+        self.params, _ = locals_of(engine)
+        self.kinds = {t.name: sorted(reader.kinds_of(t.name) - {"master", "frozen"}) if load_optimizer_states
+                      else [] for t in self.params}
+        self.scalars = meta["scalars"] if load_optimizer_states else {}
+        self.fused = bool(engine.dp.opt_defaults.get("fused"))
+
+    def covering(self, t, lo: int, hi: int) -> dict:
         """The optimizer states the checkpoint has for elements [lo, hi) of t, each with a piece that tells its
         dtype: states are per fragment (8-bit AdamW keeps fp32 states for small fragments, uint8 for large).
         A state that is not one value per element comes whole from the piece of exactly this fragment."""
         out = {}
-        for k in kinds[t.name]:
-            pieces = reader.pieces(t.name, k)
+        for k in self.kinds[t.name]:
+            pieces = self.reader.pieces(t.name, k)
             here = [p for p in pieces if _same_place(p, t) and p["lo"] < hi and p["hi"] > lo]
             if "opaque" in pieces[0]:
                 exact = [p for p in here if (p["lo"], p["hi"]) == (lo, hi)]
@@ -158,41 +177,31 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
                 out[k] = here[0] if here else pieces[0]
         return out
 
-    def create(i, lo, hi) -> dict:   # factored states and block scales are put in whole, not filled
-        return {k: getattr(torch, p.get("dtype", "float32")) for k, p in covering(params[i], lo, hi).items()
+    def create(self, i, lo, hi) -> dict:
+        """Factored states and block scales are put in whole, not filled: only the others are created."""
+        return {k: getattr(torch, p.get("dtype", "float32")) for k, p in self.covering(self.params[i], lo, hi).items()
                 if "opaque" not in p}
 
-    defaults = engine.dp.opt_defaults
-    fused = bool(defaults.get("fused"))
-
-    def put(i, lo, master, state):
-        t = params[i]
+    def put(self, i, lo, master, state) -> None:
+        t = self.params[i]
         hi = lo + master.numel()
-        master.copy_(read_local(reader, t, "master", lo, hi))
-        have = covering(t, lo, hi)
+        master.copy_(read_local(self.reader, t, "master", lo, hi))
+        have = self.covering(t, lo, hi)
         for kind in have:
             if kind not in state and "opaque" not in have[kind]:
                 raise CheckpointError(f"the checkpoint has optimizer state {kind!r} for {t.name!r}, which this "
-                                      f"optimizer ({type(engine.optimizer).__name__}) does not keep; load with "
-                                      "load_optimizer_states=False or use the optimizer it was saved with")
-            _load_state(reader, t, kind, lo, hi, state, have[kind])
-        for kind, value in (meta["scalars"].get(t.name, {}) if load_optimizer_states else {}).items():
+                                      f"optimizer ({type(self.engine.optimizer).__name__}) does not keep; load "
+                                      "with load_optimizer_states=False or use the optimizer it was saved with")
+            _load_state(self.reader, t, kind, lo, hi, state, have[kind])
+        for kind, value in self.scalars.get(t.name, {}).items():
             old = state.get(kind)
             if isinstance(old, torch.Tensor) or (old is None and isinstance(value, float)):
                 # torch keeps `step` as an fp32 tensor, on the parameter's device only for fused optimizers
-                device = old.device if old is not None else (master.device if fused else "cpu")
+                device = old.device if old is not None else (master.device if self.fused else "cpu")
                 state[kind] = torch.tensor(value, dtype=old.dtype if old is not None else torch.float32,
                                            device=device)
             else:
                 state[kind] = value                    # a plain number (bitsandbytes keeps its step as an int)
-    with torch.no_grad():
-        engine.dp.visit_state(put, create if load_optimizer_states else None)
-        for local, lo, t, _ in frozen_of(engine):
-            t.copy_(read_local(reader, local, "frozen", lo, lo + t.numel()))
-        engine.dp.sync_params_from_master()     # (also drops gathered copies of ZeRO-3 units, frozen parts too)
-    _restore_engine(engine, meta, reader)
-    _barrier(engine)
-    return root / tag, meta.get("client_state", {})
 
 
 def _same_place(p: dict, t) -> bool:

@@ -41,7 +41,18 @@ class ShardedAdafactor(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """Three passes, with one all-reduce between each two: the row/column gradient statistics of every
+        fragment, the updates from the reduced moments, and the step sizes from the reduced update norms."""
         device = self.param_groups[0]["params"][0].device
+        stats, work = self._statistics(device)
+        self.all_reduce(stats)
+        updates, upd_sq = self._updates(work, stats, device)
+        self.all_reduce(upd_sq)
+        self._apply(work, updates, stats, upd_sq)
+
+    def _statistics(self, device: torch.device):
+        """Per parameter its squared-value sum and, for matrices, the squared gradient by row and column (this
+        rank's fragment of them); and the work list of the fragments to update."""
         stats = torch.zeros(self.stats_numel, dtype=torch.float32, device=device)
         work = []
         for group in self.param_groups:
@@ -69,8 +80,10 @@ class ShardedAdafactor(torch.optim.Optimizer):
                     stats[o:o + r].index_add_(0, index[0], g2)
                     stats[o + r:o + r + c].index_add_(0, index[1], g2)
                 work.append((group, t, g, i, index, state))
-        self.all_reduce(stats)
+        return stats, work
 
+    def _updates(self, work: list, stats: torch.Tensor, device: torch.device):
+        """Each fragment's update from the factored (or full) second moment; and their squared norms."""
         updates, upd_sq = [], torch.zeros(len(self.shapes), dtype=torch.float32, device=device)
         for group, t, g, i, index, state in work:
             eps1 = group["eps"][0] if group["eps"][0] is not None else torch.finfo(t.dtype).eps
@@ -89,8 +102,9 @@ class ShardedAdafactor(torch.optim.Optimizer):
             update = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(g)
             upd_sq[i] += update.square().sum()
             updates.append(update)
-        self.all_reduce(upd_sq)
+        return updates, upd_sq
 
+    def _apply(self, work: list, updates: list, stats: torch.Tensor, upd_sq: torch.Tensor) -> None:
         # The step sizes stay on the device (in fp64, as the host arithmetic they replace): read per
         # parameter on the host they would stall a GPU once per weight.
         rms, upd_rms = stats[:len(self.shapes)].double().sqrt(), upd_sq.double().sqrt()

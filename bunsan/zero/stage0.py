@@ -7,7 +7,6 @@ all-reduces the gradient buckets from backward hooks, overlapped with backward.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from bunsan.optim.optimizers import rebuild_over
 from bunsan.zero.buckets import BucketHooks, FlatParams

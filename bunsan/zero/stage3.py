@@ -39,58 +39,8 @@ from bunsan.zero.offload import CopyMarks
 from bunsan.zero.optimizer import ShardedOptimizer
 from bunsan.zero.reduce import ShardReducer
 from bunsan.zero.unit_buffer import UnitBuffer
+from bunsan.zero.units import PreBackward, Unit, UnitHandles, find_units
 from bunsan.zero.swap import SwapFile
-
-
-class _PreBackward(torch.autograd.Function):
-    """Identity whose backward gathers a unit before autograd reaches its parameters."""
-
-    @staticmethod
-    def forward(ctx, owner, k, x):
-        ctx.owner, ctx.k = owner, k
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.owner.pre_backward(ctx.k)
-        return None, None, grad
-
-
-class _Handles:
-    """One wait for a unit's all-gathers (trained and frozen parts)."""
-
-    def __init__(self, handles: list):
-        self.handles = handles
-
-    def wait(self) -> None:
-        for h in self.handles:
-            h.wait()
-
-
-class Unit:
-    def __init__(self, module: nn.Module | None, params: list[int]):
-        self.module, self.params = module, params
-        self.buf: UnitBuffer | None = None       # the unit's gathered storage; holds no memory while released
-        self.gathered = False
-        self.pending = None                      # the handle of a prefetch in flight
-        self.persistent = False
-        self.in_backward = False
-
-
-def find_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
-    if class_names:
-        units = [m for m in model.modules() if type(m).__name__ in class_names and m is not model]
-        if not units:
-            raise ValueError(f"zero_optimization.stage3_unit_modules {class_names} matched no module of "
-                             f"{type(model).__name__}; list class names of its blocks")
-        containers = sorted({type(m).__name__ for m in units if type(m).forward is nn.Module.forward})
-        if containers:   # a unit is gathered by its forward pre-hook: one never called would compute on zeros
-            raise ValueError(f"zero_optimization.stage3_unit_modules names {containers}, a container whose "
-                             "forward is never called, so its parameters would never be gathered; list the "
-                             "class names of the blocks inside it instead")
-        return units
-    layers = getattr(model, "layers", None)
-    return list(layers) if isinstance(layers, nn.ModuleList) else []
 
 
 class FullyShardedDP(Sharded):
@@ -98,11 +48,25 @@ class FullyShardedDP(Sharded):
 
     def __init__(self, trainable, comm, group, cfg, dims, module: nn.Module, opt_spec, device):
         super().__init__(trainable, comm, group, cfg.zero_optimization, dims, module)
-        zero = self.zero
-        n, r = group.size, group.rank
         self.device, self.module = device, module
-        self._trim = zero.trim_host_memory and device.type == "cpu"
+        self._trim = self.zero.trim_host_memory and device.type == "cpu"
         self._released = 0
+        order = self._make_units(trainable, module)
+        self._shard_parameters(module, cfg, order)
+        self._make_optimizer(opt_spec)
+        zero = self.zero
+        self.reducer = ShardReducer(self.layout, comm, group, self.dtype, self.opt, zero,
+                                    after_launch=self._after_reduce)
+        self.reducer.device = device
+        self.hooks = BucketHooks(self.params, [b.params for b in self.layout.buckets], self.reducer.launch,
+                                 on_grad=self.reducer.stage_grad, overlap=zero.overlap_comm)
+        self._install_hooks(module)
+
+    def _make_units(self, trainable: list, module: nn.Module) -> list:
+        """The units (blocks named in stage3_unit_modules, then the root of what is left) in backward order,
+        and self.params in unit order; returns [(module or None, its parameter indices)]."""
+        zero = self.zero
+        n, r = self.group.size, self.group.rank
         unit_modules = find_units(module, list(zero.stage3_unit_modules))
         index = {p: i for i, p in enumerate(trainable)}
         in_unit, unit_params = set(), []
@@ -123,13 +87,18 @@ class FullyShardedDP(Sharded):
         for u in self.units:
             u.params = [remap[i] for i in u.params]
         self.layout = ShardLayout(self.params, [u.params for u in self.units], n, r)
-        frozen = [p for p in module.parameters() if not p.requires_grad]
         names = {p: name for name, p in module.named_parameters(remove_duplicate=True)}
         self.names = [names[p] for p in self.params]
         self._param_shapes = [tuple(p.shape) for p in self.params]
 
-        # This rank's shard of every unit, materialised one unit at a time.
-        off_p, off_o = zero.offload_param, zero.offload_optimizer
+        return order
+
+    def _shard_parameters(self, module: nn.Module, cfg, order: list) -> None:
+        """This rank's shard of every unit, materialised one unit at a time; frozen weights sharded alike;
+        each parameter a view into its unit's (released) gather buffer."""
+        zero, comm, group, device = self.zero, self.comm, self.group, self.device
+        frozen = [p for p in module.parameters() if not p.requires_grad]
+        off_p = zero.offload_param
         self.param_home = torch.device("cpu") if off_p and off_p.device != "none" else device
         self.pinned = bool(off_p and off_p.device != "none" and off_p.pin_memory and device.type == "cuda")
         self.param_shard = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.param_home,
@@ -173,6 +142,11 @@ class FullyShardedDP(Sharded):
         for k, u in enumerate(self.units):
             u.persistent = self._size(k) <= zero.stage3_param_persistence_threshold
 
+
+    def _make_optimizer(self, opt_spec) -> None:
+        """The sharded optimizer over the parameter shards (an fp32 model in memory is its own master)."""
+        zero, comm, group, device = self.zero, self.comm, self.group, self.device
+        off_o = zero.offload_optimizer
         cls, defaults, groups = opt_spec
         alias = not self.mixed and self.param_swap is None
         self.opt = self.optimizer = ShardedOptimizer(
@@ -184,12 +158,6 @@ class FullyShardedDP(Sharded):
             all_reduce=all_reduce_on(comm, group, device))
         if self.param_swap is not None:
             self.param_shard = None
-        self.reducer = ShardReducer(self.layout, comm, group, self.dtype, self.opt, zero,
-                                    after_launch=self._after_reduce)
-        self.reducer.device = device
-        self.hooks = BucketHooks(self.params, [b.params for b in self.layout.buckets], self.reducer.launch,
-                                 on_grad=self.reducer.stage_grad, overlap=zero.overlap_comm)
-        self._install_hooks(module)
 
     # -- gather / release ------------------------------------------------------------------------
     def _size(self, k: int) -> int:
@@ -213,7 +181,7 @@ class FullyShardedDP(Sharded):
             if self.param_swap is not None:
                 self.param_swap.copied()
             handles.append(self.units[k].buf.gather(self.comm, mine, self.group))
-        return _Handles([h for h in handles if h is not None])
+        return UnitHandles([h for h in handles if h is not None])
 
     def gather(self, k: int) -> None:
         u = self.units[k]
@@ -303,9 +271,9 @@ class FullyShardedDP(Sharded):
             return out
         self.release(k)
         if isinstance(out, torch.Tensor) and out.requires_grad:
-            return _PreBackward.apply(self, k, out)
+            return PreBackward.apply(self, k, out)
         if isinstance(out, tuple):
-            return tuple(_PreBackward.apply(self, k, t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+            return tuple(PreBackward.apply(self, k, t) if isinstance(t, torch.Tensor) and t.requires_grad else t
                          for t in out)
         return out
 
