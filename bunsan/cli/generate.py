@@ -32,6 +32,13 @@ def torch_dtype(name: str):
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
+def refuse_tp_with_device_map(args) -> None:
+    """`generate` and `serve` spread a model one way at a time."""
+    if args.tp > 1 and args.device_map:
+        raise ValueError("--tp and --device-map both spread the model: use one (tensor parallel splits every "
+                         "layer over processes; a device map puts whole layers on devices, CPU and disk)")
+
+
 def hf_tokenizer(checkpoint, tokenizer_path: str | None, vocab_size: int):
     """The tokenizer of a Hugging Face directory: --tokenizer, else its tokenizer.json, else bytes, which only a
     model of at most 256 tokens can use (its ids beyond would have no text)."""
@@ -116,9 +123,7 @@ def cmd_generate(args) -> int:
     from bunsan.models import generate
 
     if args.device_map:
-        if args.tp > 1:
-            raise ValueError("--tp and --device-map both spread the model: use one (tensor parallel splits every "
-                             "layer over processes; a device map puts whole layers on devices, CPU and disk)")
+        refuse_tp_with_device_map(args)
         return _generate_placed(args)
     if args.tp > 1 and not under_torchrun():
         return relaunch(args, args.tp)
@@ -129,17 +134,10 @@ def cmd_generate(args) -> int:
         raise SystemExit("bunsan generate: --prompt is empty; give some text to continue")
     kv_heads, rank = None, 0
     if args.tp > 1:   # every rank holds 1/tp of the heads (and of the KV cache) and of the vocabulary
-        from bunsan.comm.collectives import Comm
-        from bunsan.comm.mesh import Mesh
-        from bunsan.comm.process_group import init_distributed
-        from bunsan.tensor_parallel import TPContext, apply_tensor_parallel
-        device = init_distributed()        # each rank its GPU (cuda:LOCAL_RANK, NCCL), or the CPU (gloo)
-        model.to(device)                   # before the split: each rank cuts its shards where it computes
-        ids = ids.to(device)
-        mesh = Mesh.create(tp=args.tp)
-        ctx = TPContext(Comm(device=device), mesh.tp_group)
-        apply_tensor_parallel(model, ctx).gather_output = True
-        kv_heads, rank = model.config.num_key_value_heads // args.tp, mesh.rank
+        from bunsan.inference.tp import split_over_ranks
+        shard = split_over_ranks(model, args.tp)
+        ids = ids.to(shard.device)
+        kv_heads, rank = shard.kv_heads, shard.rank
     # on the CPU: every rank draws the same tokens from the same gathered logits, whatever its device
     g = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():

@@ -64,12 +64,11 @@ def _context(args, cfg) -> int:
 
 
 def cmd_serve(args) -> int:
+    from bunsan.cli.generate import refuse_tp_with_device_map
     for flag in ("slots", "max_tokens", "max_concurrent", "max_body_bytes", "tp"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
-    if args.tp > 1 and args.device_map:
-        raise ValueError("--tp and --device-map both spread the model: use one (tensor parallel splits every "
-                         "layer over processes; a device map puts whole layers on devices, CPU and disk)")
+    refuse_tp_with_device_map(args)
     if args.tp > 1 and not under_torchrun():
         return relaunch(args, args.tp)
     import uvicorn
@@ -78,21 +77,14 @@ def cmd_serve(args) -> int:
     model, tokenizer, name, context = load_model(args)
     leader, kv_heads = None, None
     if args.tp > 1:
-        from bunsan.comm.collectives import Comm
-        from bunsan.comm.mesh import Mesh
-        from bunsan.comm.process_group import init_distributed
+        from bunsan.inference.tp import split_over_ranks
         from bunsan.serve.tp import Leader, follow
-        from bunsan.tensor_parallel import TPContext, apply_tensor_parallel
-        device = init_distributed(timeout_s=args.timeout)    # each rank its GPU (NCCL), or the CPU (gloo)
-        model.to(device)
-        mesh = Mesh.create(tp=args.tp)
-        comm = Comm(timeout_s=args.timeout, device=device)
-        apply_tensor_parallel(model, TPContext(comm, mesh.tp_group)).gather_output = True   # rank 0 samples
-        kv_heads = model.config.num_key_value_heads // args.tp
-        if mesh.rank != 0:
-            follow(model, SlotCache(model, args.slots, context, kv_heads), comm, mesh.tp_group, device)
+        shard = split_over_ranks(model, args.tp, timeout_s=args.timeout)
+        kv_heads = shard.kv_heads
+        if shard.rank != 0:      # rank 0 samples; the others run each forward it announces
+            follow(model, SlotCache(model, args.slots, context, kv_heads), shard.comm, shard.group, shard.device)
             return 0
-        leader = Leader(comm, mesh.tp_group, device)
+        leader = Leader(shard.comm, shard.group, shard.device)
     batcher = Batcher(model, args.slots, context, kv_heads, leader)
     app = build_app(batcher, tokenizer, name, Limits(args.max_body_bytes, args.max_tokens, args.max_concurrent))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))

@@ -1,5 +1,5 @@
-"""Inference across devices: placement of whole blocks over devices, CPU and disk (placement.py), and a Hugging
-Face Llama loaded that way (load.py)."""
+"""Inference across devices: placement of whole blocks over devices, CPU and disk (placement.py), a Hugging
+Face Llama loaded that way (load.py), and a model split over tensor-parallel processes (tp.py)."""
 
 from bunsan.inference.load import load, model_blocks
 from bunsan.inference.placement import Block, place, summary

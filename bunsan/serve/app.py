@@ -2,7 +2,8 @@
 
 The batcher runs on a thread of its own; each request gets an asyncio queue that the batcher's callbacks
 fill from that thread (call_soon_threadsafe), so a slow reader only lets its own queue grow and a dropped
-connection cancels its request. Bad input is a 4xx whose message names the field, the rule and the fix.
+connection cancels its request. Bad input is a 4xx whose message names the field, the rule and the fix
+(requests.py).
 """
 
 from __future__ import annotations
@@ -13,48 +14,14 @@ import json
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from bunsan.serve.batcher import Batcher, Request
-
-
-@dataclass
-class Limits:
-    max_body_bytes: int = 1 << 20
-    max_tokens: int = 1024             # the most one request may ask for
-    max_concurrent: int = 64           # requests running or waiting; beyond, 429
-
-
-class Completion(BaseModel):
-    model_config = ConfigDict(extra="ignore")          # OpenAI clients send fields bunsan does not use
-    prompt: str = Field(min_length=1)
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=10.0)
-    top_k: int | None = Field(None, ge=1)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    seed: int | None = None
-    model: str | None = None
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
-
-
-def _explain(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors():
-        where = ".".join(str(x) for x in err["loc"]) or "body"
-        parts.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
-    return "; ".join(parts)
-
+from bunsan.serve.requests import Completion, Limits, Refused, error_response, read_completion
 
 class TextStream:
     """Token ids to text deltas; stops at the first stop string (which is not sent).
@@ -101,123 +68,149 @@ class TextStream:
         return delta
 
 
-def build_app(batcher: Batcher, tokenizer, model_name: str, limits: Limits | None = None) -> Starlette:
-    limits = limits or Limits()
-    worker = threading.Thread(target=batcher.run, name="bunsan-batcher", daemon=True)
-    open_requests = [0]        # accepted and not yet fully answered (the event loop's own count: no lock)
+class Job:
+    """One accepted request: the batcher's work, the queue its callbacks fill from the batcher's thread (("text",
+    delta) per token, then ("end", reason)), the text decoded so far, and the response's id."""
 
-    async def health(_: HTTPRequest) -> JSONResponse:
-        active, waiting = batcher.load()
-        alive = worker.is_alive() and not batcher.stopped
-        return JSONResponse({"status": "ok" if alive else "stopped", "model": model_name, "active": active,
-                             "waiting": waiting, "slots": len(batcher.cache.lengths),
-                             "context": batcher.max_len}, status_code=200 if alive else 503)
+    def __init__(self, req: Completion, ids: list[int], tokenizer, model_name: str, on_release):
+        self.ids, self.model_name, self.on_release = ids, model_name, on_release
+        self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
+        self.text = TextStream(tokenizer, req.stop_strings())
+        self.counted = True
+        self.work = Request(ids=ids, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
+                            top_p=req.top_p, eos=tokenizer.eos_token_id, seed=req.seed, emit=self._emit,
+                            finish=self._finish)
+        self.rid, self.created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
-    async def completions(http: HTTPRequest):
-        size = http.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > limits.max_body_bytes:
-            return _error(413, f"request body of {size} bytes exceeds the limit of {limits.max_body_bytes}; "
-                               "send a shorter prompt (or raise --max-body-bytes)")
-        body = await http.body()
-        if len(body) > limits.max_body_bytes:
-            return _error(413, f"request body of {len(body)} bytes exceeds the limit of {limits.max_body_bytes}")
-        try:
-            req = Completion.model_validate(json.loads(body))
-        except json.JSONDecodeError as e:
-            return _error(400, f"the body is not JSON ({e}); send {{\"prompt\": \"...\", \"max_tokens\": 16}}")
-        except ValidationError as e:
-            return _error(400, _explain(e))
-        if req.max_tokens > limits.max_tokens:
-            return _error(400, f"max_tokens {req.max_tokens} exceeds this server's limit of {limits.max_tokens}; "
-                               "ask for fewer")
-        ids = tokenizer.encode(req.prompt)
-        if len(ids) + req.max_tokens > batcher.max_len:
-            return _error(400, f"prompt of {len(ids)} tokens + max_tokens {req.max_tokens} exceeds the context of "
-                               f"{batcher.max_len} tokens; shorten the prompt or ask for fewer tokens")
-        if open_requests[0] >= limits.max_concurrent:
-            return _error(429, f"{limits.max_concurrent} requests are already running or waiting; retry later",
-                          "rate_limit_error")
-        if not worker.is_alive() or batcher.stopped:
-            return _error(503, "the model worker has stopped; the server is shutting down", "server_error")
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        text = TextStream(tokenizer, [s for s in stop if s])
-        counted = [True]
+    def _emit(self, token: int) -> None:     # on the batcher's thread: decode there, the event loop only sends
+        delta = self.text.add(token)
+        if self.text.stopped:
+            self.work.cancelled = True
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("text", delta))
 
-        def release() -> None:        # once, whichever comes first: the batcher's end or the response's
-            if counted[0]:
-                counted[0] = False
-                open_requests[0] -= 1
+    def _finish(self, reason: str) -> None:  # on the batcher's thread too
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, ("end", reason))
+        self.loop.call_soon_threadsafe(self.release)
 
-        def finish(reason: str) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, ("end", reason))
-            loop.call_soon_threadsafe(release)
-        work = Request(ids=ids, max_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                       top_p=req.top_p, eos=tokenizer.eos_token_id, seed=req.seed, emit=None, finish=finish)
+    def release(self) -> None:
+        """Leave the open count once, whichever comes first: the batcher's end or the response's."""
+        if self.counted:
+            self.counted = False
+            self.on_release()
 
-        def emit(token: int) -> None:      # on the batcher's thread: decode there, the event loop only sends
-            delta = text.add(token)
-            if text.stopped:
-                work.cancelled = True
-            loop.call_soon_threadsafe(queue.put_nowait, ("text", delta))
-        work.emit = emit
-        batcher.submit(work)
-        open_requests[0] += 1
-        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    def close(self) -> None:
+        """The response is done (or its client went away): the batcher frees the slot at its next step."""
+        self.work.cancelled = True
+        self.release()
 
-        def chunk(delta: str, reason: str | None) -> dict:
-            return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [{"text": delta, "index": 0, "logprobs": None, "finish_reason": reason}]}
+    def chunk(self, delta: str, reason: str | None) -> dict:
+        return {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model_name,
+                "choices": [{"text": delta, "index": 0, "logprobs": None, "finish_reason": reason}]}
 
-        if req.stream:
-            async def events():
-                try:
-                    while True:
-                        kind, value = await queue.get()
-                        if kind == "text":
-                            if value:
-                                yield f"data: {json.dumps(chunk(value, None))}\n\n"
-                            continue
-                        tail = text.rest() if value in ("length", "stop") else ""
-                        reason = "stop" if value in ("stop", "cancelled") else value
-                        if value.startswith("error"):
-                            yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
-                        else:
-                            yield f"data: {json.dumps(chunk(tail, reason))}\n\n"
-                        yield "data: [DONE]\n\n"
-                        return
-                finally:
-                    work.cancelled = True      # a client that went away frees its slot at the next step
-                    release()
-            return StreamingResponse(events(), media_type="text/event-stream")
 
-        out = []
+def finish_reason(end: str) -> str:
+    """OpenAI's finish_reason for the batcher's end: a stop string and a cancelled request both read "stop"."""
+    return "stop" if end in ("stop", "cancelled") else end
+
+
+def stream_response(job: Job) -> StreamingResponse:
+    """Server-sent events: a chunk per non-empty delta, a last chunk with the finish reason (or the error), then
+    [DONE]."""
+    async def events():
         try:
             while True:
-                kind, value = await queue.get()
+                kind, value = await job.queue.get()
                 if kind == "text":
-                    out.append(value)
+                    if value:
+                        yield f"data: {json.dumps(job.chunk(value, None))}\n\n"
                     continue
-                break
+                tail = job.text.rest() if value in ("length", "stop") else ""
+                if value.startswith("error"):
+                    yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
+                else:
+                    yield f"data: {json.dumps(job.chunk(tail, finish_reason(value)))}\n\n"
+                yield "data: [DONE]\n\n"
+                return
         finally:
-            work.cancelled = True
-            release()
-        if value.startswith("error"):
-            return _error(500, value.removeprefix("error: "), "server_error")
-        out.append(text.rest())
-        body = chunk("".join(out), "stop" if value in ("stop", "cancelled") else value)
-        body["usage"] = {"prompt_tokens": len(ids), "completion_tokens": work.generated,
-                         "total_tokens": len(ids) + work.generated}
-        return JSONResponse(body)
+            job.close()
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def whole_response(job: Job) -> JSONResponse:
+    """The whole completion in one body, with its token usage; a failed forward is a 500."""
+    out = []
+    try:
+        while True:
+            kind, value = await job.queue.get()
+            if kind == "text":
+                out.append(value)
+                continue
+            break
+    finally:
+        job.close()
+    if value.startswith("error"):
+        return error_response(500, value.removeprefix("error: "), "server_error")
+    out.append(job.text.rest())
+    body = job.chunk("".join(out), finish_reason(value))
+    generated = job.work.generated
+    body["usage"] = {"prompt_tokens": len(job.ids), "completion_tokens": generated,
+                     "total_tokens": len(job.ids) + generated}
+    return JSONResponse(body)
+
+
+class Service:
+    """The endpoints over one batcher and the thread it runs on."""
+
+    def __init__(self, batcher: Batcher, tokenizer, model_name: str, limits: Limits):
+        self.batcher, self.tokenizer, self.model_name, self.limits = batcher, tokenizer, model_name, limits
+        self.worker = threading.Thread(target=batcher.run, name="bunsan-batcher", daemon=True)
+        self.open_requests = 0     # accepted and not yet fully answered (the event loop's own count: no lock)
+
+    def alive(self) -> bool:
+        return self.worker.is_alive() and not self.batcher.stopped
+
+    async def health(self, _: HTTPRequest) -> JSONResponse:
+        active, waiting = self.batcher.load()
+        alive = self.alive()
+        return JSONResponse({"status": "ok" if alive else "stopped", "model": self.model_name, "active": active,
+                             "waiting": waiting, "slots": len(self.batcher.cache.lengths),
+                             "context": self.batcher.max_len}, status_code=200 if alive else 503)
+
+    def admit(self) -> None:
+        """Refuse a valid request the server cannot take now: too many open (429), or no worker (503)."""
+        if self.open_requests >= self.limits.max_concurrent:
+            raise Refused(429, f"{self.limits.max_concurrent} requests are already running or waiting; retry later",
+                          "rate_limit_error")
+        if not self.alive():
+            raise Refused(503, "the model worker has stopped; the server is shutting down", "server_error")
+
+    def _release(self) -> None:
+        self.open_requests -= 1
+
+    async def completions(self, http: HTTPRequest):
+        try:
+            req, ids = await read_completion(http, self.limits, self.tokenizer, self.batcher.max_len)
+            self.admit()
+        except Refused as refused:
+            return refused.response()
+        job = Job(req, ids, self.tokenizer, self.model_name, self._release)
+        self.batcher.submit(job.work)
+        # the batcher's finish releases through the event loop, so never before this count, even if it ends at once
+        self.open_requests += 1
+        return stream_response(job) if req.stream else await whole_response(job)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        worker.start()
+    async def lifespan(self, _app):
+        self.worker.start()
         try:
             yield
         finally:                       # requests still running are told the server is going away
-            batcher.stop()
-            worker.join(timeout=10)
+            self.batcher.stop()
+            self.worker.join(timeout=10)
 
-    return Starlette(routes=[Route("/health", health), Route("/v1/completions", completions, methods=["POST"])],
-                     lifespan=lifespan)
+
+def build_app(batcher: Batcher, tokenizer, model_name: str, limits: Limits | None = None) -> Starlette:
+    service = Service(batcher, tokenizer, model_name, limits or Limits())
+    routes = [Route("/health", service.health),
+              Route("/v1/completions", service.completions, methods=["POST"])]
+    return Starlette(routes=routes, lifespan=service.lifespan)
