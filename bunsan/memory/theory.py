@@ -131,6 +131,6 @@ def model_states(rp: "RankParams", dp: int, stage: int, d: int, opt: str, opt_pa
 
 def zero_paper(psi: float, n: int, k: float = 12, stage: int = 0) -> float:
     """Model-state bytes per rank in the ZeRO paper's accounting: 16-bit parameters and gradients
-    (2 bytes each) and K bytes of optimizer state per parameter (12 for mixed-precision Adam)."""
-    return {0: (2 + 2 + k) * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
-            3: (2 + 2 + k) * psi / n}[stage]
+    (2 bytes each) and K bytes of optimizer state per parameter (12 for mixed-precision Adam: the fp32
+    master copy's 4 and Adam's 8)."""
+    return model_state_bytes(psi, 2, k - 4, n, stage)["total"]
