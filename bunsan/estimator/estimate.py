@@ -16,9 +16,11 @@ from bunsan.pipeline import schedules
 from bunsan.estimator.layout import Layout
 from bunsan.comm.shm import ring_bytes
 from bunsan.comm.mailbox import resident_bytes
-from bunsan.estimator.activations import Micro, stage_activation_bytes
+from bunsan.estimator.activations import Micro, block_input_bytes, stage_activation_bytes
 from bunsan.estimator.shape import ModelShape, RankParams, load_shape, lora_rank_params, rank_params
-from bunsan.memory.theory import bucket_sizes, model_states
+from bunsan.memory.theory import (grad_shard_elems, gradient_bucket_bytes, model_states, nvme_swap_in_bytes,
+                                  placement, with_frozen_base, zero3_gathered_bytes)
+from bunsan.models.llama import LlamaConfig
 from bunsan.zero.reduce import IN_FLIGHT
 
 GiB = 1024 ** 3
@@ -90,109 +92,147 @@ def _in_flight(layout: Layout, rank: int) -> int:
     return schedules.in_flight_bound(layout.schedule, layout.pp, layout.grad_accum, layout.virtual_stages, rank)
 
 
+@dataclass(frozen=True)
+class ZeroStage:
+    """What a ZeRO stage puts in the table besides memory/theory.py's bytes: its notes, its own items."""
+    params: str                 # the parameters' note (formatted with elements, dp)
+    grads: str                  # the gradients' (formatted with precision)
+    sharded: str                # after the master weights' and optimizer states' notes
+    buckets: str | None         # the gradient buckets reduced in backward; None: none beside the flat buffer
+    gathers: bool = False       # gathers parameters unit by unit in backward
+    shard_at_step: bool = False  # makes the fp32 gradient shard at the last reduce, for the step
+
+
+ZERO_STAGES = {
+    0: ZeroStage("{elements:,} elements", "{precision}, full", "", None),
+    1: ZeroStage("{elements:,} elements", "{precision}, full", ", sharded",
+                 f"{IN_FLIGHT + 1} buckets being reduced (outputs)", shard_at_step=True),
+    2: ZeroStage("{elements:,} elements", "fp32 shard", ", sharded", f"{IN_FLIGHT + 1} buckets being reduced"),
+    3: ZeroStage("{elements:,} elements, sharded over {dp}", "fp32 shard", ", sharded",
+                 "root unit's and one block's gradients", gathers=True),
+}
+
+
 def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, device_type: str,
                 runtime: float, zero: dict, opt_params: dict,
                 base: RankParams | None = None) -> tuple[list[Item], dict]:
+    """One pipeline rank's items in the table's order (the process, its model states, what backward adds,
+    what the step adds) and its model states. `base`: LoRA's frozen base weights beside the adapters `rp`."""
     on_cpu = device_type == "cpu"
-    d, n, stage = layout.dtype_bytes, layout.dp, layout.zero
     bucket = int(zero.get("reduce_bucket_size", 10_000_000))
-    st = model_states(rp, n, stage, d, layout.optimizer, opt_params, bucket,
+    st = model_states(rp, layout.dp, layout.zero, layout.dtype_bytes, layout.optimizer, opt_params, bucket,
                       layout.offload_optimizer, layout.offload_param, on_cpu=on_cpu)
     frozen = base.total if base is not None else 0
-    if frozen:   # LoRA: the base weights are held (in the model dtype; sharded at ZeRO-3) but get no gradients
-        held = frozen * d / (n if stage == 3 else 1)       # or optimizer states
-        st = {**st, "params": st["params"] + held, "model_states": st["model_states"] + held,
-              "device": st["device"] + held}
-    place = {"params": layout.offload_param, "master_weights": layout.offload_optimizer,
-             "optimizer_states": layout.offload_optimizer,
-             "grads": "cpu" if stage >= 2 and layout.offload_optimizer != "none" else "none"}
-    items = [Item("runtime", device=runtime,
-                  note="process before the model" if on_cpu else "CUDA context and workspaces (typical)")]
-    if on_cpu:
-        items.append(Item("math library workspace", device=CPU_WORKSPACE_BYTES, note="measured after a first step"))
-        groups = [g for g in (layout.dp, layout.tp) if g > 1]      # gloo collectives through shared memory
-        if groups:
-            items.append(Item("collective buffers", device=sum(ring_bytes(g) for g in groups),
-                              note="a shared-memory ring per " + " and ".join(
-                                  w for w, g in (("data", layout.dp), ("tensor", layout.tp)) if g > 1)
-                              + "-parallel group of this rank (train.gloo_collectives: shm)"))
-    else:
-        items.append(Item("host process", host=HOST_PROCESS_BYTES, note="CUDA libraries, pinned buffers (assumed)"))
-    notes = {"params": f"{rp.total + frozen:,} elements" + (f", sharded over {n}" if stage == 3 else "")
-             + (f" ({frozen:,} frozen base, {rp.total:,} LoRA adapters)" if frozen else ""),
-             "grads": "fp32 shard" if stage >= 2 else f"{layout.precision}, full",
-             "master_weights": "fp32" + (", sharded" if stage else ""),
-             "optimizer_states": layout.optimizer + (", sharded" if stage else "")}
-    for kind in ("params", "grads", "master_weights", "optimizer_states"):
-        where = place.get(kind, "none")
-        v = st[kind]
-        if where == "nvme":
-            items.append(Item(kind, disk=st["on_disk"][kind], note=notes[kind] + ", on NVMe"))
-        elif where == "cpu" and not on_cpu:
-            items.append(Item(kind, host=v, note=notes[kind] + ", in host memory"))
-        else:
-            items.append(Item(kind, device=v, note=notes[kind]))
+    st = with_frozen_base(st, frozen, layout.dp, layout.zero, layout.dtype_bytes)
+    items = (_process_items(layout, runtime, on_cpu)
+             + _model_state_items(st, rp, frozen, layout, on_cpu)
+             + _activation_items(shape.llama, rp, rank, layout, on_cpu)
+             + _backward_buffer_items(shape, rp, base, layout, bucket)
+             + _step_items(shape, rp, st, layout, zero, on_cpu))
+    return items, st
 
-    c = shape.llama
-    shard = st["grads"] / 4 if stage >= 2 else rp.total / n
-    if c is not None:
-        micro = Micro(layout.micro_batch, layout.seq_len, d, layout.tp, layout.sequence_parallel,
-                      device="cpu" if on_cpu else "cuda")
-        flight = _in_flight(layout, rank)
-        blocks = rp.blocks / layout.virtual_stages if layout.pp > 1 else rp.blocks
-        act = stage_activation_bytes(c, micro, blocks, rp.has_embedding, rp.has_head,
-                                     layout.checkpointing, flight)
-        what = "block inputs (checkpointed)" if layout.checkpointing else "saved for backward"
-        items.append(Item("activations", device=act["kept"], phase="backward",
-                          note=f"{what}, {flight} micro-batch(es) in flight" if layout.pp > 1 else what))
-        if act["recompute"] or act["loss_transient"]:
-            big = max(act["recompute"], act["loss_transient"])
-            name = "logits gradients" if act["loss_transient"] >= act["recompute"] else "one block recomputed"
-            items.append(Item(name, device=big, phase="backward", note="at the start of backward"))
-        if layout.pp > 1:
-            msg = d * micro.b * micro.s * c.hidden_size / micro.seq_div
-            items.append(Item("pipeline buffers", device=2 * msg * flight, phase="backward",
-                              note="stage input and output per micro-batch in flight"))
-            if on_cpu:   # the shared-memory mailbox's slots (comm/mailbox.py), touched as far as messages reach
-                items.append(Item("pipeline mailbox", device=resident_bytes(layout.pp, msg),
-                                  note="shared-memory slots to and from the neighbouring stages"))
-    biggest = max(rp.numels, default=0)
+
+def _process_items(layout: Layout, runtime: float, on_cpu: bool) -> list[Item]:
+    """What the process holds besides the model: its runtime; on a CPU run the math library's workspace and
+    the shared-memory rings of its collectives, on a GPU run the process's host memory."""
+    if not on_cpu:
+        return [Item("runtime", device=runtime, note="CUDA context and workspaces (typical)"),
+                Item("host process", host=HOST_PROCESS_BYTES, note="CUDA libraries, pinned buffers (assumed)")]
+    items = [Item("runtime", device=runtime, note="process before the model"),
+             Item("math library workspace", device=CPU_WORKSPACE_BYTES, note="measured after a first step")]
+    groups = [(w, g) for w, g in (("data", layout.dp), ("tensor", layout.tp)) if g > 1]
+    if groups:      # gloo collectives through shared memory
+        items.append(Item("collective buffers", device=sum(ring_bytes(g) for _, g in groups),
+                          note="a shared-memory ring per " + " and ".join(w for w, _ in groups)
+                          + "-parallel group of this rank (train.gloo_collectives: shm)"))
+    return items
+
+
+def _model_state_items(st: dict, rp: RankParams, frozen: int, layout: Layout, on_cpu: bool) -> list[Item]:
+    """Parameters, gradients, master weights and optimizer states, each where it lives (device, host, NVMe)."""
+    words = ZERO_STAGES[layout.zero]
+    params = words.params.format(elements=rp.total + frozen, dp=layout.dp)
+    if frozen:
+        params += f" ({frozen:,} frozen base, {rp.total:,} LoRA adapters)"
+    notes = {"params": params, "grads": words.grads.format(precision=layout.precision),
+             "master_weights": "fp32" + words.sharded, "optimizer_states": layout.optimizer + words.sharded}
+    place = placement(layout.zero, layout.offload_optimizer, layout.offload_param)
+    items = []
+    for kind, note in notes.items():
+        if place[kind] == "nvme":
+            items.append(Item(kind, disk=st["on_disk"][kind], note=note + ", on NVMe"))
+        elif place[kind] == "cpu" and not on_cpu:
+            items.append(Item(kind, host=st[kind], note=note + ", in host memory"))
+        else:
+            items.append(Item(kind, device=st[kind], note=note))
+    return items
+
+
+def _activation_items(c: LlamaConfig | None, rp: RankParams, rank: int, layout: Layout,
+                      on_cpu: bool) -> list[Item]:
+    """A Llama's activations kept for backward, the transient at its start, and under PP the stage's messages."""
+    if c is None:
+        return []
+    micro = Micro(layout.micro_batch, layout.seq_len, layout.dtype_bytes, layout.tp, layout.sequence_parallel,
+                  device="cpu" if on_cpu else "cuda")
+    flight = _in_flight(layout, rank)
+    blocks = rp.blocks / layout.virtual_stages if layout.pp > 1 else rp.blocks
+    act = stage_activation_bytes(c, micro, blocks, rp.has_embedding, rp.has_head, layout.checkpointing, flight)
+    what = "block inputs (checkpointed)" if layout.checkpointing else "saved for backward"
+    items = [Item("activations", device=act["kept"], phase="backward",
+                  note=f"{what}, {flight} micro-batch(es) in flight" if layout.pp > 1 else what)]
+    if act["recompute"] or act["loss_transient"]:
+        big = max(act["recompute"], act["loss_transient"])
+        name = "logits gradients" if act["loss_transient"] >= act["recompute"] else "one block recomputed"
+        items.append(Item(name, device=big, phase="backward", note="at the start of backward"))
+    if layout.pp == 1:
+        return items
+    msg = block_input_bytes(c, micro)     # a stage's input or output: the residual stream of one micro-batch
+    items.append(Item("pipeline buffers", device=2 * msg * flight, phase="backward",
+                      note="stage input and output per micro-batch in flight"))
+    if on_cpu:   # the shared-memory mailbox's slots (comm/mailbox.py), touched as far as messages reach
+        items.append(Item("pipeline mailbox", device=resident_bytes(layout.pp, msg),
+                          note="shared-memory slots to and from the neighbouring stages"))
+    return items
+
+
+def _backward_buffer_items(shape: ModelShape, rp: RankParams, base: RankParams | None, layout: Layout,
+                           bucket: int) -> list[Item]:
+    """Beside the activations in backward: the largest weight's fresh gradient, ZeRO-3's gathered units and
+    the gradient buckets being reduced."""
+    words, d = ZERO_STAGES[layout.zero], layout.dtype_bytes
+    items = []
     if not shape.bare:
-        items.append(Item("weight gradient", device=biggest * d, phase="backward",
+        items.append(Item("weight gradient", device=max(rp.numels, default=0) * d, phase="backward",
                           note="the largest weight's fresh gradient before it is accumulated"))
-    if stage == 3:   # (LoRA: a unit gathers its frozen base with its adapters)
-        units = [a + b for a, b in zip(rp.units, base.units)] if base is not None else rp.units
-        root = rp.root + (base.root if base is not None else 0)
-        items.append(Item("ZeRO-3 gathered", device=(root + 2 * max(units, default=0)) * d, phase="backward",
+    if words.gathers:
+        items.append(Item("ZeRO-3 gathered", device=zero3_gathered_bytes(rp, d, base), phase="backward",
                           note="root unit + a block and its prefetch"))
-    if stage == 3:
-        # The root unit's staging bucket opens with the head's gradient, first in backward, and closes with the
-        # embedding's, last: it and the block being filled are what stand beside the activations.
-        items.append(Item("gradient buckets", device=(rp.root + max(rp.units, default=0)) * d, phase="backward",
-                          note="root unit's and one block's gradients"))
-    elif stage >= 1:
-        # The reducer keeps IN_FLIGHT buckets in flight and launches one more before it waits: each has a
-        # reduce-scatter output (1/N of it) and, at stage 2, the full staging bucket autograd copied into.
-        sizes = sorted(bucket_sizes(rp.numels, bucket, stage))
-        live = sum(sizes[-(IN_FLIGHT + 1):])
-        held = live * d * ((1 if stage == 2 else 0) + 1 / n)
-        items.append(Item("gradient buckets", device=held, phase="backward",
-                          note=f"{IN_FLIGHT + 1} buckets being reduced" + (" (outputs)" if stage == 1 else "")))
-    if layout.offload_optimizer == "nvme":
-        sub = min(int(zero.get("sub_group_size", 10 ** 9)), shard)
-        k = st["on_disk"].get("optimizer_states", 0.0) / max(shard, 1)
-        swapped = sub * (4 + k)       # read back into host memory (which is the device on a CPU run)
+    if words.buckets is not None:
+        items.append(Item("gradient buckets", device=gradient_bucket_bytes(rp, layout.dp, layout.zero, d, bucket),
+                          phase="backward", note=words.buckets))
+    return items
+
+
+def _step_items(shape: ModelShape, rp: RankParams, st: dict, layout: Layout, zero: dict,
+                on_cpu: bool) -> list[Item]:
+    """What the optimizer step adds: the NVMe swap-in, ZeRO-1's fp32 gradient shard, per-tensor temporaries."""
+    shard = grad_shard_elems(st, rp, layout.dp, layout.zero)
+    items = []
+    if layout.offload_optimizer == "nvme":   # read back into host memory (which is the device on a CPU run)
+        swapped = nvme_swap_in_bytes(st, shard, int(zero.get("sub_group_size", 10 ** 9)))
         items.append(Item("NVMe swap-in", device=swapped if on_cpu else 0.0, host=0.0 if on_cpu else swapped,
                           phase="step", note="one sub-group's master and states read back for its step"))
-    if stage == 1:
+    if ZERO_STAGES[layout.zero].shard_at_step:
         on_host = layout.offload_optimizer != "none" and not on_cpu
         items.append(Item("fp32 gradient shard", device=0.0 if on_host else shard * 4,
                           host=shard * 4 if on_host else 0.0, phase="step", note="from the reduce to the step"))
-    largest = biggest if stage == 0 else min(biggest, shard)
     if on_cpu and not shape.bare and layout.optimizer.lower() in ("adamw", "adam"):
+        biggest = max(rp.numels, default=0)     # the largest tensor (or piece of the shard) stepped at once
+        largest = biggest if layout.zero == 0 else min(biggest, shard)
         items.append(Item("optimizer temporaries", device=2 * 4 * largest, phase="step",
                           note="per-tensor AdamW on CPU"))
-    return items, st
+    return items
 
 
 def _peak(items: list[Item]) -> float:

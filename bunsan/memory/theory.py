@@ -9,7 +9,9 @@ Two accountings:
   gradients are padded per bucket to a multiple of N x 16 elements; stages 2 and 3
   keep the gradient shard in fp32 (micro-steps add without 16-bit rounding), where
   the ZeRO paper counts 16-bit gradients; an fp32 model is its own master copy.
-  It says where each kind lives (device, host or disk) for each offload setting.
+  It says where each kind lives (device, host or disk) for each offload setting (`placement`).
+Beside the resident states, the transients of the ZeRO stages: the gradient shard the optimizer steps,
+ZeRO-3's gathered units, the gradient buckets in flight, the NVMe swap-in.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 from typing import TYPE_CHECKING
 
 from bunsan.zero.layout import ALIGN, ShardLayout
+from bunsan.zero.reduce import IN_FLIGHT
 
 if TYPE_CHECKING:   # the estimator builds it; theory only reads its fields
     from bunsan.estimator.shape import RankParams
@@ -98,6 +101,14 @@ def padded(numels: list[int], n: int, bucket_elems: int, stage: int, units: list
     return sum(-(-g // step) * step for g in groups)
 
 
+def placement(stage: int, offload_optimizer: str = "none", offload_param: str = "none") -> dict[str, str]:
+    """Where each model-state kind lives: "none" (the compute device), "cpu" (host memory) or "nvme"."""
+    # With the optimizer offloaded (cpu or nvme) it steps on the host, where stages 2-3 reduce the fp32 shard.
+    host_grads = "cpu" if stage >= 2 and offload_optimizer != "none" else "none"
+    return {"params": offload_param, "grads": host_grads, "master_weights": offload_optimizer,
+            "optimizer_states": offload_optimizer}
+
+
 def model_states(rp: "RankParams", dp: int, stage: int, d: int, opt: str, opt_params: dict | None = None,
                  bucket_elems: int = 10_000_000, offload_optimizer: str = "none",
                  offload_param: str = "none", on_cpu: bool = False) -> dict:
@@ -115,10 +126,7 @@ def model_states(rp: "RankParams", dp: int, stage: int, d: int, opt: str, opt_pa
              # (Adafactor under ZeRO: each rank keeps the row and column moments of the matrices it has a part
              # of, about 1/N of them)
              "optimizer_states": optimizer_bytes(opt, rp.shapes, opt_params) * (opt_elems / max(rp.total, 1))}
-    # With the optimizer offloaded (cpu or nvme) it steps on the host, where stages 2-3 reduce the fp32 shard.
-    host_grads = "cpu" if stage >= 2 and offload_optimizer != "none" else "none"
-    place = {"params": offload_param, "grads": host_grads, "master_weights": offload_optimizer,
-             "optimizer_states": offload_optimizer}
+    place = placement(stage, offload_optimizer, offload_param)
     host = sum(v for k, v in kinds.items() if place[k] == "cpu")
     disk = sum(v for k, v in kinds.items() if place[k] == "nvme")
     out = {k: (0.0 if place[k] == "nvme" else v) for k, v in kinds.items()}
@@ -127,6 +135,54 @@ def model_states(rp: "RankParams", dp: int, stage: int, d: int, opt: str, opt_pa
     out["on_disk"] = {k: v for k, v in kinds.items() if place[k] == "nvme"}
     out["device"] = out["model_states"] - host
     return out
+
+
+def with_frozen_base(states: dict, frozen: int, dp: int, stage: int, d: int) -> dict:
+    """`states` (model_states of the LoRA adapters) with the `frozen` base elements held beside them: in the
+    model dtype, sharded at ZeRO-3, on the device, with no gradients or optimizer states of their own."""
+    if not frozen:
+        return states
+    held = frozen * d / (dp if stage == 3 else 1)
+    return {**states, "params": states["params"] + held, "model_states": states["model_states"] + held,
+            "device": states["device"] + held}
+
+
+# -- transient bytes of the ZeRO stages, beside the resident model states ---------------------------
+def grad_shard_elems(states: dict, rp: "RankParams", dp: int, stage: int) -> float:
+    """Elements of the fp32 gradient shard the optimizer steps: the padded shard stages 2-3 keep (their
+    gradients are fp32), else 1/N of the parameters (ZeRO-1 makes it at the last reduce)."""
+    return states["grads"] / 4 if stage >= 2 else rp.total / dp
+
+
+def zero3_gathered_bytes(rp: "RankParams", d: int, base: "RankParams | None" = None) -> float:
+    """ZeRO-3's gathered parameters in backward: the root unit, a block and its prefetch (LoRA: a unit
+    gathers its frozen `base` with its adapters)."""
+    units = [a + b for a, b in zip(rp.units, base.units)] if base is not None else rp.units
+    root = rp.root + (base.root if base is not None else 0)
+    return (root + 2 * max(units, default=0)) * d
+
+
+def gradient_bucket_bytes(rp: "RankParams", dp: int, stage: int, d: int, bucket_elems: int) -> float:
+    """Gradient buckets held in backward, beside the activations (stage 0: none beyond the flat buffer)."""
+    if stage == 0:
+        return 0.0
+    if stage == 3:
+        # The root unit's staging bucket opens with the head's gradient, first in backward, and closes with the
+        # embedding's, last: it and the block being filled are what stand beside the activations.
+        return (rp.root + max(rp.units, default=0)) * d
+    # The reducer keeps IN_FLIGHT buckets in flight and launches one more before it waits: each has a
+    # reduce-scatter output (1/N of it) and, at stage 2, the full staging bucket autograd copied into.
+    sizes = sorted(bucket_sizes(rp.numels, bucket_elems, stage))
+    live = sum(sizes[-(IN_FLIGHT + 1):])
+    return live * d * ((1 if stage == 2 else 0) + 1 / dp)
+
+
+def nvme_swap_in_bytes(states: dict, shard: float, sub_group_elems: int) -> float:
+    """Optimizer on NVMe: one sub-group's fp32 master weights and optimizer states read back into host
+    memory for its step (`shard`: grad_shard_elems)."""
+    sub = min(sub_group_elems, shard)
+    k = states["on_disk"].get("optimizer_states", 0.0) / max(shard, 1)
+    return sub * (4 + k)
 
 
 def zero_paper(psi: float, n: int, k: float = 12, stage: int = 0) -> float:

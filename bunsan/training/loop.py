@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,7 @@ from bunsan.comm.process_group import init_distributed
 from bunsan.doctor.slow import comm_advice
 from bunsan.transforms.lora import merge_lora
 from bunsan.training.metrics import Metrics, peak_flops
-from bunsan.models import Llama, build_config, flops_per_token
+from bunsan.models import Llama, LlamaConfig, build_config, flops_per_token
 from bunsan.models.hf import read_config
 from bunsan.pipeline import write_timeline
 
@@ -95,6 +97,30 @@ def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
 
 
 def run_training(cfg: Config) -> dict:
+    """Train as `cfg` says, on this rank: set up, resume, the steps, the end-of-run outputs (a summary dict)."""
+    run = set_up(cfg)
+    start, first_loss = resume(run.engine, cfg, run.loader)
+    meter = open_meter(run)
+    clock = StepClock(start)
+    losses, first_loss = train_steps(run, meter, clock, first_loss)
+    return finish(run, meter, clock, losses, first_loss)
+
+
+@dataclass
+class Run:
+    """What this rank trains with: its corpus, the model's shape, the engine and the batches."""
+    cfg: Config
+    device: torch.device
+    rank: int
+    tokens: Any                       # the whole corpus's token ids
+    mcfg: LlamaConfig
+    engine: Any
+    loader: Any                       # the training batches (resumable: state_dict/load_state_dict)
+    val: TokenBatches | None          # the held-out split
+
+
+def set_up(cfg: Config) -> Run:
+    """Process group, tokens, model and engine, the batches; a Hugging Face model's weights (train.init_from)."""
     device = init_distributed(cfg.train.backend, timeout_s=cfg.train.timeout_s)
     rank = dist.get_rank()
     torch.manual_seed(cfg.train.seed)
@@ -102,102 +128,167 @@ def run_training(cfg: Config) -> dict:
     files = resolve_paths(cfg.data.paths) if cfg.data.paths else None
     # Rank 0 tokenises (once, cached); the others wait for the cache file to appear and map it.
     tokens = load_tokens(files, tokenizer, cfg.data.cache_dir, cfg.data.max_bytes, build=rank == 0)
-    mcfg = model_config(cfg, tokenizer.vocab_size)
-    if cfg.train.init_from:       # the Hugging Face model's shape; its weights are loaded once the layout exists
-        mcfg = read_config(cfg.train.init_from)
-        if mcfg.vocab_size < tokenizer.vocab_size or mcfg.max_position_embeddings < cfg.data.seq_len:
-            raise ValueError(f"{cfg.train.init_from} has vocab_size {mcfg.vocab_size} and max_position_embeddings "
-                             f"{mcfg.max_position_embeddings}; the data needs at least {tokenizer.vocab_size} and "
-                             f"{cfg.data.seq_len}: use its tokenizer (data.tokenizer) or a shorter data.seq_len")
+    mcfg = run_model_config(cfg, tokenizer.vocab_size)
     if cfg.pipeline.stages > 1:   # each rank allocates and initialises only its own stages
         with torch.device("meta"):
             model = Llama(mcfg)
     else:
         model = Llama(mcfg)
     engine = initialize(model, cfg)
-    seq = cfg.data.seq_len
-    batches = TokenBatches(tokens, seq, engine.train_batch_size, engine.dp_rank, engine.dp_size,
+    batches = TokenBatches(tokens, cfg.data.seq_len, engine.train_batch_size, engine.dp_rank, engine.dp_size,
                            seed=cfg.train.seed, val_fraction=cfg.data.val_fraction)
     loader = make_loader(batches, cfg.data.num_workers, cfg.data.pin_memory, cfg.data.prefetch_factor)
     val = val_batches(tokens, cfg, engine)
     if cfg.train.init_from:
         load_hf_into_engine(engine, cfg.train.init_from)
-    start, first_loss = resume(engine, cfg, loader)
+    return Run(cfg, device, rank, tokens, mcfg, engine, loader, val)
 
+
+def run_model_config(cfg: Config, vocab_size: int):
+    """The model's shape: the config's, or with train.init_from the Hugging Face model's (its weights are
+    loaded once the layout exists)."""
+    mcfg = model_config(cfg, vocab_size)
+    if not cfg.train.init_from:
+        return mcfg
+    mcfg = read_config(cfg.train.init_from)
+    if mcfg.vocab_size < vocab_size or mcfg.max_position_embeddings < cfg.data.seq_len:
+        raise ValueError(f"{cfg.train.init_from} has vocab_size {mcfg.vocab_size} and max_position_embeddings "
+                         f"{mcfg.max_position_embeddings}; the data needs at least {vocab_size} and "
+                         f"{cfg.data.seq_len}: use its tokenizer (data.tokenizer) or a shorter data.seq_len")
+    return mcfg
+
+
+@dataclass
+class Meter:
+    """What the run's log lines and summary measure against."""
+    out_dir: Path
+    metrics: Metrics
+    entropy: float | None             # the corpus's unigram entropy (rank 0)
+    flops_per_token: float
+    peak: float | None                # the device's peak FLOP/s, when known
+    tokens_per_step: int
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        return tokens_per_s * self.flops_per_token / (self.peak * dist.get_world_size()) if self.peak else None
+
+
+def open_meter(run: Run) -> Meter:
+    """The metrics file and console; rank 0 prints the run's first line."""
+    cfg, engine, seq = run.cfg, run.engine, run.cfg.data.seq_len
     out_dir = Path(cfg.train.output_dir)
-    metrics = Metrics(out_dir, cfg.train.metrics_file, cfg.train.steps, rank, cfg.tensorboard)
-    entropy = unigram_entropy(tokens[: 50_000_000]) if rank == 0 else None
-    n_params = mcfg.num_params()   # the whole model's, whatever this rank holds (ZeRO-3, TP, PP)
-    fpt = flops_per_token(mcfg, seq)
-    peak = peak_flops(device)
-    tokens_per_step = engine.train_batch_size * seq
-    if rank == 0:
+    metrics = Metrics(out_dir, cfg.train.metrics_file, cfg.train.steps, run.rank, cfg.tensorboard)
+    entropy = unigram_entropy(run.tokens[: 50_000_000]) if run.rank == 0 else None
+    n_params = run.mcfg.num_params()   # the whole model's, whatever this rank holds (ZeRO-3, TP, PP)
+    meter = Meter(out_dir, metrics, entropy, flops_per_token(run.mcfg, seq), peak_flops(run.device),
+                  engine.train_batch_size * seq)
+    if run.rank == 0:
         metrics.console.print(
             f"[bold]bunsan train[/]: {cfg.model.preset} Llama, {n_params / 1e6:.2f}M params, "
-            f"{dist.get_world_size()} x {device.type}, dp={engine.dp_size}, zero={cfg.zero_optimization.stage}, "
+            f"{dist.get_world_size()} x {run.device.type}, dp={engine.dp_size}, zero={cfg.zero_optimization.stage}, "
             f"batch {engine.train_batch_size} x {seq} tokens (micro {engine.micro_batch} x accum "
-            f"{engine.grad_accum}), {len(tokens):,} corpus tokens, unigram entropy {entropy:.3f} nats")
-    losses, t_start, t_last, steps_timed = [], None, time.perf_counter(), 0
-    wait_start = wait_after_first = 0.0      # comm waits from the first timed step on (the doctor's share)
-    it = iter(loader)
-    for step in range(start + 1, cfg.train.steps + 1):
-        batch = next(it)
-        loss = engine.train_batch(batch)
-        wait_after_first = engine.comm.wait_s if step == start + 1 else wait_after_first
+            f"{engine.grad_accum}), {len(run.tokens):,} corpus tokens, unigram entropy {entropy:.3f} nats")
+    return meter
+
+
+@dataclass
+class StepClock:
+    """Times the steps from the second of this run on (the first pays for warm-up: allocation, compile),
+    and the communication waits over the same steps (the doctor's share)."""
+    start: int                        # steps done before this run (resumed)
+    t_last: float = field(default_factory=time.perf_counter)
+    t_start: float | None = None
+    steps_timed: int = 0
+    wait_start: float = 0.0
+    wait_after_first: float = 0.0
+
+    def tick(self, step: int) -> float:
+        """Step `step` is done (the caller has put the waits after the first in wait_after_first): the time now."""
+        now = time.perf_counter()
+        if step == self.start + 2:
+            self.t_start, self.steps_timed = self.t_last, 0
+            self.wait_start = self.wait_after_first
+        self.steps_timed += 1 if self.t_start is not None else 0
+        self.t_last = now
+        return now
+
+    def tokens_per_s(self, tokens_per_step: int, now: float) -> float:
+        if self.t_start is None:
+            return 0.0
+        return tokens_per_step * self.steps_timed / max(now - self.t_start, 1e-9)
+
+
+def train_steps(run: Run, meter: Meter, clock: StepClock, first_loss: float | None) -> tuple[list, float | None]:
+    """The steps left after clock.start: train, checkpoint, log, evaluate. (losses, first loss of the run)."""
+    cfg, engine = run.cfg, run.engine
+    losses = []
+    it = iter(run.loader)
+    for step in range(clock.start + 1, cfg.train.steps + 1):
+        loss = engine.train_batch(next(it))
+        if step == clock.start + 1:
+            clock.wait_after_first = engine.comm.wait_s
         losses.append(loss)
         first_loss = loss if first_loss is None else first_loss
         save_every = cfg.checkpoint.save_interval
         if cfg.checkpoint.dir and (step == cfg.train.steps or save_every and step % save_every == 0):
-            engine.save_checkpoint(cfg.checkpoint.dir, client_state={"data": loader.state_dict(),
+            engine.save_checkpoint(cfg.checkpoint.dir, client_state={"data": run.loader.state_dict(),
                                                                      "first_loss": first_loss})
-        now = time.perf_counter()
-        if step == start + 2:  # the first step pays for warm-up (allocation, compile): time from the next on
-            t_start, steps_timed = t_last, 0
-            wait_start = wait_after_first
-        steps_timed += 1 if t_start is not None else 0
-        t_last = now
+        now = clock.tick(step)
         if step % cfg.steps_per_print == 0 or step == cfg.train.steps or step == 1:
-            tps = tokens_per_step * steps_timed / max(now - t_start, 1e-9) if t_start is not None else 0.0
-            record = {"step": step, "loss": loss, "lr": engine.lr, "grad_norm": engine.last_grad_norm,
-                      "loss_scale": engine.loss_scale, "tokens_per_s": tps,
-                      "mfu": tps * fpt / (peak * dist.get_world_size()) if peak else None,
-                      "comm_bytes": engine.comm_stats()["step_bytes"]}
-            if cfg.train.log_memory:
-                record["memory"] = gather_memory(engine)
-            metrics.log(record)
-        if val is not None and cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
-            metrics.log({"step": step, "val_loss": evaluate(engine, val, cfg.train.eval_batches)})
-    elapsed = time.perf_counter() - (t_start or t_last)
-    waited = engine.comm.wait_s - wait_start        # over the same steps as `elapsed`
-    tps = tokens_per_step * max(steps_timed, 1) / max(elapsed, 1e-9)
+            log_step(run, meter, step, loss, clock.tokens_per_s(meter.tokens_per_step, now))
+        if run.val is not None and cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
+            meter.metrics.log({"step": step, "val_loss": evaluate(engine, run.val, cfg.train.eval_batches)})
+    return losses, first_loss
+
+
+def log_step(run: Run, meter: Meter, step: int, loss: float, tokens_per_s: float) -> None:
+    engine = run.engine
+    record = {"step": step, "loss": loss, "lr": engine.lr, "grad_norm": engine.last_grad_norm,
+              "loss_scale": engine.loss_scale, "tokens_per_s": tokens_per_s, "mfu": meter.mfu(tokens_per_s),
+              "comm_bytes": engine.comm_stats()["step_bytes"]}
+    if run.cfg.train.log_memory:
+        record["memory"] = gather_memory(engine)
+    meter.metrics.log(record)
+
+
+def finish(run: Run, meter: Meter, clock: StepClock, losses: list, first_loss: float | None) -> dict:
+    """End of the run: measured memory, the pipeline timeline, the final weights, held-out loss, the summary."""
+    cfg, engine, out_dir = run.cfg, run.engine, meter.out_dir
+    elapsed = time.perf_counter() - (clock.t_start or clock.t_last)
+    waited = engine.comm.wait_s - clock.wait_start        # over the same steps as `elapsed`
+    tps = meter.tokens_per_step * max(clock.steps_timed, 1) / max(elapsed, 1e-9)
     memory = gather_memory(engine)
-    timeline = engine.pipeline_timeline()     # collective over the pipeline group
-    if timeline is not None and rank == 0:
-        t = write_timeline(timeline, engine.pipe, out_dir)
-        extra_timeline = {"pipeline bubble": f"{t['bubble']:.3f} measured, {t['theory']:.3f} theory, "
-                                             f"{t['simulated']:.3f} simulated with the measured stage times "
-                                             f"({t['schedule']}; {out_dir / 'timeline.png'})"}
-    else:
-        extra_timeline = {}
+    extra_timeline = timeline_summary(run, out_dir)     # collective over the pipeline group
     if not losses:    # resumed a finished run: nothing left to train
         losses = [float("nan")]
-    final = save_weights(engine, cfg, mcfg, out_dir, {"steps": cfg.train.steps, "final_loss": losses[-1]})
-    mfu = tps * fpt / (peak * dist.get_world_size()) if peak else None
+    final = save_weights(engine, cfg, run.mcfg, out_dir, {"steps": cfg.train.steps, "final_loss": losses[-1]})
+    mfu = meter.mfu(tps)
     tail = losses[-10:]
     extra = {"loss, mean of last steps": f"{sum(tail) / len(tail):.4f} (last {len(tail)} steps)", **extra_timeline}
-    val_loss = evaluate(engine, val, cfg.train.eval_batches) if val is not None else None
+    val_loss = evaluate(engine, run.val, cfg.train.eval_batches) if run.val is not None else None
     if val_loss is not None:
         extra["held-out loss"] = f"{val_loss:.4f} ({cfg.train.eval_batches} validation batches)"
-        metrics.log({"step": cfg.train.steps, "val_loss": val_loss})
-    if t_start is not None:       # (a run of one step, or one resumed at its end, has no timed steps)
-        share, advice = comm_advice(cfg, waited, max(elapsed, 1e-9), dist.get_world_size(), mcfg, device.type)
-        extra["waiting for communication"] = f"{share:.0%} of step time (rank {rank})" + (
+        meter.metrics.log({"step": cfg.train.steps, "val_loss": val_loss})
+    if clock.t_start is not None:       # (a run of one step, or one resumed at its end, has no timed steps)
+        share, advice = comm_advice(cfg, waited, max(elapsed, 1e-9), dist.get_world_size(), run.mcfg,
+                                    run.device.type)
+        extra["waiting for communication"] = f"{share:.0%} of step time (rank {run.rank})" + (
             f"\n{advice}" if advice else "")
     extra.update({"weights": str(final / "model.safetensors"), "metrics": str(out_dir / cfg.train.metrics_file)})
-    metrics.summary(first_loss, losses[-1], entropy, tps, mfu, memory, extra)
-    metrics.close()
-    return {"first_loss": first_loss, "last_loss": losses[-1], "resumed_from": start, "val_loss": val_loss,
-            "entropy": entropy, "tokens_per_s": tps, "memory": memory, "final": str(final)}
+    meter.metrics.summary(first_loss, losses[-1], meter.entropy, tps, mfu, memory, extra)
+    meter.metrics.close()
+    return {"first_loss": first_loss, "last_loss": losses[-1], "resumed_from": clock.start, "val_loss": val_loss,
+            "entropy": meter.entropy, "tokens_per_s": tps, "memory": memory, "final": str(final)}
+
+
+def timeline_summary(run: Run, out_dir: Path) -> dict:
+    """Under PP, rank 0 draws the measured timeline and says its bubble (collective over the pipeline group)."""
+    timeline = run.engine.pipeline_timeline()
+    if timeline is None or run.rank != 0:
+        return {}
+    t = write_timeline(timeline, run.engine.pipe, out_dir)
+    return {"pipeline bubble": f"{t['bubble']:.3f} measured, {t['theory']:.3f} theory, "
+                               f"{t['simulated']:.3f} simulated with the measured stage times "
+                               f"({t['schedule']}; {out_dir / 'timeline.png'})"}
 
 
 def resume(engine, cfg: Config, loader) -> tuple[int, float | None]:
