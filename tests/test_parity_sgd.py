@@ -76,6 +76,7 @@ LAYOUTS = {
     "pp4-1f1b": layout(pp=4, schedule="1f1b", m=8),
     "pp4-interleaved": layout(pp=4, schedule="interleaved", m=4, v=2, overrides={"num_hidden_layers": 8}),
     # pipeline x data parallel, pipeline x tensor parallel, all three
+    "pp2-gpipe-dp2": layout(pp=2, schedule="gpipe", m=2, dp=2, overrides=TIED),
     "pp2-dp2": layout(pp=2, m=2, dp=2, overrides=TIED),
     "pp2-dp2-zero1": layout(pp=2, m=2, dp=2, stage=1, overrides=TIED),
     "pp2-interleaved-dp2": layout(pp=2, schedule="interleaved", m=4, v=2, dp=2, overrides=TIED),
