@@ -40,7 +40,7 @@ def _dir_bytes(path) -> int:
 def bunsan_run(rank, world, preset, save_layout, load_layout, root):
     import torch
     import bunsan
-    from reference import batches, rank_slice
+    from parity import batches, rank_slice
     from bunsan.models import Llama, get_preset
     torch.manual_seed(0)
     engine = bunsan.initialize(Llama(get_preset(preset)), _cfg(LAYOUTS[save_layout]))

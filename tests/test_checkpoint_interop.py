@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from reference import batches, rank_slice
+from parity import batches, rank_slice
 
 transformers = pytest.importorskip("transformers")
 
@@ -149,7 +149,7 @@ def test_a_killed_rank_resumes_and_ends_like_an_uninterrupted_run(tmp_path, corp
 
 def _save_for_convert(rank, world, root):
     import bunsan
-    from reference import optimizer_config, tiny_model
+    from parity import optimizer_config, tiny_model
     engine = bunsan.initialize(tiny_model(0, tie_word_embeddings=True),
                                {"train_batch_size": 4, "zero_optimization": {"stage": 3},
                                 "tensor_parallel": {"size": 2}, "optimizer": optimizer_config("adamw")})

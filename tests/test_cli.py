@@ -120,7 +120,7 @@ def test_generate_on_a_missing_checkpoint(tmp_path):
 
 SCRIPT = """
 import bunsan, torch
-from reference import tiny_model
+from parity import tiny_model
 engine = bunsan.initialize(tiny_model(), {"train_micro_batch_size_per_gpu": 1})
 print(f"rank {engine.dp_rank} of {engine.dp_size}", flush=True)
 """

@@ -21,7 +21,7 @@ from bunsan.config.errors import unwrap
 from bunsan.config.explain import entries, walk
 from bunsan.config.root import UNIMPLEMENTED, Config, ConfigError
 from bunsan.config.sections import Section
-from reference import tiny_model
+from parity import tiny_model
 
 SRC = Path(bunsan.__file__).parent
 MAX_DESCRIPTION = 130   # one line of `bunsan config --list` next to the longest key

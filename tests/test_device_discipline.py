@@ -130,7 +130,7 @@ def _host_reads_per_step(rank, layers: int, stage: int) -> int:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     import bunsan
-    from reference import batches, tiny_model
+    from parity import batches, tiny_model
 
     class Count(TorchDispatchMode):
         reads = 0

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from dist_harness import Pool
-from reference import batches, rank_slice, tiny_model
+from parity import batches, rank_slice, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", "OMP_NUM_THREADS": "1"}

@@ -2,38 +2,33 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 import bunsan
-from reference import batches, optimizer_config, rank_slice, reference_train, tiny_model, to_numpy
+from parity import (Setup, assert_parity, assert_same_on_every_rank, batches, optimizer_config, rank_slice,
+                    reference_train, tiny_model, to_numpy, train)
 
 STEPS, ROWS = 3, 8
-RTOL, ATOL = 1e-5, 1e-6  # torch.testing uses atol 1e-5 for fp32; Adam amplifies reduction-order noise near 0
 
 
-def _train(rank, world, grad_accum, opt_name, clip, ignore_frac=0.0, overlap=True, bucket=2000):
-    model = tiny_model()
-    cfg = {"train_micro_batch_size_per_gpu": ROWS // world // grad_accum, "gradient_accumulation_steps": grad_accum,
-           "optimizer": optimizer_config(opt_name), "gradient_clipping": clip,
-           "zero_optimization": {"stage": 0, "reduce_bucket_size": bucket, "overlap_comm": overlap}}
-    engine = bunsan.initialize(model, cfg)
-    assert engine.dp_size == world and engine.dp_rank == rank
-    losses = [engine.train_batch(rank_slice(b, rank, world)) for b in batches(STEPS, ROWS, ignore_frac=ignore_frac)]
-    return losses, to_numpy(engine.consolidated_state_dict()), engine.comm_stats()
+def _cfg(world, grad_accum, opt_name, clip, overlap=True, bucket=2000):
+    return {"train_micro_batch_size_per_gpu": ROWS // world // grad_accum, "gradient_accumulation_steps": grad_accum,
+            "optimizer": optimizer_config(opt_name), "gradient_clipping": clip,
+            "zero_optimization": {"stage": 0, "reduce_bucket_size": bucket, "overlap_comm": overlap}}
 
 
-def _check(results, opt_name, clip, ignore_frac=0.0):
-    ref_losses, ref_state = reference_train(tiny_model(), batches(STEPS, ROWS, ignore_frac=ignore_frac), opt_name, clip)
-    for losses, state, _ in results:
-        np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-        assert state.keys() == ref_state.keys()
-        for k, v in ref_state.items():
-            np.testing.assert_allclose(state[k], v.numpy(), rtol=RTOL, atol=ATOL, err_msg=k)
-    # Every rank returns the same number and the same weights.
-    for losses, state, _ in results[1:]:
-        assert losses == results[0][0]
+def _setup(ignore_frac=0.0):
+    return Setup(steps=STEPS, rows=ROWS, ignore_frac=ignore_frac)
+
+
+def _train(pools, world, grad_accum, opt_name, clip, ignore_frac=0.0, **kw):
+    return pools.run(world, train, world, _cfg(world, grad_accum, opt_name, clip, **kw), _setup(ignore_frac))
+
+
+def _check(runs, opt_name, clip, ignore_frac=0.0):
+    assert_parity(runs, reference_train(tiny_model(), _setup(ignore_frac).data(), opt_name, clip))
+    assert_same_on_every_rank(runs)      # every rank returns the same number (and, above, the same weights)
 
 
 @pytest.mark.parametrize("world,grad_accum,opt_name,clip", [
@@ -47,24 +42,24 @@ def _check(results, opt_name, clip, ignore_frac=0.0):
     (2, 2, "adamw", 0.5),
 ])
 def test_dp_matches_single_process(pools, world, grad_accum, opt_name, clip):
-    _check(pools.run(world, _train, world, grad_accum, opt_name, clip), opt_name, clip)
+    _check(_train(pools, world, grad_accum, opt_name, clip), opt_name, clip)
 
 
 def test_ignored_labels_give_the_global_token_mean(pools):
     """Ranks with different numbers of -100 labels still reproduce the mean over all tokens."""
-    _check(pools.run(2, _train, 2, 2, "adamw", 0.0, 0.3), "adamw", 0.0, 0.3)
+    _check(_train(pools, 2, 2, "adamw", 0.0, 0.3), "adamw", 0.0, 0.3)
 
 
 def test_no_overlap_and_one_bucket_give_the_same_result(pools):
-    _check(pools.run(2, _train, 2, 1, "adamw", 1.0, 0.0, False, 10**9), "adamw", 1.0)
+    _check(_train(pools, 2, 1, "adamw", 1.0, overlap=False, bucket=10**9), "adamw", 1.0)
 
 
 def test_allreduce_bytes_follow_the_ring_formula(pools):
-    results = pools.run(4, _train, 4, 2, "adamw", 0.0)
+    runs = _train(pools, 4, 2, "adamw", 0.0)
     n_params = sum(p.numel() for p in tiny_model().parameters())
     grad_bytes = 4 * n_params
-    for _, _, stats in results:
-        step = stats["step"]
+    for run in runs:
+        step = run.comm["step"]
         ar = step["all_reduce/dp"]
         scalar_bytes = 2 * 2 * 3 * 8 // 4  # two float64 scalar all-reduces per step (token count, loss)
         assert ar["bytes"] == 2 * 3 * grad_bytes // 4 + scalar_bytes
@@ -94,6 +89,4 @@ def _deepspeed_style(rank, world):
 def test_deepspeed_style_loop_with_user_optimizer(pools):
     """engine(x) / backward / step with a user-built optimizer equals the plain loop (equal-size micro-batches)."""
     _, ref_state = reference_train(tiny_model(), batches(STEPS, ROWS), "sgd", 0.0)
-    for state in pools.run(2, _deepspeed_style, 2):
-        for k, v in ref_state.items():
-            np.testing.assert_allclose(state[k], v.numpy(), rtol=RTOL, atol=ATOL, err_msg=k)
+    assert_parity([(None, state) for state in pools.run(2, _deepspeed_style, 2)], (None, ref_state))

@@ -12,7 +12,7 @@ import torch
 import bunsan
 from bunsan.config.root import Config
 from bunsan.optim.schedule import LRSchedule
-from reference import batches, rank_slice, tiny_model
+from parity import batches, rank_slice, tiny_model
 
 
 def _schedule(kind, **params):
@@ -155,7 +155,7 @@ def _compiled(rank, world):
 
 @pytest.mark.timeout(600)
 def test_compile_switch_matches_eager(pools):
-    from reference import reference_train
+    from parity import reference_train
     ref, _ = reference_train(tiny_model(), batches(2, 8), "adamw")
     compiled = pools.run(1, _compiled, 1, timeout=540)[0]
     np.testing.assert_allclose(compiled[0], ref[0], rtol=1e-4)   # the same first loss (inductor fuses differently)

@@ -13,7 +13,7 @@ from bunsan.zero.stage0 import Replicated
 from bunsan.zero.stage12 import Stage1, Stage2
 from bunsan.zero.stage3 import FullyShardedDP
 from bunsan.zero.strategy import Strategy
-from reference import batches, tiny_model
+from parity import batches, tiny_model
 
 CFG = {"train_batch_size": 4, "gradient_accumulation_steps": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
        "fp16": {"enabled": False}}

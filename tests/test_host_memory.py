@@ -4,7 +4,7 @@ import torch
 
 import bunsan
 from bunsan.zero.host_buffer import HostBuffer, HostPool
-from reference import batches, optimizer_config, tiny_model
+from parity import batches, optimizer_config, tiny_model
 
 
 def test_host_buffer_release_drops_pages_and_reads_zeros():

@@ -91,7 +91,7 @@ def test_without_budgets_everything_stays_on_the_cpu(tmp_path):
 def test_a_model_in_memory_is_placed_and_offloaded_to_a_directory(tmp_path, tied):
     """load(model, ..., offload_dir=): the blocks that fit stay in memory; the rest are written there and read
     per use. Greedy output equals the model's own."""
-    from reference import tiny_model
+    from parity import tiny_model
     whole = tiny_model(0, tie_word_embeddings=tied).eval()
     ids = torch.randint(0, 256, (2, 12))
     want = generate(whole, ids, 16)

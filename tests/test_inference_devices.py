@@ -14,7 +14,7 @@ import torch
 
 from bunsan.inference import load
 from bunsan.models import generate
-from reference import tiny_model
+from parity import tiny_model
 
 
 def _fake_gpus(monkeypatch):

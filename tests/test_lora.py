@@ -4,7 +4,7 @@ same model."""
 import pytest
 import torch
 
-from reference import batches, rank_slice, tiny_model
+from parity import batches, rank_slice, tiny_model
 
 pytest.importorskip("peft")
 

@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 
 import bunsan
-from reference import batches, optimizer_config, rank_slice, reference_train, tiny_model, to_numpy
+from parity import (Setup, assert_parity, batches, optimizer_config, rank_slice, reference_for, tiny_model,
+                    to_numpy, train)
 
 pytest.importorskip("peft")
 
 STEPS, ROWS, SEQ = 3, 8, 16
+SETUP = Setup(steps=STEPS, rows=ROWS, seq=SEQ)
 LORA = {"enabled": True, "r": 4, "alpha": 8.0, "dropout": 0.0,
         "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]}
 
@@ -26,28 +28,12 @@ def _cfg(tp=1, sp=False, dp=1, pp=1, m=1, stage=0, clip=1.0):
                                   "stage3_param_persistence_threshold": 0}, "train": {"timeout_s": 60}}
 
 
-def _train(rank, world, cfg):
-    import torch
-    if cfg["pipeline"]["stages"] > 1:
-        with torch.device("meta"):
-            model = tiny_model()
-    else:
-        model = tiny_model()
-    engine = bunsan.initialize(model, cfg)
-    losses = [engine.train_batch(rank_slice(b, engine.dp_rank, engine.dp_size)) for b in batches(STEPS, ROWS, SEQ)]
-    trainable = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
-    memory = {**engine.memory_report(), "pp_rank": engine.pp_rank}     # before the gather below
-    return losses, to_numpy(engine.consolidated_state_dict()), memory, trainable
+def _setup(cfg):      # pipeline stages build on meta: each materialises its own layers, drawn by name
+    return SETUP.replace(build="meta" if cfg["pipeline"]["stages"] > 1 else "plain")
 
 
-def _reference(meta_init: bool, clip: float = 1.0):
-    from bunsan.config.root import Config
-    from bunsan.transforms.lora import apply_lora
-    model = tiny_model()
-    if meta_init:
-        model.init_weights(seed=1234)      # what a model built on meta draws: weights by name
-    apply_lora(model, Config.load({"lora": LORA}).lora, seed=1234)
-    return reference_train(model, batches(STEPS, ROWS, SEQ), "sgd", clip)
+def _train(pools, world, cfg):
+    return pools.run(world, train, world, cfg, _setup(cfg))
 
 
 CASES = {"tp2": dict(tp=2), "tp2-sp": dict(tp=2, sp=True), "pp2": dict(pp=2, m=2),
@@ -55,28 +41,26 @@ CASES = {"tp2": dict(tp=2), "tp2-sp": dict(tp=2, sp=True), "pp2": dict(pp=2, m=2
          "tp2-dp2-zero3": dict(tp=2, dp=2, stage=3)}
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])      # without clipping a uniform gradient-scale error shows
+# Clipped here; without clipping (a uniform gradient-scale error shows), these layouts and LoRA on plain DP:
+# test_parity_sgd.py.
 @pytest.mark.parametrize("name", list(CASES))
-def test_lora_layout_matches_single_process(pools, name, clip):
+def test_lora_layout_matches_single_process(pools, name):
     kw = CASES[name]
     world = kw.get("tp", 1) * kw.get("dp", 1) * kw.get("pp", 1)
-    results = pools.run(world, _train, world, _cfg(**kw, clip=clip))
-    ref_losses, ref_state = _reference(meta_init=kw.get("pp", 1) > 1, clip=clip)
+    cfg = _cfg(**kw)
+    results = _train(pools, world, cfg)
+    ref_losses, ref_state = reference_for(cfg, _setup(cfg))      # the same adapters, drawn the same way
     assert any(".lora_A." in k for k in ref_state) and any(".base_layer." in k for k in ref_state)
-    for losses, state, _, _ in results:
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        assert state.keys() == ref_state.keys()
-        for k, v in ref_state.items():
-            np.testing.assert_allclose(state[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+    assert_parity(results, (ref_losses, ref_state))
     # the estimator prices every rank's model states as held: adapters split or whole, base frozen (and sharded)
     from bunsan.estimator import estimate
-    est = estimate(tiny_model(), _cfg(**kw), gpus=world, device_type="cpu")
-    for _, _, mem, _ in results:
-        want = est.stage_states[mem["pp_rank"]]["model_states"]
-        assert mem["model_states"] == pytest.approx(want, rel=0.03), name
+    est = estimate(tiny_model(), cfg, gpus=world, device_type="cpu")
+    for run in results:
+        want = est.stage_states[run.pp_rank]["model_states"]
+        assert run.memory["model_states"] == pytest.approx(want, rel=0.03), name
     # the adapters did train, and the frozen base did not
     base = tiny_model().state_dict() if kw.get("pp", 1) == 1 else None
-    for _, state, _, _ in results[:1]:
+    for state in (run.state for run in results[:1]):
         assert any(np.abs(state[k]).max() > 0 for k in ref_state if ".lora_B." in k)
         if base is not None:
             w = "layers.0.self_attn.q_proj.base_layer.weight"
@@ -85,15 +69,15 @@ def test_lora_layout_matches_single_process(pools, name, clip):
 
 def test_tensor_parallel_splits_the_adapters(pools):
     """Each TP rank holds half of every adapter that is split (B of a column layer, A of a row layer)."""
-    tp_results = pools.run(2, _train, 2, _cfg(tp=2))
-    one = pools.run(1, _train, 1, _cfg())[0]
+    tp_results = _train(pools, 2, _cfg(tp=2))
+    one = _train(pools, 1, _cfg())[0]
     split = {"q_proj", "v_proj", "gate_proj"}                     # column: B split, A whole
     from bunsan.config.root import Config
     from bunsan.transforms.lora import apply_lora
     model = tiny_model()
     apply_lora(model, Config.load({"lora": LORA}).lora)
-    full = one[3]
-    per_rank = tp_results[0][3]
+    full = one.trainable
+    per_rank = tp_results[0].trainable
     # column layers: A (r x hidden) whole, B (out x r) halved; row layers: A halved, B whole
     half = 0
     for name, p in model.named_parameters():
@@ -131,10 +115,8 @@ def test_lora_checkpoint_moves_between_layouts(pools, tmp_path, saved, loaded):
         assert loaded_state.keys() == state.keys()
         for k, v in state.items():
             np.testing.assert_array_equal(loaded_state[k], v, err_msg=k)
-    for got, loss, _ in again:                       # and one more step agrees with the saving layout's
-        np.testing.assert_allclose(loss, ref[1], rtol=1e-5)
-        for k, v in ref[0].items():
-            np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    # and one more step agrees with the saving layout's
+    assert_parity([([loss], got) for got, loss, _ in again], ([ref[1]], ref[0]))
 
 
 def _from_hf(rank, world, cfg, hf_dir):

@@ -3,7 +3,7 @@ and resumes exactly from a checkpoint."""
 
 import pytest
 
-from reference import batches, rank_slice, tiny_model
+from parity import batches, rank_slice, tiny_model
 
 pytest.importorskip("bitsandbytes")
 

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 import bunsan
-from reference import batches, optimizer_config, rank_slice, reference_train, tiny_model, to_numpy
+from parity import (Setup, assert_parity, batches, optimizer_config, reference_for, reference_train, tiny_model,
+                    to_numpy, train)
 
 STEPS, ROWS, SEQ = 2, 8, 16
+SETUP = Setup(steps=STEPS, rows=ROWS, seq=SEQ)
 
 
 def _cfg(pp, schedule, m, dp=1, tp=1, v=1, stage=0, clip=1.0, partition="uniform", sp=False):
@@ -19,72 +21,45 @@ def _cfg(pp, schedule, m, dp=1, tp=1, v=1, stage=0, clip=1.0, partition="uniform
             "tensor_parallel": {"size": tp, "sequence_parallel": sp}, "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000}}
 
 
-def _train(rank, world, cfg, overrides, meta):
-    if meta:
-        with torch.device("meta"):
-            model = tiny_model(**overrides)
-    else:
-        model = tiny_model(**overrides)
-    engine = bunsan.initialize(model, cfg)
-    held = sum(p.numel() for p in engine.module.parameters())
-    data = batches(STEPS, ROWS, SEQ)
-    losses = [engine.train_batch(rank_slice(b, engine.dp_rank, engine.dp_size)) for b in data]
-    state = to_numpy(engine.consolidated_state_dict())
-    local = to_numpy({k: v for k, v in engine.module.state_dict().items()})
-    return losses, state, local, held, engine.pp_rank
-
-
-def _check(results, overrides, seed_init=False, clip=1.0):
-    model = tiny_model(**overrides)
-    if seed_init:
-        model.init_weights(seed=1234)      # what meta construction draws: weights by name
-    ref_losses, ref_state = reference_train(model, batches(STEPS, ROWS, SEQ), "sgd", clip)
-    for losses, state, local, _, _ in results:
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        assert state.keys() == ref_state.keys()
-        for k, v in ref_state.items():
-            np.testing.assert_allclose(state[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+def _check(pools, world, cfg, setup=SETUP):
+    """Train `cfg` on `world` ranks, compare with the plain loop (the config's SGD and clipping); the runs."""
+    runs = pools.run(world, train, world, cfg, setup)
+    assert_parity(runs, reference_for(cfg, setup))
+    return runs
 
 
 CASES = [(2, "gpipe", 2, 1), (2, "1f1b", 4, 1), (2, "interleaved", 4, 2),
          (4, "gpipe", 4, 1), (4, "1f1b", 8, 1), (4, "interleaved", 4, 2)]
 
 
-# SGD without clipping sees a uniform gradient-scale error (a mean over the wrong count of micro-batches or
-# stages), which clipping to 1 rescales away; with clipping, the global norm over stages is checked.
-@pytest.mark.parametrize("clip", [0.0, 1.0])
+# Clipped: the global norm over stages is checked. Without clipping (where a uniform gradient-scale error, a
+# mean over the wrong count of micro-batches or stages, shows; clipping to 1 rescales it away), the same
+# layouts and compositions: test_parity_sgd.py.
 @pytest.mark.parametrize("pp,schedule,m,v", CASES)
-def test_pipeline_matches_single_process(pools, pp, schedule, m, v, clip):
+def test_pipeline_matches_single_process(pools, pp, schedule, m, v):
     overrides = {"num_hidden_layers": 8} if pp * v > 4 else {}
-    results = pools.run(pp, _train, pp, _cfg(pp, schedule, m, v=v, clip=clip), overrides, False)
-    _check(results, overrides, clip=clip)
+    _check(pools, pp, _cfg(pp, schedule, m, v=v), SETUP.replace(overrides=overrides))
 
 
 def test_tied_embeddings_across_stages_stay_tied(pools):
-    overrides = {"tie_word_embeddings": True}
-    results = pools.run(2, _train, 2, _cfg(2, "1f1b", 4), overrides, False)
-    _check(results, overrides)
-    first, last = (r[2] for r in sorted(results, key=lambda r: r[4]))
+    runs = _check(pools, 2, _cfg(2, "1f1b", 4), SETUP.replace(overrides={"tie_word_embeddings": True}, local=True))
+    first, last = (r.local for r in sorted(runs, key=lambda r: r.pp_rank))
     np.testing.assert_array_equal(first["embed_tokens.weight"], last["lm_head.weight"])
 
 
 def test_meta_model_materialises_only_its_stage(pools):
-    results = pools.run(2, _train, 2, _cfg(2, "1f1b", 2), {}, True)
-    _check(results, {}, seed_init=True)
+    runs = _check(pools, 2, _cfg(2, "1f1b", 2), SETUP.replace(build="meta"))     # weights drawn by name
     total = sum(p.numel() for p in tiny_model().parameters())
-    held = [r[3] for r in results]
+    held = [r.held for r in runs]
     assert sum(held) == total and max(held) < 0.7 * total
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])
 @pytest.mark.parametrize("name,pp,dp,tp,stage,sp", [
     ("pp2_dp2_zero1", 2, 2, 1, 1, False), ("pp2_dp2_zero0", 2, 2, 1, 0, False), ("pp2_tp2", 2, 1, 2, 0, False),
     ("pp2_tp2_sp", 2, 1, 2, 0, True), ("pp2_dp2_tp2_zero1", 2, 2, 2, 1, False)])
-def test_pipeline_composes(pools, name, pp, dp, tp, stage, sp, clip):
-    world = pp * dp * tp
-    results = pools.run(world, _train, world, _cfg(pp, "1f1b", 2, dp=dp, tp=tp, stage=stage, sp=sp, clip=clip),
-                        {"tie_word_embeddings": True}, False)
-    _check(results, {"tie_word_embeddings": True}, clip=clip)
+def test_pipeline_composes(pools, name, pp, dp, tp, stage, sp):
+    _check(pools, pp * dp * tp, _cfg(pp, "1f1b", 2, dp=dp, tp=tp, stage=stage, sp=sp),
+           SETUP.replace(overrides={"tie_word_embeddings": True}))
 
 
 def _eval_and_errors(rank, world):
@@ -138,20 +113,9 @@ def _train_sequential(rank, world, schedule):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_any_sequential_model_with_its_own_loss(pools, schedule):
-    results = pools.run(2, _train_sequential, 2, schedule)
-    model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref = []
-    for x, y in _mlp_data():       # 4 micro-batches of 2 rows: the mean of their mean losses
-        loss = sum(torch.nn.functional.mse_loss(model(xs), ys) for xs, ys in zip(x.chunk(4), y.chunk(4))) / 4
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
-    for losses, state in results:
-        np.testing.assert_allclose(losses, ref, rtol=1e-5)
-        for k, v in model.state_dict().items():
-            np.testing.assert_allclose(state[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+    # 4 micro-batches of 2 rows: the mean of their mean losses
+    ref = reference_train(_mlp(), _mlp_data(), "sgd", loss_fn=torch.nn.functional.mse_loss, micro=4)
+    assert_parity(pools.run(2, _train_sequential, 2, schedule), ref)
 
 
 def _train_mixed(rank, world, precision):
@@ -167,7 +131,7 @@ def _train_mixed(rank, world, precision):
 def test_mixed_precision_activations_cross_stages(pools, precision, dtype):
     """16-bit activations and gradients travel between stages (the message header carries the dtype); fp16
     scales the loss on the last stage. Losses track the fp32 loop within 16-bit rounding."""
-    ref_losses, _ = reference_train(tiny_model(), batches(STEPS, ROWS, SEQ), "sgd", 1.0)
+    ref_losses, _ = reference_train(tiny_model(), SETUP.data(), "sgd", 1.0)
     for losses, dtypes, scale in pools.run(2, _train_mixed, 2, precision):
         assert dtypes == [dtype]
         np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)

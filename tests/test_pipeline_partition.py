@@ -8,7 +8,7 @@ import pytest
 import torch.nn as nn
 
 from bunsan.pipeline.partition import StageModule, model_layers, partition
-from reference import tiny_model
+from parity import tiny_model
 
 
 def test_llama_layers_are_embedding_blocks_and_head():

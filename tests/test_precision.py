@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import bunsan
 from bunsan.engine.precision import LossScaleError, LossScaler
-from reference import ADAM_EPS, batches, rank_slice, tiny_model, to_numpy
+from parity import ADAM_EPS, assert_parity, batches, rank_slice, tiny_model, to_numpy
 
 
 # -- the loss scaler ---------------------------------------------------------------------------------
@@ -124,10 +124,9 @@ def _bf16_replay_steps(world: int):
 @pytest.mark.parametrize("world", [1, 2])
 def test_bf16_matches_the_replayed_casts(pools, world):
     ref_losses, ref_state = _bf16_replay(world)
-    for losses, state, mem in pools.run(world, _bf16_engine, world):
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        for k, v in ref_state.items():
-            np.testing.assert_allclose(state[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    runs = pools.run(world, _bf16_engine, world)
+    assert_parity(runs, (ref_losses, ref_state))
+    for _, _, mem in runs:
         psi = sum(v.size for v in ref_state.values())
         assert mem["params"] == 2 * psi and mem["grads"] == 2 * psi and mem["master_weights"] == 4 * psi
         assert mem["optimizer_states"] == 8 * psi and mem["model_states"] == mem["theory_model_states"]

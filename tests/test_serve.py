@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference import tiny_model
+from parity import tiny_model
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")

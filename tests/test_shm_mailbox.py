@@ -10,7 +10,7 @@ import bunsan
 from bunsan.comm import mailbox as shm_mailbox
 from bunsan.comm.collectives import Comm
 from bunsan.comm.mesh import Mesh
-from reference import batches, optimizer_config, tiny_model
+from parity import batches, optimizer_config, tiny_model
 
 # (tag, tensor): the first two fit the test's 256-byte slots, the third does not (gloo), the fourth finds both
 # slots taken (gloo), the last two are a bool matrix and a 0-dim scalar

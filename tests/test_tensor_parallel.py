@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import bunsan
-from reference import batches, optimizer_config, rank_slice, reference_train, tiny_model, to_numpy
+from parity import (Setup, assert_parity, batches, optimizer_config, rank_slice, reference_train, tiny_model,
+                    to_numpy, train)
 
 STEPS, ROWS, SEQ = 3, 8, 32
+SETUP = Setup(steps=STEPS, rows=ROWS, seq=SEQ)
 KV4 = {"num_key_value_heads": 4}   # tiny has 2 key/value heads: 4 for TP=4
 
 
@@ -19,49 +20,39 @@ def _cfg(tp, sp, dp, stage=0, opt_name="sgd", clip=1.0):
                                   "stage3_param_persistence_threshold": 0}}
 
 
-def _train(rank, world, cfg, overrides):
-    engine = bunsan.initialize(tiny_model(**overrides), cfg)
-    assert engine.tp_size * engine.dp_size == world
-    losses = [engine.train_batch(rank_slice(b, engine.dp_rank, engine.dp_size)) for b in batches(STEPS, ROWS, SEQ)]
-    return losses, to_numpy(engine.consolidated_state_dict()), engine.memory_report(), engine.comm_stats()
+def _train(pools, cfg, overrides=None):
+    tp, dp = cfg["tensor_parallel"]["size"], ROWS // cfg["train_micro_batch_size_per_gpu"]
+    return pools.run(tp * dp, train, tp * dp, cfg, SETUP.replace(overrides=overrides or {}))
+
+
+def _reference(clip=1.0, overrides=None):
+    return reference_train(tiny_model(**(overrides or {})), SETUP.data(), "sgd", clip)
 
 
 CASES = [(2, False, 1, 0), (2, True, 1, 0), (4, False, 1, 0), (4, True, 1, 0),
          (2, False, 2, 1), (2, True, 2, 1), (2, False, 2, 3), (2, True, 2, 3)]
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])
 @pytest.mark.parametrize("tp,sp,dp,stage", CASES)
-def test_tensor_parallel_matches_single_process(pools, tp, sp, dp, stage, clip):
-    overrides = KV4 if tp == 4 else {}
-    results = pools.run(tp * dp, _train, tp * dp, _cfg(tp, sp, dp, stage, clip=clip), overrides)
+def test_tensor_parallel_matches_single_process(pools, tp, sp, dp, stage):
     # SGD: its update is linear in the gradient, so any scaling error shows; Adam divides each element by its
     # own magnitude and turns fp32 reduction-order noise in near-zero gradients into lr-sized differences.
-    # Without clipping a uniform gradient-scale error shows too (clipping to 1 rescales it away); with it, the
-    # global norm over tensor-parallel slices is checked.
-    ref_losses, ref_state = reference_train(tiny_model(**overrides), batches(STEPS, ROWS, SEQ), "sgd", clip)
-    for losses, state, _, _ in results:
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        assert state.keys() == ref_state.keys()
-        for k, v in ref_state.items():
-            np.testing.assert_allclose(state[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+    # Clipped here: the global norm over tensor-parallel slices is checked. Unclipped (where a uniform
+    # gradient-scale error shows; clipping to 1 rescales it away), the same layouts: test_parity_sgd.py.
+    overrides = KV4 if tp == 4 else {}
+    assert_parity(_train(pools, _cfg(tp, sp, dp, stage), overrides), _reference(1.0, overrides))
 
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_tensor_parallel_with_activation_checkpointing_matches_single_process(pools, sp):
     """Recomputed blocks make their own regions; backward must still reduce through the original ones."""
-    cfg = {**_cfg(2, sp, 1), "activation_checkpointing": {"enabled": True}}
-    ref_losses, ref_state = reference_train(tiny_model(), batches(STEPS, ROWS, SEQ), "sgd", 1.0)
-    for losses, state, _, _ in pools.run(2, _train, 2, cfg, {}):
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        for k, v in ref_state.items():
-            np.testing.assert_allclose(state[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+    assert_parity(_train(pools, {**_cfg(2, sp, 1), "activation_checkpointing": {"enabled": True}}), _reference())
 
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_tensor_parallel_traffic_per_block(pools, sp):
     tp, cfg = 2, tiny_model().config
-    stats = pools.run(tp, _train, tp, _cfg(tp, sp, 1, clip=0.0), {})[0][3]["step"]
+    stats = _train(pools, _cfg(tp, sp, 1, clip=0.0))[0].comm["step"]
     layers, act = cfg.num_hidden_layers, ROWS * SEQ * cfg.hidden_size * 4      # fp32 [b, s, h]
     ring_ar, ring_half = 2 * (tp - 1) / tp, (tp - 1) / tp
     loss_ar = 3 * 4 * ROWS * SEQ * ring_ar           # max, sum-exp and target logit: fp32 [b, s] each
@@ -88,8 +79,8 @@ def test_parameter_bytes_are_split_except_the_norms(pools):
     full = {n: p.numel() for n, p in model.named_parameters()}
     norms = sum(v for n, v in full.items() if "norm" in n)
     split = sum(full.values()) - norms
-    for _, _, mem, _ in pools.run(tp, _train, tp, _cfg(tp, False, 1), {}):
-        assert mem["params"] == 4 * (split // tp + norms)
+    for run in _train(pools, _cfg(tp, False, 1)):
+        assert run.memory["params"] == 4 * (split // tp + norms)
 
 
 def test_indivisible_heads_are_a_clear_error():
@@ -110,11 +101,7 @@ def _user_optimizer(rank, world):
 
 def test_a_user_optimizer_follows_the_swapped_layers(pools):
     """An optimizer built on the plain model before initialize is re-pointed at the shards, by name."""
-    ref_losses, ref_state = reference_train(tiny_model(), batches(STEPS, ROWS, SEQ), "sgd", 1.0)
-    for losses, state in pools.run(2, _user_optimizer, 2):
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-        for k, v in ref_state.items():
-            np.testing.assert_allclose(state[k], v.numpy(), rtol=1e-5, atol=1e-6, err_msg=k)
+    assert_parity(pools.run(2, _user_optimizer, 2), _reference())
 
 
 def _launches(rank, world, sp):

@@ -9,10 +9,11 @@ import torch.nn.functional as F
 
 import bunsan
 from bunsan.zero.units import find_units
-from reference import ADAM_EPS, batches, optimizer_config, rank_slice, reference_train, tiny_model, to_numpy
+from parity import (ADAM_EPS, Setup, assert_parity, batches, optimizer_config, rank_slice, reference_train,
+                    tiny_model, to_numpy, train)
 
 STEPS, ROWS = 3, 12                      # 12 rows: divisible by 2 and 4 ranks x accumulation 1 and 3
-RTOL, ATOL = 1e-5, 1e-6
+SETUP = Setup(steps=STEPS, rows=ROWS)
 
 
 def _cfg(world, stage, grad_accum, opt_name, clip, bf16=False, **zero):
@@ -25,25 +26,12 @@ def _cfg(world, stage, grad_accum, opt_name, clip, bf16=False, **zero):
     return cfg
 
 
-def _train(rank, world, cfg, build="plain"):
-    if build == "meta":          # nothing allocated: ZeRO-3 materialises each rank's shard by name and seed
-        with bunsan.zero.Init():
-            model = bunsan.models.Llama(bunsan.models.get_preset("tiny"))
-    else:
-        model = tiny_model()
-        if build == "seeded":    # the same per-name seeded initialisation, done on the whole model
-            model.init_weights(seed=cfg.get("train", {}).get("seed", 1234))
-    engine = bunsan.initialize(model, cfg)
-    losses = [engine.train_batch(rank_slice(b, rank, world)) for b in batches(STEPS, ROWS)]
-    return losses, to_numpy(engine.consolidated_state_dict()), engine.memory_report(), engine.comm_stats()
+def _train(pools, world, cfg, build="plain"):
+    return pools.run(world, train, world, cfg, SETUP.replace(build=build))
 
 
-def _check(results, opt_name, clip):
-    ref_losses, ref_state = reference_train(tiny_model(), batches(STEPS, ROWS), opt_name, clip)
-    for losses, state, _, _ in results:
-        np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
-        for k, v in ref_state.items():
-            np.testing.assert_allclose(state[k], v.numpy(), rtol=RTOL, atol=ATOL, err_msg=k)
+def _check(runs, opt_name, clip):
+    assert_parity(runs, reference_train(tiny_model(), SETUP.data(), opt_name, clip))
 
 
 # stage x world x accumulation x optimizer x clipping: every stage sees both world sizes, both
@@ -54,21 +42,19 @@ FP32_CASES = [(s, w, ga, opt, clip) for s in (1, 2, 3) for (w, ga, opt, clip) in
 
 @pytest.mark.parametrize("stage,world,grad_accum,opt_name,clip", FP32_CASES)
 def test_zero_fp32_matches_single_process(pools, stage, world, grad_accum, opt_name, clip):
-    _check(pools.run(world, _train, world, _cfg(world, stage, grad_accum, opt_name, clip)), opt_name, clip)
+    _check(_train(pools, world, _cfg(world, stage, grad_accum, opt_name, clip)), opt_name, clip)
 
 
-@pytest.mark.parametrize("opt_name,clip", [("adamw", 1.0), ("sgd", 0.0)])   # SGD unclipped: gradient scale
+# SGD without clipping (a uniform gradient-scale error) for these and the other offload layouts: test_parity_sgd.py
 @pytest.mark.parametrize("stage,offload", [(1, "cpu"), (2, "nvme"), (3, "cpu"), (3, "nvme")])
-def test_offloaded_optimizer_matches_single_process(pools, tmp_path, stage, offload, opt_name, clip):
+def test_offloaded_optimizer_matches_single_process(pools, tmp_path, stage, offload):
     zero = {"offload_optimizer": {"device": offload, "nvme_path": str(tmp_path)}, "sub_group_size": 40_000}
     if stage == 3:   # parameter shards follow the optimizer: host memory, or the NVMe swap file
         zero["offload_param"] = {"device": offload, "nvme_path": str(tmp_path)}
-    results = pools.run(2, _train, 2, _cfg(2, stage, 1, opt_name, clip, **zero))
-    _check(results, opt_name, clip)
-    if opt_name != "adamw":
-        return
+    runs = _train(pools, 2, _cfg(2, stage, 1, "adamw", 1.0, **zero))
+    _check(runs, "adamw", 1.0)
     psi = sum(p.numel() for p in tiny_model().parameters())
-    for _, _, mem, _ in results:
+    for mem in (run.memory for run in runs):
         assert mem["host"] >= mem["optimizer_states"] + mem["master_weights"]
         if offload == "nvme":   # Adam's two fp32 states per element of the shard live on disk, not in memory
             assert mem["disk"] >= 8 * psi // 2 and mem["optimizer_states"] == 0
@@ -77,12 +63,11 @@ def test_offloaded_optimizer_matches_single_process(pools, tmp_path, stage, offl
 
 
 def test_zero_init_builds_the_same_model_as_a_normal_build(pools):
-    a = pools.run(2, _train, 2, _cfg(2, 3, 1, "sgd", 0.0), "meta")
-    b = pools.run(2, _train, 2, _cfg(2, 3, 1, "sgd", 0.0), "seeded")
-    for (la, sa, _, _), (lb, sb, _, _) in zip(a, b):
-        assert la == lb
-        for k in sa:
-            np.testing.assert_array_equal(sa[k], sb[k])
+    a = _train(pools, 2, _cfg(2, 3, 1, "sgd", 0.0), "zero_init")
+    b = _train(pools, 2, _cfg(2, 3, 1, "sgd", 0.0), "seeded")
+    for ra, rb in zip(a, b):
+        assert ra.losses == rb.losses
+        assert_parity([ra], rb, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("stage,grad_accum", [(1, 1), (2, 1), (3, 1), (1, 3)])
@@ -90,12 +75,10 @@ def test_bf16_zero_replays_stage_0_exactly(pools, stage, grad_accum):
     """Stage 0 in bf16 is checked against a hand replay of its casts (test_precision.py). ZeRO performs the
     same casts: bf16 gradients summed over 2 ranks, fp32 master step; so the results are identical. (With
     clipping the shard-wise norm rounds differently from the whole-vector norm; fp32 cases cover clipping.)"""
-    ref = pools.run(2, _train, 2, _cfg(2, 0, grad_accum, "adamw", 0.0, bf16=True))
-    got = pools.run(2, _train, 2, _cfg(2, stage, grad_accum, "adamw", 0.0, bf16=True))
-    for (lr, sr, _, _), (lg, sg, _, _) in zip(ref, got):
-        np.testing.assert_allclose(lg, lr, rtol=1e-6)
-        for k in sr:
-            np.testing.assert_array_equal(sg[k], sr[k], err_msg=k)
+    ref = _train(pools, 2, _cfg(2, 0, grad_accum, "adamw", 0.0, bf16=True))
+    got = _train(pools, 2, _cfg(2, stage, grad_accum, "adamw", 0.0, bf16=True))
+    for r, g in zip(ref, got):
+        assert_parity([g], r, rtol=0, atol=0, loss_rtol=1e-6)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -105,7 +88,7 @@ def test_model_state_bytes_follow_the_formula(pools, world, bf16):
     p_bytes = 2 if bf16 else 4
     master = 4 if bf16 else 0
     for stage in (0, 1, 2, 3):
-        mem = pools.run(world, _train, world, _cfg(world, stage, 1, "adamw", 0.0, bf16=bf16))[0][2]
+        mem = _train(pools, world, _cfg(world, stage, 1, "adamw", 0.0, bf16=bf16))[0].memory
         # ZeRO paper, in the precision used (bunsan accumulates stage-2/3 gradient shards in fp32).
         formula = {0: psi * (2 * p_bytes + master + 8),
                    1: psi * 2 * p_bytes + psi * (master + 8) / world,
@@ -121,7 +104,7 @@ def test_communication_bytes_per_step(pools):
     root = sum(p.numel() for n, p in tiny_model().named_parameters() if not n.startswith("layers."))
     n = 2
     for stage in (1, 2, 3):
-        stats = pools.run(n, _train, n, _cfg(n, stage, 1, "adamw", 0.0))[0][3]["step"]
+        stats = _train(pools, n, _cfg(n, stage, 1, "adamw", 0.0))[0].comm["step"]
         rs, ag = stats["reduce_scatter/dp"]["bytes"], stats["all_gather/dp"]["bytes"]
         ring = 4 * (n - 1) / n
         assert rs == pytest.approx(psi * ring, rel=0.01)            # gradients reduce-scattered once
@@ -171,22 +154,14 @@ def _bf16_replay_fp32_accumulation(world: int, grad_accum: int):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_bf16_with_accumulation_replays_the_fp32_gradient_shard(pools, stage):
-    ref_losses, ref_state = _bf16_replay_fp32_accumulation(2, 3)
-    for losses, state, _, _ in pools.run(2, _train, 2, _cfg(2, stage, 3, "adamw", 0.0, bf16=True)):
-        np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
-        for k, v in ref_state.items():
-            np.testing.assert_array_equal(state[k], v, err_msg=k)
-
-
-def _checkpointed(rank, world, stage):
-    cfg = _cfg(world, stage, 1, "sgd", 1.0)
-    cfg["activation_checkpointing"] = {"enabled": True}
-    return _train(rank, world, cfg)
+    assert_parity(_train(pools, 2, _cfg(2, stage, 3, "adamw", 0.0, bf16=True)), _bf16_replay_fp32_accumulation(2, 3),
+                  rtol=0, atol=0, loss_rtol=1e-6)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_activation_checkpointing_at_every_stage(pools, stage):
-    _check(pools.run(2, _checkpointed, 2, stage), "sgd", 1.0)
+    _check(_train(pools, 2, {**_cfg(2, stage, 1, "sgd", 1.0), "activation_checkpointing": {"enabled": True}}),
+           "sgd", 1.0)
 
 
 def _fp16(rank, world, stage):
@@ -306,20 +281,10 @@ def _train_half_used(rank, world, stage):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_gradient_buckets_reused_within_a_backward_zero_what_got_no_gradient(pools, stage):
-    model = _HalfUsed()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref = []
-    for x, y in _half_used_data():
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref.append(loss.item())
-    for losses, state, reused in pools.run(2, _train_half_used, 2, stage):
-        assert reused > 0          # some bucket really took a buffer an earlier bucket had filled
-        np.testing.assert_allclose(losses, ref, rtol=RTOL)
-        for k, v in model.state_dict().items():
-            np.testing.assert_allclose(state[k], v.numpy(), rtol=RTOL, atol=ATOL, err_msg=k)
+    ref = reference_train(_HalfUsed(), _half_used_data(), "sgd", loss_fn=F.mse_loss)
+    runs = pools.run(2, _train_half_used, 2, stage)
+    assert all(reused > 0 for _, _, reused in runs)    # some bucket really took a buffer an earlier one had filled
+    assert_parity(runs, ref)
 
 
 def test_a_container_as_stage3_unit_is_an_error():
