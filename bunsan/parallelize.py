@@ -62,8 +62,8 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
     if at.cfg.train.compile:
         apply_compile(model)
     optimizer = follow_user_optimizer(optimizer, user_groups, model)
-    dp = data_parallel(model, at, optimizer, tp, pipe)
-    return Engine(model, at.cfg, at.mesh, at.device, at.comm, dp, loss_fn=loss_fn, tp=tp, pipe=pipe)
+    strategy = data_parallel(model, at, optimizer, tp, pipe)
+    return Engine(model, at.cfg, at.mesh, at.device, at.comm, strategy, loss_fn=loss_fn, tp=tp, pipe=pipe)
 
 
 def load_config(config, deepspeed_kwargs: dict) -> Config:

@@ -22,7 +22,7 @@ def _cfg(stage, offload="none"):
 def _train(rank, world, stage, offload="none"):
     import bunsan
     engine = bunsan.initialize(tiny_model(0), _cfg(stage, offload))
-    layout = engine.dp.layout
+    layout = engine.strategy.layout
     cut = any(f.numel < layout.numels[f.param] for f in layout.fragments)    # some parameter is split
     losses = [engine.train_batch(rank_slice(b, engine.dp_rank, engine.dp_size)) for b in batches(STEPS, ROWS, SEQ)]
     return losses, to_numpy(engine.consolidated_state_dict()), cut

@@ -54,7 +54,7 @@ def _trims_per_step(rank, world, stage, trim):
     engine = bunsan.initialize(tiny_model(), cfg)
     batch = batches(1, 2 * world, 8)[0]
     engine.train_batch({k: v[2 * rank:2 * rank + 2] for k, v in batch.items()})
-    return len(calls), len(engine.dp.layout.buckets)
+    return len(calls), len(engine.strategy.layout.buckets)
 
 
 def test_heap_is_trimmed_in_stage2_backward_and_around_stage3_units_unless_switched_off(pools):
@@ -79,8 +79,8 @@ def _grad_shard_between_steps(rank, world, stage):
     engine = bunsan.initialize(tiny_model(), cfg)
     batch = batches(1, 2 * world, 8)[0]
     engine.train_batch({k: v[2 * rank:2 * rank + 2] for k, v in batch.items()})
-    host = engine.dp.opt._grad_host
-    return engine.dp.opt.grad is None, host.resident_bytes() if host is not None else -1
+    host = engine.strategy.opt._grad_host
+    return engine.strategy.opt.grad is None, host.resident_bytes() if host is not None else -1
 
 
 def test_zero_gradient_shard_is_freed_between_steps(pools):

@@ -74,7 +74,7 @@ def _bf16_engine(rank, world):
     engine = bunsan.initialize(tiny_model(), {"train_micro_batch_size_per_gpu": 8 // world, "bf16": {"enabled": True},
                                               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "eps": ADAM_EPS}},
                                               "gradient_clipping": 1.0})
-    assert engine.module.embed_tokens.weight.dtype == torch.bfloat16 and engine.dp.master.dtype == torch.float32
+    assert engine.module.embed_tokens.weight.dtype == torch.bfloat16 and engine.strategy.master.dtype == torch.float32
     losses = [engine.train_batch(rank_slice(b, rank, world)) for b in batches(3, 8)]
     mem = engine.memory_report()
     return losses, to_numpy(engine.consolidated_state_dict()), mem

@@ -184,10 +184,10 @@ def test_fp16_loss_scaling_at_every_stage(pools, stage):
 def _gathered(rank, world):
     engine = bunsan.initialize(tiny_model(), _cfg(world, 3, 1, "sgd", 0.0))
     w = engine.module.layers[0].mlp.up_proj.weight
-    outside = engine.dp.resident_bytes(w)           # released: the unit's buffer holds no memory
+    outside = engine.strategy.resident_bytes(w)           # released: the unit's buffer holds no memory
     with engine.gathered_parameters():
-        inside = tuple(w.shape), float(w.detach().sum()), engine.dp.resident_bytes(w)
-    return outside, inside, engine.dp.resident_bytes(w)
+        inside = tuple(w.shape), float(w.detach().sum()), engine.strategy.resident_bytes(w)
+    return outside, inside, engine.strategy.resident_bytes(w)
 
 
 def test_stage3_parameters_are_reachable_through_the_gather_context(pools):
@@ -199,7 +199,7 @@ def test_stage3_parameters_are_reachable_through_the_gather_context(pools):
 
 def _step_events(rank, world, stage):
     engine = bunsan.initialize(tiny_model(), _cfg(world, stage, 1, "adamw", 0.0))
-    dp, events = engine.dp, []
+    dp, events = engine.strategy, []
     for k, sg in enumerate(dp.opt.subgroups):
         def step(closure=None, k=k, inner=sg.optimizer.step):
             events.append(("step", k))
@@ -268,13 +268,13 @@ def _train_half_used(rank, world, stage):
         "train_micro_batch_size_per_gpu": 8 // world, "optimizer": optimizer_config("sgd"),
         "zero_optimization": {"stage": stage, "reduce_bucket_size": block, "stage3_param_persistence_threshold": 0,
                               "stage3_unit_modules": ["_Block"]}}, loss_fn=F.mse_loss)
-    reuse, reused = engine.dp.reducer._reuse, []
+    reuse, reused = engine.strategy.reducer._reuse, []
 
     def counted(*a):
         buf = reuse(*a)
         reused.append(buf is not None)
         return buf
-    engine.dp.reducer._reuse = counted
+    engine.strategy.reducer._reuse = counted
     losses = [engine.train_batch(rank_slice(b, rank, world)) for b in _half_used_data()]
     return losses, to_numpy(engine.consolidated_state_dict()), sum(reused)
 
@@ -297,7 +297,7 @@ def test_a_container_as_stage3_unit_is_an_error():
 def _prefetches(rank, bucket):
     cfg = _cfg(1, 3, 1, "sgd", 0.0, stage3_prefetch_bucket_size=bucket)
     engine = bunsan.initialize(tiny_model(), cfg)
-    dp, seen = engine.dp, []
+    dp, seen = engine.strategy, []
     for k in dp.forward_order:        # when unit k's forward starts, is the next one already on its way?
         dp.units[k].module.register_forward_pre_hook(
             lambda m, a, k=k: seen.append([dp.units[j].pending is not None or dp.units[j].gathered

@@ -31,7 +31,7 @@ def _rank_state(engine) -> tuple[dict, dict]:
     """(tensors, index) this rank writes."""
     params, writes = locals_of(engine)
     dp, dp_rank = engine.mesh.dp, engine.mesh.dp_rank
-    replicated = engine.dp.stage == 0     # every dp rank holds everything: they take turns by parameter
+    replicated = engine.strategy.stage == 0     # every dp rank holds everything: they take turns by parameter
     tensors, pieces, scalars = {}, [], {}
 
     def take(i, lo, master, state):
@@ -53,7 +53,7 @@ def _rank_state(engine) -> tuple[dict, dict]:
                 entry.update(opaque=list(value.shape))   # block scales): stored as is, read back only in place
             tensors[key] = flat.to("cpu", copy=True)
             pieces.append(entry)
-    engine.dp.visit_state(take)
+    engine.strategy.visit_state(take)
     for local, lo, t, w in frozen_of(engine):
         if w:
             key = f"frozen/{local.name}" + (f".{lo}" if lo else "")
@@ -83,7 +83,7 @@ def save_checkpoint(engine, save_dir, tag: str | None = None, client_state: dict
     if rank == 0:
         meta = {"step": engine.global_step, "config": engine.cfg.to_dict(),
                 "layout": {"dp": engine.mesh.dp, "tp": engine.mesh.tp, "pp": engine.mesh.pp,
-                           "zero": engine.dp.stage, "dtype": str(engine.dtype).removeprefix("torch.")},
+                           "zero": engine.strategy.stage, "dtype": str(engine.dtype).removeprefix("torch.")},
                 "engine": counters,
                 "model": _model_config(engine), "client_state": client_state or {}}
         store.commit(root, tag, world, meta, keep_last or engine.cfg.checkpoint.keep_last)
@@ -135,10 +135,10 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
     reader = store.Reader(root, tag, meta)
     states = _StateLoader(engine, reader, meta, load_optimizer_states)
     with torch.no_grad():
-        engine.dp.visit_state(states.put, states.create if load_optimizer_states else None)
+        engine.strategy.visit_state(states.put, states.create if load_optimizer_states else None)
         for local, lo, t, _ in frozen_of(engine):
             t.copy_(read_local(reader, local, "frozen", lo, lo + t.numel()))
-        engine.dp.sync_params_from_master()     # (also drops gathered copies of ZeRO-3 units, frozen parts too)
+        engine.strategy.sync_params_from_master()     # (also drops gathered copies of ZeRO-3 units, frozen parts too)
     _restore_engine(engine, meta, reader)
     _barrier(engine)
     return root / tag, meta.get("client_state", {})
@@ -154,7 +154,7 @@ class _StateLoader:
         self.kinds = {t.name: sorted(reader.kinds_of(t.name) - {"master", "frozen"}) if load_optimizer_states
                       else [] for t in self.params}
         self.scalars = meta["scalars"] if load_optimizer_states else {}
-        self.fused = bool(engine.dp.opt_defaults.get("fused"))
+        self.fused = bool(engine.strategy.opt_defaults.get("fused"))
 
     def covering(self, t, lo: int, hi: int) -> dict:
         """The optimizer states the checkpoint has for elements [lo, hi) of t, each with a piece that tells its

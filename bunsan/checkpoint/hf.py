@@ -44,12 +44,12 @@ def load_hf_into_engine(engine, path) -> None:
             cache.clear()
             cache[i] = _local(weights, params[i]).reshape(-1).float()
         master.copy_(cache[i][lo:lo + master.numel()])
-    engine.dp.visit_state(put)
+    engine.strategy.visit_state(put)
     for local, lo, t, _ in frozen_of(engine):
         if local.name in ("rope_cos", "rope_sin"):
             continue
         t.copy_(_local(weights, local).reshape(-1)[lo:lo + t.numel()])
-    engine.dp.sync_params_from_master()
+    engine.strategy.sync_params_from_master()
 
 
 def export_engine(engine, out_dir, dtype: torch.dtype | None = None) -> None:

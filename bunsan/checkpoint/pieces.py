@@ -70,9 +70,9 @@ def locals_of(engine) -> tuple[list[Local], list[bool]]:
     names: dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
-    shapes = engine.dp.param_shapes   # (ZeRO-3's released parameters are empty: the strategy keeps the shapes)
+    shapes = engine.strategy.param_shapes   # (ZeRO-3's released parameters are empty: the strategy keeps the shapes)
     out, writes = [], []
-    for i, p in enumerate(engine.dp.params):
+    for i, p in enumerate(engine.strategy.params):
         name = names[id(p)]
         owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
         local_shape = tuple(shapes[i])
@@ -88,9 +88,9 @@ def frozen_of(engine) -> list[tuple[Local, int, torch.Tensor, bool]]:
     this rank writes it). Whole tensors from dp rank 0, or under ZeRO-3 (frozen weights sharded) each rank's
     fragments."""
     module, mesh = engine.module, engine.mesh
-    trained = {id(p) for p in engine.dp.params}
+    trained = {id(p) for p in engine.strategy.params}
     canonical = engine.pipe.canonical if engine.pipe is not None else {}
-    sharded = engine.dp.frozen_shards
+    sharded = engine.strategy.frozen_shards
     out, seen = [], set()
 
     def local(name, p, shape):

@@ -39,10 +39,10 @@ def _refuse_empty_batch(values: list[float]) -> None:
 
 
 class Engine:
-    """The step around a data-parallel strategy (`dp`, built by bunsan.initialize over the transformed
+    """The step around a data-parallel strategy (`strategy`, built by bunsan.initialize over the transformed
     model): loss, loss scaling, clipping, the learning-rate schedule and the step counters."""
 
-    def __init__(self, model: nn.Module, cfg, mesh: Mesh, device: torch.device, comm: Comm, dp: Strategy,
+    def __init__(self, model: nn.Module, cfg, mesh: Mesh, device: torch.device, comm: Comm, strategy: Strategy,
                  loss_fn=None, tp=None, pipe=None):
         self.cfg, self.mesh, self.device, self.comm = cfg, mesh, device, comm
         self.tp_ctx, self.tp_head = tp if tp is not None else (None, None)
@@ -51,11 +51,11 @@ class Engine:
         bs = cfg.batch_sizes(mesh.dp)
         self.train_batch_size, self.micro_batch, self.grad_accum = bs.train_batch_size, bs.micro_batch, bs.grad_accum
         self.dtype = model_dtype(cfg)
-        self.dp = dp
+        self.strategy = strategy    # the data-parallel strategy (zero/): where gradients and states live
         self.pipe = pipe
         if pipe is not None:
             pipe.start(comm, mesh, device)
-        self.optimizer = self.dp.optimizer
+        self.optimizer = self.strategy.optimizer
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.schedule = LRSchedule(cfg.scheduler, total_steps=cfg.train.steps)
         self.scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
@@ -139,9 +139,9 @@ class Engine:
 
     def _backward(self, loss: torch.Tensor, sync: bool) -> None:
         """Backward of an already divided and scaled loss; `sync`: this micro-batch's gradients are final."""
-        self.dp.begin_backward(sync)
+        self.strategy.begin_backward(sync)
         loss.backward()
-        self.dp.end_backward(sync)
+        self.strategy.end_backward(sync)
 
     # -- the optimizer step ----------------------------------------------------------------------
     def _optimizer_step(self, post_scale: float, extra: tuple[torch.Tensor, ...] = (), check=None) -> list[float]:
@@ -150,7 +150,7 @@ class Engine:
         must be, since clipping and skipping depend on the norm. `check(extra values)` may refuse the step
         (raise) before anything is applied. Returns the values of `extra`."""
         self.phase = "optimizer step"
-        norm_t = self.dp.unscale(post_scale / (self.scaler.scale if self.scaler else 1.0))
+        norm_t = self.strategy.unscale(post_scale / (self.scaler.scale if self.scaler else 1.0))
         read = torch.cat([norm_t.reshape(1).double(), *(e.reshape(1).double() for e in extra)])
         norm, *values = read.tolist()   # host: the step's one read (norm, loss, tokens)
         self.comm.clock.settle()        # the step's communication waits are complete: their CUDA events read now
@@ -158,7 +158,7 @@ class Engine:
             try:
                 check(values)
             except Exception:
-                self.dp.zero_grad()
+                self.strategy.zero_grad()
                 raise
         self.last_grad_norm = norm
         overflow = not math.isfinite(norm)
@@ -172,8 +172,8 @@ class Engine:
         else:
             clip = self.cfg.gradient_clipping
             if clip > 0 and norm > clip:
-                self.dp.clip(clip / (norm + 1e-6))
-            self.dp.step()
+                self.strategy.clip(clip / (norm + 1e-6))
+            self.strategy.step()
         self._finish_step()
         return values
 
@@ -185,7 +185,7 @@ class Engine:
         if self.mesh.world.size > 1:      # for the roll call, should a collective hang
             post_step(self.mesh.rank, self.global_step)
         self._set_lr()
-        self.dp.zero_grad()
+        self.strategy.zero_grad()
         self._last_comm = self.comm.stats.summary()
         self.comm.stats.new_step()
 
@@ -205,7 +205,7 @@ class Engine:
             if not is_oom(e):
                 raise
             seq = batch["input_ids"].shape[-1] if isinstance(batch, dict) and "input_ids" in batch else None
-            unit = self.dp.current_unit
+            unit = self.strategy.current_unit
             raise OutOfMemory(explain(self, self.phase + (f", ZeRO-3 unit {unit}" if unit else ""), seq, e)) from e
 
     def _train_batch(self, batch) -> float:
@@ -245,7 +245,7 @@ class Engine:
         """Forward and backward of every micro-batch; this rank's summed loss (a device tensor). A pipeline
         runs them in its schedule's order; otherwise one after another, the last one reducing gradients."""
         if self.pipe is not None:
-            return pipeline.forward_backward(self.pipe, micro, objective, self.dp, self.module, self._set_phase)
+            return pipeline.forward_backward(self.pipe, micro, objective, self.strategy, self.module, self._set_phase)
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro):
             self.phase = f"forward of micro-batch {i + 1}/{len(micro)}"
@@ -282,7 +282,7 @@ class Engine:
     # -- introspection ---------------------------------------------------------------------------
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full plain-model state dict (same keys as the unwrapped model), on every rank, on CPU."""
-        state = self.dp.consolidated_state_dict(self.module)
+        state = self.strategy.consolidated_state_dict(self.module)
         if self.tp_ctx is not None:
             state = consolidate(state, self.module, self.tp_ctx, self.device)
         if self.pipe is not None:
@@ -298,7 +298,7 @@ class Engine:
 
     def gathered_parameters(self):
         """Context in which every parameter holds its full value (ZeRO-3 gathers and releases after)."""
-        return self.dp.gathered()
+        return self.strategy.gathered()
 
     def comm_stats(self) -> dict:
         """Communication of the last completed optimizer step and totals since start."""

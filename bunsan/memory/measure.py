@@ -54,7 +54,7 @@ def _tensor_bytes(tensors) -> int:
 
 def measured_memory(engine) -> dict:
     """Bytes this rank holds, by kind and by place (device / host / disk), next to the theory for its layout."""
-    dp = engine.dp
+    dp = engine.strategy   # (the data-parallel strategy)
     report = dict(dp.bytes_by_kind())
     report.setdefault("host", 0)
     report.setdefault("disk", 0)
