@@ -12,7 +12,7 @@ import importlib
 import pytest
 import torch
 
-from bunsan.inference import load
+from bunsan.inference import load, placed
 from bunsan.models import generate
 from parity import tiny_model
 
@@ -60,7 +60,7 @@ def test_a_device_boundary_costs_one_copy_of_the_rotary_tables(monkeypatch):
     with torch.inference_mode():                    # a new forward, its own tensors (with no version counter)
         model(ids)
     assert len([t for t in copies if t.is_floating_point() and t.dim() == 2]) == 4
-    assert not model.input_moves.moved                         # nothing held past the forward
+    assert not placed(model).input_moves.moved                         # nothing held past the forward
 
 
 def test_serving_a_placed_model_equals_serving_the_whole_one(monkeypatch):

@@ -227,6 +227,7 @@ def test_the_command_loads_hf_and_trained_checkpoints(tmp_path, model):
     import argparse
 
     from bunsan.cli.serve import load_model
+    from bunsan.inference import placed as placement
     from bunsan.models.hf import save_llama
     save_llama(model.state_dict(), model.config, tmp_path / "hf")
     args = argparse.Namespace(checkpoint=str(tmp_path / "hf"), tokenizer=None, device_map=None, max_memory=None,
@@ -237,7 +238,7 @@ def test_the_command_loads_hf_and_trained_checkpoints(tmp_path, model):
         assert torch.equal(v, w), k
     args.device_map, args.context = "sequential", 64          # spread over CPU (and disk, had it a budget)
     placed, _, _, context = load_model(args)
-    assert context == 64 and placed.memory_estimate.max_seq == 64
+    assert context == 64 and placement(placed).memory_estimate.max_seq == 64
     args.context = 10_000
     with pytest.raises(ValueError, match="--context 10000 must be in 2.."):
         load_model(args)

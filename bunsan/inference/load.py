@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -18,6 +19,27 @@ from bunsan.models.hf import HFWeights, read_config
 from bunsan.models.llama import Llama
 from bunsan.estimator.inference import InferenceMemory, inference_memory
 from bunsan.inference.placement import Block, human, place
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What `load` decided and counts for a model, kept beside it (nothing is stamped on the model): the
+    memory estimate placement used, per block on disk [times read, bytes read], and the InputMoves that carry
+    each block's inputs to its device."""
+
+    memory_estimate: InferenceMemory
+    disk_reads: dict
+    input_moves: "InputMoves"
+
+
+_PLACED: "weakref.WeakKeyDictionary[nn.Module, Placed]" = weakref.WeakKeyDictionary()
+
+
+def placed(model: nn.Module) -> Placed:
+    """The placement `load` made of `model`."""
+    if model not in _PLACED:
+        raise ValueError(f"{type(model).__name__} was not placed by bunsan.inference.load")
+    return _PLACED[model]
 
 
 def model_blocks(model: Llama, dtype: torch.dtype) -> list[Block]:
@@ -120,7 +142,6 @@ class InputMoves:
     def attach(self, model: nn.Module) -> None:
         model.register_forward_pre_hook(self.clear)
         model.register_forward_hook(self.clear)
-        model.input_moves = self
 
 
 def _rope_where_it_starts(model: Llama, where) -> None:
@@ -210,8 +231,7 @@ def load(path, device_map="auto", max_memory: dict | None = None, dtype: torch.d
     Placement counts what generating `batch` sequences of up to `max_seq` tokens (prompt included; default
     the model's max_position_embeddings, at most 4096) with `prompt_len`-token prompts (default max_seq - 1)
     takes: each layer's weights and KV cache, and one step's activations kept free on every device (`headroom`,
-    {device: bytes}, replaces those). The estimate is `model.memory_estimate`; `model.disk_reads` counts, per
-    block on disk, [times read, bytes read]."""
+    {device: bytes}, replaces those). `placed(model)` holds the estimate and the counts of disk reads."""
     if isinstance(path, nn.Module):
         return _load_module(path, device_map, max_memory, dtype, headroom, batch, max_seq, prompt_len, offload_dir)
     cfg = read_config(path)
@@ -250,8 +270,7 @@ def load(path, device_map="auto", max_memory: dict | None = None, dtype: torch.d
             _read_into(module, name, weights, device, dtype)
     if cfg.tie_word_embeddings and dmap["lm_head"] != "disk":
         model.lm_head.weight = model.embed_tokens.weight          # one tensor, as in the model
-    model.layer_devices = [_device(dmap[f"layers.{i}"]) for i in range(cfg.num_hidden_layers)]   # KV caches
-    model.memory_estimate, model.disk_reads = est, reads
+    _PLACED[model] = Placed(est, reads, moves)
     model.eval()
     return model, dmap
 
@@ -292,8 +311,7 @@ def _load_module(model: Llama, device_map, max_memory, dtype, headroom, batch, m
         module.to(device=_device(where), dtype=dtype)
         module.register_forward_pre_hook(moves.hook(_device(where)), with_kwargs=True)
     _rope_where_it_starts(model, dmap["embed_tokens"])
-    model.layer_devices = [_device(dmap[f"layers.{i}"]) for i in range(cfg.num_hidden_layers)]
-    model.memory_estimate, model.disk_reads = est, {}
+    _PLACED[model] = Placed(est, {}, moves)
     model.eval()
     return model, dmap
 

@@ -19,6 +19,7 @@ import torch
 
 from bunsan.estimator.inference import InferenceMemory
 from bunsan.memory.measure import current_rss_bytes, peak_rss_bytes, reset_peak_memory
+from bunsan.inference.load import placed
 from bunsan.inference.placement import human
 
 
@@ -87,7 +88,7 @@ def predicted(est: InferenceMemory, dmap: dict, tied: bool) -> dict:
 
 def lines(model, dmap: dict, baseline: int, checkpoint) -> list[str]:
     """One line per device: its blocks, the predicted bytes by part, the measured bytes and their ratio."""
-    est: InferenceMemory = model.memory_estimate
+    est: InferenceMemory = placed(model).memory_estimate
     pred = predicted(est, dmap, model.config.tie_word_embeddings)
     out = [f"memory per device, predicted for batch {est.batch}, {est.prompt_len}-token prompt, "
            f"{est.max_seq} tokens in all, against measured after generating:"]
@@ -101,7 +102,7 @@ def lines(model, dmap: dict, baseline: int, checkpoint) -> list[str]:
             how = (f"peak resident set growth, {human(mapped_bytes(checkpoint))} of it pages mapped from the "
                    "checkpoint's files")
         elif device == "disk":
-            reads = model.disk_reads.values()
+            reads = placed(model).disk_reads.values()
             steps = max((c for c, _ in reads), default=0)
             measured = sum(b for _, b in reads) // max(steps, 1)
             how = f"read per step, {steps} steps"

@@ -6,6 +6,16 @@ import torch
 from bunsan.models.llama import Llama, LlamaConfig
 
 
+def layer_devices(model: Llama) -> list[torch.device]:
+    """Where each block computes, so its KV cache sits beside it: its weights' device, or the CPU for a block
+    whose weights wait on disk between uses (bunsan.inference.load keeps those on the meta device)."""
+    out = []
+    for block in model.layers:
+        p = next(block.parameters())
+        out.append(torch.device("cpu") if p.is_meta else p.device)
+    return out
+
+
 class _LayerKV:
     """One layer's view of the cache: writes new k/v at the current position."""
 
@@ -111,7 +121,7 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
         # cache takes the weights' dtype, as the keys and values the layers write into it have
         device = model.rope_cos.device if hasattr(model, "rope_cos") else p.device
         cache = KVCache(cfg, b, total, device=device, dtype=p.dtype, num_kv_heads=kv_heads,
-                        layer_devices=getattr(model, "layer_devices", None))
+                        layer_devices=layer_devices(model))
     step_input = input_ids
     try:
         for _ in range(max_new_tokens):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bunsan.models.generate import KVCache, next_token
+from bunsan.models.generate import KVCache, layer_devices, next_token
 from bunsan.models.llama import Llama
 from bunsan.serve.tp import HEARTBEAT_S
 
@@ -75,7 +75,7 @@ class SlotCache:
         # generate's cache, one row per slot (each layer's beside the layer under a device map), in the weights'
         # dtype; the rows' own lengths replace its single position
         kv = KVCache(model.config, slots, max_len, device=self.device, dtype=next(model.parameters()).dtype,
-                     num_kv_heads=kv_heads, layer_devices=getattr(model, "layer_devices", None))
+                     num_kv_heads=kv_heads, layer_devices=layer_devices(model))
         self.k, self.v = kv.k, kv.v
         self.lengths = torch.zeros(slots, dtype=torch.long)
         self.max_len = max_len
