@@ -136,3 +136,23 @@ def test_mixed_precision_activations_cross_stages(pools, precision, dtype):
         assert dtypes == [dtype]
         np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
         assert scale == (1.0 if precision == "bf16" else 2.0 ** 16)
+
+
+def _inplace_mlp(seed=0):
+    torch.manual_seed(seed)   # stage 1 (uniform: two layers a stage) starts with an in-place ReLU
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 16), torch.nn.ReLU(inplace=True),
+                               torch.nn.Linear(16, 4))
+
+
+def _train_inplace(rank, world):
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+           "optimizer": optimizer_config("sgd"), "pipeline": {"stages": 2, "schedule": "1f1b"}}
+    engine = bunsan.initialize(_inplace_mlp(), cfg, loss_fn=torch.nn.functional.mse_loss)
+    losses = [engine.train_batch(b) for b in _mlp_data()]
+    return losses, to_numpy(engine.consolidated_state_dict())
+
+
+def test_a_stage_whose_first_layer_works_in_place(pools):
+    """A received activation collects its gradient: the stage computes on a copy of it, as DeepSpeed does."""
+    ref = reference_train(_inplace_mlp(), _mlp_data(), "sgd", loss_fn=torch.nn.functional.mse_loss, micro=4)
+    assert_parity(pools.run(2, _train_inplace, 2), ref)

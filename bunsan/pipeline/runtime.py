@@ -180,7 +180,9 @@ class Runner:
             with self._record(a.kind, a.micro, a.chunk):
                 if a.kind == "forward":
                     mb = micro_batches[a.micro]
-                    x = first_input(mb) if s == 0 else received[key]
+                    # A received activation is a leaf that collects its gradient: the stage gets a copy, so a
+                    # first layer that works in place (ReLU(inplace=True)) writes into that, not the leaf.
+                    x = first_input(mb) if s == 0 else received[key].clone()
                     out = self.stage.run(a.chunk, x, seq_len(mb))
                     if s == self.last:
                         out, reported = loss_of(out, mb)
