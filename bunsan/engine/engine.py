@@ -30,6 +30,7 @@ from bunsan.optim.schedule import LRSchedule
 from bunsan.pipeline import forward_backward as pipeline
 from bunsan.pipeline.consolidate import gather_intervals, gather_stages
 from bunsan.tensor_parallel import consolidate, vocab_parallel_loss_sum
+from bunsan.zero.gathered import gathered_parameters
 from bunsan.zero.strategy import Strategy
 
 
@@ -296,9 +297,11 @@ class Engine:
             return None
         return gather_intervals(self.pipe.recorder.intervals, self.comm, self.mesh.pp_group, self.device)
 
-    def gathered_parameters(self):
-        """Context in which every parameter holds its full value (ZeRO-3 gathers and releases after)."""
-        return self.strategy.gathered()
+    def gathered_parameters(self, modifier_rank: int | None = None):
+        """Context in which every parameter holds its full value (ZeRO-3 gathers and releases after). With
+        `modifier_rank` (a data-parallel rank) what that rank writes is kept on every rank, as DeepSpeed's
+        GatheredParameters; without, the parameters are read-only and a write is an error."""
+        return gathered_parameters(self.strategy, self.comm, self.mesh.dp_group, self.module, modifier_rank)
 
     def comm_stats(self) -> dict:
         """Communication of the last completed optimizer step and totals since start."""
