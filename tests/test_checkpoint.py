@@ -181,3 +181,22 @@ def test_checkpoints_are_read_without_pickle(pools, tmp_path):
 def test_missing_checkpoint_is_a_clear_error(pools, tmp_path):
     with pytest.raises(AssertionError, match="no checkpoint in .*no `latest`"):
         pools.run(1, _load, 1, str(tmp_path))
+
+
+def _tags(rank, world, root):
+    import warnings
+
+    import bunsan
+    engine = bunsan.initialize(tiny_model(), {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        path = engine.save_checkpoint(root, tag=0.25 if rank == 0 else 0.5)   # a loss as the tag, as DeepSpeed's docs
+    loaded, _ = engine.load_checkpoint(root, tag="0.25")
+    return str(path), str(loaded), [str(w.message) for w in caught]
+
+
+def test_checkpoint_tags_are_any_scalar_and_rank_0s_wins(pools, tmp_path):
+    """DeepSpeed's docs save with tag=loss.item(); ranks that disagree save under rank 0's tag, warned."""
+    (p0, l0, w0), (p1, l1, w1) = pools.run(2, _tags, 2, str(tmp_path))
+    assert p0 == p1 == l0 == l1 == str(tmp_path / "0.25")
+    assert not w0 and any("differs from rank 0's '0.25'" in w for w in w1)

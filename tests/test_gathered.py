@@ -62,3 +62,4 @@ def _write_without_modifier(rank, world, stage):
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_write_without_a_modifier_rank_is_refused_not_lost(pools, stage):
     assert pools.run(2, _write_without_modifier, 2, stage) == [True, True]
+

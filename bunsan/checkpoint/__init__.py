@@ -10,6 +10,7 @@ cast), with the optimizer states beside them; engine counters, the loss scaler a
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -65,12 +66,12 @@ def _rank_state(engine) -> tuple[dict, dict]:
     return tensors, {"pieces": pieces, "scalars": scalars}
 
 
-def save_checkpoint(engine, save_dir, tag: str | None = None, client_state: dict | None = None,
+def save_checkpoint(engine, save_dir, tag: str | float | None = None, client_state: dict | None = None,
                     keep_last: int | None = None) -> Path:
     """Every rank calls it. Returns the checkpoint directory (ROOT/tag)."""
     root = Path(save_dir)
-    tag = tag or store.tag_for(engine.global_step)
-    if "/" in tag or tag.startswith(".") or tag == "latest":
+    tag = _agreed_tag(engine, store.tag_for(engine.global_step) if tag is None else tag)
+    if not tag or "/" in tag or tag.startswith(".") or tag == "latest":
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name, not hidden and not 'latest'")
     counters = engine.state_dict()   # (refuses a save in the middle of an optimizer step)
     rank, world = engine.mesh.rank, engine.mesh.world.size
@@ -89,6 +90,34 @@ def save_checkpoint(engine, save_dir, tag: str | None = None, client_state: dict
         store.commit(root, tag, world, meta, keep_last or engine.cfg.checkpoint.keep_last)
     _barrier(engine)
     return root / tag
+
+
+TAG_BYTES = 255
+
+
+def _agreed_tag(engine, tag) -> str:
+    """The tag every rank saves under: any JSON scalar names a checkpoint (DeepSpeed's docs save with
+    tag=loss.item()), and ranks that disagree use rank 0's, with a warning, as DeepSpeed does: every rank
+    writes into one directory."""
+    if isinstance(tag, bool) or not isinstance(tag, (str, int, float)):
+        raise TypeError(f"checkpoint tag {tag!r} ({type(tag).__name__}) must be a string or a number")
+    mine = str(tag)
+    if engine.mesh.world.size == 1:
+        return mine
+    raw = mine.encode()
+    codes = torch.zeros(TAG_BYTES + 1, dtype=torch.int32)
+    codes[:min(len(raw), TAG_BYTES)] = torch.tensor(list(raw[:TAG_BYTES]), dtype=torch.int32)
+    codes[TAG_BYTES] = int(len(raw) > TAG_BYTES)        # too long to send: every rank refuses it together
+    sent = codes.to(engine.comm.device)
+    engine.comm.broadcast(sent, 0, engine.mesh.world)
+    got = sent.tolist()
+    if got[TAG_BYTES]:
+        raise ValueError(f"checkpoint tag of rank 0 is longer than {TAG_BYTES} bytes; use a shorter tag")
+    agreed = bytes(c for c in got[:TAG_BYTES] if c).decode()
+    if agreed != mine:
+        warnings.warn(f"rank {engine.mesh.rank}: checkpoint tag {mine!r} differs from rank 0's {agreed!r}; "
+                      "saving under rank 0's (pass the same tag on every rank)", stacklevel=3)
+    return agreed
 
 
 def _model_config(engine) -> dict | None:

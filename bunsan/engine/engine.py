@@ -311,7 +311,7 @@ class Engine:
         return measured_memory(self)
 
     # -- checkpoints (checkpoint/) ---------------------------------------------------------------
-    def save_checkpoint(self, save_dir, tag: str | None = None, client_state: dict | None = None,
+    def save_checkpoint(self, save_dir, tag: str | float | None = None, client_state: dict | None = None,
                         keep_last: int | None = None):
         """Every rank: its shards as safetensors, atomically; `client_state` (JSON-able) comes back on load."""
         from bunsan.checkpoint import save_checkpoint
