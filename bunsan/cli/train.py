@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from bunsan.cli.launch import relaunch, under_torchrun
+from bunsan.comm.process_group import shutdown_distributed
 
 # Flags of `bunsan train` that map onto config keys.
 TRAIN_FLAGS = {
@@ -76,6 +77,7 @@ def cmd_train(args) -> int:
     from bunsan.training.loop import run_training
     try:
         run_training(train_config(args))
+        shutdown_distributed()
     except OutOfMemory as e:          # the doctor's advice, and a code a script can tell apart
         print(f"bunsan train: {e}", file=sys.stderr, flush=True)
         return EXIT_CODE

@@ -103,3 +103,12 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         store = dist.HashStore()
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout, **extra)
     return device
+
+
+def shutdown_distributed() -> None:
+    """End a run in order: every rank reaches here before any closes its connections. A rank that exits while a
+    peer still holds a gloo connection to it can abort that peer's own exit (std::terminate in gloo's
+    teardown), failing a run that finished."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
