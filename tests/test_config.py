@@ -134,6 +134,11 @@ def test_deepspeed_style_values():
                                     "warmup_type": "log"}
     adam = Config.load({"optimizer": {"type": "ADAM", "params": {"adam_w_mode": False}}}).optimizer
     assert adam.type == "Adam" and adam.params == {}
+    # DeepSpeed's default: Adam is decoupled, with no weight decay unless asked
+    decoupled = Config.load({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": True}}}).optimizer
+    assert decoupled.type == "AdamW" and decoupled.params == {"lr": 1e-3, "weight_decay": 0.0}
+    with pytest.raises(ConfigError, match="bias_correction.*not built"):
+        Config.load({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}})
     own = Config.load({"scheduler": {"type": "Warmup_Cosine"}}).scheduler
     assert own.type == "warmup_cosine" and own.params == {"warmup_steps": 0, "total_steps": None, "min_lr_ratio": 0.1}
     assert Config.load({"optimizer": {"type": "adafactor", "params": {"eps": [None, 1e-3]}}}).optimizer.type == "Adafactor"

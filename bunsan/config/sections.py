@@ -113,8 +113,8 @@ def _check_optimizer_params(name: str, params: dict) -> list[tuple[str, str]]:
 
 class Optimizer(Section):
     """The optimizer bunsan builds when initialize() gets none; DeepSpeed's section."""
-    type: str = Field("AdamW", description="Optimizer class, case-insensitive: AdamW, Adam, SGD, Adafactor "
-                                           "or AdamW8bit (DeepSpeed's Adam with adam_w_mode is AdamW)")
+    type: str = Field("AdamW", description="AdamW, Adam, SGD, Adafactor or AdamW8bit (any case); Adam is AdamW "
+                                           "unless params.adam_w_mode is false, as in DeepSpeed")
     # torch defaults are merged in by bunsan.optim
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the optimizer's "
                                    "constructor (lr, betas, weight_decay, ...); torch's defaults fill the rest")
@@ -133,11 +133,17 @@ class Optimizer(Section):
             raise Rule(("type", f"unknown optimizer {show(name)} ({suggest(name, OPTIMIZERS.values())}); "
                                 f"set it to one of {', '.join(OPTIMIZERS.values())}"))
         if canon in ("Adam", "AdamW"):  # DeepSpeed's extra Adam switches
-            for k in ("adam_w_mode", "torch_adam"):
+            for k in ("adam_w_mode", "torch_adam", "bias_correction"):
                 if not isinstance(params.get(k, False), bool):
                     raise Rule((f"params.{k}", f"expected true/false, got {show(params[k])}; set it to true or false"))
-            if params.pop("adam_w_mode", False):
+            if not params.pop("bias_correction", True):
+                raise Rule(("params.bias_correction", "false (Adam without bias correction) is not built: torch's "
+                                                      "Adam and AdamW always correct; remove the key"))
+            # DeepSpeed's "Adam" is decoupled weight decay (AdamW) unless adam_w_mode is false, and its weight
+            # decay defaults to 0 (as torch's Adam's): the same config means the same update here
+            if params.pop("adam_w_mode", True) and canon == "Adam":
                 canon = "AdamW"
+                params.setdefault("weight_decay", 0.0)
             params.pop("torch_adam", None)  # bunsan always uses torch's optimizers
         if problems := _check_optimizer_params(canon, params):
             raise Rule(*problems)
