@@ -17,6 +17,12 @@ from bunsan.config.errors import Rule, show
 
 # dotted key -> why bunsan does not act on it (one line each; `bunsan config --explain KEY` prints it)
 IGNORED: dict[str, str] = {
+    "prescale_gradients":
+        "bunsan's LM loss is divided by the global batch's token count before backward, so gradients enter the "
+        "all-reduce already scaled; with a loss_fn they are divided by the data-parallel size after it",
+    "zero_allow_untested_optimizer":
+        "bunsan checks a client optimizer itself under ZeRO: elementwise ones (and Adafactor) step shards, any "
+        "other is refused with the reason, so there is nothing to allow",
     "wall_clock_breakdown":
         "DeepSpeed's per-phase timing print; bunsan records tokens_per_s every steps_per_print steps and the "
         "share of step time spent waiting for communication in the summary instead",

@@ -108,6 +108,10 @@ class Config(Section):
                                                        "tokens/s), printed and written (DeepSpeed's meaning)")
     wall_clock_breakdown: bool = Field(False, description="DeepSpeed's per-phase timing print; accepted and "
                                                           "ignored (bunsan config --explain gives the reason)")
+    prescale_gradients: bool = Field(False, description="DeepSpeed: divide gradients before the all-reduce; "
+                                                        "accepted and ignored (bunsan config --explain)")
+    zero_allow_untested_optimizer: bool = Field(False, description="DeepSpeed: allow a client optimizer under "
+                                                                   "ZeRO; accepted and ignored (bunsan config --explain)")
     fp16: FP16 = Field(default_factory=FP16, description=FP16.__doc__)
     bf16: BF16 = Field(default_factory=BF16, description=BF16.__doc__)
     optimizer: Optimizer = Field(default_factory=Optimizer, description=Optimizer.__doc__)
