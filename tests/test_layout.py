@@ -24,7 +24,7 @@ LAYERS = [
     {"checkpoint"},
     {"engine"},
     {"(api)"},                       # bunsan/__init__.py and bunsan/parallelize.py: the public entry points
-    {"training", "inference", "serve"},
+    {"training", "inference", "serve", "deepspeed"},
     {"cli"},
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}

@@ -112,6 +112,8 @@ class Config(Section):
                                                         "accepted and ignored (bunsan config --explain)")
     zero_allow_untested_optimizer: bool = Field(False, description="DeepSpeed: allow a client optimizer under "
                                                                    "ZeRO; accepted and ignored (bunsan config --explain)")
+    dataloader_drop_last: bool = Field(False, description="DeepSpeed: the loader deepspeed.initialize makes from "
+                                                          "training_data drops a last, incomplete micro-batch")
     fp16: FP16 = Field(default_factory=FP16, description=FP16.__doc__)
     bf16: BF16 = Field(default_factory=BF16, description=BF16.__doc__)
     optimizer: Optimizer = Field(default_factory=Optimizer, description=Optimizer.__doc__)

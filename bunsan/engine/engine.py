@@ -13,6 +13,7 @@ parallelism has already swapped the model's layers when the engine is built.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -63,6 +64,7 @@ class Engine:
 
         self.global_step = 0
         self._micro_steps = 0       # micro-batches seen in the current optimizer step (DeepSpeed-style loop)
+        self._no_sync = False       # inside no_sync(): backward keeps gradients local
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")
         self.phase = "set-up"       # what runs now, for the doctor's out-of-memory advice
@@ -122,17 +124,39 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self._micro_steps + 1) % self.grad_accum == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
         """Backward of one micro-batch's mean loss; the gradients of the step average over micro-batches and
-        ranks (a mean per micro-batch: the step multiplies the reduced sum by 1/dp)."""
+        ranks (a mean per micro-batch: the step multiplies the reduced sum by 1/dp). `scale_wrt_gas=False`
+        (DeepSpeed's): the loss is not divided by gradient_accumulation_steps."""
         self._no_pipeline("engine.backward(loss)")
         scale = self.scaler.scale if self.scaler else 1.0
-        loss = loss / self.grad_accum
-        self._backward(loss * scale if scale != 1.0 else loss, sync=self.is_gradient_accumulation_boundary())
+        if scale_wrt_gas:
+            loss = loss / self.grad_accum
+        sync = self.is_gradient_accumulation_boundary() and not self._no_sync
+        self._backward(loss * scale if scale != 1.0 else loss, sync=sync)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward inside keeps gradients on this rank (accumulated); the first backward on an accumulation
+        boundary outside reduces them all. engine.step() inside is an error, as in DeepSpeed."""
+        if self.strategy.stage >= 2:
+            raise RuntimeError(f"no_sync() with ZeRO stage {self.strategy.stage}: stages 2 and 3 reduce and "
+                               "partition gradients during every backward; use stage 0 or 1, or raise "
+                               "gradient_accumulation_steps instead")
+        if self._no_sync:
+            raise RuntimeError("no_sync() is already active; it does not nest")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
 
     def step(self) -> None:
         """Call once per micro-batch; the optimizer steps on the accumulation boundary."""
         self._no_pipeline("engine.step()")
+        if self._no_sync:
+            raise RuntimeError("engine.step() inside no_sync(): the gradients are not reduced yet; leave the "
+                               "no_sync() block, run one more backward, then step")
         if self.is_gradient_accumulation_boundary():
             self._optimizer_step(1.0 / self.mesh.dp)
         else:

@@ -156,6 +156,7 @@ class StageModule(nn.Module):
             self.register_buffer("rope_cos", model.rope_cos, persistent=False)
             self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         self._init_parameter = getattr(model, "init_parameter", None)
+        self._init_buffer = getattr(model, "init_buffer", None)      # (name, tensor): buffers drawn by name
         self._init_weights = getattr(model, "init_weights", None)
         self._source = type(model).__name__
 
@@ -176,6 +177,10 @@ class StageModule(nn.Module):
         return x
 
     def init_buffers(self) -> None:
+        if self._init_buffer is not None:
+            with torch.no_grad():
+                for name, b in self.named_buffers():
+                    self._init_buffer(name, b)
         if self.llama and self.config is not None:
             from bunsan.models.llama import rope_tables
             cos, sin = rope_tables(self.config, device=self.rope_cos.device)

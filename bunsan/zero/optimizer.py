@@ -35,6 +35,7 @@ class SubGroup:
     def __init__(self, frags: list[int], lo: int, hi: int):
         self.frags, self.lo, self.hi = frags, lo, hi   # fragment indices; shard range [lo, hi)
         self.optimizer: torch.optim.Optimizer | None = None
+        self.sources: list[int] = []      # the user's optimizer group of each of optimizer's groups
         self.swapped = False
 
 
@@ -119,8 +120,10 @@ class ShardedOptimizer:
         for i in sg.frags:
             by_group.setdefault(self.group_of_frag[i], []).append(self.frag_tensors[i])
         pgroups = [{"params": ts, **self.groups[g][1]} for g, ts in sorted(by_group.items())]
+        sg.sources = sorted(by_group)
         if not pgroups:  # a rank whose shard is all padding still needs an optimizer object
             pgroups = [{"params": [torch.zeros(0, device=self.home)], **self.groups[0][1]}]
+            sg.sources = [0]
         if self.factored:
             from bunsan.zero.adafactor import ShardedAdafactor
             frags = self.layout.fragments
@@ -132,6 +135,12 @@ class ShardedOptimizer:
     def param_groups(self) -> list[dict]:
         """The hyperparameters of every sub-group's groups (the engine writes lr here)."""
         return [g for sg in self.subgroups for g in sg.optimizer.param_groups]
+
+    @property
+    def group_sources(self) -> list[int]:
+        """For each of param_groups, the index of the optimizer group (as the user built it) it is part of:
+        this rank's shard holds pieces of some groups only, cut into sub-groups."""
+        return [gi for sg in self.subgroups for gi in sg.sources]
 
     # -- NVMe swapping ---------------------------------------------------------------------------
     def _swap_out_all_masters(self) -> None:

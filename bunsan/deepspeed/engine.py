@@ -1,0 +1,259 @@
+"""DeepSpeed's engine over bunsan's: the attributes and methods DeepSpeed scripts use, as an nn.Module (so
+train/eval/parameters/state_dict behave as DeepSpeed's, whose engine is one too), and the pipeline engine's
+`train_batch(data_iter)`.
+
+Everything that trains is bunsan's Engine (`engine.bunsan`); this file only translates names and calling
+conventions. An attribute this class does not define is looked up on the bunsan engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import weakref
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from bunsan.checkpoint.store import candidates
+from bunsan.deepspeed.schedulers import ClientScheduler
+from bunsan.engine.engine import Engine
+
+log = logging.getLogger("bunsan.deepspeed")
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+SCHEDULER_KEY = "bunsan.deepspeed.lr_scheduler"   # where a client scheduler's state rides in client_state
+
+
+def engine_holding(p: torch.Tensor) -> Engine | None:
+    """The bunsan engine whose model holds parameter `p` (GatheredParameters finds its engine this way)."""
+    for facade in list(_LIVE):
+        if any(q is p for q in facade.bunsan.module.parameters()):
+            return facade.bunsan
+    return None
+
+
+class DeepSpeedEngine(nn.Module):
+    """What `deepspeed.initialize` returns first. `lr_scheduler` is the scheduler the engine steps after every
+    applied optimizer step (the config's, or the client's), `training_dataloader` the loader made from
+    `training_data`."""
+
+    def __init__(self, engine: Engine, lr_scheduler=None, training_dataloader=None):
+        super().__init__()
+        self.bunsan = engine
+        self.module = engine.module
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = training_dataloader
+        _LIVE.add(self)
+        self._follow_scheduler()
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            engine = self.__dict__.get("bunsan")
+            if engine is None or name.startswith("_") or not hasattr(engine, name):
+                raise
+            return getattr(engine, name)
+
+    # -- ranks, sizes and switches ---------------------------------------------------------------
+    local_rank = property(lambda self: int(os.environ.get("LOCAL_RANK", 0)))
+    global_rank = property(lambda self: self.bunsan.mesh.rank)
+    world_size = property(lambda self: self.bunsan.mesh.world.size)
+    dp_world_size = property(lambda self: self.bunsan.mesh.dp)
+    mp_world_size = property(lambda self: self.bunsan.mesh.tp)
+    device = property(lambda self: self.bunsan.device)
+    optimizer = property(lambda self: self.bunsan.optimizer)
+    global_steps = property(lambda self: self.bunsan.global_step)
+    global_samples = property(lambda self: self.bunsan.global_step * self.bunsan.train_batch_size)
+    skipped_steps = property(lambda self: self.bunsan.skipped_steps)
+    micro_steps = property(lambda self: self.bunsan.global_step * self.bunsan.grad_accum + self.bunsan.micro_steps)
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.bunsan.micro_batch
+
+    def train_batch_size(self) -> int:
+        return self.bunsan.train_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.bunsan.grad_accum
+
+    def zero_optimization_stage(self) -> int:
+        return self.bunsan.strategy.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.bunsan.cfg.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.bunsan.cfg.bf16.enabled
+
+    def gradient_clipping(self) -> float:
+        return self.bunsan.cfg.gradient_clipping
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.bunsan.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float:
+        return self.bunsan.last_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._applied
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.bunsan.is_gradient_accumulation_boundary()
+
+    # -- the DeepSpeed-style loop ----------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.bunsan(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        if retain_graph:
+            raise ValueError("backward(retain_graph=True) is not supported: bunsan's gradient hooks reduce and "
+                             "free each gradient as backward produces it")
+        self.bunsan.backward(loss, scale_wrt_gas=scale_wrt_gas)
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        if lr_kwargs:
+            raise ValueError(f"step(lr_kwargs={lr_kwargs}): bunsan's schedules take no per-step arguments")
+        self._after(self.bunsan.step)
+
+    def no_sync(self):
+        return self.bunsan.no_sync()
+
+    def zero_grad(self) -> None:
+        """Drop the gradients of the micro-batches so far (DeepSpeed's engine.zero_grad)."""
+        if self.bunsan.micro_steps:
+            raise RuntimeError(f"zero_grad() after {self.bunsan.micro_steps} micro-batches of an accumulating "
+                               "step: their gradients would be dropped while the step still counts them")
+        self.bunsan.strategy.zero_grad()
+
+    def _after(self, run):
+        """Run a step (or a micro-batch of one); when an optimizer step was applied, step the scheduler."""
+        step, skipped = self.bunsan.global_step, self.bunsan.skipped_steps
+        out = run()
+        stepped = self.bunsan.global_step > step
+        self._applied = stepped and self.bunsan.skipped_steps == skipped
+        if self._applied and isinstance(self.lr_scheduler, ClientScheduler):
+            self.lr_scheduler.step()
+            self._follow_scheduler()
+        return out
+
+    _applied = False
+
+    def _follow_scheduler(self) -> None:
+        """A client scheduler sets lrs in its own optimizer's groups; the step uses the engine's."""
+        if isinstance(self.lr_scheduler, ClientScheduler):
+            self.lr_scheduler.copy_lrs(self.bunsan.optimizer)
+
+    # -- saving ----------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
+        if not save_latest:
+            raise ValueError("save_checkpoint(save_latest=False): bunsan always records the newest complete tag "
+                             "(load picks it); drop the argument and load a tag by name")
+        if exclude_frozen_parameters:
+            raise ValueError("save_checkpoint(exclude_frozen_parameters=True) is not supported: bunsan's "
+                             "checkpoints hold the whole model so that any layout can load them")
+        state = dict(client_state or {})
+        if isinstance(self.lr_scheduler, ClientScheduler):
+            state[SCHEDULER_KEY] = self.lr_scheduler.state_dict()
+        self.bunsan.save_checkpoint(save_dir, tag, state)
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        """(path, client_state); (None, None) with a warning when `load_dir` holds no checkpoint, as DeepSpeed."""
+        if not load_module_strict or custom_load_fn is not None:
+            raise ValueError("load_checkpoint(load_module_strict=False / custom_load_fn): bunsan loads every "
+                             "tensor of the checkpoint, checked against the model; drop the argument")
+        if tag is None and not candidates(Path(load_dir), None):
+            log.warning("no checkpoint in %s; nothing loaded (DeepSpeed's answer: None, None)", load_dir)
+            return None, None
+        path, client_state = self.bunsan.load_checkpoint(
+            load_dir, None if tag is None else str(tag), load_optimizer_states and not load_module_only)
+        sched = client_state.pop(SCHEDULER_KEY, None)
+        if sched is not None and load_lr_scheduler_states and isinstance(self.lr_scheduler, ClientScheduler):
+            self.lr_scheduler.load_state_dict(sched)
+            self._follow_scheduler()
+        return str(path), client_state
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The whole model, gathered, in its training dtype, written by rank 0 as safetensors (bunsan never
+        writes pickles: a '.bin' name is saved as '.safetensors' beside it, with a warning)."""
+        from bunsan.deepspeed.save import save_model
+        if exclude_frozen_parameters:
+            raise ValueError("save_16bit_model(exclude_frozen_parameters=True) is not supported; drop it")
+        save_model(self.bunsan, save_dir, save_filename)
+        return True
+
+
+def _stack(micro: list):
+    """gradient_accumulation_steps micro-batches of (inputs, labels) as one batch, concatenated along rows."""
+    first = micro[0]
+    if isinstance(first, dict):
+        return {k: torch.cat([mb[k] for mb in micro]) for k in first}
+    if not isinstance(first, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in first):
+        raise ValueError("a pipeline's data iterator yields (inputs, labels) pairs of tensors (or input_ids/labels "
+                         f"dicts); got {type(first).__name__}" + (f" of {[type(t).__name__ for t in first]}"
+                                                                  if isinstance(first, (tuple, list)) else ""))
+    return tuple(torch.cat([mb[i] for mb in micro]) for i in range(len(first)))
+
+
+class PipelineEngine(DeepSpeedEngine):
+    """The engine of a PipelineModule: a whole step per call, micro-batches drawn from an iterator."""
+
+    def __init__(self, engine: Engine, lr_scheduler=None, training_dataloader=None):
+        super().__init__(engine, lr_scheduler, training_dataloader)
+        self._data_iter = None
+        if training_dataloader is not None:
+            from bunsan.deepspeed.utils import RepeatingLoader
+            self._data_iter = iter(RepeatingLoader(training_dataloader))
+
+    num_stages = property(lambda self: self.bunsan.mesh.pp)
+    stage_id = property(lambda self: self.bunsan.mesh.pp_rank)
+    micro_batches = property(lambda self: self.bunsan.grad_accum)
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator) -> None:
+        self._data_iter = iterator
+
+    def _draw(self, data_iter, n: int):
+        it = data_iter if data_iter is not None else self._data_iter
+        if it is None:
+            raise ValueError("train_batch() without data_iter needs training_data passed to deepspeed.initialize "
+                             "(or engine.set_dataiterator(it))")
+        micro = list(itertools.islice(it, n))
+        if len(micro) < n:
+            raise ValueError(f"the data iterator ran out after {len(micro)} of the {n} micro-batches of a step; "
+                             "wrap the loader in deepspeed.utils.RepeatingLoader")
+        return _stack(micro)
+
+    def train_batch(self, data_iter=None) -> torch.Tensor:
+        """One optimizer step over gradient_accumulation_steps micro-batches; their mean loss, on every rank."""
+        batch = self._draw(data_iter, self.bunsan.grad_accum)
+        return torch.tensor(self._after(lambda: self.bunsan.train_batch(batch)))
+
+    def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None):
+        if return_logits or not compute_loss or reduce_output != "avg":
+            raise ValueError("eval_batch: bunsan's pipeline returns the mean loss (reduce_output='avg', "
+                             "compute_loss=True, return_logits=False); other forms are not supported")
+        batch = self._draw(data_iter, num_micro_batches or self.bunsan.grad_accum)
+        return torch.tensor(self.bunsan.eval_batch(batch))
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a PipelineEngine runs whole steps: call engine.train_batch(data_iter) and "
+                           "engine.eval_batch(data_iter), as in DeepSpeed")
+
+    backward = step = forward
+

@@ -1,0 +1,1 @@
+"""`deepspeed.ops`: DeepSpeed's optimizer classes, as the torch optimizers that compute the same update."""

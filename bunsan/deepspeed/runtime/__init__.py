@@ -1,0 +1,1 @@
+"""`deepspeed.runtime`: what user scripts import from it (utils)."""
