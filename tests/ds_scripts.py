@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import bunsan.deepspeed as deepspeed
+import bunsan.deepspeed.comm as dist
 from bunsan.deepspeed.accelerator import get_accelerator
 from bunsan.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from bunsan.deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
@@ -192,4 +193,8 @@ def main_client(rank, data, ds_config: dict):
         engine.step()
         losses.append((first.item() + second.item()) / 2)
     assert math.isclose(engine.get_lr()[0], 0.2 / (1 + x.shape[0]))
+    count = torch.ones(1)
+    dist.all_reduce(count)
+    dist.barrier()
+    assert count.item() == dist.get_world_size() == engine.world_size and dist.get_rank() == rank
     return losses, {k: v.float() for k, v in engine.consolidated_state_dict().items()}

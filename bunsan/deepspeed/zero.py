@@ -42,6 +42,8 @@ class Slice:
 
 
 _SLICED: dict[int, tuple[weakref.ref, Slice]] = {}   # id(parameter) -> (the parameter, its slice)
+# (id(module), name) -> its slot's slice: to_empty() gives a meta parameter a new object, the slot stays
+_SLOTS: dict[tuple[int, str], Slice] = {}
 
 
 def slice_of(p: torch.Tensor) -> Slice | None:
@@ -80,7 +82,10 @@ def _keep_slice(owners: list, full: torch.Tensor) -> nn.Parameter:
     chunk = math.ceil(flat.numel() / size)
     piece = flat[rank * chunk:(rank + 1) * chunk].to("cpu", copy=True)
     new = nn.Parameter(torch.empty(full.shape, dtype=full.dtype, device="meta"))
-    _SLICED[id(new)] = (weakref.ref(new), Slice(piece, full.shape, chunk, owners))
+    kept = Slice(piece, full.shape, chunk, owners)
+    _SLICED[id(new)] = (weakref.ref(new), kept)
+    for module, name in owners:
+        _SLOTS[(id(module), name)] = kept
     return _swap(owners, new)
 
 
@@ -115,7 +120,8 @@ def _slice_module(root: nn.Module) -> None:
     buffers = {name: b.detach().clone() for name, b in root.named_buffers()}
 
     def init_parameter(name: str, tensor: torch.Tensor, seed: int = 0) -> None:
-        s = slice_of(root.get_parameter(name))
+        path, _, attr = name.rpartition(".")
+        s = _SLOTS.get((id(root.get_submodule(path)), attr))
         if s is None:
             raise ValueError(f"parameter {name!r} was not built under zero.Init, so there is no slice to rebuild "
                              "it from; build the whole model inside the `with zero.Init():` block")
