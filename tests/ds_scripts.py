@@ -84,8 +84,13 @@ def main_cifar(rank, trainset, ds_config: dict, argv: list[str]):
             model_engine.step()
             losses.append(loss.item())
     assert local_rank == rank and model_engine.global_rank == rank
+    with torch.no_grad():     # the script tests with `net` itself, not the engine
+        images = trainset[:4][0]
+        if target_dtype is not None:
+            images = images.to(target_dtype)
+        outputs = net(images.to(local_device)).float()
     state = {k: v.float() for k, v in model_engine.consolidated_state_dict().items()}
-    return losses, state, model_engine.global_steps, model_engine.global_samples
+    return losses, state, model_engine.global_steps, model_engine.global_samples, outputs
 
 
 # -- training/pipeline_parallelism/train.py -------------------------------------------------------------

@@ -66,10 +66,12 @@ def test_cifar_script_matches_a_plain_loop(pools, stage, moe_groups):
     argv = ["--deepspeed"] + (["--moe-param-group"] if moe_groups else [])
     results = pools.run(2, _cifar_rank, 2, trainset, cfg, argv)
     ref_losses, ref = _cifar_reference(trainset, 0.05, 4)
-    for r, (losses, state, steps, samples) in enumerate(results):
+    for r, (losses, state, steps, samples, outputs) in enumerate(results):
         _close(losses, ref_losses[r], f"stage {stage} rank {r} losses")
         _same_state(state, ref, f"stage {stage} rank {r} weights")
         assert steps == 4 and samples == 32
+        with torch.no_grad():
+            torch.testing.assert_close(outputs, ref(trainset[:4][0]), rtol=RTOL, atol=1e-6)
 
 
 def _cifar_rank(rank, world, trainset, cfg, argv):
