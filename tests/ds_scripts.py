@@ -112,10 +112,18 @@ def pipe_layers():
     ]
 
 
-def main_pipeline(rank, trainset, ds_config: dict, steps: int, num_stages: int):
+def join_layers():
+    """Built modules, as the example's join_layers(AlexNet): by parameter count, stage 2 starts at the ReLU."""
+    torch.manual_seed(SEED)
+    return [nn.Linear(8, 64), nn.Linear(64, 8), nn.ReLU(inplace=True), nn.Linear(8, 64, bias=False),
+            lambda x: torch.flatten(x, 1), nn.Linear(64, 8)]
+
+
+def main_pipeline(rank, trainset, ds_config: dict, steps: int, num_stages: int, built: bool = False):
     deepspeed.init_distributed(dist_backend="gloo")
-    net = PipelineModule(layers=pipe_layers(), loss_fn=torch.nn.MSELoss(), num_stages=num_stages,
-                         partition_method="uniform")
+    deepspeed.runtime.utils.set_random_seed(SEED)
+    net = PipelineModule(layers=join_layers() if built else pipe_layers(), loss_fn=torch.nn.MSELoss(),
+                         num_stages=num_stages, partition_method="parameters" if built else "uniform")
     engine, _, _, _ = deepspeed.initialize(
         model=net, model_parameters=[p for p in net.parameters() if p.requires_grad], training_data=trainset,
         config=ds_config)

@@ -100,10 +100,14 @@ def _pipe_data(n: int = 32) -> TensorDataset:
     return TensorDataset(x, torch.sin(x * 2))
 
 
-def _pipe_reference(trainset, steps: int, micro: int, gas: int, lr: float):
-    net = ds_scripts.PipelineModule(layers=ds_scripts.pipe_layers(), loss_fn=nn.MSELoss(), num_stages=1)
-    net.to_empty(device="cpu")
-    net.init_weights()
+def _pipe_reference(trainset, steps: int, micro: int, gas: int, lr: float, built: bool = False):
+    if built:
+        net = nn.Sequential(*(m if isinstance(m, nn.Module) else ds_scripts.PipelineModule([m], 1)[0]
+                              for m in ds_scripts.join_layers()))
+    else:
+        net = ds_scripts.PipelineModule(layers=ds_scripts.pipe_layers(), loss_fn=nn.MSELoss(), num_stages=1)
+        net.to_empty(device="cpu")
+        net.init_weights()
     opt = torch.optim.SGD(net.parameters(), lr=lr)
     order = list(DistributedSampler(trainset, num_replicas=1, rank=0))
     n_micro = len(order) // micro
@@ -122,20 +126,21 @@ def _pipe_reference(trainset, steps: int, micro: int, gas: int, lr: float):
     return losses, F.mse_loss(net(x), y).item(), net
 
 
-def test_pipeline_script_matches_a_plain_loop(pools):
+@pytest.mark.parametrize("built", [False, True], ids=["layer-specs", "built-modules"])
+def test_pipeline_script_matches_a_plain_loop(pools, built):
     trainset = _pipe_data()
     cfg = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 100,
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
-    results = pools.run(2, _pipe_rank, 2, trainset, cfg, 6)
-    ref_losses, ref_eval, ref = _pipe_reference(trainset, 6, 2, 4, 0.1)
+    results = pools.run(2, _pipe_rank, 2, trainset, cfg, 6, built)
+    ref_losses, ref_eval, ref = _pipe_reference(trainset, 6, 2, 4, 0.1, built)
     for r, (losses, held_out, state) in enumerate(results):
         _close(losses, ref_losses, f"pipeline rank {r} losses")
         assert math.isclose(held_out, ref_eval, rel_tol=RTOL)
         _same_state(state, ref, f"pipeline rank {r} weights")
 
 
-def _pipe_rank(rank, world, trainset, cfg, steps):
-    return ds_scripts.main_pipeline(rank, trainset, cfg, steps, num_stages=2)
+def _pipe_rank(rank, world, trainset, cfg, steps, built):
+    return ds_scripts.main_pipeline(rank, trainset, cfg, steps, num_stages=2, built=built)
 
 
 def test_pipeline_module_weights_do_not_depend_on_the_stage_count():
