@@ -1,33 +1,65 @@
-"""What a batch is to the engine, in one place: a language-model dict or an (inputs..., target) tuple, and
-how one micro-batch becomes the loss to differentiate and the loss to report (`Objective`).
+"""What a batch is to the engine, in one place: a language-model dict or an (inputs..., target) tuple, how a
+micro-batch is fed to the model, and how its output becomes the loss to differentiate and the loss to report
+(`Objective`).
 
-A language-model batch is a dict with `input_ids` and `labels` (labels already shifted, -100 ignored); with
-no `loss_fn` the engine's loss is the mean over the tokens of the whole global batch, so every token weighs
-the same whatever its micro-batch or rank. Anything else goes through the user's `loss_fn(output, target)`,
-a mean per micro-batch, and the step averages those means.
+Language-model dicts come in two conventions:
+
+  bunsan's      {"input_ids", "labels"}: labels already shifted (labels[t] is the target of position t),
+                -100 ignored; for bunsan's Llama (and any model called as model(input_ids) returning logits).
+  Hugging Face  for a model whose forward takes keywords (a transformers PreTrainedModel): every key reaches
+                model(**batch) (attention_mask, position_ids, ...); "labels" are HF's, unshifted (labels =
+                input_ids, the shift happens here, as inside HF's loss), or "shift_labels" are already
+                shifted (HF's name for bunsan's form). A key the forward does not name is an error.
+
+Either way the loss is the mean over the tokens of the whole global batch, so every token weighs the same
+whatever its micro-batch or rank (HF's loss with num_items_in_batch = the global count). Anything else goes
+through the user's `loss_fn(output, target)`, a mean per micro-batch, and the step averages those means.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 LM_KEYS = ("input_ids", "labels")
+HF_TARGETS = ("labels", "shift_labels")
 
 
-def check_keys(batch) -> None:
-    """A dict batch holds exactly the keys the model is fed: an extra key would be silently dropped."""
-    if isinstance(batch, dict):
+def keyword_inputs(module) -> set[str] | None:
+    """The keyword inputs a Hugging Face-style forward names (None for a model called positionally)."""
+    if not any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(module).__mro__):
+        return None
+    params = inspect.signature(module.forward).parameters.values()
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def check_keys(batch, accepted: set[str] | None) -> None:
+    """A dict batch holds exactly what the model is fed: a key it does not take would be silently dropped."""
+    if not isinstance(batch, dict):
+        return
+    if accepted is None:    # a model called as model(input_ids)
         missing = [k for k in LM_KEYS if k not in batch]
         extra = sorted(set(batch) - set(LM_KEYS))
         if missing or extra:
-            raise ValueError(f"batch keys {sorted(batch)}: bunsan feeds the model input_ids and computes the loss "
-                             f"from labels, so a dict batch holds exactly those"
+            raise ValueError(f"batch keys {sorted(batch)}: bunsan feeds this model input_ids and computes the "
+                             "loss from labels, so a dict batch holds exactly those"
                              + (f" (missing {missing})" if missing else "")
-                             + (f"; {extra} would be ignored: drop them, or pass (inputs..., target) tuples with "
-                                "a loss_fn" if extra else ""))
+                             + (f"; {extra} would be ignored: drop them, or pass (inputs..., target) tuples "
+                                "with a loss_fn" if extra else ""))
+        return
+    targets = [k for k in HF_TARGETS if k in batch]
+    if len(targets) != 1:
+        raise ValueError(f"batch keys {sorted(batch)}: a Hugging Face model's batch holds its targets as "
+                         "'labels' (unshifted: labels = input_ids, HF's convention) or 'shift_labels' (already "
+                         "shifted), exactly one of them")
+    unknown = sorted(set(batch) - accepted - set(HF_TARGETS))
+    if unknown:
+        raise ValueError(f"batch keys {unknown} are not inputs of the model's forward (it takes "
+                         f"{sorted(accepted)}); they would be dropped: remove them")
 
 
 def tensors_of(batch) -> list[torch.Tensor]:
@@ -47,48 +79,74 @@ def split(batch, pieces: int, device: torch.device) -> list:
     return [tuple(c[i] for c in chunks) for i in range(len(chunks[0]))]
 
 
-def model_inputs(mb) -> tuple:
-    return (mb["input_ids"],) if isinstance(mb, dict) else tuple(mb[:-1])
-
-
 def target(mb) -> torch.Tensor:
+    """What a loss_fn compares the output with: a tuple's last tensor, a dict's labels."""
     return mb["labels"] if isinstance(mb, dict) else mb[-1]
-
-
-def token_count(micro: list) -> torch.Tensor:
-    """Labels that count (not -100) over these micro-batches: a 1-element fp64 device tensor."""
-    return torch.stack([(mb["labels"] != -100).sum() for mb in micro]).sum().double().reshape(1)
 
 
 @dataclass
 class Objective:
     """The loss of one micro-batch: (what backward differentiates, what is reported).
 
-    lm: the engine's token-summed LM loss (`lm_loss_sum(logits, labels)`), divided by the global token count
-    `div`; else the user's `loss_fn` (a mean), divided by the micro-batch count. `scale` is fp16's loss
-    scale. `post_scale` is what the reduced gradients are multiplied by before the step: data-parallel
-    reduction sums, so a mean over micro-batch means needs 1/dp, while a global token mean is complete.
+    lm: the engine's token-summed LM loss (`lm_loss_sum(logits, targets)`), divided by the global token count
+    `div`; else the user's `loss_fn` (a mean), divided by the micro-batch count. `keywords`: the model takes
+    the batch as keywords (Hugging Face); `shift`: its labels are unshifted. `scale` is fp16's loss scale.
+    `post_scale` is what the reduced gradients are multiplied by before the step: data-parallel reduction
+    sums, so a mean over micro-batch means needs 1/dp, while a global token mean is complete.
     """
 
     lm: bool
     lm_loss_sum: Callable | None
     loss_fn: Callable | None
+    keywords: bool = False
+    shift: bool = False
+    use_cache: bool = False     # the forward takes use_cache: pass False (training keeps no KV cache)
     div: torch.Tensor | float = 1.0
     scale: float = 1.0
     post_scale: float = 1.0
 
+    def forward(self, module, mb):
+        """The model's output on micro-batch `mb`."""
+        if not isinstance(mb, dict):
+            return module(*mb[:-1])
+        if not self.keywords:
+            return module(mb["input_ids"])
+        inputs = {k: v for k, v in mb.items() if k not in HF_TARGETS}
+        return module(**inputs, **({"use_cache": False} if self.use_cache and "use_cache" not in mb else {}))
+
+    def targets(self, mb) -> torch.Tensor:
+        """The target of every position, shifted (the last position of an unshifted row has none: -100)."""
+        if "shift_labels" in mb:
+            return mb["shift_labels"]
+        labels = mb["labels"]
+        if not self.shift:
+            return labels
+        return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
+
+    def _lm_sum(self, output, mb) -> torch.Tensor:
+        logits = output.logits if hasattr(output, "logits") else output
+        return self.lm_loss_sum(logits, self.targets(mb))
+
     def __call__(self, output, mb) -> tuple[torch.Tensor, torch.Tensor]:
-        reported = self.lm_loss_sum(output, mb["labels"]) if self.lm else self.loss_fn(output, target(mb))
+        reported = self._lm_sum(output, mb) if self.lm else self.loss_fn(output, target(mb))
         loss = reported / self.div
         return (loss * self.scale if self.scale != 1.0 else loss), reported
 
+    def tokens(self, micro: list) -> torch.Tensor:
+        """Targets that count (not -100) over these micro-batches: a 1-element fp64 device tensor."""
+        return torch.stack([(self.targets(mb) != -100).sum() for mb in micro]).sum().double().reshape(1)
+
     def first_input(self, mb) -> torch.Tensor:
         """What the first pipeline stage is fed (a pipeline carries one activation tensor between stages)."""
-        inputs = model_inputs(mb)
-        if len(inputs) != 1:
-            raise ValueError(f"a pipeline feeds its first stage one tensor; this batch has {len(inputs)} inputs: "
+        if isinstance(mb, dict):
+            if self.keywords:
+                raise ValueError("pipeline parallelism of a Hugging Face model is not supported yet; set "
+                                 "pipeline.stages to 1")
+            return mb["input_ids"]
+        if len(mb) != 2:
+            raise ValueError(f"a pipeline feeds its first stage one tensor; this batch has {len(mb) - 1} inputs: "
                              "pass (input, target) tuples")
-        return inputs[0]
+        return mb[0]
 
     def seq_len(self, mb) -> int:
         """Tokens per row (the pipeline's activation shape); 0 when the batch is not a language-model one."""
@@ -97,21 +155,24 @@ class Objective:
     def summed(self, output, mb) -> torch.Tensor:
         """Evaluation: the loss summed over what it averages (tokens, or rows for a loss_fn's mean)."""
         if self.lm:
-            return self.lm_loss_sum(output, mb["labels"])
+            return self._lm_sum(output, mb)
         return self.loss_fn(output, target(mb)) * target(mb).shape[0]
 
     def count(self, micro: list) -> torch.Tensor:
         """Evaluation's divisor for `summed`: tokens, or rows."""
         if self.lm:
-            return token_count(micro)
+            return self.tokens(micro)
         rows = sum(target(mb).shape[0] for mb in micro)
         return torch.full((1,), float(rows), dtype=torch.float64, device=target(micro[0]).device)
 
 
-def make_objective(batch, loss_fn, lm_loss_sum) -> Objective:
-    """The objective for this kind of batch; refuses a batch the engine cannot honour."""
-    check_keys(batch)
+def make_objective(batch, loss_fn, lm_loss_sum, module) -> Objective:
+    """The objective for this kind of batch and model; refuses a batch the engine cannot honour."""
+    accepted = keyword_inputs(module) if isinstance(batch, dict) else None
+    check_keys(batch, accepted)
     lm = isinstance(batch, dict) and loss_fn is None
     if not lm and loss_fn is None:
         raise ValueError("pass loss_fn to bunsan.initialize for batches that are not language-model dicts")
-    return Objective(lm, lm_loss_sum, loss_fn)
+    keywords = accepted is not None
+    return Objective(lm, lm_loss_sum, loss_fn, keywords=keywords, shift=keywords and "labels" in batch,
+                     use_cache=keywords and "use_cache" in accepted)

@@ -23,7 +23,7 @@ from bunsan.comm.collectives import Comm
 from bunsan.comm.mesh import Mesh
 from bunsan.comm.rollcall import post_step
 from bunsan.doctor.oom import OutOfMemory, explain, is_oom
-from bunsan.engine.batch import Objective, make_objective, model_inputs, rows_of, split, token_count
+from bunsan.engine.batch import Objective, make_objective, rows_of, split
 from bunsan.engine.precision import LossScaler, model_dtype
 from bunsan.memory.measure import measured_memory, reset_peak_memory
 from bunsan.models.loss import lm_loss_sum
@@ -237,13 +237,13 @@ class Engine:
         self.module.train()
         if self.device.type == "cuda":     # the reported peak is this step's, not set-up's
             reset_peak_memory(self.device)
-        objective = make_objective(batch, self.loss_fn, self._lm_loss_sum)
+        objective = make_objective(batch, self.loss_fn, self._lm_loss_sum, self.module)
         micro = self._split(batch)
         objective.scale = self.scaler.scale if self.scaler else 1.0
         if objective.lm:
             # The global mean over tokens: summed losses divided by the token count of the whole global batch,
             # counted and reduced on the device (read with the norm; a global batch of no tokens is refused then).
-            tokens = token_count(micro)
+            tokens = objective.tokens(micro)
             self.comm.all_reduce(tokens, self.mesh.dp_group)
             # (in fp32, as the loss: a float64 divisor would promote the loss and round its gradient twice)
             objective.div = tokens[0].clamp(min=1.0).float()
@@ -274,7 +274,7 @@ class Engine:
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for i, mb in enumerate(micro):
             self.phase = f"forward of micro-batch {i + 1}/{len(micro)}"
-            loss, reported = objective(self.module(*model_inputs(mb)), mb)
+            loss, reported = objective(objective.forward(self.module, mb), mb)
             self.phase = f"backward of micro-batch {i + 1}/{len(micro)}"
             self._backward(loss, sync=i == len(micro) - 1)
             total += reported.detach().double()
@@ -289,14 +289,14 @@ class Engine:
         tokens for language-model batches, over rows for a loss_fn."""
         self.module.eval()
         try:
-            objective = make_objective(batch, self.loss_fn, self._lm_loss_sum)
+            objective = make_objective(batch, self.loss_fn, self._lm_loss_sum, self.module)
             rows = max(rows_of(batch))
             # a pipeline needs micro-batches to fill its stages; up to grad_accum of them, as in training
             micro = split(batch, max(1, min(rows, self.grad_accum)) if self.pipe is not None else 1, self.device)
             if self.pipe is not None:
                 total = pipeline.forward(self.pipe, micro, objective)
             else:
-                total = objective.summed(self.module(*model_inputs(micro[0])), micro[0]).double().reshape(1)
+                total = objective.summed(objective.forward(self.module, micro[0]), micro[0]).double().reshape(1)
             sums = torch.cat([total, objective.count(micro)])
             self.comm.all_reduce(sums, self.mesh.dp_group)
             summed, n = sums.tolist()   # host: evaluation returns a number

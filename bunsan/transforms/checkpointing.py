@@ -11,16 +11,17 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from bunsan.models.blocks import repeated_blocks
+
 
 def transformer_blocks(model: nn.Module, what: str) -> list[nn.Module]:
-    """`model.layers`: a ModuleList, or the ModuleDict of the blocks a pipeline stage holds."""
-    blocks = getattr(model, "layers", None)
-    if isinstance(blocks, nn.ModuleDict):
-        return list(blocks.values())
-    if not isinstance(blocks, nn.ModuleList):
-        raise ValueError(f"{what} needs the model's repeated blocks in `model.layers` (an nn.ModuleList); "
-                         f"{type(model).__name__} has none: disable {what} or expose its blocks as `layers`")
-    return list(blocks)
+    """The model's repeated blocks (models/blocks.py); none found is an error naming the ways to say them."""
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise ValueError(f"{what} needs the model's repeated blocks: `model.layers` (an nn.ModuleList), or a "
+                         f"Hugging Face model's `_no_split_modules`; {type(model).__name__} has neither: disable "
+                         f"{what} or expose its blocks as `layers`")
+    return blocks
 
 
 def apply_activation_checkpointing(model: nn.Module) -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from bunsan.models.blocks import repeated_blocks
+
 from bunsan.zero.unit_buffer import UnitBuffer
 
 
@@ -47,7 +49,8 @@ class Unit:
 
 
 def find_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
-    """The modules whose class is named in stage3_unit_modules, else the blocks in `model.layers`."""
+    """The modules whose class is named in stage3_unit_modules, else the model's repeated blocks
+    (`model.layers`, or a Hugging Face model's `_no_split_modules`)."""
     if class_names:
         units = [m for m in model.modules() if type(m).__name__ in class_names and m is not model]
         if not units:
@@ -59,5 +62,4 @@ def find_units(model: nn.Module, class_names: list[str]) -> list[nn.Module]:
                              "forward is never called, so its parameters would never be gathered; list the "
                              "class names of the blocks inside it instead")
         return units
-    layers = getattr(model, "layers", None)
-    return list(layers) if isinstance(layers, nn.ModuleList) else []
+    return repeated_blocks(model)

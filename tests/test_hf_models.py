@@ -1,0 +1,115 @@
+"""Hugging Face causal LMs (tiny configs built locally) on bunsan's layouts against the plain single-process
+HF loop: the whole batch dict reaches the model (an attention mask changes the loss), HF's unshifted labels
+or pre-shifted shift_labels, the global token mean, ZeRO-3 units and activation checkpointing from
+`_no_split_modules`. SGD without clipping, fp32, rtol 1e-5."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bunsan
+
+transformers = pytest.importorskip("transformers")
+
+ROWS, SEQ, VOCAB, STEPS = 4, 12, 64, 3
+LR = 0.5
+
+
+def tiny(arch: str):
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch]
+    torch.manual_seed(0)
+    return cls[1](cls[0](**common))
+
+
+def data(steps: int = STEPS) -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0      # left padding, of different lengths
+        mask[3, :6] = 0
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+def reference(arch: str, batches: list[dict]):
+    model = tiny(arch)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for b in batches:
+        loss = model(**b).loss       # HF's own loss over the whole batch: the global token mean
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _cfg(stage: int, ga: int = 1, ckpt: bool = False) -> dict:
+    return {"train_batch_size": ROWS, "gradient_accumulation_steps": ga, "steps_per_print": 100,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+            "activation_checkpointing": {"enabled": ckpt}}
+
+
+def _train(rank, world, arch, cfg, batches, key):
+    engine = bunsan.initialize(tiny(arch), cfg)
+    per = ROWS // world
+    losses = []
+    for b in batches:
+        mine = {k: v[rank * per:(rank + 1) * per] for k, v in b.items()}
+        if key == "shift_labels":
+            labels = mine.pop("labels")
+            mine["shift_labels"] = torch.cat([labels[:, 1:], torch.full((per, 1), -100)], 1)
+        losses.append(engine.train_batch(mine))
+    units = len(engine.strategy.units) - 1 if hasattr(engine.strategy, "units") else None
+    return losses, engine.consolidated_state_dict(), units
+
+
+def _check(results, ref_losses, ref_state):
+    for losses, state, _ in results:
+        for i, (a, b) in enumerate(zip(losses, ref_losses)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"step {i}: {a} vs {b}"
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hf_model_on_zero_matches_the_hf_loop(pools, arch, stage):
+    batches = data()
+    results = pools.run(2, _train, 2, arch, _cfg(stage), batches, "labels")
+    _check(results, *reference(arch, batches))
+    if stage == 3:
+        assert results[0][2] == 2, "one ZeRO-3 unit per decoder layer (from _no_split_modules)"
+
+
+def test_accumulation_recompute_and_shift_labels(pools):
+    batches = data()
+    results = pools.run(2, _train, 2, "llama", _cfg(3, ga=2, ckpt=True), batches, "shift_labels")
+    _check(results, *reference("llama", batches))
+
+
+def test_the_mask_reaches_the_model():
+    b = data(1)[0]
+    engine = bunsan.initialize(tiny("llama"), _cfg(0))
+    masked = engine.eval_batch(b)
+    unmasked = engine.eval_batch({**b, "attention_mask": torch.ones_like(b["attention_mask"])})
+    assert masked != pytest.approx(unmasked, rel=1e-4)
+    with torch.no_grad():
+        assert masked == pytest.approx(tiny("llama")(**b).loss.item(), rel=1e-5)
+
+
+def test_a_key_the_model_does_not_take_is_an_error():
+    engine = bunsan.initialize(tiny("llama"), _cfg(0))
+    b = data(1)[0]
+    with pytest.raises(ValueError, match=r"\['token_type_ids'\] are not inputs"):
+        engine.train_batch({**b, "token_type_ids": b["input_ids"]})
+    with pytest.raises(ValueError, match="exactly one of them"):
+        engine.train_batch({"input_ids": b["input_ids"]})
