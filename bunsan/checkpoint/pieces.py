@@ -55,11 +55,12 @@ class Local:
 def _tp_place(module: nn.Module, param: torch.Tensor, local_shape: tuple,
               tp_rank: int) -> tuple[tuple[int, ...], int | None, int]:
     """(global shape, tp_dim, start) of a parameter of `module` whose local shape is `local_shape`."""
-    style = getattr(module, "tp_style", None)
-    if style is None or getattr(module, "weight", None) is not param:
+    attr = next((n for n, q in module._parameters.items() if q is param), None)
+    split = getattr(module, "tp_split", {}).get(attr)
+    if split is None:
         return tuple(local_shape), None, 0
-    dim = module.tp_dim
-    return tuple(module.full_shape), dim, tp_rank * local_shape[dim]
+    full_shape, dim = split
+    return tuple(full_shape), dim, tp_rank * local_shape[dim]
 
 
 def locals_of(engine) -> tuple[list[Local], list[bool]]:

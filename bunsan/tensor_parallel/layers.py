@@ -10,6 +10,10 @@ sequence reduce-scatter under sequence parallelism).
 
     W [out, in]  ->  rank r: W[:, r*in/tp:(r+1)*in/tp]       y = sum_r x_r W_r^T
 
+A bias goes with its layer: a column layer's is split by rows with them (Qwen2's q/k/v); a row layer's is
+whole on every rank and added once, after the sum. Every layer here says which of its parameters are split
+and how in `tp_split` (name -> (full shape, split dim)); any other parameter is the same on every rank.
+
 Vocabulary-parallel embedding: rank r holds rows [r*V/tp, (r+1)*V/tp) of the
 table (padded to a multiple of tp); tokens outside its range look up zeros and the
 ranks' results are summed.
@@ -42,31 +46,65 @@ def region_linear(x: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-class ColumnParallelLinear(nn.Module):
-    """A block of output rows; its input must already be in the parallel region (see ParallelInput)."""
+def _only_weight_and_bias(linear: nn.Module, style: str) -> None:
+    """A swapped layer keeps weight and bias: anything else it holds would be dropped."""
+    if type(linear) is not nn.Linear:
+        raise ValueError(f"tensor-parallel style {style!r} splits an nn.Linear; got {type(linear).__name__}, whose "
+                         "forward the split layer would not reproduce (GPT-2's Conv1D stores the weight "
+                         "transposed): leave it out of the plan, or convert it to nn.Linear first")
+    extra = sorted(set(linear._parameters) - {"weight", "bias"}) + sorted(linear._buffers)
+    if extra:
+        raise ValueError(f"{type(linear).__name__} holds {extra}, which the {style} split would drop")
 
-    def __init__(self, linear: nn.Linear, ctx: TPContext):
+
+class ColumnParallelLinear(nn.Module):
+    """A block of output rows (and of the bias); its input must already be in the parallel region (the
+    plan's parallel_input), else its input gradient would miss the other ranks' parts."""
+
+    def __init__(self, linear: nn.Linear, ctx: TPContext, check_input: bool = True):
         super().__init__()
+        _only_weight_and_bias(linear, "column")
         self.tp_style, self.tp_dim, self.full_shape = "column", 0, tuple(linear.weight.shape)
+        self.tp_split = {"weight": (self.full_shape, 0)}
+        self.check_input = check_input
         w = linear.weight.detach()
         self.weight = nn.Parameter(split_rows(w, ctx.size, ctx.rank), requires_grad=linear.weight.requires_grad)
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = nn.Parameter(split_rows(linear.bias.detach(), ctx.size, ctx.rank),
+                                     requires_grad=linear.bias.requires_grad)
+            self.tp_split["bias"] = (tuple(linear.bias.shape), 0)
 
     def forward(self, x):
-        return region_linear(x, self.weight)
+        if self.check_input and x.requires_grad and torch.is_grad_enabled() and region_of(x) is None:
+            raise RuntimeError("a column-parallel layer's input never entered the parallel region: its input "
+                               "gradient would be this rank's part only; mark the module that receives the "
+                               "block's input (the attention or MLP) 'parallel_input' in the plan")
+        y = region_linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
 
 
 class RowParallelLinear(nn.Module):
-    """A block of input columns; the partial outputs are summed over the tensor-parallel group."""
+    """A block of input columns; the partial outputs are summed over the tensor-parallel group, then the
+    (whole) bias is added once."""
 
     def __init__(self, linear: nn.Linear, ctx: TPContext):
         super().__init__()
+        _only_weight_and_bias(linear, "row")
         self.ctx, self.tp_style, self.tp_dim, self.full_shape = ctx, "row", 1, tuple(linear.weight.shape)
+        self.tp_split = {"weight": (self.full_shape, 1)}
         w = linear.weight.detach()
         self.weight = nn.Parameter(split_rows(w.t(), ctx.size, ctx.rank).t().contiguous(),
                                    requires_grad=linear.weight.requires_grad)
+        self.bias = None
+        if linear.bias is not None:
+            self.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
+            if ctx.sequence_parallel:     # each rank adds it to its slice of the sequence only
+                sum_grad_over_tp(self.bias, ctx)
 
     def forward(self, x):
-        return out_of_parallel_region(self.ctx, F.linear(x, self.weight))
+        y = out_of_parallel_region(self.ctx, F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -78,13 +116,20 @@ class VocabParallelEmbedding(nn.Module):
         self.full_shape = (self.vocab_size, emb.embedding_dim)
         self.per_rank = self.padded // ctx.size
         self.start = ctx.rank * self.per_rank
+        self.tp_split = {"weight": (self.full_shape, 0)}
+        if type(emb) is not nn.Embedding or emb.max_norm is not None or emb.scale_grad_by_freq or emb.sparse:
+            raise ValueError(f"vocab_embedding splits a plain nn.Embedding; {type(emb).__name__} (or its max_norm / "
+                             "scale_grad_by_freq / sparse) would not be reproduced: leave it out of the plan")
+        pad = emb.padding_idx   # its row gets no gradient: kept on the rank that holds it
+        self.local_padding_idx = pad - self.start if pad is not None and 0 <= pad - self.start < self.per_rank \
+            else None
         self.weight = nn.Parameter(split_rows(emb.weight.detach(), ctx.size, ctx.rank, self.padded),
                                    requires_grad=emb.weight.requires_grad)
 
     def forward(self, ids):
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self.local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return out_of_parallel_region(self.ctx, out)
 
@@ -102,7 +147,12 @@ class VocabParallelHead(nn.Module):
         self.padded = -(-self.vocab_size // ctx.size) * ctx.size
         self.full_shape = (self.vocab_size, head.in_features)
         self.start = ctx.rank * (self.padded // ctx.size)
+        self.tp_split = {"weight": (self.full_shape, 0)}
         self.gather_output = False
+        if type(head) is not nn.Linear or head.bias is not None:
+            raise ValueError(f"vocab_head splits an nn.Linear without bias; {type(head).__name__}"
+                             + (" has a bias" if getattr(head, "bias", None) is not None else "")
+                             + ", which the vocabulary-parallel loss does not carry: leave it out of the plan")
         if tied is not None:
             self.weight = tied.weight       # the same Parameter: tied stays tied
         else:
@@ -123,7 +173,12 @@ class VocabParallelHead(nn.Module):
 def parallel_input_hook(ctx: TPContext):
     """A block's input enters the parallel region once (f, or the SP all-gather), shared by all its matmuls."""
     def hook(module, args, kwargs):
-        return (into_parallel_region(ctx, args[0]), *args[1:]), kwargs
+        if args:
+            return (into_parallel_region(ctx, args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:       # Hugging Face modules are called by keyword
+            return args, {**kwargs, "hidden_states": into_parallel_region(ctx, kwargs["hidden_states"])}
+        raise ValueError(f"parallel_input: {type(module).__name__} was called without a positional input or a "
+                         f"hidden_states keyword (got {sorted(kwargs)}); its input cannot enter the parallel region")
     return hook
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from bunsan.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, parallel_input_hook, sum_grad_over_tp)
+from bunsan.tensor_parallel.hf_plan import hf_tp_plan, is_hf_model
 from bunsan.tensor_parallel.ops import TPContext
 
 LLAMA_PLAN = {
@@ -81,7 +82,7 @@ def _split_lora(name: str, m: nn.Module, style: str, ctx: TPContext) -> None:
         _check_divisible(name, "output features", base.out_features, ctx.size, "change tensor_parallel.size")
         m.base_layer = ColumnParallelLinear(base, ctx)
         for key in list(m.lora_B.keys()):
-            m.lora_B[key] = ColumnParallelLinear(m.lora_B[key], ctx)
+            m.lora_B[key] = ColumnParallelLinear(m.lora_B[key], ctx, check_input=False)  # fed by lora_A
             sum_grad_over_tp(m.lora_A[key].weight, ctx)
     else:
         _check_divisible(name, "input features", base.in_features, ctx.size, "change tensor_parallel.size")
@@ -92,22 +93,41 @@ def _split_lora(name: str, m: nn.Module, style: str, ctx: TPContext) -> None:
                 sum_grad_over_tp(m.lora_B[key].weight, ctx)
 
 
-def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | None = None):
-    """Swap the layers named by `plan` (default: the Llama plan) for their tensor-parallel versions.
+STYLES = ("column", "row", "parallel_input", "vocab_embedding", "vocab_head", "norm")
+
+
+def resolve_plan(model: nn.Module, ctx: TPContext, plan: dict | str | None) -> dict:
+    """The plan to apply: the user's, a Hugging Face model's own ("auto", and by default for one), or the
+    Llama plan (by default for any other model)."""
+    if plan == "auto" or (plan is None and is_hf_model(model)):
+        if not is_hf_model(model):
+            raise ValueError(f"tp_plan='auto' reads a Hugging Face model's own plan; {type(model).__name__} is not "
+                             "a transformers PreTrainedModel: pass tp_plan={module pattern: style}")
+        plan = hf_tp_plan(model, ctx.sequence_parallel)
+    elif plan is None:
+        plan = LLAMA_PLAN
+    if not isinstance(plan, dict):
+        raise TypeError(f"tp_plan must be a dict of module pattern -> style or 'auto', got {plan!r}")
+    unknown = sorted({s for s in plan.values()} - set(STYLES))
+    if unknown:
+        raise ValueError(f"unknown tensor-parallel style(s) {unknown}; use {', '.join(STYLES)}")
+    if getattr(model, "config", None) is not None and hasattr(model.config, "num_key_value_heads"):
+        check_llama(model.config, ctx.size)
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | str | None = None):
+    """Swap the layers named by `plan` (see resolve_plan) for their tensor-parallel versions.
 
     Returns the vocabulary-parallel head, if any (the engine computes the loss with it).
     """
-    if plan is None:
-        if getattr(model, "config", None) is not None and hasattr(model.config, "num_key_value_heads"):
-            check_llama(model.config, ctx.size)
-        plan = LLAMA_PLAN
+    plan = resolve_plan(model, ctx, plan)
     head, embedding = None, None
     matched = [(name, m, _style_of(name, plan)) for name, m in list(model.named_modules()) if name]
-    unknown = {s for _, _, s in matched if s is not None} - {"column", "row", "parallel_input", "vocab_embedding",
-                                                             "vocab_head", "norm"}
-    if unknown:
-        raise ValueError(f"unknown tensor-parallel style(s) {sorted(unknown)}; use column, row, parallel_input, "
-                         "vocab_embedding, vocab_head or norm")
+    unmatched = [p for p in plan if not any(fnmatch.fnmatchcase(name, p) for name, _, _ in matched)]
+    if unmatched:
+        raise ValueError(f"tensor-parallel plan pattern(s) {unmatched} match no module of {type(model).__name__}; "
+                         "a plan names module paths (model.named_modules()): fix or remove them")
     for name, m, style in matched:
         if style == "vocab_embedding":
             embedding = VocabParallelEmbedding(m, ctx)
@@ -137,8 +157,8 @@ def replicated_parameter_names(model: nn.Module) -> set[str]:
     """Parameters no style split (norms, biases of row layers, LoRA factors left whole): every TP rank holds
     the same values, so the gradient norm counts them on one rank only."""
     return {f"{name}.{pname}" if name else pname for name, m in model.named_modules()
-            if getattr(m, "tp_style", None) is None
-            for pname, _ in m.named_parameters(recurse=False, remove_duplicate=False)}
+            for pname, _ in m.named_parameters(recurse=False, remove_duplicate=False)
+            if pname not in getattr(m, "tp_split", {})}
 
 
 def consolidate(state: dict[str, torch.Tensor], model: nn.Module, ctx: TPContext,
@@ -146,12 +166,12 @@ def consolidate(state: dict[str, torch.Tensor], model: nn.Module, ctx: TPContext
     """Full tensors from tensor-parallel shards (all-gathered over the group), under the plain model's keys."""
     out = dict(state)
     for name, m in model.named_modules():
-        style = getattr(m, "tp_style", None)
-        key = f"{name}.weight"
-        if style is None or key not in state:
-            continue
-        moved = state[key].movedim(m.tp_dim, 0).contiguous().to(device)   # NCCL gathers device tensors
-        full = torch.empty((moved.shape[0] * ctx.size, *moved.shape[1:]), dtype=moved.dtype, device=device)
-        ctx.comm.all_gather(full, moved, ctx.group)
-        out[key] = full[:m.full_shape[m.tp_dim]].movedim(0, m.tp_dim).contiguous().cpu()
+        for pname, (full_shape, dim) in getattr(m, "tp_split", {}).items():
+            key = f"{name}.{pname}" if name else pname
+            if key not in state:
+                continue
+            moved = state[key].movedim(dim, 0).contiguous().to(device)   # NCCL gathers device tensors
+            full = torch.empty((moved.shape[0] * ctx.size, *moved.shape[1:]), dtype=moved.dtype, device=device)
+            ctx.comm.all_gather(full, moved, ctx.group)
+            out[key] = full[:full_shape[dim]].movedim(0, dim).contiguous().cpu()
     return out

@@ -1,0 +1,58 @@
+"""A Hugging Face model's own tensor-parallel plan in bunsan's styles.
+
+transformers ships the plan as data: `config.base_model_tp_plan` (paths under the base model, e.g.
+"layers.*.self_attn.q_proj": "colwise") and the head's `_tp_plan` ({"lm_head": "colwise_gather_output"}).
+Its styles are DTensor layouts; bunsan's layers implement the ones a decoder uses. What HF's plan leaves
+implicit, bunsan spells out: the module that receives a block's input (the attention, the MLP) makes it
+enter the parallel region once, and the embedding and head are split by vocabulary (the loss stays
+vocabulary-parallel: logits are never gathered). A style bunsan does not implement is an error naming it.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+# HF style -> bunsan style, for the styles whose meaning bunsan's layers reproduce exactly
+HF_STYLES = {"colwise": "column", "rowwise": "row", "embedding_rowwise": "vocab_embedding",
+             "sequence_parallel": "norm", "replicated_with_grad_allreduce": "norm"}
+HEAD_STYLES = ("colwise_gather_output", "colwise_rep")   # a head whose logits HF gathers: bunsan's vocab_head
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(model).__mro__)
+
+
+def _translated(path: str, style: str, is_head: bool) -> str:
+    if is_head and style in HEAD_STYLES:
+        return "vocab_head"
+    if style not in HF_STYLES:
+        raise ValueError(f"the model's tensor-parallel plan gives {path!r} the style {style!r}, which bunsan does "
+                         f"not implement (it maps {sorted(HF_STYLES)} and a head's {list(HEAD_STYLES)}); pass "
+                         "tp_plan with bunsan's styles for this model")
+    return HF_STYLES[style]
+
+
+def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
+    """bunsan's plan (module pattern -> style) from the model's own, with the parallel inputs it implies."""
+    base_plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    head_plan = dict(getattr(type(model), "_tp_plan", None) or {})
+    if not base_plan:
+        raise ValueError(f"{type(model).__name__} ships no tensor-parallel plan (config.base_model_tp_plan is "
+                         "empty); pass tp_plan={module pattern: style} with bunsan's styles (column, row, "
+                         "parallel_input, vocab_embedding, vocab_head, norm)")
+    if sequence_parallel:
+        raise ValueError("tensor_parallel.sequence_parallel with a Hugging Face model is not supported: its "
+                         "model builds the attention mask and positions from the (split) embedding's length; "
+                         "set sequence_parallel to false")
+    prefix = f"{model.base_model_prefix}." if getattr(model, model.base_model_prefix, None) is not model else ""
+    plan = {f"{prefix}{path}": _translated(path, style, False) for path, style in base_plan.items()}
+    plan |= {path: _translated(path, style, True) for path, style in head_plan.items()}
+    for path, style in list(plan.items()):
+        if style == "column":   # the module that calls q/k/v (gate/up) receives the block's input
+            plan.setdefault(path.rpartition(".")[0], "parallel_input")
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if embed is not None and "vocab_head" in plan.values():
+        name = next(n for n, m in model.named_modules() if m is embed)
+        plan.setdefault(name, "vocab_embedding")
+    return plan
