@@ -297,3 +297,11 @@ def test_explain_a_key_bunsan_has_no_field_for(capsys):
     assert "deprecated form of offload_optimizer" in capsys.readouterr().out
     assert main(["config", "--explain", "zero_optimization.model_persistence_threshold"]) == 0
     assert "stage3_model_persistence_threshold" in capsys.readouterr().out
+
+
+def test_tensorboard_with_an_engine_stepped_by_hand_is_said(fresh_log):
+    import bunsan
+    from parity import tiny_model
+    with pytest.warns(IgnoredKeyWarning, match=r"tensorboard.enabled=true is accepted and ignored: an engine you "
+                                               r"step yourself writes no TensorBoard scalars"):
+        bunsan.initialize(tiny_model(), {"train_batch_size": 2, "tensorboard": {"enabled": True}})

@@ -376,8 +376,8 @@ class ActivationCheckpointing(Section):
 
 class Tensorboard(Section):
     """The metric records also as TensorBoard scalars; DeepSpeed's section."""
-    enabled: bool = Field(False, description="Write the metric records as TensorBoard scalars (needs the "
-                                             "tensorboard package) (DeepSpeed's meaning)")
+    enabled: bool = Field(False, description="`bunsan train` writes its metric records as TensorBoard scalars (needs "
+                                             "tensorboard); an engine you step yourself writes none")
     output_path: str = Field("", description="Directory of the event files; '' = train.output_dir/tensorboard "
                                              "(DeepSpeed's meaning)")
     job_name: str = Field("bunsan", description="Subdirectory of output_path for this run (DeepSpeed's meaning)")
