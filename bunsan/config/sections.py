@@ -138,24 +138,25 @@ def _unknown_type(section: str, name: str, known: list[str], not_built: dict[str
     return Rule(("type", f"unknown {section} {show(name)} ({suggest(name, known)}); {fix}"))
 
 
-def _adam_switches(canon: str, params: dict) -> str:
-    """DeepSpeed's extra Adam parameters taken out of `params`; the optimizer they mean (Adam -> AdamW)."""
-    for k in ("adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states"):
-        if not isinstance(params.get(k, False), bool):
-            raise Rule((f"params.{k}", f"expected true/false, got {show(params[k])}; set it to true or false"))
+def _adam_switches(canon: str, params: dict) -> tuple[str, list[tuple[str, str]]]:
+    """DeepSpeed's extra Adam parameters taken out of `params`: (the optimizer they mean, Adam -> AdamW, and
+    the problems with them)."""
+    problems = [(f"params.{k}", f"expected true/false, got {show(params.pop(k))}; set it to true or false")
+                for k in ("adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states")
+                if not isinstance(params.get(k, False), bool)]
     if not params.pop("bias_correction", True):
-        raise Rule(("params.bias_correction", "false (Adam without bias correction) is not built: torch's "
-                                              "Adam and AdamW always correct; remove the key"))
+        problems.append(("params.bias_correction", "false (Adam without bias correction) is not built: torch's "
+                                                   "Adam and AdamW always correct; remove the key"))
     if not params.pop("fp32_optimizer_states", True):
-        raise Rule(("params.fp32_optimizer_states", "false (16-bit CPU Adam moments) is not built: bunsan keeps "
-                                                    "optimizer states in fp32; remove the key"))
+        problems.append(("params.fp32_optimizer_states", "false (16-bit CPU Adam moments) is not built: bunsan "
+                                                         "keeps optimizer states in fp32; remove the key"))
     params.pop("torch_adam", None)  # bunsan always uses torch's optimizers
     # DeepSpeed's "Adam" is decoupled weight decay (AdamW) unless adam_w_mode is false, and its weight
     # decay defaults to 0 (as torch's Adam's): the same config means the same update here
     if params.pop("adam_w_mode", True) and canon == "Adam":
         params.setdefault("weight_decay", 0.0)
-        return "AdamW"
-    return canon
+        return "AdamW", problems
+    return canon, problems
 
 
 class Optimizer(Section):
@@ -178,9 +179,10 @@ class Optimizer(Section):
         canon = OPTIMIZERS.get(name.lower())
         if canon is None:
             raise _unknown_type("optimizer", name, list(OPTIMIZERS.values()), OPTIMIZERS_NOT_BUILT, torch.optim)
+        problems = []
         if canon in ("Adam", "AdamW"):
-            canon = _adam_switches(canon, params)
-        if problems := _check_optimizer_params(canon, params):
+            canon, problems = _adam_switches(canon, params)
+        if problems := problems + _check_optimizer_params(canon, params):
             raise Rule(*problems)
         return {**data, "type": canon, "params": params}
 
