@@ -19,6 +19,7 @@ from bunsan import pipeline
 from bunsan.comm.collectives import Comm
 from bunsan.comm.mesh import Mesh
 from bunsan.comm.process_group import backend_name, collective_timeout, init_distributed
+from bunsan.config.deepspeed_keys import warn_ignored
 from bunsan.config.errors import ConfigError
 from bunsan.config.root import Config
 from bunsan.engine.engine import Engine
@@ -66,6 +67,10 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
     return Engine(model, at.cfg, at.mesh, at.device, at.comm, strategy, loss_fn=loss_fn, tp=tp, pipe=pipe)
 
 
+NO_TENSORBOARD = ("an engine you step yourself writes no TensorBoard scalars (`bunsan train` writes its metric "
+                  "records there); log engine.lr and your losses with your own SummaryWriter")
+
+
 def load_config(config, deepspeed_kwargs: dict) -> Config:
     if config is None:
         config = deepspeed_kwargs.pop("config_params", None)
@@ -74,6 +79,8 @@ def load_config(config, deepspeed_kwargs: dict) -> Config:
         raise TypeError(f"bunsan.initialize got unexpected arguments {sorted(deepspeed_kwargs)}; it takes "
                         "model, config, optimizer, loss_fn, tp_plan")
     cfg = Config.load(config)
+    if cfg.tensorboard.enabled:   # only `bunsan train` writes its metric records as TensorBoard scalars
+        warn_ignored("tensorboard.enabled", True, NO_TENSORBOARD)
     missing = cfg.unimplemented()
     if missing:
         raise ConfigError("\n".join(missing))

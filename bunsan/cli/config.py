@@ -16,12 +16,21 @@ def add_parser(sub) -> None:
 
 
 def cmd_config(args) -> int:
+    from bunsan.config.deepspeed_intake import explain_row
+    from bunsan.config.deepspeed_keys import canonical
     from bunsan.config.errors import ConfigError
     from bunsan.config.explain import entries, explain, find, line, value_at
     from bunsan.config.root import Config
     cfg = Config.load(args.file) if args.file else None
     if args.explain:
-        entry, inner = find(args.explain)
+        try:
+            entry, inner = find(args.explain)
+        except ConfigError:
+            lines = explain_row(canonical(args.explain.strip()))   # a DeepSpeed key bunsan has no field for
+            if lines is None:
+                raise
+            print("\n".join(lines))
+            return 0
         value = value_at(cfg, entry.key) if cfg is not None and entry.section is None else ...
         print("\n".join(explain(entry, inner, value, args.explain.strip())))
         return 0

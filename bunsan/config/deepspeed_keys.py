@@ -4,7 +4,8 @@ A DeepSpeed JSON config should load unchanged, so a DeepSpeed key that only tune
 differently (or does anyway) is accepted rather than refused. It must not pass silently: a config that sets
 one to a non-default value gets one IgnoredKeyWarning per key and process (rank 0 only), naming the key and
 the reason. Keys that promise a feature bunsan has not built are errors instead (root.py's UNIMPLEMENTED).
-A key is accepted-and-ignored only if it is in IGNORED (tests/test_config_explain.py checks no code reads it).
+A key with a field is accepted-and-ignored only if it is in IGNORED (tests/test_config_explain.py checks no
+code reads it); DeepSpeed's keys bunsan has no field for are in deepspeed_only.py's table.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ ALIASES: dict[str, str] = {
     "bfloat16": "bf16",  # DeepSpeed's older name of the section
     **{f"zero_optimization.{name}": f"zero_optimization.stage3_{name}" for name in (
         "prefetch_bucket_size", "param_persistence_threshold", "max_live_parameters", "max_reuse_distance",
-        "gather_16bit_weights_on_model_save")},
+        "gather_16bit_weights_on_model_save", "model_persistence_threshold", "module_granularity_threshold",
+        "use_all_reduce_for_fetch_params", "allgather_sequential")},
     "zero_optimization.stage3_gather_fp16_weights_on_model_save":  # deprecated by DeepSpeed, still read
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
 }
@@ -65,7 +67,24 @@ class IgnoredKeyWarning(UserWarning):
     """A DeepSpeed key from IGNORED set to a non-default value: accepted, and bunsan does not act on it."""
 
 
+class OldSpellingWarning(UserWarning):
+    """A DeepSpeed key in a form DeepSpeed deprecated: read as its current spelling, which the message names."""
+
+
 _logged: set[str] = set()  # keys warned about in this process
+
+
+def say_once(key: str, message: str, category: type[Warning]) -> None:
+    """Warn about `key` once per process, on rank 0 only (torchrun's other ranks load the same config)."""
+    if os.environ.get("RANK", "0") != "0" or key in _logged:
+        return
+    _logged.add(key)
+    # explicit location: the caller's frame is pydantic's, and its source line would only add noise
+    warnings.warn_explicit(message, category, "<bunsan config>", 0, module="bunsan.config")
+
+
+def warn_ignored(key: str, value: Any, reason: str) -> None:
+    say_once(key, f"config key {key}={show(value)} is accepted and ignored: {reason}", IgnoredKeyWarning)
 
 
 def canonical(path: str) -> str:
@@ -118,11 +137,5 @@ def ignored_settings(cfg) -> list[tuple[str, Any]]:
 
 def log_ignored(cfg) -> None:
     """Warn once per process, on rank 0 only, about each IGNORED key the config sets."""
-    if os.environ.get("RANK", "0") != "0":   # torchrun's rank: the other ranks load the same config
-        return
     for key, value in ignored_settings(cfg):
-        if key not in _logged:
-            _logged.add(key)
-            # explicit location: the caller's frame is pydantic's, and its source line would only add noise
-            warnings.warn_explicit(f"config key {key}={show(value)} is accepted and ignored: {IGNORED[key]}",
-                                   IgnoredKeyWarning, "<bunsan config>", 0, module="bunsan.config")
+        warn_ignored(key, value, IGNORED[key])

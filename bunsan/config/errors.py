@@ -124,6 +124,9 @@ def _lines(err: dict, root: type) -> list[str]:
             dflt = ""  # a whole section's default is not a useful hint
     if kind == "value_error" and isinstance(ctx.get("error"), Rule):
         return [f"{'.'.join(p for p in (dotted(loc), k) if p)}: {m}" for k, m in ctx["error"].problems]
+    if v == "auto" and kind.endswith(("_type", "_parsing", "literal_error")):   # the HF Trainer's placeholder
+        return [f"{key}: 'auto' is the Hugging Face Trainer's placeholder, filled in from its TrainingArguments; "
+                f"bunsan has no Trainer to fill it: set a value{dflt}"]
     if kind == "extra_forbidden":
         return [unknown_key(key, str(loc[-1]), list(cls.model_fields) if cls else [])]
     if kind == "missing":

@@ -50,7 +50,8 @@ def entries() -> dict[str, Entry]:
         if out[key].not_built is None:   # the first rule about a key is the one it is known by
             out[key].not_built = msg.split(": ", 1)[-1]
     for alias, key in ALIASES.items():
-        out[key].aliases.append(alias)
+        if key in out:   # the others name keys bunsan has no field for (deepspeed_only.py)
+            out[key].aliases.append(alias)
     return out
 
 

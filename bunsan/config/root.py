@@ -16,7 +16,8 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from bunsan.config.bunsan_sections import Checkpoint, Data, Lora, ModelOverrides, Pipeline, TensorParallel, Train
-from bunsan.config.deepspeed_keys import canonical, log_ignored, rename_aliases
+from bunsan.config.deepspeed_intake import prepare, row_for
+from bunsan.config.deepspeed_keys import canonical, log_ignored
 from bunsan.config.errors import ConfigError, Rule, convert, lookup, unwrap
 from bunsan.config.sections import (BF16, FP16, OPTIMIZERS, SCHEDULERS, ActivationCheckpointing, Int, OptInt,
                                     Optimizer, Scheduler, Section, Tensorboard, Zero, optimizer_signature)
@@ -133,8 +134,8 @@ class Config(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _aliases(cls, data: Any) -> Any:
-        return rename_aliases(data)
+    def _deepspeed_forms(cls, data: Any) -> Any:
+        return prepare(data)   # DeepSpeed's old forms and spellings, and its keys bunsan has no field for
 
     @model_validator(mode="after")
     def _precision(self) -> Config:
@@ -176,6 +177,9 @@ class Config(Section):
         data = self.to_dict()
         for path, value in updates.items():
             path = canonical(str(path))
+            found = row_for(path)   # a DeepSpeed key bunsan has no field for
+            if found is not None and found[1].refused:
+                raise ConfigError(f"{path}: {found[1].why}")
             parts = path.split(".")
             field = lookup(Config, parts)
             if isinstance(value, str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from safetensors.torch import save_file
 from bunsan import initialize
 from bunsan.checkpoint import store
 from bunsan.checkpoint.hf import load_hf_into_engine
+from bunsan.config.deepspeed_keys import IgnoredKeyWarning
 from bunsan.config.root import Config
 from bunsan.training.data import (TokenBatches, load_tokenizer, load_tokens, make_loader, resolve_paths, unigram_entropy)
 from bunsan.comm.process_group import init_distributed
@@ -134,7 +136,9 @@ def set_up(cfg: Config) -> Run:
             model = Llama(mcfg)
     else:
         model = Llama(mcfg)
-    engine = initialize(model, cfg)
+    with warnings.catch_warnings():   # bunsan train does write TensorBoard scalars (training/metrics.py)
+        warnings.filterwarnings("ignore", "config key tensorboard.enabled", IgnoredKeyWarning)
+        engine = initialize(model, cfg)
     batches = TokenBatches(tokens, cfg.data.seq_len, engine.train_batch_size, engine.dp_rank, engine.dp_size,
                            seed=cfg.train.seed, val_fraction=cfg.data.val_fraction)
     loader = make_loader(batches, cfg.data.num_workers, cfg.data.pin_memory, cfg.data.prefetch_factor)

@@ -1,0 +1,111 @@
+"""The DeepSpeed configs DeepSpeedExamples ships (tests/deepspeed_configs.py) load through Config.load, or fail
+only where listed below, each with a message that names the key and what bunsan lacks (or the typo). Most
+listed failures DeepSpeed 0.19 refuses as well; the reason says which."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from bunsan.config.root import Config, ConfigError
+from deepspeed_configs import CONFIGS
+
+# name -> (why it fails, {key of each error line: text the line must hold}); every other config loads
+EXPECTED_FAILURES: dict[str, tuple[str, dict[str, str]]] = {
+    "cifar": ("fp16's loss-scale keys under bf16, which has none (DeepSpeed 0.19 refuses them too)",
+              {f"bf16.{k}": "unknown config key" for k in ("loss_scale", "loss_scale_window", "hysteresis",
+                                                            "min_loss_scale", "initial_scale_power")}),
+    "cifar_lamb": ("LAMB is not built (DeepSpeed builds FusedLamb)", {"optimizer.type": "LAMB"}),
+    "cifar_onebitlamb": ("1-bit LAMB (DeepSpeed 0.19 dropped it)", {"optimizer.type": "1-bit LAMB"}),
+    "bing_bert_lamb_sparse_attention": ("sparse attention (DeepSpeed 0.19 removed it)",
+                                        {"sparse_attention": "block-sparse attention is not built"}),
+    "bing_bert_onebitadam": ("1-bit Adam (DeepSpeed 0.19 dropped it)", {"optimizer.type": "1-bit Adam"}),
+    "bing_bert_squad_onebitadam": ("1-bit Adam (DeepSpeed 0.19 dropped it)", {"optimizer.type": "1-bit Adam"}),
+    "bing_bert_zerooneadam": ("0/1 Adam (DeepSpeed 0.19 dropped it)", {"optimizer.type": "0/1 Adam"}),
+    "bing_bert_prescaled": ("Adam without bias correction is not built (DeepSpeed's FusedAdam has it)",
+                            {"optimizer.params.bias_correction": "not built"}),
+    "bing_bert_adam": ("max_grad_norm as an optimizer parameter (DeepSpeed 0.19 refuses it too)",
+                       {"optimizer.params.max_grad_norm": "gradient_clipping",
+                        "optimizer.params.bias_correction": "not built"}),
+    "megatron_curriculum_baseline": ("max_grad_norm (DeepSpeed 0.19 refuses it too)",
+                                     {"optimizer.params.max_grad_norm": "gradient_clipping"}),
+    "megatron_scripts": ("max_grad_norm (DeepSpeed 0.19 refuses it too)",
+                         {"optimizer.params.max_grad_norm": "gradient_clipping"}),
+    "megatron_zero_stage_2": ("max_grad_norm (DeepSpeed 0.19 refuses it too)",
+                              {"optimizer.params.max_grad_norm": "gradient_clipping"}),
+    "megatron_curriculum_fixed_linear": ("legacy curriculum learning (DeepSpeed 0.19 removed it)",
+                                         {"curriculum_learning": "curriculum learning is not built"}),
+    "megatron_zero_infinity": ("a typo, stage3_param_persitance_threshold (DeepSpeed 0.19 refuses it too)",
+                               {"zero_optimization.stage3_param_persitance_threshold":
+                                "did you mean 'zero_optimization.stage3_param_persistence_threshold'?"}),
+    "megatron_zero_offload_1b": ("a typo, comm_overlap for overlap_comm (DeepSpeed 0.19 refuses it too)",
+                                 {"zero_optimization.comm_overlap": "unknown config key"}),
+    "megatron_zero_offload": ("optimizer DeepSpeed_Adam, which no DeepSpeed 0.19 builds either",
+                              {"optimizer.type": "unknown optimizer 'DeepSpeed_Adam'"}),
+    "imagenet_fp16_z1": ("cuda_visible_devices is no DeepSpeed key (DeepSpeed ignores unknown top-level keys, "
+                         "bunsan names them)", {"cuda_visible_devices": "unknown config key"}),
+    "hf_inference_cpu": ("stage3_max_reuse_distance -1 and an _-prefixed key (DeepSpeed 0.19 refuses both)",
+                         {"zero_optimization.stage3_max_reuse_distance": "must be >= 0",
+                          "zero_optimization._stage3_param_persistence_threshold": "did you mean"}),
+    # Hugging Face's "auto": only the Trainer fills it in, and bunsan has none (DeepSpeed alone fails on it too)
+    "autotuning_hf_fp16_z2": ("'auto' batch size", {"train_micro_batch_size_per_gpu": "Hugging Face Trainer's"}),
+    "autotuning_deberta_tune": ("DeepSpeed's autotuner is not built",
+                                {"autotuning": "autotuner"}),   # said before the "auto" batch size
+    "qanet_1cycle": ("OneCycle is not built", {"scheduler.type": "OneCycle"}),
+    "moq": ("quantization-aware training (DeepSpeed 0.19 removed it)", {"quantize_training": "not built"}),
+    "data_efficiency_gpt_random_ltd": ("random layer-token drop is not built",
+                                       {"data_efficiency": "not built"}),
+    "compression_gpt2_w8a8": ("the compression library (DeepSpeed 0.19 removed it)",
+                              {"compression_training": "not built"}),
+}
+# name -> the not-built features bunsan.initialize would refuse (Config.unimplemented) in a config that loads
+NOT_BUILT_AT_INITIALIZE: dict[str, list[str]] = {
+    "megatron_zero2": ["activation_checkpointing.partition_activations"],
+    "megatron_zero3_scripts": ["activation_checkpointing.partition_activations"],
+    "megatron_zero2_cpu_offload": ["activation_checkpointing.partition_activations"],
+    "megatron_zerodual": ["activation_checkpointing.partition_activations", "activation_checkpointing.cpu_checkpointing"],
+}
+
+
+def _load(cfg: dict) -> Config:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the ignored keys and deprecated forms they use are said
+        return Config.load(cfg)
+
+
+def test_enough_configs_are_vendored():
+    assert len(CONFIGS) >= 35 and set(EXPECTED_FAILURES) <= set(CONFIGS) and set(NOT_BUILT_AT_INITIALIZE) <= set(CONFIGS)
+
+
+@pytest.mark.parametrize("name", sorted(set(CONFIGS) - set(EXPECTED_FAILURES)))
+def test_config_loads(name):
+    cfg = _load(CONFIGS[name])
+    assert [m.split("=")[0] for m in cfg.unimplemented()] == NOT_BUILT_AT_INITIALIZE.get(name, [])
+    assert Config.load(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_FAILURES))
+def test_config_fails_only_as_listed(name):
+    _, want = EXPECTED_FAILURES[name]
+    with pytest.raises(ConfigError) as info:
+        _load(CONFIGS[name])
+    lines = str(info.value).splitlines()
+    lines = [line.strip() for line in lines[1:]] if len(lines) > 1 else lines
+    got = {}
+    for line in lines:
+        key = line.split(":")[0] if not line.startswith("unknown config key") else line.split("'")[1]
+        got[key] = line
+    assert set(got) == set(want), f"{name}: {lines}"
+    for key, text in want.items():
+        assert text in got[key], f"{name}: {text!r} not in {got[key]!r}"
+
+
+def test_configs_that_load_use_deepspeeds_forms_as_read():
+    release = _load(CONFIGS["megatron_zero3_release"]).zero_optimization   # cpu_offload, cpu_offload_params
+    assert release.offload_optimizer.device == release.offload_param.device == "cpu"
+    assert release.offload_param.pin_memory   # cpu_offload_use_pin_memory
+    chat = _load(CONFIGS["deepspeed_chat_train"])
+    assert chat.bf16.enabled and chat.zero_optimization.stage3_max_live_parameters == 30_000_000
+    qanet = _load(CONFIGS["qanet_warmup"]).scheduler
+    assert qanet.type == "WarmupLR" and qanet.params["warmup_max_lr"] == 0.001
