@@ -170,8 +170,6 @@ _WHY_TOP = {   # accepted and ignored: (DeepSpeed's default, the reason)
                               "bunsan's"),
     "log_level": (None, "the level of DeepSpeed's logger; bunsan says what it does through warnings"),
     "disable_python_gc": (False, "bunsan leaves Python's garbage collector as it is"),
-    "dataloader_drop_last": (False, "for DeepSpeed's deepspeed_io loader; bunsan.initialize builds no loader, and "
-                                    "bunsan train's steps always take whole global batches"),
     "gradient_predivide_factor": (1.0, "bunsan's gradients are averaged over the global batch however the "
                                        "division is split around the all-reduce (see prescale_gradients)"),
     "zero_force_ds_cpu_optimizer": (True, "bunsan steps offloaded optimizer states on the CPU with the "
