@@ -113,3 +113,50 @@ def test_a_key_the_model_does_not_take_is_an_error():
         engine.train_batch({**b, "token_type_ids": b["input_ids"]})
     with pytest.raises(ValueError, match="exactly one of them"):
         engine.train_batch({"input_ids": b["input_ids"]})
+
+
+# -- tensor parallelism from the model's own plan ---------------------------------------------------------
+def _tp_cfg(tp: int, world: int) -> dict:
+    return {**_cfg(0), "train_batch_size": ROWS, "tensor_parallel": {"size": tp}}
+
+
+def _train_tp(rank, world, arch, cfg, batches):
+    engine = bunsan.initialize(tiny(arch), cfg)
+    dp, dp_rank = engine.mesh.dp, engine.mesh.dp_rank
+    per = ROWS // dp
+    losses = [engine.train_batch({k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in b.items()})
+              for b in batches]
+    swapped = sorted({type(m).__name__ for m in engine.module.modules() if hasattr(m, "tp_split")})
+    return losses, engine.consolidated_state_dict(), swapped
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hf_plan_tensor_parallel_matches_the_hf_loop(pools, arch):
+    batches = data()
+    results = pools.run(2, _train_tp, 2, arch, _tp_cfg(2, 2), batches)
+    ref_losses, ref_state = reference(arch, batches)
+    _check([(r[0], r[1], None) for r in results], ref_losses, ref_state)
+    assert results[0][2] == ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
+                             "VocabParallelHead"]
+
+
+def test_hf_plan_tp2_x_dp2(pools):
+    batches = data()
+    results = pools.run(4, _train_tp, 4, "qwen2", _tp_cfg(2, 4), batches)
+    _check([(r[0], r[1], None) for r in results], *reference("qwen2", batches))
+
+
+def test_tp_plan_guards():
+    from bunsan.comm.collectives import Comm
+    from bunsan.comm.work import Group
+    from bunsan.tensor_parallel import TPContext, apply_tensor_parallel
+    ctx = TPContext(Comm(), Group("tp", None, 1, 0, (0,)))
+    with pytest.raises(ValueError, match="match no module"):
+        apply_tensor_parallel(tiny("llama"), ctx, {"layers.*.attn.q": "column"})
+    with pytest.raises(ValueError, match="unknown tensor-parallel style"):
+        apply_tensor_parallel(tiny("llama"), ctx, {"model.layers.*.self_attn.q_proj": "colwise"})
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+    with pytest.raises(ValueError, match="ships no tensor-parallel plan"):
+        apply_tensor_parallel(gpt2, ctx)
+    with pytest.raises(ValueError, match="Conv1D"):
+        apply_tensor_parallel(gpt2, ctx, {"transformer.h.*.attn.c_attn": "column"})

@@ -46,7 +46,7 @@ def region_linear(x: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def _only_weight_and_bias(linear: nn.Module, style: str) -> None:
+def check_splittable(linear: nn.Module, style: str) -> None:
     """A swapped layer keeps weight and bias: anything else it holds would be dropped."""
     if type(linear) is not nn.Linear:
         raise ValueError(f"tensor-parallel style {style!r} splits an nn.Linear; got {type(linear).__name__}, whose "
@@ -63,7 +63,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, ctx: TPContext, check_input: bool = True):
         super().__init__()
-        _only_weight_and_bias(linear, "column")
+        check_splittable(linear, "column")
         self.tp_style, self.tp_dim, self.full_shape = "column", 0, tuple(linear.weight.shape)
         self.tp_split = {"weight": (self.full_shape, 0)}
         self.check_input = check_input
@@ -90,7 +90,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, ctx: TPContext):
         super().__init__()
-        _only_weight_and_bias(linear, "row")
+        check_splittable(linear, "row")
         self.ctx, self.tp_style, self.tp_dim, self.full_shape = ctx, "row", 1, tuple(linear.weight.shape)
         self.tp_split = {"weight": (self.full_shape, 1)}
         w = linear.weight.detach()

@@ -18,7 +18,7 @@ import fnmatch
 import torch
 import torch.nn as nn
 
-from bunsan.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, parallel_input_hook, sum_grad_over_tp)
+from bunsan.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, check_splittable, parallel_input_hook, sum_grad_over_tp)
 from bunsan.tensor_parallel.hf_plan import hf_tp_plan, is_hf_model
 from bunsan.tensor_parallel.ops import TPContext
 
@@ -137,9 +137,11 @@ def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | str | N
         if style in ("column", "row") and hasattr(m, "base_layer") and hasattr(m, "lora_A"):
             _split_lora(name, m, style, ctx)
         elif style == "column":
+            check_splittable(m, style)
             _check_divisible(name, "output features", m.out_features, ctx.size, "change tensor_parallel.size")
             _set(model, name, ColumnParallelLinear(m, ctx))
         elif style == "row":
+            check_splittable(m, style)
             _check_divisible(name, "input features", m.in_features, ctx.size, "change tensor_parallel.size")
             _set(model, name, RowParallelLinear(m, ctx))
         elif style == "parallel_input":
