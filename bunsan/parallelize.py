@@ -1,7 +1,7 @@
 """`initialize`: a plain model becomes a training engine through transforms applied in one visible order,
 
-    pipeline cut -> LoRA -> materialise -> tensor parallel -> activation checkpointing -> compile
-    -> data parallel (the ZeRO strategy) -> Engine
+    (tensor-parallel plan) -> pipeline cut -> LoRA -> materialise -> tensor parallel -> activation checkpointing
+    -> compile -> data parallel (the ZeRO strategy) -> Engine
 
 torchtitan's order. Each transform below is a function with one job; the model code never learns about
 any of them (parameter names and state-dict keys stay those of the plain model).
@@ -25,6 +25,7 @@ from bunsan.config.root import Config
 from bunsan.engine.engine import Engine
 from bunsan.engine.precision import model_dtype
 from bunsan.tensor_parallel import TPContext, apply_tensor_parallel, replicated_parameter_names
+from bunsan.tensor_parallel.plan import check_plan_matches, resolve_plan
 from bunsan.transforms.checkpointing import apply_activation_checkpointing
 from bunsan.transforms.compile import apply_compile
 from bunsan.transforms.lora import adapter_aware, apply_lora, check_targets
@@ -55,10 +56,11 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
         raise TypeError("bunsan.initialize needs a model: initialize(model, config)")
     at = place(load_config(config, deepspeed_kwargs))
     user_groups = optimizer_groups_by_name(optimizer, model, at.cfg)
+    tp_plan = whole_model_plan(model, at, tp_plan)
     model, pipe = cut_pipeline(model, at)
     add_lora(model, at.cfg)
     materialize(model, at)
-    model, tp = tensor_parallel(model, at, tp_plan)
+    model, tp = tensor_parallel(model, at, tp_plan, pipe)
     recompute(model, at.cfg, pipe)
     if at.cfg.train.compile:
         apply_compile(model)
@@ -164,12 +166,26 @@ def materialize(model: nn.Module, at: Placement) -> None:
         init()
 
 
-def tensor_parallel(model: nn.Module, at: Placement, tp_plan: dict | None):
+def tp_context(at: Placement) -> TPContext:
+    return TPContext(at.comm, at.mesh.tp_group, at.cfg.tensor_parallel.sequence_parallel)
+
+
+def whole_model_plan(model: nn.Module, at: Placement, tp_plan: dict | str | None):
+    """The tensor-parallel plan, resolved (a Hugging Face model's own, or the Llama one) and checked against
+    the whole model, before a pipeline keeps a stage of it."""
+    if at.mesh.tp == 1:
+        return tp_plan
+    plan = resolve_plan(model, tp_context(at), tp_plan)
+    check_plan_matches(model, plan)
+    return plan
+
+
+def tensor_parallel(model: nn.Module, at: Placement, tp_plan: dict | None, pipe):
     """Swap layers for their Megatron column/row/vocab-parallel forms; (TPContext, vocab head) or None."""
     if at.mesh.tp == 1:
         return model, None
-    ctx = TPContext(at.comm, at.mesh.tp_group, at.cfg.tensor_parallel.sequence_parallel)
-    return model, (ctx, apply_tensor_parallel(model, ctx, tp_plan))
+    ctx = tp_context(at)
+    return model, (ctx, apply_tensor_parallel(model, ctx, tp_plan, stage_only=True))
 
 
 def recompute(model: nn.Module, cfg: Config, pipe) -> None:

@@ -160,3 +160,29 @@ def test_tp_plan_guards():
         apply_tensor_parallel(gpt2, ctx)
     with pytest.raises(ValueError, match="Conv1D"):
         apply_tensor_parallel(gpt2, ctx, {"transformer.h.*.attn.c_attn": "column"})
+
+
+# -- pipeline parallelism at the decoder layers ----------------------------------------------------------
+def _train_pp(rank, world, arch, cfg, batches):
+    engine = bunsan.initialize(tiny(arch), cfg)
+    losses = [engine.train_batch(b) for b in batches]
+    return losses, engine.consolidated_state_dict(), sorted(n for n, _ in engine.module.named_parameters())
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_hf_decoder_pipeline_matches_the_hf_loop(pools, arch):
+    batches = data()
+    cfg = {**_cfg(0, ga=2), "pipeline": {"stages": 2}}
+    results = pools.run(2, _train_pp, 2, arch, cfg, batches)
+    _check([(r[0], r[1], None) for r in results], *reference(arch, batches))
+    first, last = results[0][2], results[1][2]
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" in last
+    assert not any(n.startswith("model.layers.1.") for n in first)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hf_decoder_pp2_x_tp2(pools, arch):
+    batches = data()
+    cfg = {**_cfg(0, ga=2), "pipeline": {"stages": 2}, "tensor_parallel": {"size": 2}}
+    results = pools.run(4, _train_pp, 4, arch, cfg, batches)
+    _check([(r[0], r[1], None) for r in results], *reference(arch, batches))

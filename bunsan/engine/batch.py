@@ -29,7 +29,11 @@ HF_TARGETS = ("labels", "shift_labels")
 
 
 def keyword_inputs(module) -> set[str] | None:
-    """The keyword inputs a Hugging Face-style forward names (None for a model called positionally)."""
+    """The keyword inputs a Hugging Face-style forward names (None for a model called positionally); a
+    pipeline stage of one says its own (pipeline/partition.py)."""
+    stage_inputs = getattr(module, "keyword_inputs", None)
+    if stage_inputs is not None:
+        return set(stage_inputs)
     if not any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
                for c in type(module).__mro__):
         return None
@@ -139,9 +143,6 @@ class Objective:
     def first_input(self, mb) -> torch.Tensor:
         """What the first pipeline stage is fed (a pipeline carries one activation tensor between stages)."""
         if isinstance(mb, dict):
-            if self.keywords:
-                raise ValueError("pipeline parallelism of a Hugging Face model is not supported yet; set "
-                                 "pipeline.stages to 1")
             return mb["input_ids"]
         if len(mb) != 2:
             raise ValueError(f"a pipeline feeds its first stage one tensor; this batch has {len(mb) - 1} inputs: "

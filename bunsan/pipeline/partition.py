@@ -3,6 +3,7 @@
 A model is seen as an ordered list of layers, each a group of module paths:
 
     Llama:        [embed_tokens] [layers.0] ... [layers.L-1] [norm, lm_head]
+    Hugging Face: [model.embed_tokens] [model.layers.0] ... [model.norm, lm_head]   (a decoder-only LM)
     nn.Sequential: [0] [1] ... [n-1]
 
 The list is cut into p x v contiguous chunks (p ranks, v virtual chunks each; chunk
@@ -13,6 +14,7 @@ plans, checkpoints, ZeRO) see the original names.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -46,20 +48,37 @@ def is_llama(model: nn.Module) -> bool:
     return all(hasattr(model, a) for a in ("embed_tokens", "layers", "norm", "lm_head", "rope_cos"))
 
 
+def hf_decoder_prefix(model: nn.Module) -> str | None:
+    """The base model's attribute of a Hugging Face decoder-only LM laid out as Llama's (embed_tokens, layers,
+    norm, rotary_emb under it; lm_head beside it), else None."""
+    prefix = getattr(model, "base_model_prefix", None)
+    base = getattr(model, prefix, None) if isinstance(prefix, str) else None
+    if base is None or not isinstance(getattr(model, "lm_head", None), nn.Module):
+        return None
+    has = all(isinstance(getattr(base, a, None), nn.Module) for a in ("embed_tokens", "norm", "rotary_emb"))
+    return prefix if has and isinstance(getattr(base, "layers", None), nn.ModuleList) else None
+
+
 def model_layers(model: nn.Module) -> list[Layer]:
     """The ordered layers of a bunsan Llama (or a Llama-shaped model) or of an nn.Sequential."""
+    hf = hf_decoder_prefix(model)
     if is_llama(model):
         groups = [("embed_tokens",)] + [(f"layers.{i}",) for i in range(len(model.layers))] + [("norm", "lm_head")]
+    elif hf is not None:
+        blocks = getattr(model, hf).layers
+        groups = [(f"{hf}.embed_tokens",)] + [(f"{hf}.layers.{i}",) for i in range(len(blocks))] + \
+            [(f"{hf}.norm", "lm_head")]
     elif isinstance(model, nn.Sequential):
         groups = [(name,) for name, _ in model.named_children()]
     else:
         raise ValueError(f"pipeline parallelism cuts a model into an ordered list of layers; {type(model).__name__} "
-                         "is neither a bunsan Llama nor an nn.Sequential. Wrap its layers in an nn.Sequential "
-                         "(each taking and returning one tensor) or set pipeline.stages to 1")
+                         "is neither a bunsan Llama, a Hugging Face decoder-only LM (embed_tokens, layers, norm, "
+                         "rotary_emb, lm_head) nor an nn.Sequential. Wrap its layers in an nn.Sequential (each "
+                         "taking and returning one tensor) or set pipeline.stages to 1")
     out = []
     for paths in groups:
         mods = [model.get_submodule(p) for p in paths]
-        repeated = is_llama(model) and paths[0].startswith("layers.") or not is_llama(model)
+        repeated = ".layers." in f".{paths[0]}" if is_llama(model) or hf is not None else True
         out.append(Layer(paths, _numel(mods, False), _numel(mods, True), repeated))
     return out
 
@@ -155,6 +174,12 @@ class StageModule(nn.Module):
         if self.llama:
             self.register_buffer("rope_cos", model.rope_cos, persistent=False)
             self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.hf_prefix = hf_decoder_prefix(model)
+        self.keyword_inputs = None    # a Hugging Face decoder's stages take these batch keys (engine/batch.py)
+        if self.hf_prefix is not None:
+            self.keyword_inputs = HF_STAGE_INPUTS
+            object.__setattr__(self, "_hf_views", _hf_views(self, model, self.hf_prefix, chunks, n_stages,
+                                                            stage_ids))
         self._init_parameter = getattr(model, "init_parameter", None)
         self._init_buffer = getattr(model, "init_buffer", None)      # (name, tensor): buffers drawn by name
         self._init_weights = getattr(model, "init_weights", None)
@@ -167,7 +192,9 @@ class StageModule(nn.Module):
         except AttributeError:
             return False
 
-    def run(self, c: int, x: torch.Tensor, seq_len: int) -> torch.Tensor:
+    def run(self, c: int, x: torch.Tensor, seq_len: int, mb=None) -> torch.Tensor:
+        if self.hf_prefix is not None:
+            return _run_hf(self, c, x, mb)
         for paths in self.chunk_layers[c]:
             if self.llama and paths[0].startswith("layers."):
                 x = self.get_submodule(paths[0])(x, self.rope_cos[:seq_len], self.rope_sin[:seq_len])
@@ -185,3 +212,46 @@ class StageModule(nn.Module):
             from bunsan.models.llama import rope_tables
             cos, sin = rope_tables(self.config, device=self.rope_cos.device)
             self.rope_cos, self.rope_sin = cos.to(self.rope_cos.dtype), sin.to(self.rope_sin.dtype)
+
+
+# -- Hugging Face decoders: each chunk runs the model's own base forward over the layers it holds -----------
+HF_STAGE_INPUTS = ("input_ids", "attention_mask", "position_ids")   # what every stage is given of a batch
+_IDENTITY = nn.Identity()     # the final norm of a chunk that is not the last
+
+
+def _hf_views(stage: StageModule, model: nn.Module, prefix: str, chunks: list[list[Layer]], n_stages: int,
+              stage_ids: list[int]) -> list[tuple[nn.Module, list[str], bool, bool]]:
+    """Per chunk: (a shallow copy of the base model, the paths of the chunk's decoder layers, first stage?,
+    last stage?).
+
+    The base model's forward then builds the causal mask (and sliding windows) and the rotary embeddings
+    for the chunk from its input, as it does for the whole model; a chunk after the first is fed the
+    hidden states as inputs_embeds, and only the last one applies the final norm (and, beside it, the head).
+    """
+    base = getattr(model, prefix)
+    extra = [n for n, m in base.named_children() if n not in ("embed_tokens", "layers", "norm", "rotary_emb")
+             and any(True for _ in m.parameters())]
+    if extra:
+        raise ValueError(f"pipeline parallelism of {type(model).__name__}: its base model also holds {extra} with "
+                         "parameters, which no pipeline layer owns; set pipeline.stages to 1")
+    _attach(stage, f"{prefix}.rotary_emb", base.rotary_emb)   # every stage computes its positions
+    views = []
+    for chunk, sid in zip(chunks, stage_ids):
+        view = copy.copy(base)
+        view.__dict__["_modules"] = {"rotary_emb": base.rotary_emb}   # the rest: the stage's, at each run
+        blocks = [p for layer in chunk for p in layer.paths if p.startswith(f"{prefix}.layers.")]
+        views.append((view, blocks, sid == 0, sid == n_stages - 1))
+    return views
+
+
+def _run_hf(stage: StageModule, c: int, x: torch.Tensor, mb) -> torch.Tensor:
+    view, blocks, first, last = stage._hf_views[c]
+    prefix = stage.hf_prefix
+    # the stage's modules as they are now: transforms (tensor parallelism) swap some after the cut
+    view._modules["layers"] = nn.ModuleList([stage.get_submodule(p) for p in blocks])
+    view._modules["embed_tokens"] = stage.get_submodule(f"{prefix}.embed_tokens") if first else None
+    view._modules["norm"] = stage.get_submodule(f"{prefix}.norm") if last else _IDENTITY
+    passed = {k: mb[k] for k in ("attention_mask", "position_ids") if isinstance(mb, dict) and k in mb}
+    inputs = {"input_ids": x} if first else {"inputs_embeds": x}
+    hidden = view(**inputs, **passed, use_cache=False).last_hidden_state
+    return stage.get_submodule("lm_head")(hidden) if last else hidden

@@ -183,7 +183,7 @@ class Runner:
                     # A received activation is a leaf that collects its gradient: the stage gets a copy, so a
                     # first layer that works in place (ReLU(inplace=True)) writes into that, not the leaf.
                     x = first_input(mb) if s == 0 else received[key].clone()
-                    out = self.stage.run(a.chunk, x, seq_len(mb))
+                    out = self.stage.run(a.chunk, x, seq_len(mb), mb)
                     if s == self.last:
                         out, reported = loss_of(out, mb)
                         total += reported.detach().double()
@@ -244,7 +244,7 @@ class Runner:
             s, key = self._stage(it), (it.micro, it.chunk)
             mb = micro_batches[it.micro]
             x = first_input(mb) if s == 0 else received.pop(key)
-            out = self.stage.run(it.chunk, x, seq_len(mb))
+            out = self.stage.run(it.chunk, x, seq_len(mb), mb)
             if s == self.last:
                 total += loss_of(out, mb)[1].double()
             else:

@@ -116,18 +116,27 @@ def resolve_plan(model: nn.Module, ctx: TPContext, plan: dict | str | None) -> d
     return plan
 
 
-def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | str | None = None):
-    """Swap the layers named by `plan` (see resolve_plan) for their tensor-parallel versions.
-
-    Returns the vocabulary-parallel head, if any (the engine computes the loss with it).
-    """
-    plan = resolve_plan(model, ctx, plan)
-    head, embedding = None, None
-    matched = [(name, m, _style_of(name, plan)) for name, m in list(model.named_modules()) if name]
-    unmatched = [p for p in plan if not any(fnmatch.fnmatchcase(name, p) for name, _, _ in matched)]
+def check_plan_matches(model: nn.Module, plan: dict) -> None:
+    """Every pattern names a module of the (whole) model: a typo would leave a layer unsplit, silently."""
+    names = [name for name, _ in model.named_modules() if name]
+    unmatched = [p for p in plan if not any(fnmatch.fnmatchcase(name, p) for name in names)]
     if unmatched:
         raise ValueError(f"tensor-parallel plan pattern(s) {unmatched} match no module of {type(model).__name__}; "
                          "a plan names module paths (model.named_modules()): fix or remove them")
+
+
+def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | str | None = None,
+                          stage_only: bool = False):
+    """Swap the layers named by `plan` (see resolve_plan) for their tensor-parallel versions. `stage_only`:
+    `model` is one pipeline stage's part and `plan` was resolved and checked against the whole model.
+
+    Returns the vocabulary-parallel head, if any (the engine computes the loss with it).
+    """
+    if not stage_only:
+        plan = resolve_plan(model, ctx, plan)
+        check_plan_matches(model, plan)
+    head, embedding = None, None
+    matched = [(name, m, _style_of(name, plan)) for name, m in list(model.named_modules()) if name]
     for name, m, style in matched:
         if style == "vocab_embedding":
             embedding = VocabParallelEmbedding(m, ctx)
