@@ -186,3 +186,33 @@ def test_hf_decoder_pp2_x_tp2(pools, arch):
     cfg = {**_cfg(0, ga=2), "pipeline": {"stages": 2}, "tensor_parallel": {"size": 2}}
     results = pools.run(4, _train_pp, 4, arch, cfg, batches)
     _check([(r[0], r[1], None) for r in results], *reference(arch, batches))
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB,
+                                                                 n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                                 attn_pdrop=0.0))
+
+
+def _train_gpt2(rank, world, cfg, batches):
+    engine = bunsan.initialize(_gpt2(), cfg)
+    per = ROWS // world
+    losses = [engine.train_batch({k: v[rank * per:(rank + 1) * per] for k, v in b.items()}) for b in batches]
+    return losses, engine.consolidated_state_dict(), len(engine.strategy.units) - 1
+
+
+def test_gpt2_on_zero3(pools):
+    batches = data()
+    results = pools.run(2, _train_gpt2, 2, _cfg(3), batches)
+    model = _gpt2()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    ref_losses = []
+    for b in batches:
+        loss = model(**b).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    _check([(r[0], r[1], None) for r in results], ref_losses, model.state_dict())
+    assert results[0][2] == 2, "one unit per GPT2Block"

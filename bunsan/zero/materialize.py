@@ -45,6 +45,11 @@ def replace_meta_parameters(module: nn.Module, params: list[nn.Parameter], devic
     """
     new = {p: nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=p.requires_grad)
            for p in params}
+    meta_buffers = [n for n, b in module.named_buffers() if b.is_meta]
+    if meta_buffers and not hasattr(module, "init_buffers"):   # (a rotary inv_freq left empty: garbage)
+        raise ValueError(f"{type(module).__name__} was built on the meta device with buffers {meta_buffers[:3]} "
+                         "but has no init_buffers() to compute them; add one, or build the model under "
+                         "bunsan.deepspeed.zero.Init (built whole on the host, then sliced)")
     for m in module.modules():
         for name, p in list(m._parameters.items()):
             if p is not None and p in new:
