@@ -25,6 +25,7 @@ from bunsan.config.root import Config
 from bunsan.engine.engine import Engine
 from bunsan.engine.precision import model_dtype
 from bunsan.tensor_parallel import TPContext, apply_tensor_parallel, replicated_parameter_names
+from bunsan.tensor_parallel.hf_plan import is_hf_model
 from bunsan.tensor_parallel.plan import check_plan_matches, resolve_plan
 from bunsan.transforms.checkpointing import apply_activation_checkpointing
 from bunsan.transforms.compile import apply_compile
@@ -175,6 +176,10 @@ def whole_model_plan(model: nn.Module, at: Placement, tp_plan: dict | str | None
     the whole model, before a pipeline keeps a stage of it."""
     if at.mesh.tp == 1:
         return tp_plan
+    if at.mesh.pp > 1 and at.cfg.tensor_parallel.sequence_parallel and is_hf_model(model):
+        raise ValueError("pipeline parallelism with sequence parallelism of a Hugging Face model is not supported: "
+                         "a later stage would build its mask and positions from a slice of the sequence; set "
+                         "tensor_parallel.sequence_parallel to false or pipeline.stages to 1")
     plan = resolve_plan(model, tp_context(at), tp_plan)
     check_plan_matches(model, plan)
     return plan

@@ -116,8 +116,8 @@ def test_a_key_the_model_does_not_take_is_an_error():
 
 
 # -- tensor parallelism from the model's own plan ---------------------------------------------------------
-def _tp_cfg(tp: int, world: int) -> dict:
-    return {**_cfg(0), "train_batch_size": ROWS, "tensor_parallel": {"size": tp}}
+def _tp_cfg(tp: int, world: int, sp: bool = False) -> dict:
+    return {**_cfg(0), "train_batch_size": ROWS, "tensor_parallel": {"size": tp, "sequence_parallel": sp}}
 
 
 def _train_tp(rank, world, arch, cfg, batches):
@@ -130,10 +130,11 @@ def _train_tp(rank, world, arch, cfg, batches):
     return losses, engine.consolidated_state_dict(), swapped
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_hf_plan_tensor_parallel_matches_the_hf_loop(pools, arch):
+@pytest.mark.parametrize("arch,sp", [("llama", False), ("qwen2", False), ("llama", True), ("qwen2", True),
+                                     ("mistral", True)])
+def test_hf_plan_tensor_parallel_matches_the_hf_loop(pools, arch, sp):
     batches = data()
-    results = pools.run(2, _train_tp, 2, arch, _tp_cfg(2, 2), batches)
+    results = pools.run(2, _train_tp, 2, arch, _tp_cfg(2, 2, sp), batches)
     ref_losses, ref_state = reference(arch, batches)
     _check([(r[0], r[1], None) for r in results], ref_losses, ref_state)
     assert results[0][2] == ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",

@@ -41,10 +41,6 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
         raise ValueError(f"{type(model).__name__} ships no tensor-parallel plan (config.base_model_tp_plan is "
                          "empty); pass tp_plan={module pattern: style} with bunsan's styles (column, row, "
                          "parallel_input, vocab_embedding, vocab_head, norm)")
-    if sequence_parallel:
-        raise ValueError("tensor_parallel.sequence_parallel with a Hugging Face model is not supported: its "
-                         "model builds the attention mask and positions from the (split) embedding's length; "
-                         "set sequence_parallel to false")
     prefix = f"{model.base_model_prefix}." if getattr(model, model.base_model_prefix, None) is not model else ""
     plan = {f"{prefix}{path}": _translated(path, style, False) for path, style in base_plan.items()}
     plan |= {path: _translated(path, style, True) for path, style in head_plan.items()}
@@ -54,5 +50,24 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embed is not None and "vocab_head" in plan.values():
         name = next(n for n, m in model.named_modules() if m is embed)
-        plan.setdefault(name, "vocab_embedding")
+        # under SP the sequence is cut at the first decoder layer: the model reads the embedding's length
+        # to build its mask and positions
+        plan.setdefault(name, "vocab_embedding_whole" if sequence_parallel else "vocab_embedding")
+    if sequence_parallel:
+        plan |= _sequence_parallel_extras(model, prefix)
     return plan
+
+
+def _sequence_parallel_extras(model: nn.Module, prefix: str) -> dict[str, str]:
+    """Where HF's plan is silent under SP: the sequence is cut at the first decoder layer's input, and every
+    norm (which then sees a slice of the sequence) sums its gradient over the group."""
+    blocks = getattr(getattr(model, model.base_model_prefix, model), "layers", None)
+    if not isinstance(blocks, nn.ModuleList) or not len(blocks):
+        raise ValueError(f"tensor_parallel.sequence_parallel with {type(model).__name__}: bunsan cuts the sequence "
+                         "at the first decoder layer (base_model.layers), which this model does not have; set "
+                         "sequence_parallel to false")
+    extras = {f"{prefix}layers.0": "sequence_split"}
+    for name, m in model.named_modules():
+        if name and type(m).__name__.endswith(("RMSNorm", "LayerNorm")):
+            extras[name] = "norm"
+    return extras

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bunsan.tensor_parallel.ops import (RegionLinear, TPContext, into_parallel_region, out_of_parallel_region, region_of)
+from bunsan.tensor_parallel.ops import (RegionLinear, SplitSeq, TPContext, into_parallel_region, out_of_parallel_region, region_of, sum_over_tp)
 
 
 def split_rows(w: torch.Tensor, tp: int, rank: int, pad_to: int | None = None) -> torch.Tensor:
@@ -108,9 +108,13 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, emb: nn.Embedding, ctx: TPContext):
+    """Rows of the table by vocabulary. Under sequence parallelism its output is this rank's slice of the
+    sequence, unless `whole_output` (a model that reads the embedding's length: the sequence is cut later)."""
+
+    def __init__(self, emb: nn.Embedding, ctx: TPContext, whole_output: bool = False):
         super().__init__()
         self.ctx, self.tp_style, self.tp_dim = ctx, "vocab", 0
+        self.whole_output = whole_output
         self.vocab_size = emb.num_embeddings
         self.padded = -(-self.vocab_size // ctx.size) * ctx.size
         self.full_shape = (self.vocab_size, emb.embedding_dim)
@@ -131,7 +135,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight, padding_idx=self.local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return out_of_parallel_region(self.ctx, out)
+        return sum_over_tp(self.ctx, out) if self.whole_output else out_of_parallel_region(self.ctx, out)
 
 
 class VocabParallelHead(nn.Module):
@@ -179,6 +183,16 @@ def parallel_input_hook(ctx: TPContext):
             return args, {**kwargs, "hidden_states": into_parallel_region(ctx, kwargs["hidden_states"])}
         raise ValueError(f"parallel_input: {type(module).__name__} was called without a positional input or a "
                          f"hidden_states keyword (got {sorted(kwargs)}); its input cannot enter the parallel region")
+    return hook
+
+
+def split_sequence_hook(ctx: TPContext):
+    """A module's (whole-sequence) input becomes this rank's slice of the sequence: where a Hugging Face
+    decoder's sequence-parallel region starts, at its first layer (its mask and positions are whole)."""
+    def hook(module, args, kwargs):
+        if args:
+            return (SplitSeq.apply(ctx, args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": SplitSeq.apply(ctx, kwargs["hidden_states"])}
     return hook
 
 

@@ -198,6 +198,31 @@ class RegionLinear(torch.autograd.Function):
         return None, gw, None
 
 
+class SplitSeq(torch.autograd.Function):
+    """A [b, s, h] every rank holds whole -> this rank's [b, s/tp, h]: a slice forward, the slices' gradients
+    all-gathered backward (where a model's sequence-parallel region starts after a whole-sequence part)."""
+
+    @staticmethod
+    def forward(fctx, ctx, x):
+        fctx.ctx = ctx
+        s = x.shape[1]
+        if s % ctx.size:
+            raise ValueError(f"sequence length {s} is not divisible by tensor-parallel size {ctx.size}; sequence "
+                             f"parallelism cuts the sequence evenly: use a multiple of {ctx.size}")
+        n = s // ctx.size
+        return x[:, ctx.rank * n:(ctx.rank + 1) * n].contiguous()
+
+    @staticmethod
+    def backward(fctx, grad):
+        return None, _gather_seq(fctx.ctx, grad.contiguous())
+
+
+def sum_over_tp(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
+    """g (forward all-reduce, backward identity) whatever sequence parallelism says: an output every rank
+    needs whole."""
+    return ReduceFromTP.apply(ctx, x)
+
+
 def out_of_parallel_region(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
     """Output of a row-split matmul (partial sums): g, or the sequence reduce-scatter under SP. x is consumed:
     without SP it is reduced in place when it is a contiguous tensor of its own."""

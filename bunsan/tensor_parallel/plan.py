@@ -5,6 +5,8 @@ Styles:
     row             nn.Linear -> RowParallelLinear (input columns split, outputs summed)
     parallel_input  any module: its input enters the parallel region once (f / SP all-gather)
     vocab_embedding nn.Embedding -> VocabParallelEmbedding
+    vocab_embedding_whole   the same, its output the whole sequence under SP (split later, at sequence_split)
+    sequence_split  any module: under SP its whole-sequence input becomes this rank's slice
     vocab_head      nn.Linear -> VocabParallelHead (+ parallel input), for the vocabulary-parallel loss
     norm            replicated; under sequence parallelism its gradient is summed over the group
 
@@ -18,7 +20,7 @@ import fnmatch
 import torch
 import torch.nn as nn
 
-from bunsan.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, check_splittable, parallel_input_hook, sum_grad_over_tp)
+from bunsan.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, check_splittable, parallel_input_hook, split_sequence_hook, sum_grad_over_tp)
 from bunsan.tensor_parallel.hf_plan import hf_tp_plan, is_hf_model
 from bunsan.tensor_parallel.ops import TPContext
 
@@ -93,7 +95,8 @@ def _split_lora(name: str, m: nn.Module, style: str, ctx: TPContext) -> None:
                 sum_grad_over_tp(m.lora_B[key].weight, ctx)
 
 
-STYLES = ("column", "row", "parallel_input", "vocab_embedding", "vocab_head", "norm")
+STYLES = ("column", "row", "parallel_input", "vocab_embedding", "vocab_embedding_whole", "sequence_split",
+          "vocab_head", "norm")
 
 
 def resolve_plan(model: nn.Module, ctx: TPContext, plan: dict | str | None) -> dict:
@@ -138,8 +141,8 @@ def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | str | N
     head, embedding = None, None
     matched = [(name, m, _style_of(name, plan)) for name, m in list(model.named_modules()) if name]
     for name, m, style in matched:
-        if style == "vocab_embedding":
-            embedding = VocabParallelEmbedding(m, ctx)
+        if style in ("vocab_embedding", "vocab_embedding_whole"):
+            embedding = VocabParallelEmbedding(m, ctx, whole_output=style == "vocab_embedding_whole")
             _set(model, name, embedding)
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     for name, m, style in matched:
@@ -155,6 +158,8 @@ def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | str | N
             _set(model, name, RowParallelLinear(m, ctx))
         elif style == "parallel_input":
             m.register_forward_pre_hook(parallel_input_hook(ctx), with_kwargs=True)
+        elif style == "sequence_split" and ctx.sequence_parallel:
+            m.register_forward_pre_hook(split_sequence_hook(ctx), with_kwargs=True)
         elif style == "vocab_head":
             head = VocabParallelHead(m, ctx, tied=embedding if tied else None)
             _set(model, name, head)
