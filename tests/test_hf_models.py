@@ -217,3 +217,40 @@ def test_gpt2_on_zero3(pools):
         ref_losses.append(loss.item())
     _check([(r[0], r[1], None) for r in results], ref_losses, model.state_dict())
     assert results[0][2] == 2, "one unit per GPT2Block"
+
+
+# -- checkpoints between bunsan's Llama and the transformers model ---------------------------------------
+def _logits(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+        return (out.logits if hasattr(out, "logits") else out).float()
+
+
+def test_checkpoints_move_between_bunsan_llama_and_hf(tmp_path):
+    from bunsan.checkpoint.convert import convert
+    from bunsan.models import Llama, LlamaConfig
+    batches = data(2)
+    hf_engine = bunsan.initialize(tiny("llama"), _cfg(0))
+    for b in batches:
+        hf_engine.train_batch(b)
+    hf_engine.save_checkpoint(tmp_path / "hf_run")
+    ids = batches[0]["input_ids"]
+    want = _logits(hf_engine.module, ids)
+
+    llama = bunsan.initialize(Llama(LlamaConfig.from_hf(hf_engine.module.config.to_dict())), _cfg(0))
+    llama.load_checkpoint(tmp_path / "hf_run")
+    torch.testing.assert_close(_logits(llama.module, ids), want, rtol=1e-5, atol=1e-5)
+    assert llama.global_step == 2
+
+    llama.save_checkpoint(tmp_path / "llama_run")       # and back: bunsan's names into the HF model
+    back = bunsan.initialize(tiny("llama"), _cfg(0))
+    back.load_checkpoint(tmp_path / "llama_run")
+    torch.testing.assert_close(_logits(back.module, ids), want, rtol=1e-5, atol=1e-5)
+
+    for arch in ("llama", "qwen2"):                     # bunsan convert --to hf of a transformers model's run
+        engine = bunsan.initialize(tiny(arch), _cfg(0))
+        engine.train_batch(batches[0])
+        engine.save_checkpoint(tmp_path / f"{arch}_run")
+        convert(tmp_path / f"{arch}_run", tmp_path / f"{arch}_hf", to="hf")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{arch}_hf").eval()
+        torch.testing.assert_close(_logits(loaded, ids), _logits(engine.module, ids), rtol=1e-5, atol=1e-5)

@@ -121,8 +121,14 @@ def _agreed_tag(engine, tag) -> str:
 
 
 def _model_config(engine) -> dict | None:
+    """The model's config in Hugging Face's form (bunsan's Llama converts its own; a transformers model's is
+    its config.to_dict()), for `bunsan convert --to hf`."""
     cfg = getattr(engine.module, "config", None)
-    return cfg.to_hf() if hasattr(cfg, "to_hf") else None
+    if hasattr(cfg, "to_hf"):
+        return cfg.to_hf()
+    if hasattr(cfg, "to_dict") and hasattr(cfg, "model_type"):
+        return {**cfg.to_dict(), "architectures": [type(engine.module).__name__]}
+    return None
 
 
 def _verified(engine, root: Path, tags: list[str]) -> tuple[str, dict]:
@@ -162,6 +168,7 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
                               "save one with engine.save_checkpoint or check the path")
     tag, meta = _verified(engine, root, tags)
     reader = store.Reader(root, tag, meta)
+    reader.alias_for([t.name for t in locals_of(engine)[0]] + [t.name for t, *_ in frozen_of(engine)])
     states = _StateLoader(engine, reader, meta, load_optimizer_states)
     with torch.no_grad():
         engine.strategy.visit_state(states.put, states.create if load_optimizer_states else None)

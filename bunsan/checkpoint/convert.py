@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from bunsan.models.hf import save_llama
+from bunsan.models.hf import save_hf_named, save_llama
 from bunsan.transforms.lora import merge_lora as merge_lora_into
 from bunsan.models.llama import LlamaConfig
 from bunsan.checkpoint import store
@@ -67,8 +67,10 @@ def convert(src, out, to: str = "safetensors", tag: str | None = None, dtype: st
         return out
     if to == "hf":
         if not meta.get("model"):
-            raise CheckpointError(f"{src}/{tag} records no Llama config, so it cannot become a Hugging Face "
+            raise CheckpointError(f"{src}/{tag} records no model config, so it cannot become a Hugging Face "
                                   "directory; convert it to one safetensors file instead")
+        if any(k.startswith("model.") for k in state):     # a transformers model's names: written as they are
+            return save_hf_named(state, meta["model"], out)
         config = LlamaConfig.from_hf(meta["model"])
         if config.tie_word_embeddings:
             state.setdefault("lm_head.weight", state["embed_tokens.weight"])

@@ -188,6 +188,21 @@ class Reader:
         self._files: dict[str, object] = {}
         self.cache: dict = {}
 
+    def alias_for(self, names: list[str]) -> None:
+        """Read a checkpoint of the other naming of the same Llama weights: bunsan's Llama names
+        (`layers.0...`, `lm_head.weight`) and a Hugging Face LlamaForCausalLM's (`model.layers.0...`) hold the
+        same tensors (models/hf.py). Names this checkpoint lacks are looked up under the other spelling."""
+        saved = {n for n, _ in self.by_key}
+        for name in names:
+            if name in saved:
+                continue
+            other = name.removeprefix("model.") if name.startswith("model.") else \
+                (name if name.startswith("lm_head.") else f"model.{name}")
+            if other in saved:
+                for (n, kind), pieces in list(self.by_key.items()):
+                    if n == other:
+                        self.by_key[(name, kind)] = pieces
+
     def kinds_of(self, name: str) -> set[str]:
         return {k for (n, k) in self.by_key if n == name}
 

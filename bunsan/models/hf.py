@@ -97,6 +97,22 @@ def load_llama(path, dtype: torch.dtype = torch.float32) -> Llama:
     return model.to(dtype)
 
 
+def save_hf_named(state: dict[str, torch.Tensor], hf_config: dict, out_dir) -> Path:
+    """A Hugging Face directory from weights already under their transformers names (a transformers model
+    trained by bunsan) and its config.to_dict(); a tied head is left for transformers to tie on load."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: t.contiguous() for k, t in state.items()
+               if not (k == "lm_head.weight" and hf_config.get("tie_word_embeddings"))}
+    tmp = out / (SINGLE + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / SINGLE)
+    config = dict(hf_config)
+    config["torch_dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    (out / CONFIG).write_text(json.dumps(config, indent=2))
+    return out
+
+
 def save_llama(state: dict[str, torch.Tensor], config: LlamaConfig, out_dir, dtype: torch.dtype | None = None,
                max_shard_bytes: int = 5 * 1024 ** 3) -> Path:
     """Write a HF Llama directory (config.json, safetensors shards and index) from bunsan's state dict."""
