@@ -254,3 +254,22 @@ def test_checkpoints_move_between_bunsan_llama_and_hf(tmp_path):
         convert(tmp_path / f"{arch}_run", tmp_path / f"{arch}_hf", to="hf")
         loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"{arch}_hf").eval()
         torch.testing.assert_close(_logits(loaded, ids), _logits(engine.module, ids), rtol=1e-5, atol=1e-5)
+
+
+def _train_zero_init(rank, world, cfg, batches):
+    import bunsan.deepspeed as deepspeed
+    with deepspeed.zero.Init():
+        model = tiny("llama")
+    assert all(p.is_meta for p in model.parameters())
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    engine = bunsan.initialize(model, cfg)
+    per = ROWS // world
+    losses = [engine.train_batch({k: v[rank * per:(rank + 1) * per] for k, v in b.items()}) for b in batches]
+    return losses, engine.consolidated_state_dict(), inv_freq
+
+
+def test_hf_model_built_under_zero_init(pools):
+    batches = data()
+    results = pools.run(2, _train_zero_init, 2, _cfg(3), batches)
+    _check([(r[0], r[1], None) for r in results], *reference("llama", batches))
+    torch.testing.assert_close(results[0][2], tiny("llama").model.rotary_emb.inv_freq)

@@ -32,7 +32,10 @@ def read_config(path) -> LlamaConfig:
                                 "(config.json + model.safetensors, or shards with model.safetensors.index.json)")
     data = json.loads(cfg.read_text())
     if data.get("model_type", "llama") != "llama":
-        raise ValueError(f"{cfg}: model_type {data['model_type']!r} is not a Llama; bunsan reads Llama checkpoints")
+        raise ValueError(f"{cfg}: model_type {data['model_type']!r} is not a Llama. bunsan train --init-from, "
+                         "generate and serve run bunsan's own Llama, so they read model_type 'llama' checkpoints "
+                         "(Llama 2/3, SmolLM, TinyLlama, ...); train any other transformers causal LM through the "
+                         "Python API: bunsan.initialize(AutoModelForCausalLM.from_pretrained(DIR), config)")
     return LlamaConfig.from_hf(data)
 
 

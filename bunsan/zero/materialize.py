@@ -22,7 +22,8 @@ def unit_full_weights(module: nn.Module, layout, k: int, params: list, names: li
     if meta and init is None:
         raise ValueError(f"{type(module).__name__} was built on the meta device (bunsan.zero.Init) but has no "
                          "init_parameter(name, tensor, seed) method to initialise it shard by shard; add one, "
-                         "or build the model normally")
+                         "or build it under bunsan.deepspeed.zero.Init() (any module, a transformers model "
+                         "included: built once in host memory by its own init, then each rank keeps its slice)")
     with torch.no_grad():
         for i in b.params:
             p = params[i]
