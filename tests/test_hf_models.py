@@ -273,3 +273,23 @@ def test_hf_model_built_under_zero_init(pools):
     results = pools.run(2, _train_zero_init, 2, _cfg(3), batches)
     _check([(r[0], r[1], None) for r in results], *reference("llama", batches))
     torch.testing.assert_close(results[0][2], tiny("llama").model.rotary_emb.inv_freq)
+
+
+def _load_pretrained(rank, world, cfg, path):
+    torch.manual_seed(99)                 # other weights than the directory's
+    model = tiny("llama")
+    for p in model.parameters():
+        torch.nn.init.normal_(p.data)
+    engine = bunsan.initialize(model, cfg)
+    engine.load_hf_weights(path)
+    return engine.consolidated_state_dict()
+
+
+@pytest.mark.parametrize("layout", ["zero3", "tp2"])
+def test_pretrained_weights_load_straight_into_shards(pools, tmp_path, layout):
+    source = tiny("llama")
+    source.save_pretrained(tmp_path)
+    cfg = _cfg(3) if layout == "zero3" else _tp_cfg(2, 2)
+    for state in pools.run(2, _load_pretrained, 2, cfg, str(tmp_path)):
+        for k, v in source.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)

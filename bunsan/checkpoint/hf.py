@@ -1,5 +1,6 @@
-"""A Hugging Face Llama directory into a running engine of any layout, each rank reading only its slices;
-and an engine (or a bunsan checkpoint) out to one."""
+"""A Hugging Face directory (a Llama for bunsan's Llama, or the weights of the transformers model being
+trained) into a running engine of any layout, each rank reading only its slices; and an engine (or a bunsan
+checkpoint) out to one."""
 
 from __future__ import annotations
 

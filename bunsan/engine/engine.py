@@ -341,6 +341,12 @@ class Engine:
         from bunsan.checkpoint import save_checkpoint
         return save_checkpoint(self, save_dir, tag, client_state, keep_last)
 
+    def load_hf_weights(self, path) -> None:
+        """A Hugging Face directory's weights (safetensors) into this engine, on any layout: every rank reads only
+        the slices it holds (tensor-parallel rows; ZeRO shards). Optimizer states stay fresh."""
+        from bunsan.checkpoint.hf import load_hf_into_engine
+        load_hf_into_engine(self, path)
+
     def load_checkpoint(self, load_dir, tag: str | None = None, load_optimizer_states: bool = True):
         """Every rank: (path, client_state). Any layout's checkpoint loads into this one."""
         from bunsan.checkpoint import load_checkpoint

@@ -53,10 +53,13 @@ class HFWeights:
             raise FileNotFoundError(f"{self.dir} has neither {SINGLE} nor {INDEX}; bunsan reads safetensors "
                                     "weights only (convert .bin files with transformers' save_pretrained first)")
         self._open: dict[str, object] = {}
-        self.tied = read_config(self.dir).tie_word_embeddings
+        config = json.loads((self.dir / CONFIG).read_text()) if (self.dir / CONFIG).is_file() else {}
+        self.tied = bool(config.get("tie_word_embeddings", False))
 
     def _key(self, name: str) -> str:
-        key = hf_key(name)
+        """The file's key of a parameter: its own name (a transformers model's), else bunsan's Llama name in
+        HF's spelling."""
+        key = name if name in self.where else hf_key(name)
         if key not in self.where and name == "lm_head.weight" and self.tied:
             key = hf_key("embed_tokens.weight")          # a tied head is often saved once, as the embedding
         if key not in self.where:
