@@ -130,7 +130,7 @@ def test_deepspeed_style_values():
     assert cfg.optimizer.type == "AdamW" and "adam_w_mode" not in cfg.optimizer.params
     assert "torch_adam" not in cfg.optimizer.params
     assert cfg.scheduler.type == "WarmupLR"
-    assert cfg.scheduler.params == {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000,
+    assert cfg.scheduler.params == {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000,
                                     "warmup_type": "log"}
     adam = Config.load({"optimizer": {"type": "ADAM", "params": {"adam_w_mode": False}}}).optimizer
     assert adam.type == "Adam" and adam.params == {}

@@ -20,22 +20,24 @@ def _schedule(kind, **params):
 
 
 def test_deepspeed_warmup_lr_formulas():
+    # DeepSpeed's iteration i is bunsan's step i + 1 (step 0 runs before its first scheduler step);
+    # tests/test_lr_schedule.py checks every step against a reference
     s = _schedule("WarmupLR", warmup_min_lr=0.0, warmup_max_lr=0.01, warmup_num_steps=10, warmup_type="log")
-    assert s(0, 1.0) == 0.0
-    assert s(4, 1.0) == pytest.approx(0.01 * math.log(5) / math.log(10))
-    assert s(10, 1.0) == s(50, 1.0) == pytest.approx(0.01)
+    assert s(0, 1.0) == s(1, 1.0) == 0.0
+    assert s(5, 1.0) == pytest.approx(0.01 * math.log(5) / math.log(10))
+    assert s(11, 1.0) == s(50, 1.0) == pytest.approx(0.01)
     lin = _schedule("WarmupLR", warmup_max_lr=0.01, warmup_num_steps=10, warmup_type="linear")
-    assert lin(5, 1.0) == pytest.approx(0.005)
+    assert lin(6, 1.0) == pytest.approx(0.005)
 
 
 def test_deepspeed_warmup_decay_and_cosine():
     d = _schedule("WarmupDecayLR", warmup_max_lr=0.01, warmup_num_steps=10, total_num_steps=110,
                   warmup_type="linear")
-    assert d(60, 1.0) == pytest.approx(0.01 * 50 / 100) and d(110, 1.0) == 0.0
+    assert d(61, 1.0) == pytest.approx(0.01 * 50 / 100) and d(111, 1.0) == 0.0
     c = _schedule("WarmupCosineLR", total_num_steps=110, warmup_num_steps=10, warmup_type="linear",
                   cos_min_ratio=0.1)
-    assert c(5, 2.0) == pytest.approx(1.0)                       # half-way through a linear warm-up
-    assert c(109, 2.0) == pytest.approx(2.0 * (0.1 + 0.9 * (1 + math.cos(math.pi * 100 / 100)) / 2))
+    assert c(6, 2.0) == pytest.approx(1.0)                       # half-way through a linear warm-up
+    assert c(110, 2.0) == pytest.approx(2.0 * (0.1 + 0.9 * (1 + math.cos(math.pi * 100 / 100)) / 2))
 
 
 def test_bunsan_schedules_use_train_steps_as_the_horizon():

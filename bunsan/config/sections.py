@@ -150,11 +150,12 @@ class Optimizer(Section):
         return {**data, "type": canon, "params": params}
 
 
-_WARMUP = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log"}
+# DeepSpeed 0.19's defaults: WarmupLR's warmup_max_lr None is the optimizer's lr, WarmupDecayLR's is 0.001
+_WARMUP = {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000, "warmup_type": "log"}
 _OWN = {"warmup_steps": 0, "total_steps": None, "min_lr_ratio": 0.1}  # total_steps None -> train.steps
 SCHEDULERS: dict[str, dict[str, Any]] = {  # type -> params and defaults; ... = required
     "WarmupLR": _WARMUP,
-    "WarmupDecayLR": {**_WARMUP, "total_num_steps": ...},
+    "WarmupDecayLR": {**_WARMUP, "warmup_max_lr": 0.001, "total_num_steps": ...},
     "WarmupCosineLR": {"total_num_steps": ..., "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
                        "cos_min_ratio": 0.0001, "warmup_type": "log"},
     "constant": {},
@@ -168,12 +169,12 @@ def _check_schedule_value(k: str, v: Any) -> tuple[Any, str | None]:
     if k == "warmup_type":
         ok = isinstance(v, str) and v.lower() in ("log", "linear")
         return (v.lower() if ok else v), None if ok else f"must be 'log' or 'linear', got {show(v)}; set it to 'log' or 'linear'"
-    if v is None and k == "total_steps":
+    if v is None and k in ("total_steps", "warmup_max_lr"):
         return v, None
     if not _finite(v):
         return v, f"expected a finite number, got {show(v)}; set it to a number"
     if k.endswith("_steps"):
-        low = 1 if k.startswith("total") else 0
+        low = 0 if k == "warmup_steps" else 1   # DeepSpeed refuses warmup_num_steps 0
         if not float(v).is_integer() or v < low:
             return v, f"must be a whole number >= {low}, got {show(v)}; set it to a step count >= {low}"
         return int(v), None
@@ -208,6 +209,11 @@ class Scheduler(Section):
                                 f"set it to one of {', '.join(SCHEDULERS)}"))
         spec, out, problems = SCHEDULERS[canon], {}, []
         for k, v in params.items():
+            if k == "last_batch_iteration" and canon.startswith("Warmup"):   # DeepSpeed's resume point
+                if v != -1 or isinstance(v, bool):
+                    problems.append((f"params.{k}", f"{show(v)}: bunsan's schedule follows the engine's step "
+                                                    "counter, which checkpoints restore; remove it (or set -1)"))
+                continue
             if k not in spec:
                 problems.append((f"params.{k}", f"scheduler {canon} has no parameter '{k}' ({suggest(k, spec)})"))
                 continue

@@ -9,7 +9,8 @@ import math
 
 
 class LRSchedule:
-    """lr for optimizer step `step` (0-based) of a param group whose configured lr is `base_lr`."""
+    """lr for optimizer step `step` of a param group whose configured lr is `base_lr`; `step` counts the
+    optimizer steps applied before this one (0 for the first; a skipped, overflowing step does not count)."""
 
     def __init__(self, sched_cfg, total_steps: int | None = None):
         self.type = (sched_cfg.type if sched_cfg is not None else "constant")
@@ -32,39 +33,57 @@ class LRSchedule:
             raise ValueError(f"scheduler {self.type} needs scheduler.params.{key}; set it (or train.steps)")
         return int(total)
 
-    # DeepSpeed: warm-up gamma, log or linear, reaching 1 at warmup_num_steps.
-    def _gamma(self, step: int) -> float:
-        n = max(2, int(self.p.get("warmup_num_steps", 1000)))
-        if step >= n:
-            return 1.0
-        if self.p.get("warmup_type", "log") == "log":
-            return math.log(step + 1) / math.log(n)
-        return step / n
-
     @staticmethod
     def _constant(step, base_lr):
         return base_lr
 
+    # -- DeepSpeed's schedules ------------------------------------------------------------------
+    # DeepSpeed builds its scheduler at last_batch_iteration -1, and __init__ writes that iteration's lr
+    # (warmup_min_lr; 0 for WarmupCosineLR) into the optimizer without stepping; its engine calls
+    # scheduler.step() only after each applied optimizer step. So its optimizer step k runs with the lr of
+    # iteration k - 1: a linear warm-up spends its first two steps at warmup_min_lr.
+
+    def _warmup_steps(self) -> int:
+        return max(2, int(self.p.get("warmup_num_steps", 1000)))   # DeepSpeed's clamp: log(1) would divide by 0
+
+    def _gamma(self, it: int) -> float:
+        """Warm-up progress at DeepSpeed iteration `it` (>= 0), log or linear; 1 once warmed up."""
+        n = self._warmup_steps()
+        if it >= n:
+            return 1.0
+        if self.p.get("warmup_type", "log") == "log":
+            return math.log(it + 1) / math.log(n)
+        return it / n
+
+    def _bounds(self, base_lr) -> tuple[float, float]:
+        hi = self.p.get("warmup_max_lr")
+        return self.p.get("warmup_min_lr", 0.0), base_lr if hi is None else hi   # None: the optimizer's lr
+
     def _warmup_lr(self, step, base_lr):
-        lo, hi = self.p.get("warmup_min_lr", 0.0), self.p.get("warmup_max_lr", 0.001)
-        return lo + (hi - lo) * self._gamma(step)
+        lo, hi = self._bounds(base_lr)
+        it = step - 1
+        return lo if it < 0 else lo + (hi - lo) * self._gamma(it)
 
     def _warmup_decay(self, step, base_lr):
-        n, total = max(2, int(self.p.get("warmup_num_steps", 1000))), self._total("total_num_steps")
-        if step < n:
+        n, total, it = self._warmup_steps(), self._total("total_num_steps"), step - 1
+        if it < n:
             return self._warmup_lr(step, base_lr)
-        lo, hi = self.p.get("warmup_min_lr", 0.0), self.p.get("warmup_max_lr", 0.001)
-        return lo + (hi - lo) * max(0.0, (total - step) / max(1.0, total - n))
+        lo, hi = self._bounds(base_lr)
+        return lo + (hi - lo) * max(0.0, (total - it) / max(1.0, total - n))
 
     def _warmup_cosine_ds(self, step, base_lr):
-        n, total = max(2, int(self.p.get("warmup_num_steps", 1000))), self._total("total_num_steps")
-        if step < n:
+        n, total, it = self._warmup_steps(), self._total("total_num_steps"), step - 1
+        if it < 0:
+            return 0.0   # DeepSpeed's lr before its first scheduler step, whatever warmup_min_ratio is
+        if it < n:
             lo = self.p.get("warmup_min_ratio", 0.0)
-            return base_lr * (lo + self._gamma(step) * (1.0 - lo))
+            return base_lr * (lo + self._gamma(it) * (1.0 - lo))
         cmin = self.p.get("cos_min_ratio", 0.0001)
-        ratio = (1 + math.cos(math.pi * (step - n + 1) / max(1, total - n))) / 2
+        progress = min(1.0, (it - n + 1) / max(1, total - n))   # held at the floor past total_num_steps
+        ratio = (1 + math.cos(math.pi * progress)) / 2
         return base_lr * max(0.0, cmin + (1.0 - cmin) * ratio)
 
+    # -- bunsan's schedules: step 0 is the first warm-up step ------------------------------------
     def _decay_fraction(self, step) -> float | None:
         """None during warm-up, else how far through the decay phase we are (0..1)."""
         warm, total = int(self.p.get("warmup_steps", 0)), self._total("total_steps")
