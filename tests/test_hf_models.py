@@ -130,8 +130,8 @@ def _train_tp(rank, world, arch, cfg, batches):
     return losses, engine.consolidated_state_dict(), swapped
 
 
-@pytest.mark.parametrize("arch,sp", [("llama", False), ("qwen2", False), ("llama", True), ("qwen2", True),
-                                     ("mistral", True)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
 def test_hf_plan_tensor_parallel_matches_the_hf_loop(pools, arch, sp):
     batches = data()
     results = pools.run(2, _train_tp, 2, arch, _tp_cfg(2, 2, sp), batches)
@@ -141,10 +141,11 @@ def test_hf_plan_tensor_parallel_matches_the_hf_loop(pools, arch, sp):
                              "VocabParallelHead"]
 
 
-def test_hf_plan_tp2_x_dp2(pools):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_hf_plan_tp2_x_dp2(pools, arch):
     batches = data()
-    results = pools.run(4, _train_tp, 4, "qwen2", _tp_cfg(2, 4), batches)
-    _check([(r[0], r[1], None) for r in results], *reference("qwen2", batches))
+    results = pools.run(4, _train_tp, 4, arch, _tp_cfg(2, 4), batches)
+    _check([(r[0], r[1], None) for r in results], *reference(arch, batches))
 
 
 def test_tp_plan_guards():
@@ -170,7 +171,7 @@ def _train_pp(rank, world, arch, cfg, batches):
     return losses, engine.consolidated_state_dict(), sorted(n for n, _ in engine.module.named_parameters())
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_hf_decoder_pipeline_matches_the_hf_loop(pools, arch):
     batches = data()
     cfg = {**_cfg(0, ga=2), "pipeline": {"stages": 2}}
