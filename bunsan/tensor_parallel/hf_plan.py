@@ -13,8 +13,10 @@ from __future__ import annotations
 import torch.nn as nn
 
 # HF style -> bunsan style, for the styles whose meaning bunsan's layers reproduce exactly
-HF_STYLES = {"colwise": "column", "rowwise": "row", "embedding_rowwise": "vocab_embedding",
-             "sequence_parallel": "norm", "replicated_with_grad_allreduce": "norm"}
+HF_STYLES = {"colwise": "column", "colwise_rep": "column_gather", "colwise_gather_output": "column_gather",
+             "rowwise": "row", "rowwise_rep": "row_split_input", "rowwise_split_input": "row_split_input",
+             "embedding_rowwise": "vocab_embedding", "sequence_parallel": "norm",
+             "replicated_with_grad_allreduce": "norm"}
 HEAD_STYLES = ("colwise_gather_output", "colwise_rep")   # a head whose logits HF gathers: bunsan's vocab_head
 
 
@@ -45,7 +47,7 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
     plan = {f"{prefix}{path}": _translated(path, style, False) for path, style in base_plan.items()}
     plan |= {path: _translated(path, style, True) for path, style in head_plan.items()}
     for path, style in list(plan.items()):
-        if style == "column":   # the module that calls q/k/v (gate/up) receives the block's input
+        if style in ("column", "column_gather"):   # the module that calls q/k/v (gate/up) gets the block's input
             plan.setdefault(path.rpartition(".")[0], "parallel_input")
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embed is not None and "vocab_head" in plan.values():

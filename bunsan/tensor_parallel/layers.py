@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bunsan.tensor_parallel.ops import (RegionLinear, SplitSeq, TPContext, into_parallel_region, out_of_parallel_region, region_of, sum_over_tp)
+from bunsan.tensor_parallel.ops import (GatherLast, RegionLinear, SplitLast, SplitSeq, TPContext, into_parallel_region, out_of_parallel_region, region_of, sum_over_tp)
 
 
 def split_rows(w: torch.Tensor, tp: int, rank: int, pad_to: int | None = None) -> torch.Tensor:
@@ -61,9 +61,10 @@ class ColumnParallelLinear(nn.Module):
     """A block of output rows (and of the bias); its input must already be in the parallel region (the
     plan's parallel_input), else its input gradient would miss the other ranks' parts."""
 
-    def __init__(self, linear: nn.Linear, ctx: TPContext, check_input: bool = True):
+    def __init__(self, linear: nn.Linear, ctx: TPContext, check_input: bool = True, gather_output: bool = False):
         super().__init__()
         check_splittable(linear, "column")
+        self.ctx, self.gather_output = ctx, gather_output    # gather_output: every rank gets the whole output
         self.tp_style, self.tp_dim, self.full_shape = "column", 0, tuple(linear.weight.shape)
         self.tp_split = {"weight": (self.full_shape, 0)}
         self.check_input = check_input
@@ -81,16 +82,18 @@ class ColumnParallelLinear(nn.Module):
                                "gradient would be this rank's part only; mark the module that receives the "
                                "block's input (the attention or MLP) 'parallel_input' in the plan")
         y = region_linear(x, self.weight)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return GatherLast.apply(self.ctx, y) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
     """A block of input columns; the partial outputs are summed over the tensor-parallel group, then the
     (whole) bias is added once."""
 
-    def __init__(self, linear: nn.Linear, ctx: TPContext):
+    def __init__(self, linear: nn.Linear, ctx: TPContext, split_input: bool = False):
         super().__init__()
         check_splittable(linear, "row")
+        self.split_input = split_input      # its input comes whole: each rank takes its columns first
         self.ctx, self.tp_style, self.tp_dim, self.full_shape = ctx, "row", 1, tuple(linear.weight.shape)
         self.tp_split = {"weight": (self.full_shape, 1)}
         w = linear.weight.detach()
@@ -103,6 +106,8 @@ class RowParallelLinear(nn.Module):
                 sum_grad_over_tp(self.bias, ctx)
 
     def forward(self, x):
+        if self.split_input:
+            x = SplitLast.apply(self.ctx, x)
         y = out_of_parallel_region(self.ctx, F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 

@@ -217,6 +217,49 @@ class SplitSeq(torch.autograd.Function):
         return None, _gather_seq(fctx.ctx, grad.contiguous())
 
 
+def _gather_last(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
+    """[..., n/tp] -> [..., n] (rank order along the last dimension)."""
+    shard = x.movedim(-1, 0).contiguous()
+    out = torch.empty((shard.shape[0] * ctx.size, *shard.shape[1:]), dtype=x.dtype, device=x.device)
+    ctx.comm.all_gather(out, shard, ctx.group)
+    return out.movedim(0, -1)
+
+
+def _local_last(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1] // ctx.size
+    return x[..., ctx.rank * n:(ctx.rank + 1) * n].contiguous()
+
+
+class GatherLast(torch.autograd.Function):
+    """A column layer's output slices made whole on every rank (forward all-gather, backward this rank's
+    slice of the gradient: every rank computes the same whole-output gradient)."""
+
+    @staticmethod
+    def forward(fctx, ctx, x):
+        fctx.ctx = ctx
+        return _gather_last(ctx, x)
+
+    @staticmethod
+    def backward(fctx, grad):
+        return None, _local_last(fctx.ctx, grad)
+
+
+class SplitLast(torch.autograd.Function):
+    """A whole input cut to this rank's columns for a row layer (forward a slice, backward the slices'
+    gradients all-gathered)."""
+
+    @staticmethod
+    def forward(fctx, ctx, x):
+        fctx.ctx = ctx
+        if x.shape[-1] % ctx.size:
+            raise ValueError(f"a row layer's input of {x.shape[-1]} features does not split over {ctx.size} ranks")
+        return _local_last(ctx, x)
+
+    @staticmethod
+    def backward(fctx, grad):
+        return None, _gather_last(fctx.ctx, grad)
+
+
 def sum_over_tp(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
     """g (forward all-reduce, backward identity) whatever sequence parallelism says: an output every rank
     needs whole."""

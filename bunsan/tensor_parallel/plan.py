@@ -2,7 +2,9 @@
 
 Styles:
     column          nn.Linear -> ColumnParallelLinear (output rows split)
+    column_gather   the same, its output all-gathered: whole on every rank
     row             nn.Linear -> RowParallelLinear (input columns split, outputs summed)
+    row_split_input the same, fed a whole input (each rank takes its columns)
     parallel_input  any module: its input enters the parallel region once (f / SP all-gather)
     vocab_embedding nn.Embedding -> VocabParallelEmbedding
     vocab_embedding_whole   the same, its output the whole sequence under SP (split later, at sequence_split)
@@ -95,7 +97,7 @@ def _split_lora(name: str, m: nn.Module, style: str, ctx: TPContext) -> None:
                 sum_grad_over_tp(m.lora_B[key].weight, ctx)
 
 
-STYLES = ("column", "row", "parallel_input", "vocab_embedding", "vocab_embedding_whole", "sequence_split",
+STYLES = ("column", "column_gather", "row", "row_split_input", "parallel_input", "vocab_embedding", "vocab_embedding_whole", "sequence_split",
           "vocab_head", "norm")
 
 
@@ -148,14 +150,14 @@ def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | str | N
     for name, m, style in matched:
         if style in ("column", "row") and hasattr(m, "base_layer") and hasattr(m, "lora_A"):
             _split_lora(name, m, style, ctx)
-        elif style == "column":
+        elif style in ("column", "column_gather"):
             check_splittable(m, style)
             _check_divisible(name, "output features", m.out_features, ctx.size, "change tensor_parallel.size")
-            _set(model, name, ColumnParallelLinear(m, ctx))
-        elif style == "row":
+            _set(model, name, ColumnParallelLinear(m, ctx, gather_output=style == "column_gather"))
+        elif style in ("row", "row_split_input"):
             check_splittable(m, style)
             _check_divisible(name, "input features", m.in_features, ctx.size, "change tensor_parallel.size")
-            _set(model, name, RowParallelLinear(m, ctx))
+            _set(model, name, RowParallelLinear(m, ctx, split_input=style == "row_split_input"))
         elif style == "parallel_input":
             m.register_forward_pre_hook(parallel_input_hook(ctx), with_kwargs=True)
         elif style == "sequence_split" and ctx.sequence_parallel:
