@@ -29,14 +29,15 @@ def _port() -> int:
 
 
 class Server:
-    def __init__(self, model, slots=3, context=96, **limits):
+    def __init__(self, model, slots=3, context=96, grace_s=0.0, **limits):
         from bunsan.training.data import load_tokenizer
         from bunsan.serve import Batcher, Limits, build_app
+        from bunsan.serve.server import Server as Uvicorn
         self.tokenizer = load_tokenizer(None)
         self.batcher = Batcher(model, slots, context)
-        app = build_app(self.batcher, self.tokenizer, "tiny", Limits(**limits))
+        self.app = build_app(self.batcher, self.tokenizer, "tiny", Limits(**limits))
         self.port = _port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = Uvicorn(self.app, port=self.port, grace_s=grace_s)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 20
@@ -114,7 +115,7 @@ def test_a_stop_string_ends_the_completion_before_it(server, model):
 def test_no_part_of_a_stop_string_is_ever_sent():
     """A stop string spread over tokens: its first characters wait until it is clear whether it completes."""
     from bunsan.training.data import load_tokenizer
-    from bunsan.serve.app import TextStream
+    from bunsan.serve.text import TextStream
     tok = load_tokenizer(None)                        # one byte, one token: every stop string spans tokens
     t = TextStream(tok, ["\n\n"])
     assert "".join(t.add(i) for i in tok.encode("Hi\nthere\n\nmore")) == "Hi\nthere" and t.stopped
@@ -126,7 +127,7 @@ def test_text_decodes_incrementally_and_keeps_multibyte_characters_whole():
     """Deltas add up to the whole text (characters spelled over several byte tokens included), and each token
     decodes only the ids since the last whole character: linear, not quadratic, work."""
     from bunsan.training.data import load_tokenizer
-    from bunsan.serve.app import TextStream
+    from bunsan.serve.text import TextStream
     tok = load_tokenizer(None)
     decoded = [0]
 
