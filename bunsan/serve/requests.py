@@ -302,7 +302,7 @@ def chat_messages(messages: list[Message]) -> list[dict]:
         text = "".join(p if isinstance(p, str) else p.text for p in parts)
         message = {"role": "system" if m.role == "developer" else m.role,
                    "content": check_text(text, f"messages[{i}].content")}
-        if m.name is not None:
+        if getattr(m, "name", None) is not None:
             message["name"] = check_text(m.name, f"messages[{i}].name")
         out.append(message)
     return out
