@@ -71,7 +71,8 @@ class Service:
         alive = self.alive() and not self.closing
         return JSONResponse({"status": "ok" if alive else "stopped", "model": self.model_name, "active": active,
                              "waiting": waiting, "slots": len(self.batcher.cache.lengths),
-                             "context": self.context}, status_code=200 if alive else 503)
+                             "context": self.context, "decode_steps": self.batcher.steps,
+                             "prefix_tokens_reused": self.batcher.reused_tokens}, status_code=200 if alive else 503)
 
     async def drain(self, grace_s: float) -> None:
         """Shut down within `grace_s`: new requests get 503 at once; running ones may finish for `grace_s`
