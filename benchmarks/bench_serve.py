@@ -23,7 +23,6 @@ import multiprocessing
 import os
 import platform
 import shlex
-import statistics
 import subprocess
 import sys
 import time
