@@ -275,3 +275,19 @@ def test_tensor_parallel_serving_and_a_dead_rank(tmp_path, model):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_slots_auto_fill_the_kv_cache_budget_and_print_its_size(model):
+    import argparse
+
+    from bunsan.cli.serve import slot_count
+    from bunsan.serve.slots import SlotCache, slot_bytes
+    per_slot = slot_bytes(model.config, 96, None, torch.float32)
+    assert per_slot * 5 == SlotCache(model, 5, 96).nbytes
+    args = argparse.Namespace(slots="auto", kv_cache_memory=str(10 * per_slot + 5), max_concurrent=64)
+    slots, line = slot_count(args, model, 96, None)
+    assert slots == 10 and line.startswith("KV cache 10 slots x 96 tokens = ") and "(--kv-cache-memory)" in line
+    args.max_concurrent = 4
+    assert slot_count(args, model, 96, None)[0] == 4                     # never more than can be open
+    args.slots = 3
+    assert slot_count(args, model, 96, None)[0] == 3
