@@ -9,6 +9,7 @@ top_k 40, top_p 0.9); the options about Ollama's own runtime (num_ctx, num_gpu, 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -181,11 +182,14 @@ class OllamaRoutes:
         if gen.stream:
             return StreamingResponse(self.lines(job, body.model, field), media_type="application/x-ndjson",
                                      background=BackgroundTask(job.close))
-        text = []
+        text, watcher = [], asyncio.create_task(job.watch(http))      # a client that leaves cancels it
         try:
             async for _, kind, value in job.events():
-                text.append(value)
+                if kind == "gone":
+                    return Response(status_code=499)
+                text.append(value or "")
         finally:
+            watcher.cancel()
             job.close()
         if job.error():
             return ApiError(503 if "shutting down" in job.error() else 500, job.error()).ollama_response()
