@@ -9,6 +9,7 @@ shortened), so an error can always be encoded, whatever bytes or surrogates the 
 from __future__ import annotations
 
 import logging
+import re
 
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -48,17 +49,28 @@ class ApiError(Exception):
         return JSONResponse({"error": self.message}, status_code=self.status)
 
 
-def explain(e: ValidationError, prefix: str = "") -> ApiError:
-    """A 400 naming every field pydantic refused, where it is, why, and what was sent."""
-    parts, first = [], None
+UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")   # pydantic's union branches
+
+
+def explain(e: ValidationError) -> ApiError:
+    """A 400 naming every field pydantic refused, where it is, why, and what was sent (a field of several
+    allowed types says them all in one part)."""
+    reasons: dict[str, list[str]] = {}
+    sent: dict[str, object] = {}
     for err in e.errors():
-        where = prefix + ".".join(str(x) for x in err["loc"]) or "body"
-        first = first or where
+        where = ".".join(str(x) for x in err["loc"] if not UNION_TAG.match(str(x))) or "body"
         if err["type"] == "extra_forbidden":
-            parts.append(f"{where}: not a parameter this server knows; remove it")
+            rule = "not a parameter this server knows; remove it"
+        elif err["msg"].startswith("Input should be "):
+            rule = "should be " + err["msg"].removeprefix("Input should be ")
         else:
-            parts.append(f"{where}: {err['msg']} (got {shown(err.get('input'))})")
-    return ApiError(400, "; ".join(parts), param=first)
+            rule = err["msg"]
+        reasons.setdefault(where, []).append(rule)
+        sent.setdefault(where, err.get("input"))
+    parts = [f"{where}: {' or '.join(dict.fromkeys(rules))}" +
+             ("" if rules[0].startswith("not a parameter") else f" (got {shown(sent[where])})")
+             for where, rules in reasons.items()]
+    return ApiError(400, "; ".join(parts), param=next(iter(reasons)))
 
 
 async def http_error(request: HTTPRequest, exc: HTTPException) -> JSONResponse:

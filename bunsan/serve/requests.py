@@ -209,7 +209,7 @@ def fit_context(gen: Generation, asked: int | None, limits: Limits, context: int
 
 
 class CompletionBody(SamplingFields):
-    prompt: str | list = Field(min_length=1)
+    prompt: str | list
     max_tokens: int | None = Field(16, ge=0)          # 0 only with echo: score the prompt, generate nothing
     echo: bool | None = False
     logprobs: int | None = Field(None, ge=0)
@@ -219,16 +219,24 @@ class CompletionBody(SamplingFields):
 def prompt_ids(prompt, tokenizer, vocab: int) -> list[list[int]]:
     """`prompt` as token ids: a string, a list of strings, a list of token ids, or a list of such lists."""
     def tokens(ids: list, where: str) -> list[int]:
-        bad = next((x for x in ids if type(x) is not int or not 0 <= x < vocab), None) if ids else "empty"
+        if not ids:
+            raise ApiError(400, f"{where} is empty; send some token ids", param="prompt")
+        bad = next((x for x in ids if type(x) is not int or not 0 <= x < vocab), None)
         if bad is not None:
-            raise ApiError(400, f"{where} must be a non-empty list of token ids in 0..{vocab - 1}, got "
-                                f"{shown(bad)}", param="prompt")
+            raise ApiError(400, f"{where} holds {shown(bad)}; token ids are integers in 0..{vocab - 1}",
+                           param="prompt")
         return ids
 
+    if prompt in ("", []):
+        raise ApiError(400, "prompt is empty; send some text or token ids", param="prompt")
     if isinstance(prompt, str):
         prompt = [prompt]
     if all(type(x) is int for x in prompt):
         return [tokens(prompt, "prompt")]
+    if any(type(x) is int for x in prompt):
+        odd = next(x for x in prompt if type(x) is not int)
+        raise ApiError(400, f"prompt mixes token ids with {shown(odd)}; send token ids only, or strings only",
+                       param="prompt")
     out = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):
@@ -264,14 +272,9 @@ def completion_request(body: dict, limits: Limits, tokenizer, vocab: int, contex
     return gen
 
 
-class TextPart(Strict):
-    type: str
-    text: str
-
-
 class Message(Strict):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[dict] | None = None     # text, or content parts (only {"type": "text", "text": ...})
     name: str | None = None
 
 
@@ -296,10 +299,11 @@ def chat_messages(messages: list[Message]) -> list[dict]:
                                 "not supported)", param=f"messages[{i}].role")
         parts = [m.content] if isinstance(m.content, str) else m.content or []
         for j, part in enumerate(parts):
-            if not isinstance(part, str) and part.type != "text":
-                raise ApiError(400, f"messages[{i}].content[{j}] is of type {shown(part.type)}; only text is "
-                                    "supported", param=f"messages[{i}].content")
-        text = "".join(p if isinstance(p, str) else p.text for p in parts)
+            if not isinstance(part, str) and (part.get("type") != "text" or set(part) != {"type", "text"}
+                                              or not isinstance(part["text"], str)):
+                raise ApiError(400, f"messages[{i}].content[{j}] is {shown(part)}; only text parts, "
+                                    '{"type": "text", "text": "..."}, are supported', param=f"messages[{i}].content")
+        text = "".join(p if isinstance(p, str) else p["text"] for p in parts)
         message = {"role": "system" if m.role == "developer" else m.role,
                    "content": check_text(text, f"messages[{i}].content")}
         if getattr(m, "name", None) is not None:
