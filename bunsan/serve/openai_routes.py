@@ -79,13 +79,15 @@ class OpenAIRoutes:
     async def _answer(self, http: HTTPRequest, parse, fmt_type) -> Response:
         s = self.service
         try:
-            gen = parse(await read_json(http, s.body_limits))
+            body = await read_json(http, s.body_limits)
+            asked = body.get("model")                 # answered under the name asked for (one served)
+            gen = parse(body)
             job = s.start(gen, fmt_type.prefix)
         except ClientGone:
             return Response(status_code=499)
         except ApiError as e:
             return e.response()
-        fmt = fmt_type(job, s.tokenizer, s.model_name)
+        fmt = fmt_type(job, s.tokenizer, asked if isinstance(asked, str) else s.model_name)
         if gen.stream:
             return StreamingResponse(stream_events(job, fmt), media_type="text/event-stream",
                                      background=BackgroundTask(job.close))   # even if never iterated
