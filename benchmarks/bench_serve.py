@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     clients = [int(c) for c in a.clients.split(",")]
     contenders = a.contenders.split(",")
-    rows = []
+    load_before, rows = os.getloadavg()[0], []
     if "reuse" in contenders:
         rows += bunsan_rows(clients, a.requests_per_client, a.max_tokens, True)
     if "noreuse" in contenders:
@@ -211,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"## Serving: bunsan serve vs transformers ({a.max_tokens} new tokens, 256-token shared prefix)", "",
              f"- date: {now}", f"- commit: {commit()}", f"- machine: {machine()}",
-             f"- command: `python {shlex.join(sys.argv)}`", "",
+             f"- command: `python {shlex.join(sys.argv)}`",
+             f"- load average (1 min) before and after: {load_before:.1f}, {os.getloadavg()[0]:.1f} (a shared machine: "
+             "other tenants' work slows every contender)", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     print("\n".join(lines))
