@@ -1,26 +1,41 @@
-"""`bunsan serve` under load: requests/s and tokens/s at 1, 4 and 16 concurrent clients (continuous batching),
-next to one process generating the same requests one after another (no server, no batching).
+"""`bunsan serve` under load: tokens/s and time to first token (p50/p99) at 1, 4, 16 and 64 concurrent
+clients, prefix reuse on and off, next to transformers' generation loop on the same requests (static batches
+of as many requests as there are clients).
 
-    python benchmarks/bench_serve.py [--requests 32] [--max-tokens 32] [--slots 16]
+    python benchmarks/bench_serve.py [--requests-per-client 2] [--max-tokens 32] [--clients 1,4,16,64]
+                                     [--markdown benchmarks/RESULTS.md]
 
 The model is a random bunsan Llama with a byte vocabulary (hidden 512, 8 layers, GQA 8/4, 23.5M parameters),
-served on loopback by uvicorn in this process; clients are threads with httpx. Greedy, fp32.
+greedy, fp32. Every prompt is a shared 256-token prefix (a system prompt) and a distinct tail; tokens at and
+above 128 get a logit bias of -100, so every token is a whole character and the first streamed chunk is the
+first token. The server runs in a process of its own (`--slots` = the most clients, so no request waits for
+a slot); the clients are threads of this process, each sending its requests one after another, streamed,
+timing the first chunk. transformers: LlamaForCausalLM with the same weights, `generate` on left-padded
+batches, the first token timed by a logits processor.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import multiprocessing
+import os
 import platform
-import socket
-import statistics
-import threading
+import shlex
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 SHAPE = dict(vocab_size=256, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=512)
-PROMPTS = ["def main(argv):", "import numpy as np\n", "class Config:", "for line in open(path):", "# TODO:",
-           "return {", "while True:", "x = "]
+CONTEXT = 512
+SHARED = ("You are a careful Python assistant. Answer with code only, no prose. " * 4)[:256]
+TAILS = ["def main(argv):", "import numpy as np\n", "class Config:", "for line in open(path):", "# TODO:",
+         "return {", "while True:", "x = "]
+ASCII_ONLY = {str(i): -100.0 for i in range(128, 256)}
 
 
 def _model():
@@ -31,78 +46,182 @@ def _model():
     return Llama(LlamaConfig(**SHAPE)).eval()
 
 
-def _serve(model, slots):
-    import uvicorn
+def _prompt(i: int) -> str:
+    return SHARED + f"[{i}] " + TAILS[i % len(TAILS)]
 
-    from bunsan.training.data import load_tokenizer
+
+def _serve(port: int, slots: int, prefix_reuse: bool, max_tokens: int) -> None:
+    """The server's process."""
     from bunsan.serve import Batcher, Limits, build_app
-    batcher = Batcher(model, slots, 256)
-    app = build_app(batcher, load_tokenizer(None), "bench", Limits(max_concurrent=1024))
+    from bunsan.serve.server import Server
+    from bunsan.training.data import load_tokenizer
+    batcher = Batcher(_model(), slots, CONTEXT, prefix_reuse=prefix_reuse)
+    app = build_app(batcher, load_tokenizer(None), "bench", Limits(max_concurrent=1024, max_tokens=max_tokens))
+    Server(app, port=port, grace_s=0.0).run()
+
+
+def _free_port() -> int:
+    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    return server, batcher, f"http://127.0.0.1:{port}/v1/completions"
+        return s.getsockname()[1]
 
 
-def _load(url, clients, n, max_tokens):
+def _one(url: str, i: int, max_tokens: int) -> tuple[float, int, float]:
+    """(time to first token, tokens, total time) of one streamed completion."""
     import httpx
-
-    def one(i):
-        t = time.perf_counter()
-        r = httpx.post(url, json={"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens,
-                                  "temperature": 0}, timeout=600)
+    body = {"prompt": _prompt(i), "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "logit_bias": ASCII_ONLY}
+    start, first, tokens = time.perf_counter(), None, 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
-        return r.json()["usage"]["completion_tokens"], time.perf_counter() - t
-    start = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        done = list(pool.map(one, range(n)))
-    wall = time.perf_counter() - start
-    return n / wall, sum(k for k, _ in done) / wall, statistics.median(t for _, t in done)
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and first is None:
+                first = time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return first, tokens, time.perf_counter() - start
 
 
-def _sequential(model, n, max_tokens):
+def _p(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def bunsan_rows(clients: list[int], per_client: int, max_tokens: int, prefix_reuse: bool) -> list[list[str]]:
+    import httpx
+    port = _free_port()
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_serve, args=(port, max(clients), prefix_reuse, max_tokens), daemon=True)
+    proc.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline and proc.is_alive(), "the server did not start"
+        time.sleep(0.3)
+    rows = []
+    try:
+        _one(url, 0, 4)                                              # warm-up
+        for c in clients:
+            start = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                done = list(pool.map(lambda k: [_one(url, k * per_client + j, max_tokens)
+                                                for j in range(per_client)], range(c)))
+            wall = time.perf_counter() - start
+            runs = [x for client in done for x in client]
+            health = httpx.get(url + "/health", timeout=10).json()
+            ttft = [t for t, _, _ in runs]
+            rows.append([f"bunsan serve, prefix reuse {'on' if prefix_reuse else 'off'}", str(c), str(len(runs)),
+                         f"{sum(k for _, k, _ in runs) / wall:.1f}", f"{_p(ttft, 0.5):.3f}", f"{_p(ttft, 0.99):.3f}",
+                         f"{health.get('prefix_tokens_reused', 0)} reused so far"])
+    finally:
+        proc.terminate()
+        proc.join(20)
+    return rows
+
+
+def transformers_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path) -> list[list[str]]:
     import torch
+    from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
+    from bunsan.models.hf import save_llama
     from bunsan.training.data import load_tokenizer
-    from bunsan.models import generate
-    tok = load_tokenizer(None)
-    start, made = time.perf_counter(), 0
-    for i in range(n):
-        ids = torch.tensor([tok.encode(PROMPTS[i % len(PROMPTS)])])
-        made += generate(model, ids, max_tokens).shape[1] - ids.shape[1]
-    wall = time.perf_counter() - start
-    return n / wall, made / wall, wall / n
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--slots", type=int, default=16)
-    a = ap.parse_args()
-    import torch
     model = _model()
-    print(f"# bench_serve {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()}, {torch.get_num_threads()} threads, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {a.requests} requests x "
-          f"{a.max_tokens} tokens, {a.slots} slots, greedy fp32")
-    _sequential(model, 2, 4)                                                    # warm-up
-    rows = [("one process, requests one after another (no server)", *_sequential(model, a.requests, a.max_tokens))]
-    server, batcher, url = _serve(model, a.slots)
-    _load(url, 2, 2, 4)                                                         # warm-up
-    for clients in (1, 4, 16):
-        before = batcher.steps
-        rps, tps, lat = _load(url, clients, a.requests, a.max_tokens)
-        rows.append((f"bunsan serve, {clients} concurrent client(s)", rps, tps, lat,
-                     f"{batcher.steps - before} decode steps"))
-    server.should_exit = True
-    print("| contender | requests/s | tokens/s | median latency s | note |\n|---|---|---|---|---|")
-    for name, rps, tps, lat, *note in rows:
-        print(f"| {name} | {rps:.2f} | {tps:.1f} | {lat:.2f} | {note[0] if note else ''} |")
+    save_llama(model.state_dict(), model.config, tmp)
+    hf = LlamaForCausalLM.from_pretrained(str(tmp), torch_dtype=torch.float32).eval()
+    tok = load_tokenizer(None)
+    bias = torch.zeros(SHAPE["vocab_size"])
+    bias[128:] = -100.0
+
+    class FirstToken(LogitsProcessor):
+        def __init__(self):
+            self.at = None
+
+        def __call__(self, input_ids, scores):
+            self.at = self.at or time.perf_counter()
+            return scores + bias
+    with torch.no_grad():                                           # warm-up
+        hf.generate(torch.tensor([tok.encode(_prompt(0))]), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    rows = []
+    for c in clients:
+        ttft, tokens, start = [], 0, time.perf_counter()
+        for b in range(per_client):
+            ids = [tok.encode(_prompt(b * c + k)) for k in range(c)]
+            width = max(map(len, ids))
+            batch = torch.tensor([[0] * (width - len(x)) + x for x in ids])
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+            first, t0 = FirstToken(), time.perf_counter()
+            with torch.no_grad():
+                out = hf.generate(batch, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                  do_sample=False, logits_processor=LogitsProcessorList([first]), pad_token_id=0)
+            ttft += [first.at - t0] * c
+            tokens += (out.shape[1] - width) * c
+        wall = time.perf_counter() - start
+        rows.append(["transformers generate, static batches", str(c), str(c * per_client), f"{tokens / wall:.1f}",
+                     f"{_p(ttft, 0.5):.3f}", f"{_p(ttft, 0.99):.3f}", f"batches of {c}"])
+    return rows
+
+
+def machine() -> str:
+    import torch
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = ""
+    return (f"{platform.machine()} ({cpu}), {os.cpu_count()} CPUs, torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip() or "not recorded"
+    except OSError:
+        return "not recorded"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", default="1,4,16,64", help="comma list of concurrent clients")
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--contenders", default="reuse,noreuse,transformers")
+    p.add_argument("--markdown", metavar="PATH", help="append a markdown section with the table to PATH")
+    a = p.parse_args(argv)
+    clients = [int(c) for c in a.clients.split(",")]
+    contenders = a.contenders.split(",")
+    load_before, rows = os.getloadavg()[0], []
+    if "reuse" in contenders:
+        rows += bunsan_rows(clients, a.requests_per_client, a.max_tokens, True)
+    if "noreuse" in contenders:
+        rows += bunsan_rows(clients, a.requests_per_client, a.max_tokens, False)
+    if "transformers" in contenders:
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            rows += transformers_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp))
+    header = ["contender", "clients", "requests", "tokens/s", "TTFT p50 s", "TTFT p99 s", "note"]
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"## Serving: bunsan serve vs transformers ({a.max_tokens} new tokens, 256-token shared prefix)", "",
+             f"- date: {now}", f"- commit: {commit()}", f"- machine: {machine()}",
+             f"- command: `python {shlex.join(sys.argv)}`",
+             f"- load average (1 min) before and after: {load_before:.1f}, {os.getloadavg()[0]:.1f} (a shared machine: "
+             "other tenants' work slows every contender)", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    print("\n".join(lines))
+    if a.markdown:
+        with open(a.markdown, "a") as f:
+            f.write("\n".join(lines) + "\n\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

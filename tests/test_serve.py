@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,39 +17,7 @@ from parity import tiny_model
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
-PROMPTS = ["def f(x):", "import os", "a", "class Point:\n    def", "for i in range(10):", "# comment",
-           "x = [1, 2,", "return"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model, slots=3, context=96, **limits):
-        from bunsan.training.data import load_tokenizer
-        from bunsan.serve import Batcher, Limits, build_app
-        self.tokenizer = load_tokenizer(None)
-        self.batcher = Batcher(model, slots, context)
-        app = build_app(self.batcher, self.tokenizer, "tiny", Limits(**limits))
-        self.port = _port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def post(self, body, **kw):
-        return httpx.post(self.url + "/v1/completions", json=body, timeout=60, **kw)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=20)
+from serve_harness import PROMPTS, Server, free_port, offline  # noqa: E402  (needs httpx and uvicorn)
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +32,8 @@ def server(model):
     s.close()
 
 
-def _offline(model, tokenizer, prompt, n):
-    from bunsan.models import generate
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    return tokenizer.decode(generate(model, ids, n)[0, ids.shape[1]:].tolist())
-
-
 def test_concurrent_requests_equal_offline_generation(server, model):
-    want = [_offline(model, server.tokenizer, p, 12 + i) for i, p in enumerate(PROMPTS)]
+    want = [offline(model, server.tokenizer, p, 12 + i) for i, p in enumerate(PROMPTS)]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:       # more requests than slots: they queue and interleave
         replies = list(pool.map(lambda a: server.post({"prompt": a[1], "max_tokens": 12 + a[0], "temperature": 0}),
                                 enumerate(PROMPTS)))
@@ -86,7 +47,7 @@ def test_concurrent_requests_equal_offline_generation(server, model):
 
 
 def test_streaming_sends_the_same_text_as_events(server, model):
-    want = _offline(model, server.tokenizer, PROMPTS[0], 20)
+    want = offline(model, server.tokenizer, PROMPTS[0], 20)
     chunks, done = [], False
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                       json={"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0, "stream": True}) as r:
@@ -104,7 +65,7 @@ def test_streaming_sends_the_same_text_as_events(server, model):
 
 
 def test_a_stop_string_ends_the_completion_before_it(server, model):
-    full = _offline(model, server.tokenizer, PROMPTS[1], 30)
+    full = offline(model, server.tokenizer, PROMPTS[1], 30)
     stop = full[10:13]
     r = server.post({"prompt": PROMPTS[1], "max_tokens": 30, "temperature": 0, "stop": [stop]}).json()
     assert r["choices"][0]["text"] == full[:full.index(stop)]
@@ -114,7 +75,7 @@ def test_a_stop_string_ends_the_completion_before_it(server, model):
 def test_no_part_of_a_stop_string_is_ever_sent():
     """A stop string spread over tokens: its first characters wait until it is clear whether it completes."""
     from bunsan.training.data import load_tokenizer
-    from bunsan.serve.app import TextStream
+    from bunsan.serve.text import TextStream
     tok = load_tokenizer(None)                        # one byte, one token: every stop string spans tokens
     t = TextStream(tok, ["\n\n"])
     assert "".join(t.add(i) for i in tok.encode("Hi\nthere\n\nmore")) == "Hi\nthere" and t.stopped
@@ -126,7 +87,7 @@ def test_text_decodes_incrementally_and_keeps_multibyte_characters_whole():
     """Deltas add up to the whole text (characters spelled over several byte tokens included), and each token
     decodes only the ids since the last whole character: linear, not quadratic, work."""
     from bunsan.training.data import load_tokenizer
-    from bunsan.serve.app import TextStream
+    from bunsan.serve.text import TextStream
     tok = load_tokenizer(None)
     decoded = [0]
 
@@ -168,7 +129,7 @@ def test_bad_input_gets_a_4xx_with_the_reason(server, body, status, words):
 
 
 def test_a_bad_request_among_good_ones_disturbs_nothing(server, model):
-    want = _offline(model, server.tokenizer, PROMPTS[2], 10)
+    want = offline(model, server.tokenizer, PROMPTS[2], 10)
     bodies = [{"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0}, {"prompt": 7},
               {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0}]
     with ThreadPoolExecutor(3) as pool:
@@ -179,7 +140,7 @@ def test_a_bad_request_among_good_ones_disturbs_nothing(server, model):
 
 def test_a_client_that_does_not_read_blocks_no_one(server, model):
     """A streaming client that never reads its events: the others are answered all the same."""
-    want = _offline(model, server.tokenizer, PROMPTS[4], 12)
+    want = offline(model, server.tokenizer, PROMPTS[4], 12)
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                       json={"prompt": PROMPTS[3], "max_tokens": 60, "stream": True, "temperature": 0}) as idle:
         assert idle.status_code == 200                     # opened, then left unread
@@ -276,7 +237,7 @@ def test_tensor_parallel_serving_and_a_dead_rank(tmp_path, model):
     from bunsan.training.data import load_tokenizer
     from bunsan.models.hf import save_llama
     save_llama(model.state_dict(), model.config, tmp_path / "hf")
-    port = _port()
+    port = free_port()
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": f"{root}", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", "--checkpoint", str(tmp_path / "hf"),
@@ -296,7 +257,7 @@ def test_tensor_parallel_serving_and_a_dead_rank(tmp_path, model):
             time.sleep(0.5)
         time.sleep(6)                                   # idle past the 4 s timeout: heartbeats keep ranks joined
         tok = load_tokenizer(None)
-        want = [_offline(model, tok, p, 10) for p in PROMPTS[:3]]
+        want = [offline(model, tok, p, 10) for p in PROMPTS[:3]]
         with ThreadPoolExecutor(3) as pool:
             replies = list(pool.map(lambda p: httpx.post(url + "/v1/completions", timeout=60, json={
                 "prompt": p, "max_tokens": 10, "temperature": 0}), PROMPTS[:3]))
@@ -314,3 +275,19 @@ def test_tensor_parallel_serving_and_a_dead_rank(tmp_path, model):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_slots_auto_fill_the_kv_cache_budget_and_print_its_size(model):
+    import argparse
+
+    from bunsan.cli.serve import slot_count
+    from bunsan.serve.slots import SlotCache, slot_bytes
+    per_slot = slot_bytes(model.config, 96, None, torch.float32)
+    assert per_slot * 5 == SlotCache(model, 5, 96).nbytes
+    args = argparse.Namespace(slots="auto", kv_cache_memory=str(10 * per_slot + 5), max_concurrent=64)
+    slots, line = slot_count(args, model, 96, None)
+    assert slots == 10 and line.startswith("KV cache 10 slots x 96 tokens = ") and "(--kv-cache-memory)" in line
+    args.max_concurrent = 4
+    assert slot_count(args, model, 96, None)[0] == 4                     # never more than can be open
+    args.slots = 3
+    assert slot_count(args, model, 96, None)[0] == 3

@@ -1,5 +1,6 @@
 """`bunsan serve`: load a checkpoint (bunsan train's output, or a Hugging Face Llama directory, optionally spread
-over devices, CPU and disk) and serve OpenAI-style completions over HTTP with continuous batching."""
+over devices, CPU and disk) and serve OpenAI- and Ollama-compatible completions and chat over HTTP with
+continuous batching."""
 
 from __future__ import annotations
 
@@ -15,7 +16,21 @@ def add_parser(sub) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's, else bytes)")
-    s.add_argument("--slots", type=int, default=8, help="requests decoded together (KV cache slots)")
+    s.add_argument("--slots", type=_slots, default="auto",
+                   help="sequences decoded together (KV cache slots); auto: as many as --kv-cache-memory holds, at "
+                        "most --max-concurrent")
+    s.add_argument("--kv-cache-memory", default=None,
+                   help="the KV cache's budget for --slots auto, e.g. 4GiB (default: 30%% of the memory free where "
+                        "the cache lives, after the weights)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) requests' `model` may give (default: the checkpoint folder's name)")
+    s.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (default: the checkpoint's own, else ChatML)")
+    s.add_argument("--no-prefix-reuse", action="store_true",
+                   help="prefill every prompt whole (default: reuse the KV cache of a shared prefix)")
+    s.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="on SIGTERM, seconds running requests may finish before they are answered with an error")
+    s.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request's body may take to arrive")
     s.add_argument("--context", type=int, default=None,
                    help="tokens per request, prompt included (default: the model's max_position_embeddings)")
     s.add_argument("--max-tokens", type=int, default=1024, help="the most max_tokens one request may ask for")
@@ -32,6 +47,15 @@ def add_parser(sub) -> None:
                    help="the weights' and the KV cache's dtype (sampling is fp32 whatever it is)")
 
 
+def _slots(text: str):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--slots {text!r} must be a whole number or auto") from None
+
+
 def load_model(args):
     """(model, tokenizer, name, context) for the server."""
     from bunsan.cli.generate import hf_tokenizer, parse_max_memory, torch_dtype, trained_model
@@ -46,7 +70,8 @@ def load_model(args):
         context = _context(args, read_config(ckpt))
         if args.device_map:
             from bunsan.inference import load
-            model, _ = load(ckpt, args.device_map, parse_max_memory(args.max_memory), dtype=dtype, batch=args.slots,
+            batch = args.slots if isinstance(args.slots, int) else args.max_concurrent
+            model, _ = load(ckpt, args.device_map, parse_max_memory(args.max_memory), dtype=dtype, batch=batch,
                             max_seq=context)
         else:
             from bunsan.models.hf import load_llama
@@ -63,38 +88,87 @@ def _context(args, cfg) -> int:
     return context
 
 
+def slot_count(args, model, context: int, kv_heads: int | None) -> tuple[int, str]:
+    """(slots, the line bunsan serve prints about the KV cache's size)."""
+    import torch
+
+    from bunsan.estimator.hardware import parse_bytes
+    from bunsan.serve.slots import free_memory, slot_bytes
+    dtype = next(model.parameters()).dtype
+    per_slot = slot_bytes(model.config, context, kv_heads, dtype)
+    if args.slots == "auto":
+        free = free_memory(model.rope_cos.device)
+        budget = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else int(0.3 * free)
+        slots = max(1, min(args.max_concurrent, budget // per_slot))
+        why = (f"--slots auto: {budget / 2**30:.2f} GiB budget " + ("(--kv-cache-memory)" if args.kv_cache_memory
+               else f"(30% of {free / 2**30:.1f} GiB free)") + f", at most --max-concurrent {args.max_concurrent}")
+    else:
+        slots, why = args.slots, "--slots"
+    size = slots * per_slot
+    dtype_name = str(dtype).removeprefix("torch.")
+    return slots, (f"KV cache {slots} slots x {context} tokens = {size / 2**30:.3f} GiB ({dtype_name}, "
+                   f"{per_slot / 2**20:.1f} MiB a slot) on {torch.device(model.rope_cos.device)}; {why}")
+
+
+def _agreed_slots(shard, slots: int) -> int:
+    """Rank 0's slot count, on every rank (their caches must have the same rows)."""
+    import torch
+    count = torch.tensor([slots], dtype=torch.long, device=shard.device)
+    shard.comm.broadcast(count, 0, shard.group)
+    return int(count.item())
+
+
+def serve_app(args, model, tokenizer, name: str, context: int, batcher):
+    from bunsan.serve import ChatTemplate, Limits, build_app
+    from bunsan.serve.chat import has_template
+    ckpt = Path(args.checkpoint)
+    folder = Path(args.tokenizer).parent if args.tokenizer and Path(args.tokenizer).is_file() else ckpt
+    template = Path(args.chat_template).read_text() if args.chat_template else None
+    chat = ChatTemplate(tokenizer, folder if has_template(folder) else None, template)
+    limits = Limits(args.max_body_bytes, args.max_tokens, args.max_concurrent, args.body_timeout)
+    aliases = tuple(args.served_model_name or ())
+    return build_app(batcher, tokenizer, aliases[0] if aliases else name, limits, aliases=aliases,
+                     template=chat), chat.source
+
+
 def cmd_serve(args) -> int:
     from bunsan.cli.generate import refuse_tp_with_device_map
     for flag in ("slots", "max_tokens", "max_concurrent", "max_body_bytes", "tp"):
-        if getattr(args, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be at least 1")
+        value = getattr(args, flag)
+        if value != "auto" and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {value} must be at least 1")
     refuse_tp_with_device_map(args)
     if args.tp > 1 and not under_torchrun():
         return relaunch(args, args.tp)
-    import uvicorn
-
-    from bunsan.serve import Batcher, Limits, SlotCache, build_app
+    from bunsan.serve import Batcher, SlotCache
+    from bunsan.serve.server import Server
     model, tokenizer, name, context = load_model(args)
-    leader, kv_heads = None, None
+    leader, kv_heads, shard = None, None, None
     if args.tp > 1:
         from bunsan.inference.tp import split_over_ranks
-        from bunsan.serve.tp import Leader, follow
         shard = split_over_ranks(model, args.tp, timeout_s=args.timeout)
         kv_heads = shard.kv_heads
+    slots, cache_line = slot_count(args, model, context, kv_heads)
+    if shard is not None:
+        from bunsan.serve.tp import Leader, follow
+        slots = _agreed_slots(shard, slots)
         if shard.rank != 0:      # rank 0 samples; the others run each forward it announces
-            follow(model, SlotCache(model, args.slots, context, kv_heads), shard.comm, shard.group, shard.device)
+            follow(model, SlotCache(model, slots, context, kv_heads), shard.comm, shard.group, shard.device)
             return 0
         leader = Leader(shard.comm, shard.group, shard.device)
-    batcher = Batcher(model, args.slots, context, kv_heads, leader)
-    app = build_app(batcher, tokenizer, name, Limits(args.max_body_bytes, args.max_tokens, args.max_concurrent))
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    batcher = Batcher(model, slots, context, kv_heads, leader, prefix_reuse=not args.no_prefix_reuse)
+    app, template = serve_app(args, model, tokenizer, name, context, batcher)
+    server = Server(app, args.host, args.port, grace_s=args.shutdown_grace)
 
     def fatal(message: str) -> None:        # a tensor-parallel rank is gone: answer errors, then stop
         print(f"bunsan serve: {message}; shutting down", flush=True)
         server.should_exit = True
     batcher.on_fatal = fatal
-    print(f"bunsan serve: {name} on http://{args.host}:{args.port} ({args.slots} slots x {context} tokens"
-          + (f", tensor parallel over {args.tp} processes" if args.tp > 1 else "") + "); POST /v1/completions, "
-          "GET /health", flush=True)
+    served = app.state.service.served
+    print(f"bunsan serve: {', '.join(served)} on http://{args.host}:{args.port} ({slots} slots x {context} tokens"
+          + (f", tensor parallel over {args.tp} processes" if args.tp > 1 else "") + ")\n"
+          f"  {cache_line}\n  chat: {template}; prefix reuse {'off' if args.no_prefix_reuse else 'on'}\n"
+          "  POST /v1/completions /v1/chat/completions /api/generate /api/chat; GET /v1/models /api/tags /health",
+          flush=True)
     server.run()
     return 1 if batcher.fatal else 0

@@ -1,10 +1,11 @@
-"""Continuous batching over a KV cache of independent slots: the model side of `bunsan serve`.
+"""Continuous batching over a KV cache of independent slots (slots.py): the model side of `bunsan serve`.
 
-Every request owns a slot of the cache, [slots, kv_heads, max_len, head_dim] per layer, and its own length.
-A new request is prefilled alone into its slot (a prompt is many tokens, a decode step is one); then each
-step runs one forward over every active request together, each row at its own position (rotary position
-per row, an attention mask that hides other rows' lengths). A request leaves its slot when it ends (length,
-end-of-sequence, cancelled) and the next waiting one takes it: no request waits for a whole batch to end.
+Every loop admits waiting requests into free slots, their prompts prefilled together in one forward (rows
+padded to the longest, within `prefill_tokens`), then runs one decode step over every running request. So a
+request waits at most one prefill for a slot that frees, and a running one at most one prefill between two
+of its tokens. A request leaves its slot when it ends (length, end of sequence, cancelled: a cancelled one
+before the next step) and its slot keeps its keys and values for a later prompt that shares their prefix
+(prefix.py).
 """
 
 from __future__ import annotations
@@ -12,125 +13,69 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from bunsan.models.generate import KVCache, layer_devices, next_token
 from bunsan.models.llama import Llama
+from bunsan.serve.prefix import SlotTokens, common_prefix
+from bunsan.serve.sampling import RowSampler, SamplingParams, Token, prompt_logprobs
+from bunsan.serve.slots import SlotCache
 from bunsan.serve.tp import HEARTBEAT_S
 
-
-class _SlotLayer:
-    def __init__(self, view: "_SlotView", i: int):
-        self.view, self.i = view, i
-        self.attn_mask = view.on("mask", view.cache.k[i].device)   # beside the layer (a device map spreads them)
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write each row's new keys and values at its own positions; all its keys so far, padded to the
-        longest row (the mask hides the padding)."""
-        c, w = self.view.cache, self.view
-        ck, cv = c.k[self.i], c.v[self.i]
-        rows, at = w.on("rows", ck.device), w.on("at", ck.device)
-        ck[rows[:, None], :, at] = k.transpose(1, 2)
-        cv[rows[:, None], :, at] = v.transpose(1, 2)
-        return ck[rows, :, :w.keys], cv[rows, :, :w.keys]
-
-
-class _SlotView:
-    """The cache as the model sees it for one forward over `rows`, each adding `new` tokens."""
-
-    def __init__(self, cache: "SlotCache", rows: list[int], new: int):
-        self.cache, self.rows = cache, torch.tensor(rows, dtype=torch.long)
-        self.positions = cache.lengths[self.rows]                      # where each row's new tokens start
-        self.at = self.positions[:, None] + torch.arange(new)          # [n, new] positions written
-        self.keys = int(self.at.max()) + 1
-        if self.keys > cache.max_len:
-            raise ValueError(f"slot cache full: position {self.keys} > max_len {cache.max_len}")
-        visible = torch.arange(self.keys)[None, None, :] <= self.at[:, :, None]   # causal, and no padding
-        self.mask = visible[:, None]                                   # [n, 1, new, keys]
-        self._on: dict = {}
-        self.new = new
-
-    def on(self, name: str, device: torch.device) -> torch.Tensor:
-        """`rows`, `at` or `mask` (built on the CPU) on `device`: moved once per forward and device, shared by
-        the layers there, instead of a host-to-device copy per layer."""
-        key = (name, device)
-        if key not in self._on:
-            self._on[key] = getattr(self, name).to(device)
-        return self._on[key]
-
-    def layer(self, i: int) -> _SlotLayer:
-        return _SlotLayer(self, i)
-
-    def advance(self, n: int) -> None:
-        self.cache.lengths[self.rows] += n
-
-
-class SlotCache:
-    def __init__(self, model: Llama, slots: int, max_len: int, kv_heads: int | None = None):
-        # where the model starts: its rotary tables sit beside the embedding (under a device map too), so the
-        # token ids go there and the positions are cut there
-        self.device = model.rope_cos.device
-        # generate's cache, one row per slot (each layer's beside the layer under a device map), in the weights'
-        # dtype; the rows' own lengths replace its single position
-        kv = KVCache(model.config, slots, max_len, device=self.device, dtype=next(model.parameters()).dtype,
-                     num_kv_heads=kv_heads, layer_devices=layer_devices(model))
-        self.k, self.v = kv.k, kv.v
-        self.lengths = torch.zeros(slots, dtype=torch.long)
-        self.max_len = max_len
-
-    def view(self, rows: list[int], new: int) -> _SlotView:
-        return _SlotView(self, rows, new)
+SHARED_WAIT = 16      # a prompt sharing this many more tokens with one prefilled beside it waits a step to copy
 
 
 @dataclass
 class Request:
-    """One completion. `emit(token id)` is called for every new token, `finish(reason)` once at the end
-    ("stop", "length" or "error: ..."); both from the batcher's thread."""
+    """One sequence. `emit(Token)` is called for every new token, `finish(reason)` once at the end ("eos",
+    "length", "cancelled" or "error: ..."), `on_prompt(tokens)` with the prompt's log-probabilities when
+    `prompt_logprobs` asks for them; all from the batcher's thread."""
     ids: list[int]
     max_tokens: int
     emit: callable
     finish: callable
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    eos: int | None = None
-    seed: int | None = None
+    sampler: RowSampler | None = None          # None: greedy
+    eos: frozenset[int] = frozenset()
+    prompt_logprobs: int | None = None
+    on_prompt: callable = None
     cancelled: bool = False
     generated: int = 0
     last: int = 0
     slot: int = -1
-    generator: torch.Generator | None = field(default=None, repr=False)
 
-
-def sample(logits: torch.Tensor, r: Request) -> int:
-    """One row's next token as `generate` draws it, on the CPU, where the request's seeded generator lives."""
-    return int(next_token(logits.float().cpu()[None], r.temperature, r.top_k, r.generator, r.top_p)[0])
+    def draw(self, logits: torch.Tensor) -> Token:
+        if self.sampler is None:
+            self.sampler = RowSampler(SamplingParams(), self.ids, logits.shape[-1])
+        return self.sampler.draw(logits)
 
 
 class Batcher:
     """Runs requests on `model` with at most `slots` at once; `submit` from any thread, `run` on one."""
 
-    def __init__(self, model: Llama, slots: int, max_len: int, kv_heads: int | None = None, leader=None):
-        """`leader` (serve/tp.py): under tensor parallelism, announces every forward to the other ranks."""
+    def __init__(self, model: Llama, slots: int, max_len: int, kv_heads: int | None = None, leader=None,
+                 prefix_reuse: bool = True, prefill_tokens: int = 2048):
+        """`leader` (serve/tp.py): under tensor parallelism, announces every forward to the other ranks.
+        `prefill_tokens`: the most prompt tokens (padding included) one prefill forward takes, unless a single
+        prompt is longer."""
         self.model, self.max_len, self.leader = model.eval(), max_len, leader
+        self.prefix_reuse, self.prefill_tokens = prefix_reuse, prefill_tokens
         self.fatal: str | None = None       # a failure that ends serving (a tensor-parallel rank died)
         self.on_fatal = None                # called once with it (the server shuts down)
         self.cache = SlotCache(model, slots, max_len, kv_heads)
-        self.free = list(range(slots))[::-1]
+        self.held = SlotTokens(slots)
+        self.free = list(range(slots))      # least recently used first: a prompt sharing nothing takes [0]
         self.active: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
         self.lock, self.wake = threading.Lock(), threading.Event()
         self.stopped = False
         self.steps = 0
+        self.reused_tokens = 0              # prompt tokens not prefilled thanks to a cached prefix
 
     def submit(self, r: Request) -> None:
         if len(r.ids) + r.max_tokens > self.max_len:
             raise ValueError(f"prompt of {len(r.ids)} tokens + max_tokens {r.max_tokens} exceeds the context of "
                              f"{self.max_len} tokens; shorten the prompt or ask for fewer tokens")
-        if r.seed is not None:
-            r.generator = torch.Generator().manual_seed(r.seed)
         with self.lock:
             self.waiting.append(r)
         self.wake.set()
@@ -162,7 +107,11 @@ class Batcher:
             self.fatal = self.fatal or f"the batcher failed: {type(e).__name__}: {e}"
             self.stopped = True
         reason = f"error: {self.fatal}" if self.fatal else "error: the server is shutting down"
-        for r in list(self.active.values()) + list(self.waiting):
+        with self.lock:
+            left = list(self.active.values()) + list(self.waiting)
+            self.active.clear()
+            self.waiting.clear()
+        for r in left:
             r.finish(reason)
         if self.leader is not None and not self.fatal:
             try:
@@ -190,33 +139,109 @@ class Batcher:
         with torch.no_grad():
             return self._guard(lambda: self.model(ids, kv_cache=self.cache.view(rows, ids.shape[1])))
 
-    def _admit(self) -> None:
-        while self.free:
+    def _copy(self, src: int, dst: int, n: int) -> None:
+        if self.leader is not None:
+            self._guard(self.leader.copy, src, dst, n)
+        self.cache.copy(src, dst, n)
+        self.held.set(dst, self.held.tokens[src][:n])
+
+    def _place(self, r: Request, beside: list[Request]) -> tuple[int, int] | None:
+        """(slot, prompt tokens already cached there) for `r`, copying a running slot's prefix when it is the
+        longest; None when `r` should wait a step for a prompt prefilled `beside` it that it shares more with."""
+        usable = len(r.ids) - 1
+        if not self.prefix_reuse or r.prompt_logprobs is not None:     # echo's logprobs need every position
+            return self.free[0], 0
+        slot, reuse = self.held.best(r.ids, self.free, usable)
+        source, shared = self.held.best(r.ids, self.active, usable)
+        pending = max((min(usable, common_prefix(r.ids, o.ids)) for o in beside), default=0)
+        if pending >= max(reuse, shared) + SHARED_WAIT:
+            return None
+        if shared > reuse:
+            slot, reuse = self.free[0], shared
+            self._copy(source, slot, shared)
+        return (slot if slot >= 0 else self.free[0]), reuse
+
+    def _next_waiting(self) -> Request | None:
+        """The first waiting request that is still wanted (the cancelled ones are answered on the way)."""
+        while True:
             with self.lock:
                 if not self.waiting:
-                    return
-                r = self.waiting.popleft()
-            if r.cancelled:
-                r.finish("cancelled")
-                continue
-            r.slot = self.free.pop()
-            self.cache.lengths[r.slot] = 0
-            self.active[r.slot] = r           # running from its prefill on (health and limits count it)
-            try:
-                logits = self._forward([r.slot], torch.tensor([r.ids]))
-                self._emit(r, sample(logits[0, -1], r))
-            except Exception as e:        # this request's failure is its own; the others go on
+                    return None
+                r = self.waiting[0]
+                if not r.cancelled:
+                    return r
+                self.waiting.popleft()
+            r.finish("cancelled")
+
+    def _plan_prefill(self) -> list[tuple[Request, int]]:
+        """The waiting requests (in order) to prefill together now, each placed in a slot, with the tokens of
+        its prompt already in the slot."""
+        batch: list[tuple[Request, int]] = []
+        width = 0
+        while self.free:
+            r = self._next_waiting()
+            if r is None:
+                break
+            placed = self._place(r, [b for b, _ in batch])
+            if placed is None:
+                break
+            slot, reuse = placed
+            wider = max(width, len(r.ids) - reuse)
+            starts = [s for _, s in batch] + [reuse]
+            if batch and (wider * len(starts) > self.prefill_tokens or max(starts) + wider > self.max_len):
+                break
+            with self.lock:
+                self.waiting.popleft()
+            self.free.remove(slot)
+            r.slot, width = slot, wider
+            self.held.keep(slot, reuse)
+            self.cache.lengths[slot] = reuse
+            self.active[slot] = r             # running from its prefill on (health and limits count it)
+            batch.append((r, reuse))
+        return batch
+
+    def _admit(self) -> None:
+        batch = self._plan_prefill()
+        if not batch:
+            return
+        width = max(len(r.ids) - start for r, start in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)   # padding: positions past a row's prompt
+        for j, (r, start) in enumerate(batch):
+            ids[j, :len(r.ids) - start] = torch.tensor(r.ids[start:])
+        try:
+            logits = self._forward([r.slot for r, _ in batch], ids)
+        except Exception as e:            # these requests fail; the running ones go on
+            for r, _ in batch:
                 self._end(r, f"error: {type(e).__name__}: {e}")
-                if self.fatal:
-                    return
+            return
+        ends = torch.tensor([len(r.ids) - start - 1 for r, start in batch])
+        last = logits[torch.arange(len(batch)), ends].float().cpu()
+        for j, (r, start) in enumerate(batch):
+            self.cache.lengths[r.slot] = len(r.ids)        # the padding's keys are overwritten as it decodes
+            self.held.set(r.slot, r.ids)
+            self.reused_tokens += start
+            self._started(r, logits[j, :len(r.ids) - start], last[j])
+
+    def _started(self, r: Request, prompt_logits: torch.Tensor, last: torch.Tensor) -> None:
+        """A request's prefill is done: its prompt's log-probabilities (echo), then its first token."""
+        try:
+            if r.on_prompt is not None and r.prompt_logprobs is not None:
+                r.on_prompt(prompt_logprobs(prompt_logits, r.ids, r.prompt_logprobs))
+            if r.max_tokens == 0:
+                return self._end(r, "length")
+            self._emit(r, r.draw(last))
+        except Exception as e:            # this request's failure is its own; the others go on
+            self._end(r, f"error: {type(e).__name__}: {e}")
 
     def _step(self) -> None:
+        for r in [r for r in self.active.values() if r.cancelled]:     # a slot freed before the forward
+            self._end(r, "cancelled")
         rows = sorted(self.active)
         if not rows:
             return
         ids = torch.tensor([[self.active[s].last] for s in rows])
         try:
-            logits = self._forward(rows, ids)[:, -1]
+            logits = self._forward(rows, ids)[:, -1].float().cpu()
         except Exception as e:
             for s in rows:
                 self._end(self.active[s], f"error: {type(e).__name__}: {e}")
@@ -224,22 +249,20 @@ class Batcher:
         self.steps += 1
         for j, s in enumerate(rows):
             r = self.active[s]
+            self.held.append(s, r.last)        # its keys and values are in the slot now
             try:
-                self._emit(r, sample(logits[j], r))
-            except Exception as e:        # a bad sample or decode ends this request only
+                self._emit(r, r.draw(logits[j]))
+            except Exception as e:        # a bad sample ends this request only
                 self._end(r, f"error: {type(e).__name__}: {e}")
 
-    def _emit(self, r: Request, token: int) -> None:
-        self.active[r.slot] = r
+    def _emit(self, r: Request, token: Token) -> None:
         if r.cancelled:
             return self._end(r, "cancelled")
         r.generated += 1
-        r.last = token
-        if r.eos is not None and token == r.eos:
-            return self._end(r, "stop")
+        r.last = token.id
+        if token.id in r.eos:
+            return self._end(r, "eos")
         r.emit(token)
-        if r.cancelled:                     # a stop string seen by the caller
-            return self._end(r, "stop")
         if r.generated >= r.max_tokens:
             return self._end(r, "length")
 

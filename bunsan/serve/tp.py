@@ -4,6 +4,7 @@ the KV cache (heads split over the group). Only rank 0 samples: the head gathers
 
     order:   [kind, rows, tokens] then [slot ids..., their lengths..., token ids...]
              kind: FORWARD, NOOP (heartbeat), STOP; the lengths make every rank's cache agree with rank 0's
+             or [COPY, src, dst, n]: slot dst takes slot src's first n positions (a shared prefix)
 
 While idle rank 0 sends a heartbeat every HEARTBEAT_S, so a follower that hears nothing for its collective
 timeout knows rank 0 is gone and exits. A follower that dies makes rank 0's next broadcast or forward fail:
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-FORWARD, NOOP, STOP = 1, 2, 3
+FORWARD, NOOP, STOP, COPY = 1, 2, 3, 4
 HEARTBEAT_S = 1.0
 
 
@@ -30,6 +31,10 @@ class Leader:
     def forward(self, rows: list[int], lengths: torch.Tensor, ids: torch.Tensor) -> None:
         self._send([FORWARD, len(rows), ids.shape[1]])
         self._send(torch.cat([torch.tensor(rows), lengths.cpu(), ids.reshape(-1).cpu()]))
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        self._send([COPY, 0, 0])
+        self._send([src, dst, n])
 
     def heartbeat(self) -> None:
         self._send([NOOP, 0, 0])
@@ -48,6 +53,11 @@ def follow(model, cache, comm, group, device: torch.device) -> None:
         if kind == STOP:
             return
         if kind == NOOP:
+            continue
+        if kind == COPY:
+            order = torch.zeros(3, dtype=torch.long, device=device)
+            comm.broadcast(order, 0, group)
+            cache.copy(*order.tolist())
             continue
         payload = torch.zeros(2 * n + n * s, dtype=torch.long, device=device)
         comm.broadcast(payload, 0, group)

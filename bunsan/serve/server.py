@@ -1,0 +1,25 @@
+"""uvicorn's server with a bounded shutdown: on SIGTERM or SIGINT (or `should_exit`), new requests get a 503,
+running ones have `grace_s` seconds to finish, then every one still running is answered with an error (a 503,
+or a stream's error event and [DONE]) and the process exits. uvicorn's own graceful timeout, a few seconds
+later, cuts a client that does not even read its error."""
+
+from __future__ import annotations
+
+import uvicorn
+
+from bunsan.serve.app import Service
+
+SEND_ERRORS_S = 5.0        # after the grace: for the errors to reach the clients
+
+
+class Server(uvicorn.Server):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 5.0,
+                 log_level: str = "warning"):
+        self.service: Service = app.state.service
+        self.grace_s = grace_s
+        super().__init__(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                        timeout_graceful_shutdown=grace_s + SEND_ERRORS_S))
+
+    async def shutdown(self, sockets=None) -> None:
+        await self.service.drain(self.grace_s)
+        await super().shutdown(sockets)

@@ -1,0 +1,56 @@
+"""A `bunsan serve` app on loopback for the serving tests: a tiny random Llama, the byte tokenizer, uvicorn
+on a free port in a thread of the test process."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import torch
+
+PROMPTS = ["def f(x):", "import os", "a", "class Point:\n    def", "for i in range(10):", "# comment",
+           "x = [1, 2,", "return"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`slots` x `context` of KV cache; `limits` are Limits' fields; `app` takes build_app's keywords."""
+
+    def __init__(self, model, slots=3, context=96, grace_s=0.0, tokenizer=None, prefix_reuse=True, app=None,
+                 **limits):
+        from bunsan.training.data import load_tokenizer
+        from bunsan.serve import Batcher, Limits, build_app
+        from bunsan.serve.server import Server as Uvicorn
+        self.tokenizer = tokenizer or load_tokenizer(None)
+        self.batcher = Batcher(model, slots, context, prefix_reuse=prefix_reuse)
+        self.app = build_app(self.batcher, self.tokenizer, "tiny", Limits(**limits), **(app or {}))
+        self.port = free_port()
+        self.server = Uvicorn(self.app, port=self.port, grace_s=grace_s)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def post(self, body, path="/v1/completions", **kw):
+        return httpx.post(self.url + path, json=body, timeout=60, **kw)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+
+def offline(model, tokenizer, prompt, n):
+    """`bunsan generate`'s greedy text: what every greedy answer must equal."""
+    from bunsan.models import generate
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    return tokenizer.decode(generate(model, ids, n)[0, ids.shape[1]:].tolist())

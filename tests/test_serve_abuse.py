@@ -1,0 +1,243 @@
+"""Nothing a client sends breaks or stalls `bunsan serve`: hundreds of malformed requests are 4xx in OpenAI's
+error shape and the server then answers as before; a body that never finishes, a client that leaves while
+uploading or while its answer is generated, stop strings past the limits; admission of waiting requests in
+one batched prefill; a bounded shutdown."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from parity import tiny_model
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from serve_harness import PROMPTS, Server, offline  # noqa: E402  (needs httpx and uvicorn)
+
+GOOD = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(0).eval()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    s = Server(model, slots=3, context=96, max_tokens=64, max_body_bytes=64 << 10, body_timeout_s=1.0)
+    yield s
+    s.close()
+
+
+def _with(base: dict, **fields) -> dict:
+    return {**base, **fields}
+
+
+def malformed_bodies(rng: random.Random) -> list[tuple[str, bytes]]:
+    """(path, body) of requests a client should get a 4xx for: every class the issue names, and more."""
+    bad_values = {
+        "max_tokens": ["10", 10.0, True, -1, 0, 65, 10 ** 30, [1], {"a": 1}],
+        "temperature": ["hot", True, -0.1, 10.5, [0.5], {"t": 1}],
+        "top_p": [0, 0.0, 1.5, -1, "0.9", False],
+        "top_k": [-2, 2.5, "40", True],
+        "seed": [2 ** 63, -(2 ** 63) - 1, 2 ** 64, 10 ** 40, "1", 1.5, True],
+        "stream": ["yes", 1, "true", [True]],
+        "n": [0, 17, "2", 1.0, True],
+        "best_of": [0, 1 << 20, "3"],
+        "logprobs": [-1, 21, "5", True],
+        "echo": ["no", 0],
+        "stop": [7, [1, 2], ["x"] * 17, "y" * 257, ["ok", "z" * 300], {"s": 1}, ["\ud800"]],
+        "presence_penalty": [3, -2.5, "1"], "frequency_penalty": [2.1, "0"], "repetition_penalty": [0, -1, 11],
+        "logit_bias": [{"x": 1}, {"999": 1}, {"1": 101}, [1, 2], {"1": "5"}],
+        "stream_options": [{"include_usage": "yes"}, {"other": True}, "usage"],
+        "min_p": [-0.1, 1.1],
+        "prompt": ["", [], [""], [-1], [256], [[]], [[1, "a"]], [True], 7, None, {"p": "x"}, [1, [2]], "\ud800"],
+        "model": ["gpt-4", 7, ""],
+        "suffix": ["tail"], "tools": [[{"type": "function"}]], "response_format": [{"type": "json_object"}],
+        "unknown_field": [1, "x"],
+    }
+    out = []
+    for name, values in bad_values.items():
+        for v in values:
+            body = _with(GOOD, **{name: v})
+            if name == "best_of":
+                body["n"] = 2
+            out.append(("/v1/completions", json.dumps(body).encode()))
+    chat_bad = [{"messages": []}, {"messages": "hi"}, {"messages": [{"role": "tool", "content": "x"}]},
+                {"messages": [{"role": "user", "content": 7}]}, {"messages": [{"content": "x"}]},
+                {"messages": [{"role": "user", "content": [{"type": "image_url", "text": "u"}]}]},
+                _with(CHAT, top_logprobs=2), _with(CHAT, max_tokens=3, max_completion_tokens=4),
+                _with(CHAT, logprobs="yes"), _with(CHAT, tool_choice="auto"), _with(CHAT, max_completion_tokens=0),
+                {"messages": [{"role": "user", "content": "x" * 200}]}]
+    out += [("/v1/chat/completions", json.dumps(b).encode()) for b in chat_bad]
+    good = json.dumps(GOOD).encode()
+    for _ in range(50):                   # bytes that are not UTF-8, somewhere in an otherwise good body
+        at = rng.randrange(1, len(good) - 1)
+        out.append(("/v1/completions", good[:at] + bytes([rng.choice([0x80, 0xc3, 0xff, 0xfe, 0xed])]) + good[at:]))
+    for _ in range(30):                   # cut anywhere: not JSON
+        out.append(("/v1/completions", good[:rng.randrange(0, len(good) - 1)]))
+    out += [("/v1/completions", b"[" * d + b"]" * d) for d in (40, 1000, 20000)]           # deep nesting
+    out += [("/v1/completions", b'{"prompt": ' + b"[" * d + b"]" * d + b"}") for d in (33, 5000)]
+    out += [("/v1/completions", x) for x in (b"", b"null", b"[]", b'"prompt"', b"17", b'{"prompt": NaN}',
+                                             b'{"prompt": "x", "temperature": Infinity}', b"1" * 5000,
+                                             b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}",
+                                             b'{"prompt": "x", "prompt": 5}', b"\xef\xbb\xbf{}")]
+    out += [("/v1/completions", json.dumps(_with(GOOD, prompt="x" * 90, max_tokens=10)).encode())]
+    return out
+
+
+def _shape_ok(r) -> bool:
+    body = r.json()
+    return set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"} and \
+        isinstance(body["error"]["message"], str) and body["error"]["message"]
+
+
+def test_fuzz_malformed_requests_get_4xx_and_change_nothing(server, model):
+    want = offline(model, server.tokenizer, GOOD["prompt"], GOOD["max_tokens"])
+    assert server.post(GOOD).json()["choices"][0]["text"] == want
+    bodies = malformed_bodies(random.Random(0))
+    assert len(bodies) >= 200
+
+    def send(item):
+        path, body = item
+        return item, httpx.post(server.url + path, content=body, timeout=30,
+                                headers={"content-type": "application/json"})
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(send, bodies))
+    wrong = [(item, r.status_code, r.text[:200]) for item, r in answers
+             if not (400 <= r.status_code < 500 and _shape_ok(r))]
+    assert not wrong, wrong[:5]
+    assert {r.status_code for _, r in answers} <= {400, 404, 413}
+    assert server.post(GOOD).json()["choices"][0]["text"] == want
+    assert httpx.get(server.url + "/nowhere").json()["error"]["code"] == "404"
+    assert httpx.get(server.url + "/v1/completions").status_code == 405
+
+
+def test_a_tiny_temperature_is_greedy_and_top_k_0_is_off(server):
+    greedy = server.post(GOOD).json()["choices"][0]["text"]
+    for extra in ({"temperature": 1e-45}, {"temperature": 1e-6, "top_k": 0}, {"temperature": 0, "top_k": -1}):
+        r = server.post(_with(GOOD, **extra))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy, extra
+
+
+def _raw(server, head: bytes, body: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(head + body)
+    return sock
+
+
+def test_a_body_shorter_than_its_content_length_times_out_and_stalls_no_one(server, model):
+    want = offline(model, server.tokenizer, PROMPTS[2], 10)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n")
+    sock = _raw(server, head, b'{"prompt": "a"')
+    try:
+        start = time.monotonic()
+        with ThreadPoolExecutor(3) as pool:        # meanwhile the others are answered as usual
+            texts = [r.json()["choices"][0]["text"] for r in pool.map(server.post, [_with(
+                GOOD, prompt=PROMPTS[2], max_tokens=10)] * 3)]
+        assert texts == [want] * 3
+        reply = b""
+        while b"}}" not in reply and (chunk := sock.recv(65536)):
+            reply += chunk
+        reply = reply.decode()
+        assert reply.startswith("HTTP/1.1 408") and time.monotonic() - start < 5
+        assert "not received within 1 s" in reply
+    finally:
+        sock.close()
+
+
+def test_a_client_leaving_mid_upload_is_quiet(server, caplog):
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 500\r\n\r\n")
+    with caplog.at_level(logging.ERROR):
+        for _ in range(3):
+            _raw(server, head, b'{"prompt": ').close()
+        time.sleep(0.3)
+        assert server.post(GOOD).status_code == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_stop_strings_past_the_limits_are_refused(server):
+    for stop in (["x"] * 17, "s" * 300_000, ["ok", "y" * 257]):
+        r = server.post(_with(GOOD, stop=stop))
+        assert r.status_code in (400, 413) and r.json()["error"]["param"] in ("stop", None)
+    many = ["".join(random.Random(i).choices("abcdefgh", k=256)) for i in range(16)]   # the most allowed
+    assert server.post(_with(GOOD, stop=many)).status_code == 200
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_slot_at_once(model):
+    slow = tiny_model(0).eval()
+    slow.register_forward_pre_hook(lambda m, a: time.sleep(0.02))
+    s = Server(slow, slots=1, context=96, max_tokens=64)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + "/v1/completions", json=_with(GOOD, max_tokens=60), timeout=0.4)
+        time.sleep(0.15)                                          # the disconnect reaches the server
+        steps = s.batcher.steps
+        time.sleep(0.3)
+        assert s.batcher.steps <= steps + 1 and s.batcher.load() == (0, 0)
+        assert steps < 40                                         # it stopped long before its 60 tokens
+    finally:
+        s.close()
+
+
+def test_waiting_requests_are_admitted_together_in_one_padded_prefill(model):
+    """Six prompts of different lengths waiting for six slots: one prefill forward for all, greedy output
+    equal to one process's (the padding is invisible)."""
+    from bunsan.serve import Batcher, Request
+    from bunsan.training.data import load_tokenizer
+    tok = load_tokenizer(None)
+    shapes = []
+    hook = model.register_forward_pre_hook(lambda m, a: shapes.append(tuple(a[0].shape)))
+    try:
+        b = Batcher(model, 6, 96)
+        outs = {i: [] for i in range(6)}
+        done = threading.Event()
+        ended = []
+        for i, p in enumerate(PROMPTS[:6]):
+            b.submit(Request(ids=tok.encode(p), max_tokens=8, emit=lambda t, i=i: outs[i].append(t.id),
+                             finish=lambda reason: (ended.append(reason), len(ended) == 6 and done.set())))
+        worker = threading.Thread(target=b.run, daemon=True)
+        worker.start()
+        assert done.wait(60)
+        b.stop()
+        worker.join(10)
+    finally:
+        hook.remove()
+    assert shapes[0] == (6, max(len(tok.encode(p)) for p in PROMPTS[:6])) and len(shapes) == 8
+    assert [tok.decode(outs[i]) for i in range(6)] == [offline(model, tok, p, 8) for p in PROMPTS[:6]]
+
+
+def test_shutdown_answers_running_requests_with_an_error_within_the_grace(model):
+    import signal
+    slow = tiny_model(0).eval()
+    slow.register_forward_pre_hook(lambda m, a: time.sleep(0.05))
+    s = Server(slow, slots=2, context=96, max_tokens=64, grace_s=0.5)
+    events = []
+
+    def stream():
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=30,
+                          json=_with(GOOD, max_tokens=60, stream=True)) as r:
+            events.extend(line for line in r.iter_lines() if line.startswith("data: "))
+    reader = threading.Thread(target=stream)
+    reader.start()
+    while not s.batcher.load()[0]:
+        time.sleep(0.02)
+    start = time.monotonic()
+    s.server.handle_exit(signal.SIGTERM, None)
+    reader.join(10)
+    s.thread.join(10)
+    took = time.monotonic() - start
+    assert not s.thread.is_alive() and took < 3, took
+    assert events[-1] == "data: [DONE]" and "shutting down" in events[-2]
+    assert json.loads(events[-2][6:])["error"]["code"] is None
