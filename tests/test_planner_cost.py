@@ -82,7 +82,8 @@ def test_tp_comm_grows_with_micro_batch_and_recompute():
     one = price(Layout(tp=2, micro_batch=1)).tp_comm
     assert rel(price(Layout(tp=2, micro_batch=2)).tp_comm, 2 * one) < 1e-12
     assert rel(price(Layout(tp=2, checkpointing=True)).tp_comm, 1.5 * one) < 1e-12
-    assert price(Layout(tp=2, sequence_parallel=True)).tp_comm == one   # same volume, other collectives
+    # the same points as other collectives, and the saved input slices gathered again in backward
+    assert rel(price(Layout(tp=2, sequence_parallel=True)).tp_comm, 1.25 * one) < 1e-12
 
 
 def test_tp_beyond_a_node_uses_the_inter_node_link():

@@ -66,10 +66,15 @@ def test_tensor_parallel_traffic_per_block(pools, sp):
                                                                 rel=1e-6)
         assert "all_gather/tp" not in stats and "reduce_scatter/tp" not in stats
     else:
-        # the same points become all-gathers and reduce-scatters of the sequence, half the bytes each.
-        for op in ("all_gather/tp", "reduce_scatter/tp"):
-            assert stats[op]["calls"] == 4 * layers + 2
-            assert stats[op]["bytes"] == pytest.approx((4 * layers + 2) * act * ring_half, rel=1e-6)
+        # the same points become all-gathers and reduce-scatters of the sequence, half the bytes each; and
+        # as in Megatron each parallel region (attention, MLP, the head) saves its input's slice and
+        # gathers it again in backward for the weight gradients: one more all-gather per region.
+        regions = 2 * layers + 1
+        assert stats["reduce_scatter/tp"]["calls"] == 4 * layers + 2
+        assert stats["reduce_scatter/tp"]["bytes"] == pytest.approx((4 * layers + 2) * act * ring_half, rel=1e-6)
+        assert stats["all_gather/tp"]["calls"] == 4 * layers + 2 + regions
+        assert stats["all_gather/tp"]["bytes"] == pytest.approx((4 * layers + 2 + regions) * act * ring_half,
+                                                                rel=1e-6)
         norms = 2 * layers + 1       # replicated norm weights: their gradients are summed over the group
         assert stats["all_reduce/tp"]["calls"] == norms + 3 + 1
 

@@ -5,22 +5,23 @@ checked against them in tests/test_estimator.py), for b samples of s tokens, hid
 intermediate i, a query heads and kv key/value heads of head_dim e, model dtype of d bytes,
 tensor-parallel size t:
 
-  each RMSNorm        its fp32 input (the input itself in fp32) 4·bsh and the normalised
-                      d·bsh, plus the fp32 rsqrt 4·bs; on s/t tokens under sequence parallelism
-  block matmul inputs the normed input of q/k/v and of gate/up: 2·d·bsh (all-gathered, full
-                      length, under sequence parallelism)
+  each RMSNorm        its input d·bsh and the fp32 per-token rstd 4·bs (models/saving.py); on s/t
+                      tokens under sequence parallelism
+  block matmul inputs the normed input of q/k/v and of gate/up: 2·d·bsh; under sequence parallelism
+                      the slice before the all-gather, 2·d·bsh/t (gathered again in backward, as Megatron)
   attention           q and the output: 2·d·bsh/t (the output feeds o_proj as a view); k and v:
                       2·d·bs·w/t, w = kv·e where SDPA takes them with their own heads (enable_gqa:
                       CUDA in 16-bit, CPU; Attention.native_gqa), else w = h, repeated to every query
                       head (CUDA fp32, whose memory-efficient kernel needs equal head counts); and the
                       fp32 log-sum-exp 4·b·(a/t)·s
-  MLP                 gate, up, silu(gate), their product: 4·d·bsi/t
+  MLP                 gate and up (the SwiGLU saves only them) and their product, down_proj's input:
+                      3·d·bsi/t
 
-so a block keeps 2(4+d)·bsh/σ + 2d·bsh + 2d·bsh/t + 2d·bsw/t + 4d·bsi/t + 4bas/t + 8bs/σ bytes (σ = t
-under SP, else 1): 40·bsh + 16·bsi in fp32 on CUDA and (20 + 4·kv/a)·bsh + 8·bsi in bf16 at t = 1 (24·bsh
-for plain multi-head attention), where Korthikanti et al. (2022) count s·b·h·(34 + 5as/h) for GPT blocks
-without flash attention. With activation checkpointing a block keeps only its input, d·bsh/σ, and one
-block's full set lives again while it is recomputed in backward.
+so a block keeps (4d·bsh + 8bs)/σ + 2d·bsh/t + 2d·bsw/t + 3d·bsi/t + 4bas/t bytes (σ = t under SP, else
+1): with w = kv·e, 12h + 4h_kv + 6i bytes per token in 16-bit (every term over t under SP) plus the fp32
+statistics, the bound of issue #24 (tests/test_activation_bound.py), where Korthikanti et al. (2022) count
+s·b·h·(34 + 5as/h) for GPT blocks without flash attention. With activation checkpointing a block keeps only
+its input, d·bsh/σ, and one block's full set lives again while it is recomputed in backward.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class Micro:
 
 
 def norm_bytes(c: LlamaConfig, m: Micro) -> float:
-    return ((4 + m.d) * m.b * m.s * c.hidden_size + 4 * m.b * m.s) / m.seq_div
+    return (m.d * m.b * m.s * c.hidden_size + 4 * m.b * m.s) / m.seq_div
 
 
 def block_bytes(c: LlamaConfig, m: Micro) -> float:
@@ -62,8 +63,8 @@ def block_bytes(c: LlamaConfig, m: Micro) -> float:
     grouped = Attention.native_gqa(m.device, m.dtype, c.head_dim, masked=False)
     kv_heads = c.num_key_value_heads // t if grouped else heads
     attention = 2 * d * b * s * (heads + kv_heads) * c.head_dim + 4 * b * heads * s
-    mlp = 4 * d * b * s * (c.intermediate_size // t)
-    return 2 * norm_bytes(c, m) + 2 * d * b * s * h + attention + mlp
+    mlp = 3 * d * b * s * (c.intermediate_size // t)
+    return 2 * norm_bytes(c, m) + 2 * d * b * s * h / m.seq_div + attention + mlp
 
 
 def block_input_bytes(c: LlamaConfig, m: Micro) -> float:

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bunsan.models.saving import rms_norm, swiglu
+
 _POSITIVE_INTS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
@@ -167,11 +169,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))  # default device: where the model is built
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and scale after casting back, exactly as HF does.
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # Normalise in fp32 and scale after casting back, exactly as HF does; backward keeps only the input
+        # and the per-token rstd (models/saving.py)
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
@@ -254,7 +254,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))   # saves gate and up only
 
 
 class DecoderLayer(nn.Module):

@@ -174,6 +174,8 @@ def _tp_comm(model: LlamaConfig, layout: Layout, link: Interconnect) -> float:
         return 0.0
     per_all_reduce = _ring(t, 2 * (t - 1) / t * _activation_bytes(model, layout), link, 2)
     per_layer = 4 + (2 if layout.checkpointing else 0)   # the recomputed forward all-reduces again
+    if layout.sequence_parallel:   # attention's and the MLP's inputs gathered again in backward (saved as slices)
+        per_layer += 1             # two all-gathers: one all-reduce's bytes
     layers = model.num_hidden_layers / layout.pp
     return layout.grad_accum * layers * per_layer * per_all_reduce
 

@@ -74,6 +74,23 @@ class Region:
     def __init__(self, ctx: TPContext):
         self.ctx, self.consumers, self.arrived = ctx, 0, 0
         self.acc, self.handle, self.out = None, None, None
+        # Sequence parallelism: the consumers save this rank's slice of their input, not the gathered whole
+        # (Megatron's way), and backward gathers it once for all of their weight gradients. The slice is
+        # saved by the all-gather's own autograd node (`gather`), so saved-tensor hooks see it.
+        self.gather = None
+        self.full: torch.Tensor | None = None
+        self.input_users = self.input_served = 0
+
+    def full_input(self) -> torch.Tensor:
+        """The gathered input, for a consumer's weight gradient: gathered at the first ask, released after the
+        last."""
+        if self.full is None:
+            self.full = _gather_seq(self.ctx, self.gather.saved_tensors[0])
+        full = self.full
+        self.input_served += 1
+        if self.input_served == self.input_users:
+            self.full, self.input_served = None, 0
+        return full
 
     def add(self, dx: torch.Tensor) -> None:
         """A consumer's input gradient; the last one starts the collective."""
@@ -144,6 +161,9 @@ class GatherSeq(torch.autograd.Function):
     def forward(fctx, ctx, x, region):
         fctx.ctx, fctx.region = ctx, region
         fctx.set_materialize_grads(False)
+        if region is not None:
+            fctx.save_for_backward(x)
+            region.gather = fctx
         return _gather_seq(ctx, x)
 
     @staticmethod
@@ -184,14 +204,21 @@ class RegionLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(fctx, x, weight, region):
-        fctx.save_for_backward(x, weight)
+        fctx.by_shard = region.gather is not None
+        if fctx.by_shard:       # the all-gather keeps the slice; x (the gathered whole) is not kept
+            region.input_users += 1
+            fctx.save_for_backward(weight)
+        else:
+            fctx.save_for_backward(x, weight)
         fctx.region = region
         return torch.nn.functional.linear(x, weight)
 
     @staticmethod
     def backward(fctx, gy):
-        x, weight = fctx.saved_tensors
+        saved = fctx.saved_tensors      # (unpacked once: checkpointing allows no second unpack)
+        weight = saved[-1]
         fctx.region.add(gy.matmul(weight))
+        x = fctx.region.full_input() if fctx.by_shard else saved[0]
         gw = None
         if fctx.needs_input_grad[1]:
             gw = gy.reshape(-1, gy.shape[-1]).t().matmul(x.reshape(-1, x.shape[-1]))

@@ -1,0 +1,125 @@
+"""bunsan's Llama block saves what its backward needs and little more: measured tensor by tensor with
+saved_tensors_hooks against the bound of issue #24, per token per layer in 16-bit
+
+    attention  2h (norm input) + 2h (normed input of q/k/v) + 2h + 4h_kv (q, k, v) + 2h (o_proj's input)
+    MLP        2h (norm input) + 2h (normed input of gate/up) + 2i + 2i (gate, up) + 2i (down_proj's input)
+
+plus fp32 statistics (each norm's rstd, SDPA's log-sum-exp per head); twice the 16-bit terms in fp32; every
+term divided by the tensor-parallel size under sequence parallelism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bunsan.models.llama import DecoderLayer, LlamaConfig, rope_tables
+
+B, S = 2, 64
+
+
+def config(kv_heads: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=704, num_hidden_layers=1,
+                       num_attention_heads=8, num_key_value_heads=kv_heads, max_position_embeddings=S)
+
+
+def bound(c: LlamaConfig, d: int, tp: int = 1) -> float:
+    """Bytes per token of one block, on one rank (sequence parallelism: every term over tp)."""
+    h, h_kv, i = c.hidden_size, c.num_key_value_heads * c.head_dim, c.intermediate_size
+    sixteen_bit = (12 * h + 4 * h_kv + 6 * i) / 2 * d
+    stats = 2 * 4 + 4 * c.num_attention_heads
+    return (sixteen_bit + stats) / tp
+
+
+def saved_bytes(run, exclude: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves while `run()` runs, parameters and buffers left out."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return sum(seen.values()), out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
+def test_block_saves_within_ten_percent_of_the_bound(dtype, kv_heads):
+    c = config(kv_heads)
+    torch.manual_seed(0)
+    layer = DecoderLayer(c).to(dtype)
+    cos, sin = rope_tables(c)
+    x = torch.randn(B, S, c.hidden_size, dtype=dtype, requires_grad=True)
+    got, out = saved_bytes(lambda: layer(x, cos[:S], sin[:S]),
+                           list(layer.parameters()) + [cos, sin])
+    per_token = got / (B * S)
+    want = bound(c, torch.finfo(dtype).bits // 8)
+    assert want <= per_token <= 1.10 * want, f"{per_token:.0f} bytes per token saved; the bound is {want:.0f}"
+    out.float().sum().backward()     # (what was saved is enough)
+
+
+def _sp_block(rank, world, kv_heads, dtype):
+    import torch.distributed as dist
+
+    from bunsan.comm.collectives import Comm
+    from bunsan.comm.work import Group
+    from bunsan.models.llama import Llama
+    from bunsan.tensor_parallel import TPContext, apply_tensor_parallel
+    c = config(kv_heads)
+    torch.manual_seed(0)
+    model = Llama(c).to(dtype)
+    ctx = TPContext(Comm(), Group("tp", dist.group.WORLD, world, rank, tuple(range(world))), sequence_parallel=True)
+    apply_tensor_parallel(model, ctx)
+    layer = model.layers[0]
+    x = torch.randn(B, S // world, c.hidden_size, dtype=dtype, requires_grad=True)
+    got, out = saved_bytes(lambda: layer(x, model.rope_cos[:S], model.rope_sin[:S]),
+                           list(model.parameters()) + list(model.buffers()))
+    out.float().sum().backward()
+    return got / (B * S)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa"])
+def test_sequence_parallel_block_saves_its_share_of_the_bound(pools, dtype, kv_heads):
+    c = config(kv_heads)
+    want = bound(c, torch.finfo(dtype).bits // 8, tp=2)
+    for per_token in pools.run(2, _sp_block, 2, kv_heads, dtype):
+        assert want <= per_token <= 1.10 * want, f"{per_token:.0f} bytes per token; the bound is {want:.0f}"
+
+
+def test_logits_and_gradients_equal_the_eager_forms():
+    """The saving forms against the eager ones they replace (autograd through every op), fp32."""
+    import torch.nn.functional as F
+
+    from bunsan.models.llama import MLP, Llama, RMSNorm
+    c = config(2)
+    c.num_hidden_layers = 2
+    torch.manual_seed(0)
+    model = Llama(c)
+    ids = torch.randint(0, c.vocab_size, (B, S))
+
+    def run():
+        model.zero_grad()
+        logits = model(ids)
+        logits.square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+    saving = run()
+
+    def eager_norm(self, x):
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def eager_mlp(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    for m in model.modules():
+        if isinstance(m, RMSNorm):
+            m.forward = eager_norm.__get__(m)
+        elif isinstance(m, MLP):
+            m.forward = eager_mlp.__get__(m)
+    eager = run()
+    torch.testing.assert_close(saving[0], eager[0], rtol=1e-6, atol=0)
+    for a, b in zip(saving[1], eager[1]):    # (relative to each gradient's scale: fp32 rounding of sums)
+        assert (a - b).abs().max() <= 1e-6 * b.abs().max()
