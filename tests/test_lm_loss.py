@@ -141,3 +141,23 @@ def test_saves_no_fp32_copy_of_the_logits():
     big = [(dt, k, same) for dt, k, same in ours if k >= n]
     assert big == [(torch.bfloat16, n, True)]   # the logits themselves, as they came
     assert sum(k for _, k, _ in ours) == n + labels.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_holds_one_chunk_of_fp32_work_at_a_time(dtype):
+    """One chunk's fp32 work at a time, as the estimator prices it: in 16-bit the upcast and the log-softmax,
+    forward and backward; in fp32 the log-softmax in forward, and in backward nothing beyond the gradient
+    (its own rows are the work)."""
+    from live_bytes import LiveBytes
+    rows, chunk_rows, vocab = 512, 64, 2001
+    x = torch.randn(rows, vocab).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (rows,))
+    with LiveBytes() as forward:
+        loss = lm_loss_sum(x, labels, chunk_rows)
+    with LiveBytes() as backward:
+        loss.backward()
+    chunk, small = 4 * chunk_rows * vocab, 64 * rows        # small: a few [rows] vectors
+    fwd_buffers, bwd_buffers = (2, 2) if dtype == torch.bfloat16 else (1, 0)
+    assert fwd_buffers * chunk <= forward.peak <= fwd_buffers * chunk + small
+    extra = backward.peak - x.grad.numel() * x.grad.element_size()
+    assert bwd_buffers * chunk <= extra <= bwd_buffers * chunk + small

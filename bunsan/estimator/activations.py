@@ -84,25 +84,28 @@ def embedding_bytes(c: LlamaConfig, m: Micro) -> float:
 def loss_bytes(c: LlamaConfig, m: Micro) -> tuple[float, float]:
     """(kept, transient) bytes of the logits and the cross-entropy over bsV/t logits.
 
-    Without tensor parallelism (bunsan.lm_loss, chunked): kept until backward, the logits themselves (d
-    bytes); transient, the logits' gradient (d bytes each) when backward starts, plus one chunk's fp32
-    work (its upcast and log-softmax in 16-bit; the log-softmax alone in fp32, written straight into the
-    gradient in backward). Vocabulary-parallel (tensor_parallel/loss.py, t > 1): kept, the fp32 log-softmax
-    of the rank's slice; transient, the incoming and outgoing fp32 gradients of the log-softmax (and their
-    cast back to d bytes in 16-bit); in forward the logits and their fp32 copy are smaller than that.
+    Both losses walk the logits a chunk of rows at a time (default_chunk_rows of the rank's width), so
+    their fp32 work lives one chunk at a time, and keep until backward the logits themselves (d bytes
+    each); the int64 labels are the token ids the embedding keeps already. When backward starts the
+    logits' gradient (d bytes each) appears, whole. Per loss:
+
+      bunsan.lm_loss (t = 1)              forward: the chunk's upcast and log-softmax (one buffer in fp32);
+                                          backward: the same two in 16-bit, none in fp32 (the gradient's
+                                          own rows are the work)
+      tensor_parallel/loss.py (t > 1)     kept besides: the fp32 max and sum of exp of each row (8·bs);
+                                          forward: one buffer (logit - max, exponentiated in place);
+                                          backward: that one in 16-bit, none in fp32
     """
+    from bunsan.models.loss import default_chunk_rows
     v = -(-c.vocab_size // m.tp)
     n = m.b * m.s * v
+    chunk = min(m.b * m.s, default_chunk_rows(v)) * v
     if m.tp == 1:
-        from bunsan.models.loss import default_chunk_rows
-        chunk = min(m.b * m.s, default_chunk_rows(c.vocab_size)) * v
         backward = m.d * n + (8 * chunk if m.d < 4 else 0)
         forward = 8 * chunk if m.d < 4 else 4 * chunk
         return m.d * n, max(backward, forward)
-    kept = 4 * n + 4        # and nll_loss's fp32 total weight
-    backward = 8 * n + (m.d * n if m.d < 4 else 0)
-    forward = m.d * n + (4 * n if m.d < 4 else 0)
-    return kept, max(backward, forward)
+    backward = m.d * n + (4 * chunk if m.d < 4 else 0)
+    return m.d * n + 8 * m.b * m.s, max(backward, 4 * chunk)
 
 
 def stage_activation_bytes(c: LlamaConfig, m: Micro, blocks: int, first: bool, last: bool,

@@ -44,9 +44,19 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int | No
     of shape logits.shape[:-1], integer. chunk_rows: rows of the flattened [N, V] logits per chunk
     (default: CHUNK_ELEMENTS / V).
     """
+    labels = checked_labels(logits, labels, logits.shape[-1] if logits.dim() else 0)
+    chunk_rows = checked_chunk_rows(chunk_rows, logits.shape[-1])
+    return _ChunkedCrossEntropySum.apply(logits, labels, chunk_rows)
+
+
+def checked_labels(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The labels flattened to int64, after the checks of lm_loss_sum's docstring. vocab: the real
+    vocabulary, which the labels must fall in (under vocabulary parallelism, not the rank's slice)."""
     if logits.dim() < 1 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float tensor [..., vocab], got {logits.dtype} of shape "
                          f"{tuple(logits.shape)}")
+    if logits.shape[-1] < 1:
+        raise ValueError("logits have an empty vocabulary dimension")
     if labels.shape != logits.shape[:-1]:
         raise ValueError(f"labels of shape {tuple(labels.shape)} do not match logits {tuple(logits.shape)}: "
                          f"expected {tuple(logits.shape[:-1])}")
@@ -54,13 +64,6 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int | No
         raise ValueError(f"labels must be integer token ids, got {labels.dtype}")
     if labels.device != logits.device:
         raise ValueError(f"labels on {labels.device} but logits on {logits.device}")
-    vocab = logits.shape[-1]
-    if vocab < 1:
-        raise ValueError("logits have an empty vocabulary dimension")
-    if chunk_rows is None:
-        chunk_rows = default_chunk_rows(vocab)
-    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
     labels = labels.reshape(-1).long()
     if labels.device.type == "cpu":   # free here; on a GPU it would sync, so the gather asserts instead
         bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))
@@ -69,7 +72,16 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int | No
             label = int(labels[i])           # host: CPU labels, for the error
             raise ValueError(f"label {label} at flat position {i} is outside [0, {vocab}) and is not the "
                              f"ignore index {IGNORE_INDEX}")
-    return _ChunkedCrossEntropySum.apply(logits, labels, chunk_rows)
+    return labels
+
+
+def checked_chunk_rows(chunk_rows: int | None, width: int) -> int:
+    """chunk_rows as given (a positive int), or the default for rows of `width` logits."""
+    if chunk_rows is None:
+        return default_chunk_rows(width)
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be a positive int, got {chunk_rows!r}")
+    return chunk_rows
 
 
 def _targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,6 +101,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
             logp = torch.log_softmax(flat[start:start + chunk_rows].float(), dim=-1)
             picked = logp.gather(1, index).squeeze(1)
             total += torch.where(keep, -picked, 0.0).sum()
+            del logp                        # before the next chunk's buffers: one chunk's alive at a time
         ctx.save_for_backward(logits, labels)
         ctx.chunk_rows = chunk_rows
         return total
@@ -112,4 +125,5 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
             work.exp_().mul_(g_row).scatter_add_(1, index, -g_row)
             if out is None:
                 grad_flat[start:end].copy_(work)                 # the cast `.float()`'s backward makes
+            del work
         return grad, None, None
