@@ -51,9 +51,6 @@ UNIMPLEMENTED: list[tuple[str, typing.Callable[[Config], bool], str]] = [
      "activation_checkpointing.partition_activations=true: partitioning checkpointed activations across "
      "tensor-parallel ranks is not implemented; use tensor_parallel.sequence_parallel, which shards the "
      "activations between blocks, and set partition_activations to false"),
-    ("activation_checkpointing.cpu_checkpointing", lambda c: c.activation_checkpointing.cpu_checkpointing,
-     "activation_checkpointing.cpu_checkpointing=true: offloading checkpointed activations to CPU is not "
-     "planned; set it to false (activation_checkpointing.enabled recomputes activations instead)"),
     ("fp16.auto_cast", lambda c: c.fp16.auto_cast,
      "fp16.auto_cast=true: casting floating-point forward inputs to float16 is not implemented; cast them "
      "yourself before calling the engine (token ids need no cast) and set fp16.auto_cast to false"),
