@@ -142,6 +142,17 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _compiled_blocks(self) -> Config:
+        ac = self.activation_checkpointing
+        if self.train.compile and (ac.recompute_mode == "selective" or ac.offloaded):
+            what = "mode selective (its policy follows module hooks)" if ac.recompute_mode == "selective" \
+                else f"offload_blocks {ac.offloaded} (its saved-tensor hooks)"
+            raise Rule(("train.compile", f"train.compile with activation_checkpointing.{what}: torch.compile "
+                                         "cannot trace it and would run those blocks uncompiled; set "
+                                         "train.compile to false, or use mode full without offload"))
+        return self
+
+    @model_validator(mode="after")
     def _log_ignored(self) -> Config:
         log_ignored(self)  # DeepSpeed keys bunsan has no use for: said once, never silently accepted
         return self
