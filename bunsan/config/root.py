@@ -51,6 +51,12 @@ UNIMPLEMENTED: list[tuple[str, typing.Callable[[Config], bool], str]] = [
      "activation_checkpointing.partition_activations=true: partitioning checkpointed activations across "
      "tensor-parallel ranks is not implemented; use tensor_parallel.sequence_parallel, which shards the "
      "activations between blocks, and set partition_activations to false"),
+    # (not a missing feature: a DeepSpeed config that asks it without model-code checkpointing still prices)
+    ("activation_checkpointing.cpu_checkpointing",
+     lambda c: c.activation_checkpointing.cpu_checkpointing and c.activation_checkpointing.recompute_mode == "none",
+     "activation_checkpointing.cpu_checkpointing=true moves checkpointed activations to host memory, but "
+     "nothing is checkpointed (DeepSpeed checkpoints from model code, bunsan from the config): set "
+     "activation_checkpointing.mode to full or selective, or use offload_blocks to offload without recompute"),
     ("fp16.auto_cast", lambda c: c.fp16.auto_cast,
      "fp16.auto_cast=true: casting floating-point forward inputs to float16 is not implemented; cast them "
      "yourself before calling the engine (token ids need no cast) and set fp16.auto_cast to false"),

@@ -375,20 +375,15 @@ class Zero(Section):
 
 
 class ActivationCheckpointing(Section):
-    """Recompute activations in backward instead of keeping them, or keep them in host memory; DeepSpeed's
-    section plus bunsan's switches."""
-    enabled: bool = Field(False, description="bunsan: recompute each transformer block's activations in backward "
-                                             "(mode full); DeepSpeed enables checkpointing from model code instead")
-    mode: Optional[RecomputeMode] = Field(None, description="bunsan: none, full (each block recomputed from its "
-                                          "input) or selective (matmul outputs kept, the rest of the block "
-                                          "recomputed); unset = full when enabled, else none")
-    recompute: Optional[list[str]] = Field(None, description="bunsan, mode selective: which of attention (the "
-                                           "SDPA core) and swiglu (silu(gate) * up) backward recomputes; the "
-                                           "norms and rotary always are; unset = both")
-    offload_blocks: Blocks = Field(0, description="bunsan: the first N transformer blocks of "
-                                                  "each rank (or all) keep what they save for backward in host "
-                                                  "memory, pinned and copied asynchronously on CUDA (a no-op on "
-                                                  "CPU); with recompute, what the recompute keeps")
+    """Recompute activations in backward, or keep them in host memory; DeepSpeed's section plus bunsan's."""
+    enabled: bool = Field(False, description="bunsan: recompute each block in backward (mode full); DeepSpeed "
+                                             "checkpoints from model code instead")
+    mode: Optional[RecomputeMode] = Field(None, description="bunsan: none, full (from each block's input) or "
+                                          "selective (matmul outputs kept); unset: full if enabled")
+    recompute: Optional[list[str]] = Field(None, description="bunsan, mode selective: which of attention (SDPA) "
+                                           "and swiglu backward re-runs; unset = both")
+    offload_blocks: Blocks = Field(0, description="bunsan: the first N blocks of each rank (or "
+                                                  "all) keep their saved activations in host memory")
     partition_activations: bool = Field(False, description="Shard checkpointed activations over tensor-parallel "
                                                            "ranks (DeepSpeed's meaning); not built: true is an error")
     cpu_checkpointing: bool = Field(False, description="Move checkpointed activations to CPU memory (DeepSpeed's "
@@ -415,8 +410,9 @@ class ActivationCheckpointing(Section):
 
     @property
     def offloaded(self) -> int | str:
-        """Blocks per rank whose saved activations go to host memory: a count, or "all"."""
-        return "all" if self.cpu_checkpointing else self.offload_blocks
+        """Blocks per rank whose saved activations go to host memory: a count, or "all" (cpu_checkpointing
+        with recompute on; without, initialize refuses it: root.py UNIMPLEMENTED)."""
+        return "all" if self.cpu_checkpointing and self.recompute_mode != "none" else self.offload_blocks
 
     @model_validator(mode="after")
     def _recompute(self) -> ActivationCheckpointing:
@@ -433,11 +429,6 @@ class ActivationCheckpointing(Section):
                 fix = suggest(str(unknown[0]), SELECTIVE_OPS) if unknown else "list each op once"
                 raise Rule(("recompute", f"recompute {show(self.recompute)} must list distinct ops of "
                                          f"{list(SELECTIVE_OPS)}; {fix}"))
-        if self.cpu_checkpointing and self.recompute_mode == "none":
-            raise Rule(("cpu_checkpointing", "cpu_checkpointing moves checkpointed activations to host memory, "
-                                             "but nothing is checkpointed; set mode to full or selective (or "
-                                             "enabled to true), or use offload_blocks to offload without "
-                                             "recompute"))
         if self.cpu_checkpointing and self.offload_blocks != 0:
             raise Rule(("offload_blocks", f"offload_blocks {show(self.offload_blocks)} with cpu_checkpointing "
                                           "true, which offloads every block; set one of them"))
