@@ -43,6 +43,9 @@ SDPA_OPS = {getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_fused_attention_overrideable")}
 
+MATMUL_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+              torch.ops.aten.baddbmm.default}
+
 KEEP, RECOMPUTE, CORE, SWIGLU, BLOCK = "keep", "recompute", "attention", "swiglu", "block"
 
 
@@ -68,13 +71,13 @@ class Regions:
 
     def keeps(self, op) -> bool:
         region = self.stack[-1]
+        if region == KEEP:      # the matmul itself: not the copy a strided input (SP's gather) is made into
+            return op in MATMUL_OPS
         if region == CORE:
             return op in SDPA_OPS and CORE not in self.ops
         if region == SWIGLU:
             return SWIGLU not in self.ops
-        if region == BLOCK:     # the residual adds between attention and MLP
-            return self.keep_residual
-        return region == KEEP
+        return region == BLOCK and self.keep_residual     # the residual adds between attention and MLP
 
 
 def allocates(op) -> bool:
