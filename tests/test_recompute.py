@@ -14,18 +14,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import bunsan
 from bunsan.config.root import Config, ConfigError
-from bunsan.estimator.activations import Micro, block_bytes, block_input_bytes
-from bunsan.estimator.recompute import kept_per_block, selective_kept
+from bunsan.estimator import estimate_layout
+from bunsan.estimator.activations import Micro, block_bytes, block_input_bytes, stage_activation_bytes
+from bunsan.estimator.layout import Layout
+from bunsan.estimator.recompute import kept_per_block, selective_kept, stage_bytes
 from bunsan.memory.held import held_for_backward
 from bunsan.models import Llama
 from bunsan.models.llama import LlamaConfig
 from bunsan.models.blocks import SELECTIVE_OPS
 from bunsan.models.presets import build_config
+from bunsan.planner.cost import step_time
+from bunsan.planner.search import plan
 from bunsan.transforms.checkpointing import apply_activation_checkpointing
 from bunsan.transforms.offload import HostCopy, apply_activation_offload, stretch_of
 from bunsan.transforms.selective import apply_selective_recompute
 from parity import Setup, assert_parity, reference_for, sgd_no_clip, train
 
+GiB = 1024 ** 3
 SETUP = Setup(steps=3, rows=4, seq=32)
 CHOICES = [{"mode": "full"}, {"mode": "selective"}, {"mode": "selective", "recompute": ["swiglu"]},
            {"mode": "selective", "recompute": []}, {"offload_blocks": 2},
@@ -257,6 +262,68 @@ def test_offload_on_the_gpu_matches():
     assert all(o.host_bytes == block_bytes(model.config, Micro(3, 40, 4)) for o in offloads)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+# -- pricing: estimator, cost model, planner -------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["none", "full"])
+@pytest.mark.parametrize("first,last", [(True, True), (False, False)])
+def test_stage_bytes_are_the_estimators_for_none_and_full(mode, first, last):
+    c, m = build_config("7b"), Micro(2, 4096, 2, tp=2, sp=True)
+    want = stage_activation_bytes(c, m, 16, first, last, mode == "full", 3)
+    got = stage_bytes(c, m, 16, first, last, mode, 3)
+    assert {k: got[k] for k in want} == want and got["host"] == 0
+
+
+def test_offloaded_blocks_move_to_host_memory():
+    lay = Layout(seq_len=4096, micro_batch=2)
+    c, m = build_config("7b"), Micro(2, 4096, 2)
+    item = lambda e, name: next((i for i in e.items if i.name == name), None)   # noqa: E731
+    plain, moved = estimate_layout("7b", lay), estimate_layout("7b", lay.replace(offload_blocks=10))
+    assert item(plain, "offloaded activations") is None
+    assert item(moved, "offloaded activations").host == 10 * block_bytes(c, m)
+    assert item(plain, "activations").device - item(moved, "activations").device == 10 * block_bytes(c, m)
+    selective = estimate_layout("7b", lay.replace(checkpointing="selective", offload_blocks="all"))
+    assert item(selective, "offloaded activations").host == c.num_hidden_layers * block_input_bytes(c, m)
+    on_cpu = estimate_layout("7b", lay.replace(offload_blocks=10), device_type="cpu")
+    assert item(on_cpu, "offloaded activations") is None        # the host is the device: nothing moves
+    assert moved.peak < plain.peak and selective.peak < plain.peak
+
+
+def test_a_layout_says_its_recompute_in_its_config():
+    for lay in (Layout(checkpointing="selective", recompute_ops=("attention",), offload_blocks=3),
+                Layout(checkpointing=True, offload_blocks="all"), Layout(offload_blocks=2)):
+        cfg = Config.load(lay.to_config({"activation_checkpointing": {"enabled": True, "cpu_checkpointing": True}}))
+        assert Layout.from_config(cfg, 1) == lay
+    assert Layout(checkpointing=True) == Layout(checkpointing="full") and Layout().checkpointing == "none"
+    assert "sel(swiglu) act->cpu(2)" in Layout(checkpointing="selective", recompute_ops=("swiglu",),
+                                               offload_blocks=2).describe()
+    with pytest.raises(ValueError, match="Layout.checkpointing must be one of none, full, selective"):
+        Layout(checkpointing="some")
+
+
+def test_selective_recomputes_a_fraction_of_full():
+    from bunsan.estimator.hardware import gpu_spec, interconnect
+    c, link = build_config("7b"), interconnect("nvlink")
+
+    def price(**kw):
+        return step_time(c, Layout(seq_len=4096, **kw), gpu_spec("h100"), link, link, 8)
+    full, sel = price(checkpointing="full"), price(checkpointing="selective")
+    assert sel.recompute == pytest.approx(full.compute * 4 * c.hidden_size * 4096 * c.num_hidden_layers
+                                          / full.flops_per_token)
+    assert 0 < sel.recompute < full.recompute and price(checkpointing="selective", recompute_ops=()).recompute == 0
+    tp = price(checkpointing="selective", recompute_ops=(), tp=2)     # o_proj's matmul, all-reduced in place
+    assert tp.recompute > 0 and tp.tp_comm < price(checkpointing="full", tp=2).tp_comm
+    assert price(offload_blocks=4).offload > price().offload == 0
+
+
+def test_the_planner_offloads_the_blocks_that_do_not_fit():
+    p = plan("1b", 1, 8 * GiB, gpu="h100", seq_len=8192, global_batch=8, precision="bf16", keep=3)
+    best = p.ranked[0]
+    assert best.layout.offload_blocks not in (0, "all")
+    fewer = best.layout.replace(offload_blocks=best.layout.offload_blocks - 1)
+    assert not estimate_layout("1b", fewer, gpu_memory=8 * GiB).fits(p.margin)
+    roomy = plan("1b", 1, 24 * GiB, gpu="h100", seq_len=8192, global_batch=8, precision="bf16", keep=3)
+    assert roomy.ranked[0].layout.checkpointing == "selective" and roomy.ranked[0].layout.offload_blocks == 0
 
 
 # -- the config -----------------------------------------------------------------------------------------------
