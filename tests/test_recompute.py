@@ -52,6 +52,14 @@ def test_bunsan_llama_matches_no_recompute(ac):
     assert_parity([train(0, 1, cfg, SETUP)], reference_for(cfg, SETUP))
 
 
+def test_lora_selective_matches_no_recompute():
+    """peft's layers: the base matmul's output is kept, the adapters' recomputed; o_proj is no plain Linear."""
+    pytest.importorskip("peft")
+    cfg = _cfg({"mode": "selective"}, lora={"enabled": True, "r": 4,
+                                           "target_modules": ["q_proj", "v_proj", "o_proj", "up_proj"]})
+    assert_parity([train(0, 1, cfg, SETUP)], reference_for(cfg, SETUP))
+
+
 @pytest.mark.parametrize("ac", CHOICES[1:3] + CHOICES[5:6], ids=_ids)
 def test_hugging_face_llama_matches_no_recompute(ac):
     from test_hf_models import data, reference, tiny
@@ -68,6 +76,13 @@ def test_hugging_face_llama_matches_no_recompute(ac):
 def test_tensor_parallel_selective_matches_no_recompute(pools, sp):
     """o_proj is a row layer that all-reduces in place: selective keeps the residual after it instead."""
     cfg = _cfg({"mode": "selective", "offload_blocks": 1}, tensor_parallel={"size": 2, "sequence_parallel": sp})
+    assert_parity(pools.run(2, train, 2, cfg, SETUP), reference_for(cfg, SETUP))
+
+
+def test_zero3_selective_and_offload_match_no_recompute(pools):
+    """ZeRO-3 gathers a block's weights in its forward and again for its backward, where the recompute runs."""
+    cfg = _cfg({"mode": "selective", "offload_blocks": 2}, train_micro_batch_size_per_gpu=2,
+               zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
     assert_parity(pools.run(2, train, 2, cfg, SETUP), reference_for(cfg, SETUP))
 
 
