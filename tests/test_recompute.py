@@ -73,9 +73,12 @@ def test_hugging_face_llama_matches_no_recompute(ac):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
-def test_tensor_parallel_selective_matches_no_recompute(pools, sp):
-    """o_proj is a row layer that all-reduces in place: selective keeps the residual after it instead."""
-    cfg = _cfg({"mode": "selective", "offload_blocks": 1}, tensor_parallel={"size": 2, "sequence_parallel": sp})
+@pytest.mark.parametrize("ops", [list(SELECTIVE_OPS), ["attention"]], ids=["both", "attention"])
+def test_tensor_parallel_selective_matches_no_recompute(pools, sp, ops):
+    """o_proj is a row layer that all-reduces in place: selective keeps the residual after it instead; the
+    all-gathers into attention and MLP are recomputed, whatever else is kept."""
+    cfg = _cfg({"mode": "selective", "recompute": ops, "offload_blocks": 1},
+               tensor_parallel={"size": 2, "sequence_parallel": sp})
     assert_parity(pools.run(2, train, 2, cfg, SETUP), reference_for(cfg, SETUP))
 
 

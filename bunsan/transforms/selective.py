@@ -56,10 +56,13 @@ class Regions:
     def __init__(self, ops: tuple[str, ...], keep_residual: bool):
         self.ops, self.keep_residual, self.stack = frozenset(ops), keep_residual, [BLOCK]
 
-    def enter(self, region: str):
-        def push(module, args):
-            self.stack.append(region)
-        return push
+    def enter(self, module, args):
+        self.stack.append(RECOMPUTE)
+
+    def become(self, region: str):
+        def mark(module, args):
+            self.stack[-1] = region
+        return mark
 
     def leave(self, module, args, output):
         self.stack.pop()
@@ -106,8 +109,11 @@ def llama_parts(block: nn.Module) -> dict[str, nn.Module]:
 
 
 def tag(module: nn.Module, region: str, regions: Regions) -> None:
-    # prepend: the region starts before any other pre-hook (tensor parallelism's all-gather into the block)
-    module.register_forward_pre_hook(regions.enter(region), prepend=True)
+    """The module's forward runs in `region`; its other pre-hooks (tensor parallelism's all-gather into the
+    attention and the MLP, registered before) run recomputed: never kept, so never a cached tensor the
+    collective then writes into."""
+    module.register_forward_pre_hook(regions.enter, prepend=True)
+    module.register_forward_pre_hook(regions.become(region))
     module.register_forward_hook(regions.leave, always_call=True)
 
 
@@ -131,10 +137,7 @@ def tag_block(block: nn.Module, ops: tuple[str, ...]) -> Regions:
     for part, module in parts.items():
         for name in INPUT_PROJECTIONS[part]:
             tag_projection(getattr(module, name), KEEP, regions)
-    if keep_output:
-        tag_projection(output, KEEP, regions)
-    else:
-        tag(output, RECOMPUTE, regions)
+    tag(output, KEEP if keep_output else RECOMPUTE, regions)
     tag(parts[MLP].down_proj, RECOMPUTE, regions)
     return regions
 
