@@ -150,7 +150,7 @@ def test_selective_keeps_what_the_estimator_prices(dtype, kv_heads, ops):
     if ops == SELECTIVE_OPS:    # the same measure agrees with the saved-tensor count for none and full
         assert _per_block(build, ids, lambda model: model) == block_bytes(c, m)
         assert _per_block(build, ids, _full) == block_input_bytes(c, m)
-        assert kept_per_block(c, m, "selective") < 0.5 * kept_per_block(c, m, "none")
+        assert kept_per_block(c, m, "selective") < 0.75 * kept_per_block(c, m, "none")
 
 
 def _held_under_tp(rank, world, sp, ids):
