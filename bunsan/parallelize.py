@@ -1,7 +1,7 @@
 """`initialize`: a plain model becomes a training engine through transforms applied in one visible order,
 
     (tensor-parallel plan) -> pipeline cut -> LoRA -> materialise -> tensor parallel -> activation checkpointing
-    -> compile -> data parallel (the ZeRO strategy) -> Engine
+    (full or selective) and offload -> compile -> data parallel (the ZeRO strategy) -> Engine
 
 torchtitan's order. Each transform below is a function with one job; the model code never learns about
 any of them (parameter names and state-dict keys stay those of the plain model).
@@ -30,6 +30,8 @@ from bunsan.tensor_parallel.plan import check_plan_matches, resolve_plan
 from bunsan.transforms.checkpointing import apply_activation_checkpointing
 from bunsan.transforms.compile import apply_compile
 from bunsan.transforms.lora import adapter_aware, apply_lora, check_targets
+from bunsan.transforms.offload import apply_activation_offload
+from bunsan.transforms.selective import apply_selective_recompute
 from bunsan.zero import OtherDims, make_strategy
 
 
@@ -194,12 +196,19 @@ def tensor_parallel(model: nn.Module, at: Placement, tp_plan: dict | None, pipe)
 
 
 def recompute(model: nn.Module, cfg: Config, pipe) -> None:
-    """Activation checkpointing of every block; a pipeline stage of only the embedding or head has none."""
-    if not cfg.activation_checkpointing.enabled:
+    """Activation checkpointing of every block (full or selective), then the offload of the chosen blocks'
+    saved activations to host memory, around the checkpoint; a pipeline stage of only the embedding or head
+    has no blocks."""
+    ac = cfg.activation_checkpointing
+    mode, offloaded = ac.recompute_mode, ac.offloaded
+    if (mode == "none" and not offloaded) or (pipe is not None and not hasattr(model, "layers")):
         return
-    if pipe is not None and not hasattr(model, "layers"):
-        return
-    apply_activation_checkpointing(model)
+    if mode == "full":
+        apply_activation_checkpointing(model)
+    elif mode == "selective":
+        apply_selective_recompute(model, ac.recompute_ops)
+    if offloaded:
+        apply_activation_offload(model, offloaded)
 
 
 def data_parallel(model: nn.Module, at: Placement, optimizer, tp, pipe):

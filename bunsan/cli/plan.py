@@ -15,6 +15,7 @@ ESTIMATE_FLAGS = {
     "seq_len": ("data.seq_len", int), "optimizer": ("optimizer.type", str),
     "offload_optimizer": ("zero_optimization.offload_optimizer.device", str),
     "offload_param": ("zero_optimization.offload_param.device", str),
+    "recompute": ("activation_checkpointing.mode", str), "offload_blocks": ("activation_checkpointing.offload_blocks", str),
 }
 ESTIMATE_SWITCHES = {"bf16": "bf16.enabled", "fp16": "fp16.enabled", "checkpointing": "activation_checkpointing.enabled",
                      "sp": "tensor_parallel.sequence_parallel"}

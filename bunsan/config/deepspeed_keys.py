@@ -41,7 +41,7 @@ IGNORED: dict[str, str] = {
         "initialisation path to speed up",
     "activation_checkpointing.contiguous_memory_optimization":
         "arranges partitioned activations (partition_activations) in one buffer; bunsan does not partition "
-        "activations, and its recompute keeps only each block's input",
+        "activations, and its recompute keeps each block's input (selective: and its matmul outputs)",
     "activation_checkpointing.number_checkpoints":
         "sizes the buffer of contiguous_memory_optimization, which bunsan has no use for",
     "activation_checkpointing.synchronize_checkpoint_boundary":

@@ -51,9 +51,12 @@ UNIMPLEMENTED: list[tuple[str, typing.Callable[[Config], bool], str]] = [
      "activation_checkpointing.partition_activations=true: partitioning checkpointed activations across "
      "tensor-parallel ranks is not implemented; use tensor_parallel.sequence_parallel, which shards the "
      "activations between blocks, and set partition_activations to false"),
-    ("activation_checkpointing.cpu_checkpointing", lambda c: c.activation_checkpointing.cpu_checkpointing,
-     "activation_checkpointing.cpu_checkpointing=true: offloading checkpointed activations to CPU is not "
-     "planned; set it to false (activation_checkpointing.enabled recomputes activations instead)"),
+    # (not a missing feature: a DeepSpeed config that asks it without model-code checkpointing still prices)
+    ("activation_checkpointing.cpu_checkpointing",
+     lambda c: c.activation_checkpointing.cpu_checkpointing and c.activation_checkpointing.recompute_mode == "none",
+     "activation_checkpointing.cpu_checkpointing=true moves checkpointed activations to host memory, but "
+     "nothing is checkpointed (DeepSpeed checkpoints from model code, bunsan from the config): set "
+     "activation_checkpointing.mode to full or selective, or use offload_blocks to offload without recompute"),
     ("fp16.auto_cast", lambda c: c.fp16.auto_cast,
      "fp16.auto_cast=true: casting floating-point forward inputs to float16 is not implemented; cast them "
      "yourself before calling the engine (token ids need no cast) and set fp16.auto_cast to false"),
@@ -142,6 +145,17 @@ class Config(Section):
         if self.fp16.enabled and self.bf16.enabled:
             raise Rule(("fp16.enabled", "fp16 and bf16 are both enabled; set fp16.enabled or bf16.enabled to "
                                         "false (bf16 needs no loss scaling, prefer it where the hardware has it)"))
+        return self
+
+    @model_validator(mode="after")
+    def _compiled_blocks(self) -> Config:
+        ac = self.activation_checkpointing
+        if self.train.compile and (ac.recompute_mode == "selective" or ac.offloaded):
+            what = "mode selective (its policy follows module hooks)" if ac.recompute_mode == "selective" \
+                else f"offload_blocks {ac.offloaded} (its saved-tensor hooks)"
+            raise Rule(("train.compile", f"train.compile with activation_checkpointing.{what}: torch.compile "
+                                         "cannot trace it and would run those blocks uncompiled; set "
+                                         "train.compile to false, or use mode full without offload"))
         return self
 
     @model_validator(mode="after")

@@ -8,13 +8,14 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
 import torch
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from bunsan.config.deepspeed_only import OPTIMIZERS_NOT_BUILT, SCHEDULERS_NOT_BUILT
 from bunsan.config.errors import Rule, show, suggest
+from bunsan.models.blocks import SELECTIVE_OPS
 from bunsan.optim.optimizers import OPTIMIZERS as optimizer_table, optimizer_class
 
 
@@ -39,6 +40,20 @@ Schedule = Choice("gpipe", "1f1b", "interleaved")
 Partition = Choice("uniform", "parameters", "balanced")
 GlooCollectives = Choice("shm", "exchange", "native")
 Backend = Choice("auto", "nccl", "gloo")
+RecomputeMode = Choice("none", "full", "selective")
+
+
+def _blocks(v: Any) -> Any:  # a count of blocks, or "all"
+    if isinstance(v, str) and v.lower() == "all":
+        return "all"
+    v = _whole(v)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise Rule(("", f"expected a count of blocks >= 0 or 'all', got {show(v)}; set it to one of those "
+                        "(default 0)"))
+    return v
+
+
+Blocks = Annotated[Union[int, str], BeforeValidator(_blocks)]
 
 
 class Section(BaseModel):
@@ -360,13 +375,20 @@ class Zero(Section):
 
 
 class ActivationCheckpointing(Section):
-    """Recompute activations in backward instead of keeping them; DeepSpeed's section plus bunsan's switch."""
-    enabled: bool = Field(False, description="bunsan: recompute each transformer block's activations in backward "
-                                             "(DeepSpeed enables checkpointing from model code instead)")
+    """Recompute activations in backward, or keep them in host memory; DeepSpeed's section plus bunsan's."""
+    enabled: bool = Field(False, description="bunsan: recompute each block in backward (mode full); DeepSpeed "
+                                             "checkpoints from model code instead")
+    mode: Optional[RecomputeMode] = Field(None, description="bunsan: none, full (from each block's input) or "
+                                          "selective (matmul outputs kept); unset: full if enabled")
+    recompute: Optional[list[str]] = Field(None, description="bunsan, mode selective: which of attention (SDPA) "
+                                           "and swiglu backward re-runs; unset = both")
+    offload_blocks: Blocks = Field(0, description="bunsan: the first N blocks of each rank (or "
+                                                  "all) keep their saved activations in host memory")
     partition_activations: bool = Field(False, description="Shard checkpointed activations over tensor-parallel "
                                                            "ranks (DeepSpeed's meaning); not built: true is an error")
     cpu_checkpointing: bool = Field(False, description="Move checkpointed activations to CPU memory (DeepSpeed's "
-                                                       "meaning); not built: true is an error")
+                                                       "meaning): with recompute on, every block's, as "
+                                                       "offload_blocks all")
     contiguous_memory_optimization: bool = Field(False, description="DeepSpeed: one buffer for partitioned "
                                                  "activations; accepted and ignored (bunsan config --explain)")
     number_checkpoints: Optional[Int] = Field(None, ge=1, description="DeepSpeed: checkpoints that buffer is sized "
@@ -375,6 +397,43 @@ class ActivationCheckpointing(Section):
                                                   "checkpoint; accepted and ignored (bunsan config --explain)")
     profile: bool = Field(False, description="DeepSpeed: time each checkpointed function; accepted and ignored "
                                              "(bunsan config --explain)")
+
+    @property
+    def recompute_mode(self) -> str:
+        """none, full or selective: `mode`, else what `enabled` says."""
+        return self.mode or ("full" if self.enabled else "none")
+
+    @property
+    def recompute_ops(self) -> tuple[str, ...]:
+        """The ops selective recompute re-runs (models/blocks.py SELECTIVE_OPS by default)."""
+        return SELECTIVE_OPS if self.recompute is None else tuple(self.recompute)
+
+    @property
+    def offloaded(self) -> int | str:
+        """Blocks per rank whose saved activations go to host memory: a count, or "all" (cpu_checkpointing
+        with recompute on; without, initialize refuses it: root.py UNIMPLEMENTED)."""
+        return "all" if self.cpu_checkpointing and self.recompute_mode != "none" else self.offload_blocks
+
+    @model_validator(mode="after")
+    def _recompute(self) -> ActivationCheckpointing:
+        if self.enabled and self.mode == "none":
+            raise Rule(("mode", "enabled is true (recompute every block) but mode is 'none'; set mode to full "
+                                "or selective, or enabled to false"))
+        if self.recompute is not None:
+            if self.recompute_mode != "selective":
+                raise Rule(("recompute", f"recompute {show(self.recompute)} chooses what selective recompute "
+                                         f"re-runs, but the mode is {self.recompute_mode}; set mode to "
+                                         "selective or remove recompute"))
+            unknown = [op for op in self.recompute if op not in SELECTIVE_OPS]
+            if unknown or len(set(self.recompute)) != len(self.recompute):
+                fix = suggest(str(unknown[0]), SELECTIVE_OPS) if unknown else "list each op once"
+                raise Rule(("recompute", f"recompute {show(self.recompute)} must list distinct ops of "
+                                         f"{list(SELECTIVE_OPS)}; {fix}"))
+        if self.cpu_checkpointing and self.offload_blocks != 0:
+            raise Rule(("offload_blocks", f"offload_blocks {show(self.offload_blocks)} with cpu_checkpointing "
+                                          "true, which offloads every block; set one of them"))
+        return self
+
 
 class Tensorboard(Section):
     """The metric records also as TensorBoard scalars; DeepSpeed's section."""

@@ -2,7 +2,7 @@
 
 Peak = runtime + resident model states + the larger of two phases:
   backward  activations kept for backward (all micro-batches in flight under PP) + the logits
-            gradients at the start of backward (or one block recomputed, with checkpointing)
+            gradients at the start of backward (or one block recomputed, or brought back from host memory)
             + ZeRO-3's gathered units + the gradient buckets being reduced
   step      the fp32 gradient shard (ZeRO-1 makes it at the last reduce) + optimizer temporaries
 Every pipeline rank is priced; the table shows the fullest one.
@@ -16,7 +16,8 @@ from bunsan.pipeline import schedules
 from bunsan.estimator.layout import Layout
 from bunsan.comm.shm import ring_bytes
 from bunsan.comm.mailbox import resident_bytes
-from bunsan.estimator.activations import Micro, block_input_bytes, stage_activation_bytes
+from bunsan.estimator.activations import Micro, block_input_bytes
+from bunsan.estimator.recompute import stage_bytes
 from bunsan.estimator.shape import ModelShape, RankParams, load_shape, lora_rank_params, rank_params
 from bunsan.memory.theory import (grad_shard_elems, gradient_bucket_bytes, model_states, nvme_swap_in_bytes,
                                   placement, with_frozen_base, zero3_gathered_bytes)
@@ -36,6 +37,8 @@ CPU_RUNTIME_BYTES = 0.23 * GiB
 CPU_WORKSPACE_BYTES = 96 * 1024 ** 2
 # Host memory of each GPU process besides offloaded states (CUDA libraries, pinned staging): assumed.
 HOST_PROCESS_BYTES = 2 * GiB
+KEPT_UNDER = {"none": "saved for backward", "full": "block inputs (checkpointed)",
+              "selective": "block inputs and matmul outputs (selective recompute)"}
 
 
 @dataclass
@@ -177,13 +180,21 @@ def _activation_items(c: LlamaConfig | None, rp: RankParams, rank: int, layout: 
                   device="cpu" if on_cpu else "cuda")
     flight = _in_flight(layout, rank)
     blocks = rp.blocks / layout.virtual_stages if layout.pp > 1 else rp.blocks
-    act = stage_activation_bytes(c, micro, blocks, rp.has_embedding, rp.has_head, layout.checkpointing, flight)
-    what = "block inputs (checkpointed)" if layout.checkpointing else "saved for backward"
+    # recompute and offload: estimator/recompute.py (offload_blocks counts the rank's blocks, over its chunks)
+    offload = layout.offload_blocks if layout.offload_blocks == "all" else \
+        min(layout.offload_blocks, rp.blocks) / (layout.virtual_stages if layout.pp > 1 else 1)
+    act = stage_bytes(c, micro, blocks, rp.has_embedding, rp.has_head, layout.checkpointing, flight,
+                      layout.recompute_ops, offload)
+    what = KEPT_UNDER[layout.checkpointing]
     items = [Item("activations", device=act["kept"], phase="backward",
                   note=f"{what}, {flight} micro-batch(es) in flight" if layout.pp > 1 else what)]
+    if act["host"]:
+        items.append(Item("offloaded activations", host=act["host"], phase="backward",
+                          note=f"{layout.offload_blocks} blocks' saved activations, pinned host memory"))
     if act["recompute"] or act["loss_transient"]:
         big = max(act["recompute"], act["loss_transient"])
-        name = "logits gradients" if act["loss_transient"] >= act["recompute"] else "one block recomputed"
+        again = "one block recomputed" if layout.checkpointing != "none" else "one block brought back"
+        name = "logits gradients" if act["loss_transient"] >= act["recompute"] else again
         items.append(Item(name, device=big, phase="backward", note="at the start of backward"))
     if layout.pp == 1:
         return items

@@ -10,8 +10,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from bunsan.models.blocks import SELECTIVE_OPS
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOAD = ("none", "cpu", "nvme")
+RECOMPUTE = ("none", "full", "selective")
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,9 @@ class Layout:
     seq_len: int = 2048
     precision: str = "bf16"           # fp32 | bf16 | fp16 (16-bit keeps fp32 master weights)
     optimizer: str = "AdamW"          # AdamW | Adam | SGD | Adafactor | AdamW8bit
-    checkpointing: bool = False       # recompute each transformer block in backward
+    checkpointing: bool | str = False   # recompute in backward: "none" (False), "full" (True), "selective"
+    recompute_ops: tuple = SELECTIVE_OPS    # what selective recompute re-runs
+    offload_blocks: int | str = 0     # blocks per rank whose saved activations live in host memory, or "all"
     sequence_parallel: bool = False
     schedule: str = "1f1b"            # gpipe | 1f1b | interleaved (only with pp > 1)
     virtual_stages: int = 1
@@ -44,6 +49,20 @@ class Layout:
         for name in ("offload_optimizer", "offload_param"):
             if getattr(self, name) not in OFFLOAD:
                 raise ValueError(f"Layout.{name} must be one of {', '.join(OFFLOAD)}, got {getattr(self, name)!r}")
+        self._check_recompute()
+
+    def _check_recompute(self) -> None:
+        mode = {False: "none", True: "full"}.get(self.checkpointing, self.checkpointing)
+        if mode not in RECOMPUTE:
+            raise ValueError(f"Layout.checkpointing must be one of {', '.join(RECOMPUTE)} (or a bool), got "
+                             f"{self.checkpointing!r}")
+        object.__setattr__(self, "checkpointing", mode)      # one spelling per mode
+        object.__setattr__(self, "recompute_ops", tuple(self.recompute_ops))
+        if not set(self.recompute_ops) <= set(SELECTIVE_OPS):
+            raise ValueError(f"Layout.recompute_ops must be drawn from {SELECTIVE_OPS}, got {self.recompute_ops!r}")
+        n = self.offload_blocks
+        if n != "all" and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"Layout.offload_blocks must be a count >= 0 or 'all', got {n!r}")
 
     @property
     def gpus(self) -> int:
@@ -70,8 +89,11 @@ class Layout:
         parts += [f"zero{self.zero}", f"mb{self.micro_batch}x{self.grad_accum}", self.precision]
         if self.optimizer != "AdamW":
             parts.append(self.optimizer)
-        if self.checkpointing:
-            parts.append("ckpt")
+        if self.checkpointing != "none":
+            ops = "" if self.recompute_ops == SELECTIVE_OPS else "(" + "+".join(self.recompute_ops) + ")"
+            parts.append("ckpt" if self.checkpointing == "full" else "sel" + ops)
+        if self.offload_blocks:
+            parts.append(f"act->cpu({self.offload_blocks})")
         if self.offload_optimizer != "none":
             parts.append(f"opt->{self.offload_optimizer}")
         if self.offload_param != "none":
@@ -94,7 +116,7 @@ class Layout:
             else:
                 zero[key] = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
         cfg["zero_optimization"] = zero
-        cfg["activation_checkpointing"] = {**cfg.get("activation_checkpointing", {}), "enabled": self.checkpointing}
+        cfg["activation_checkpointing"] = self._recompute_section(cfg.get("activation_checkpointing", {}))
         cfg["tensor_parallel"] = {"size": self.tp, "sequence_parallel": self.sequence_parallel}
         cfg["pipeline"] = {**cfg.get("pipeline", {}), "stages": self.pp, "schedule": self.schedule,
                            "virtual_stages": self.virtual_stages}
@@ -102,6 +124,15 @@ class Layout:
             cfg["optimizer"] = {"type": self.optimizer, "params": {}}
         cfg["data"] = {**cfg.get("data", {}), "seq_len": self.seq_len}
         return cfg
+
+    def _recompute_section(self, base: dict) -> dict:
+        """The activation_checkpointing section: `base`'s keys, its recompute and offload this layout's."""
+        section = {k: v for k, v in base.items() if k not in ("recompute", "cpu_checkpointing")}
+        section.update(enabled=self.checkpointing != "none", mode=self.checkpointing,
+                       offload_blocks=self.offload_blocks)
+        if self.checkpointing == "selective" and self.recompute_ops != SELECTIVE_OPS:
+            section["recompute"] = list(self.recompute_ops)
+        return section
 
     @classmethod
     def from_config(cls, cfg, world: int) -> Layout:
@@ -112,11 +143,11 @@ class Layout:
                              f"use a GPU count that is a multiple of {tp * pp}")
         dp = world // (tp * pp)
         bs = cfg.batch_sizes(dp)
-        z = cfg.zero_optimization
+        z, ac = cfg.zero_optimization, cfg.activation_checkpointing
         precision = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
         return cls(dp=dp, tp=tp, pp=pp, zero=z.stage, micro_batch=bs.micro_batch, grad_accum=bs.grad_accum,
                    seq_len=cfg.data.seq_len, precision=precision, optimizer=cfg.optimizer.type,
-                   checkpointing=cfg.activation_checkpointing.enabled,
+                   checkpointing=ac.recompute_mode, recompute_ops=ac.recompute_ops, offload_blocks=ac.offloaded,
                    sequence_parallel=cfg.tensor_parallel.sequence_parallel, schedule=cfg.pipeline.schedule,
                    virtual_stages=cfg.pipeline.virtual_stages,
                    offload_optimizer=z.offload_optimizer.device if z.offload_optimizer else "none",

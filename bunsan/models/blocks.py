@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+# The ops of a Llama-shaped block that selective recompute (transforms/selective.py) may re-run in backward
+# besides the elementwise ones: the attention core (SDPA) and the SwiGLU activation silu(gate) * up.
+SELECTIVE_OPS = ("attention", "swiglu")
+
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """`model.layers` (a ModuleList, or the ModuleDict of the blocks a pipeline stage holds), else the modules

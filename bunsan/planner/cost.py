@@ -29,7 +29,9 @@ from bunsan.pipeline.schedules import theory_bubble
 from bunsan.tensor_parallel.plan import check_llama
 from bunsan.estimator import hardware
 from bunsan.estimator.hardware import GPU, Interconnect
+from bunsan.estimator.activations import Micro
 from bunsan.estimator.layout import Layout
+from bunsan.estimator.recompute import offloaded_count, offloaded_per_block
 
 # Fraction of dense peak a well-tuned training step sustains. Megatron-LM and PaLM report
 # 40-55% MFU on A100/H100 at scale; 0.4 is a conservative estimate, not a measurement.
@@ -107,7 +109,7 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
     tokens = layout.global_batch * layout.seq_len
 
     compute = flops_per_token * tokens / (layout.gpus * efficiency * peak)
-    recompute = RECOMPUTE_FRACTION * compute if layout.checkpointing else 0.0
+    recompute = compute * _recompute_fraction(model, layout, flops_per_token)
     tp_comm = _tp_comm(model, layout, tp_link)
     psi = n_all / (layout.tp * layout.pp)          # parameters this rank holds (before ZeRO sharding)
     forward = FORWARD_FRACTION * compute
@@ -119,7 +121,8 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
         f"{efficiency:.0%} of {peak / 1e12:g} TFLOP/s {layout.precision} on {gpu.name}",
         f"links: tp {tp_link.name}, dp {dp_link.name}, pp {pp_link.name} "
         f"(mesh order pp, dp, tp: tp innermost; {gpus_per_node} GPUs per node)",
-        "tp: 2 all-reduces forward + 2 backward per layer per micro-batch (+2 when recomputing); "
+        "tp: 2 all-reduces forward + 2 backward per layer per micro-batch (+2 when recomputing, +1 under "
+        "selective recompute: o_proj's, and under SP the all-gathers into attention and MLP); "
         "sequence parallelism moves the same volume as all-gather + reduce-scatter; never overlapped",
         f"dp: ZeRO-{layout.zero} traffic in model dtype; overlapped traffic hidden up to {OVERLAP:.0%} "
         "of its compute window; the post-step parameter all-gather (stages 1-2) is exposed",
@@ -127,10 +130,11 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
         "ideal x f/(1-f) with f = schedule's idle fraction (p-1)/(v·m + p-1)",
         f"offload: PCIe {HOST_LINK_BYTES_PER_S / 1e9:g} GB/s, NVMe {NVME_READ_BYTES_PER_S / 1e9:g}/"
         f"{NVME_WRITE_BYTES_PER_S / 1e9:g} GB/s read/write, CPU Adam {CPU_ADAM_PARAMS_PER_S:.3g} params/s; "
-        "not overlapped (an upper estimate)",
+        "not overlapped (an upper estimate); offloaded activations go down in forward and up in backward",
     )
     return StepTime(compute=compute, recompute=recompute, tp_comm=tp_comm, dp_comm=dp_exposed,
-                    pp_comm=_pp_comm(model, layout, pp_link), bubble=bubble, offload=_offload(layout, psi),
+                    pp_comm=_pp_comm(model, layout, pp_link), bubble=bubble,
+                    offload=_offload(layout, psi) + _activation_offload(model, layout),
                     dp_comm_total=dp_total, tokens_per_step=tokens, flops_per_token=flops_per_token,
                     gpus=layout.gpus, peak_flops=peak, assumptions=notes)
 
@@ -168,12 +172,29 @@ def _activation_bytes(model: LlamaConfig, layout: Layout) -> int:
     return layout.micro_batch * layout.seq_len * model.hidden_size * layout.dtype_bytes
 
 
+def _recompute_fraction(model: LlamaConfig, layout: Layout, flops_per_token: float) -> float:
+    """Share of the step's compute that recompute adds: a third under full recompute; under selective the
+    attention core's forward (4·h·s per token per layer, a third of the 12·L·h·s term) if it is recomputed,
+    and o_proj's matmul under tensor parallelism (whose in-place all-reduce the recompute cannot keep)."""
+    if layout.checkpointing == "full":
+        return RECOMPUTE_FRACTION
+    if layout.checkpointing == "none":
+        return 0.0
+    h = model.hidden_size
+    per_layer = (4 * h * layout.seq_len if "attention" in layout.recompute_ops else 0) + \
+        (2 * h * h if layout.tp > 1 else 0)
+    return model.num_hidden_layers * per_layer / flops_per_token
+
+
 def _tp_comm(model: LlamaConfig, layout: Layout, link: Interconnect) -> float:
     t = layout.tp
     if t == 1:
         return 0.0
     per_all_reduce = _ring(t, 2 * (t - 1) / t * _activation_bytes(model, layout), link, 2)
-    per_layer = 4 + (2 if layout.checkpointing else 0)   # the recomputed forward all-reduces again
+    # the recomputed forward all-reduces again: both (full); o_proj's, and under SP the two all-gathers
+    # into attention and MLP (half an all-reduce each) (selective)
+    again = {"none": 0, "full": 2, "selective": 1.5 if layout.sequence_parallel else 1}[layout.checkpointing]
+    per_layer = 4 + again
     if layout.sequence_parallel:   # attention's and the MLP's inputs gathered again in backward (saved as slices)
         per_layer += 1             # two all-gathers: one all-reduce's bytes
     layers = model.num_hidden_layers / layout.pp
@@ -232,6 +253,16 @@ def _offload(layout: Layout, psi: float) -> float:
         if layout.offload_param == "nvme":
             seconds += reads / NVME_READ_BYTES_PER_S + writes / NVME_WRITE_BYTES_PER_S
     return seconds
+
+
+def _activation_offload(model: LlamaConfig, layout: Layout) -> float:
+    """Offloaded blocks' saved activations: to the host in forward, back in backward, every micro-batch."""
+    if not layout.offload_blocks:
+        return 0.0
+    micro = Micro(layout.micro_batch, layout.seq_len, layout.dtype_bytes, layout.tp, layout.sequence_parallel)
+    _, host = offloaded_per_block(model, micro, layout.checkpointing, layout.recompute_ops)
+    blocks = offloaded_count(layout.offload_blocks, model.num_hidden_layers / layout.pp)
+    return 2 * layout.grad_accum * blocks * host / HOST_LINK_BYTES_PER_S
 
 
 # ---------------------------------------------------------------- validation

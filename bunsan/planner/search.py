@@ -1,10 +1,12 @@
 """`bunsan.plan`: every layout of a model on some GPUs, those that fit, ranked by estimated step time.
 
 The search walks tensor-parallel sizes inside a node, pipeline depths, ZeRO stages,
-micro-batches (the accumulation makes up the global batch), checkpointing, sequence
-parallelism and offload. Each candidate is priced in bytes by the estimator (the same code
-`bunsan estimate` runs) and in seconds by cost.py; the ones that fit with `margin` of the
-memory free are ranked by step time. When none fits, the plan says what would.
+micro-batches (the accumulation makes up the global batch), recompute (none, full, selective),
+sequence parallelism and offload; a layout that does not fit is tried again with the fewest
+blocks whose activations go to host memory that make it fit. Each candidate is priced in bytes
+by the estimator (the same code `bunsan estimate` runs) and in seconds by cost.py; the ones that
+fit with `margin` of the memory free are ranked by step time. When none fits, the plan says what
+would.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from bunsan.estimator.estimate import Estimate, estimate_layout
 from bunsan.estimator.shape import ModelShape, load_shape, rank_params
 from bunsan.planner.cost import StepTime, step_time, train_time
 from bunsan.estimator.hardware import GPU, gpu_spec, interconnect
-from bunsan.estimator.layout import Layout
+from bunsan.estimator.layout import RECOMPUTE, Layout
 
 GiB = 1024 ** 3
 MARGIN = 0.10   # memory kept free for the allocator's fragmentation and what the estimate leaves out
@@ -92,7 +94,7 @@ def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, glob
                 scheds = [("1f1b", 1)]
                 if pp > 1 and accum % pp == 0 and layers % (2 * pp) == 0:
                     scheds.append(("interleaved", 2))
-                for (sched, v), ckpt, zero in itertools.product(scheds, (False, True), (0, 1, 2, 3)):
+                for (sched, v), ckpt, zero in itertools.product(scheds, RECOMPUTE, (0, 1, 2, 3)):
                     if pp > 1 and zero > 1:
                         continue
                     for sp in ((False, True) if tp > 1 and seq_len % tp == 0 else (False,)):
@@ -163,6 +165,10 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100"
         considered += 1
         est = estimate_layout(shape, lay, nodes=nodes, gpu_memory=memory, device_type=device_type,
                               ranks=ranks(lay.tp, lay.pp, lay.virtual_stages))
+        if not est.fits(margin) and device_type != "cpu":     # offload the blocks that do not fit
+            lay, est = _offload_what_does_not_fit(shape, lay, est, margin, lambda offloaded: estimate_layout(
+                shape, offloaded, nodes=nodes, gpu_memory=memory, device_type=device_type,
+                ranks=ranks(lay.tp, lay.pp, lay.virtual_stages)))
         cand = Candidate(lay, est)
         if host_ok(est) and (smallest is None or est.peak < smallest.peak):
             smallest = cand
@@ -184,6 +190,27 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100"
         result.suggestions = _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precisions[0], smallest,
                                              device_type, host_ok, host_memory)
     return result
+
+
+def _offload_what_does_not_fit(shape: ModelShape, lay: Layout, est: Estimate, margin: float,
+                               price) -> tuple[Layout, Estimate]:
+    """The layout with the fewest blocks per rank whose activations go to host memory that makes it fit
+    (`price` estimates a layout); `lay` itself when even offloading every block does not."""
+    if shape.llama is None:
+        return lay, est
+    blocks = -(-shape.llama.num_hidden_layers // lay.pp)
+    every = price(lay.replace(offload_blocks=blocks))
+    if not every.fits(margin):
+        return lay, est
+    low, high, best = 1, blocks, every          # peak falls as blocks are offloaded: bisect the count
+    while low < high:
+        mid = (low + high) // 2
+        e = price(lay.replace(offload_blocks=mid))
+        if e.fits(margin):
+            high, best = mid, e
+        else:
+            low = mid + 1
+    return best.layout, best
 
 
 def _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precision, smallest, device_type,
@@ -210,7 +237,7 @@ def _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precision, s
         for factor in (2, 4, 8, 16, 32, 64):
             lean = None
             for more in layouts(shape, gpus * factor, per_node, seq, batch * factor, precision):
-                if more.micro_batch == 1 and more.checkpointing:
+                if more.micro_batch == 1 and more.checkpointing == "full":
                     e = estimate_layout(shape, more, nodes=nodes * factor, gpu_memory=memory, device_type=device_type)
                     if host_ok(e) and (lean is None or e.peak < lean.peak):
                         lean = e
