@@ -340,8 +340,12 @@ def test_the_planner_offloads_the_blocks_that_do_not_fit():
     assert best.layout.offload_blocks not in (0, "all")
     fewer = best.layout.replace(offload_blocks=best.layout.offload_blocks - 1)
     assert not estimate_layout("1b", fewer, gpu_memory=8 * GiB).fits(p.margin)
-    roomy = plan("1b", 1, 24 * GiB, gpu="h100", seq_len=8192, global_batch=8, precision="bf16", keep=3)
+    # where no recompute does not fit and selective does, selective without offload is first; with room for
+    # every activation, nothing is recomputed
+    roomy = plan("1b", 1, 20 * GiB, gpu="h100", seq_len=8192, global_batch=8, precision="bf16", keep=3)
     assert roomy.ranked[0].layout.checkpointing == "selective" and roomy.ranked[0].layout.offload_blocks == 0
+    ample = plan("1b", 1, 24 * GiB, gpu="h100", seq_len=8192, global_batch=8, precision="bf16", keep=3)
+    assert ample.ranked[0].layout.checkpointing == "none"
 
 
 # -- the config -----------------------------------------------------------------------------------------------
