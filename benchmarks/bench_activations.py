@@ -1,10 +1,11 @@
 """Activation memory and speed of bunsan's Llama block before and after issue #24, on CPU, one process.
 
 "before" runs the eager forms the block used to have (RMSNorm upcast in Python, silu(gate) * up through
-autograd), swapped in on the same model; "after" is the model as it is (models/saving.py). Per variant and
-dtype: the bytes autograd saves for backward (saved_tensors_hooks, storages counted once), the peak of live
-tensors during one forward + backward (a dispatch mode: CPU has no allocator statistics), the estimator's
-count for the same micro-batch, and tokens/s over a few steps.
+autograd), swapped in on the same model; "after" is the model as it is (models/saving.py). Per recompute mode
+(none, full, selective), block and dtype: the bytes a forward leaves for backward (memory/held.py: saved
+tensors and selective recompute's kept outputs), the peak of live tensors during one forward + backward (a
+dispatch mode: CPU has no allocator statistics), the estimator's count for the same micro-batch, and tokens/s
+over a few steps.
 
     python benchmarks/bench_activations.py [--layers 4] [--seq 1024] [--micro 2] [--steps 3]
 """
@@ -26,10 +27,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from bench_dp import machine  # noqa: E402
 from live_bytes import LiveBytes  # noqa: E402
 
-from bunsan.estimator.activations import Micro, stage_activation_bytes  # noqa: E402
+from bunsan.estimator.activations import Micro  # noqa: E402
+from bunsan.estimator.recompute import stage_bytes  # noqa: E402
+from bunsan.memory.held import held_for_backward  # noqa: E402
 from bunsan.models.llama import MLP, Llama, LlamaConfig, RMSNorm  # noqa: E402
 from bunsan.models.loss import lm_loss_sum  # noqa: E402
 from bunsan.transforms.checkpointing import apply_activation_checkpointing  # noqa: E402
+from bunsan.transforms.selective import apply_selective_recompute  # noqa: E402
 
 MiB = 1024 ** 2
 
@@ -43,7 +47,7 @@ def eager_mlp(self, x):
     return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def build(args, dtype, before: bool, recompute: bool) -> Llama:
+def build(args, dtype, before: bool, recompute: str) -> Llama:
     cfg = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=args.layers,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=args.seq)
     torch.manual_seed(0)
@@ -54,8 +58,10 @@ def build(args, dtype, before: bool, recompute: bool) -> Llama:
                 m.forward = eager_norm.__get__(m)
             elif isinstance(m, MLP):
                 m.forward = eager_mlp.__get__(m)
-    if recompute:
+    if recompute == "full":
         apply_activation_checkpointing(model)
+    elif recompute == "selective":
+        apply_selective_recompute(model)
     return model
 
 
@@ -65,24 +71,17 @@ def step(model, ids):
     model.zero_grad(set_to_none=True)
 
 
-def saved_bytes(model, ids) -> int:
-    skip = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = lm_loss_sum(model(ids), ids)
+def held_bytes(model, ids) -> int:
+    """What the forward (loss included) leaves alive for backward, on the CPU."""
+    loss, held = held_for_backward(lambda: lm_loss_sum(model(ids), ids))
     del loss
-    return sum(seen.values())
+    return held.get("cpu", 0)
 
 
-def measure(args, dtype, before: bool, recompute: bool) -> dict:
+def measure(args, dtype, before: bool, recompute: str) -> dict:
     model = build(args, dtype, before, recompute)
     ids = torch.randint(0, model.config.vocab_size, (args.micro, args.seq))
-    saved = saved_bytes(model, ids)
+    saved = held_bytes(model, ids)
     live = LiveBytes()
     with live:
         step(model, ids)
@@ -92,7 +91,7 @@ def measure(args, dtype, before: bool, recompute: bool) -> dict:
         step(model, ids)
     tok_s = args.steps * ids.numel() / (time.perf_counter() - t0)
     m = Micro(args.micro, args.seq, dtype.itemsize, device="cpu")
-    est = stage_activation_bytes(model.config, m, args.layers, first=True, last=True, checkpointing=recompute)
+    est = stage_bytes(model.config, m, args.layers, first=True, last=True, mode=recompute)
     return {"saved": saved, "peak": live.peak, "estimate": est["kept"], "tok_s": tok_s}
 
 
@@ -110,14 +109,14 @@ def main() -> int:
           f"{args.steps}`\n- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}, commit "
           f"{commit}, machine: {machine()}\n- model: h 512, i 1408, 8 heads / 2 KV heads, vocab 8192, "
           f"{args.layers} layers; micro-batch {args.micro} x {args.seq} tokens, one process\n")
-    print("| dtype | recompute | block | saved MiB | estimator kept MiB | peak live MiB | tokens/s |")
+    print("| dtype | recompute | block | held for backward MiB | estimator kept MiB | peak live MiB | tokens/s |")
     print("|---|---|---|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):
-        for recompute in (False, True):
+        for recompute in ("none", "selective", "full"):
             for before in (True, False):
                 r = measure(args, dtype, before, recompute)
                 est = f"{r['estimate'] / MiB:.1f}" if not before else "-"
-                print(f"| {str(dtype).removeprefix('torch.')} | {'full' if recompute else 'none'} | "
+                print(f"| {str(dtype).removeprefix('torch.')} | {recompute} | "
                       f"{'before (eager)' if before else 'after'} | {r['saved'] / MiB:.1f} | {est} | "
                       f"{r['peak'] / MiB:.1f} | {r['tok_s']:.0f} |", flush=True)
     return 0

@@ -254,7 +254,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False)
 
     def forward(self, x):
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))   # saves gate and up only
+        if torch.is_grad_enabled():
+            return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))   # saves gate and up only
+        # generation: nothing saved, and gate is freed as soon as silu(gate) exists, before up is made
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

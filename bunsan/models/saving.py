@@ -23,7 +23,11 @@ class RMSNormFunction(torch.autograd.Function):
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (xf * rstd).to(x.dtype)
+        # normalise the fp32 copy in place when it is one (16-bit input): no second fp32 tensor, in
+        # generation's forward either (the inference estimator's one-step peak)
+        normed = xf.mul_(rstd) if xf is not x else xf * rstd
+        del xf
+        return weight * normed.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
