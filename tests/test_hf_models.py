@@ -21,7 +21,10 @@ def tiny(arch: str):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch]
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),   # per-head q_norm / k_norm
+           "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[arch.removesuffix("_sliding")]
+    if arch.endswith("_sliding"):   # full attention in layer 0, a sliding window of 3 in layer 1
+        common |= {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}
     torch.manual_seed(0)
     return cls[1](cls[0](**common))
 
@@ -130,7 +133,7 @@ def _train_tp(rank, world, arch, cfg, batches):
     return losses, engine.consolidated_state_dict(), swapped
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
 def test_hf_plan_tensor_parallel_matches_the_hf_loop(pools, arch, sp):
     batches = data()
@@ -171,7 +174,7 @@ def _train_pp(rank, world, arch, cfg, batches):
     return losses, engine.consolidated_state_dict(), sorted(n for n, _ in engine.module.named_parameters())
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_sliding", "mistral"])
 def test_hf_decoder_pipeline_matches_the_hf_loop(pools, arch):
     batches = data()
     cfg = {**_cfg(0, ga=2), "pipeline": {"stages": 2}}

@@ -208,6 +208,10 @@ def _whole(sliced: list[nn.Parameter], modifier_rank: int | None):
         yield
     finally:
         changed = sum(not torch.equal(w.data, b) for w, b in zip(whole, before))
+        if modifier_rank is None and world.get_world_size() > 1:   # every rank refuses, or none: no hang
+            count = torch.tensor([float(changed)], device=_gather_device())
+            world.all_reduce(count, op=world.ReduceOp.MAX)
+            changed = int(count.item())
         for s, w, b in zip(slices, whole, before):
             full = b if modifier_rank is None else w.data.clone()
             if modifier_rank is not None and world.get_world_size() > 1:

@@ -84,8 +84,11 @@ def split(batch, pieces: int, device: torch.device) -> list:
 
 
 def target(mb) -> torch.Tensor:
-    """What a loss_fn compares the output with: a tuple's last tensor, a dict's labels."""
-    return mb["labels"] if isinstance(mb, dict) else mb[-1]
+    """What a loss_fn compares the output with: a tuple's last tensor, a dict's labels (as given: a Hugging
+    Face batch's are unshifted) or shift_labels."""
+    if not isinstance(mb, dict):
+        return mb[-1]
+    return mb["labels"] if "labels" in mb else mb["shift_labels"]
 
 
 @dataclass

@@ -240,8 +240,20 @@ def _hf_views(stage: StageModule, model: nn.Module, prefix: str, chunks: list[li
         view = copy.copy(base)
         view.__dict__["_modules"] = {"rotary_emb": base.rotary_emb}   # the rest: the stage's, at each run
         blocks = [p for layer in chunk for p in layer.paths if p.startswith(f"{prefix}.layers.")]
+        view.__dict__["config"] = _chunk_config(base.config, [int(p.rsplit(".", 1)[1]) for p in blocks])
         views.append((view, blocks, sid == 0, sid == n_stages - 1))
     return views
+
+
+def _chunk_config(config, layers: list[int]):
+    """The base model's config as a chunk's forward must read it: its loop counts and indexes per-layer
+    settings (Qwen2's and Gemma's `layer_types`: full or sliding-window attention) by position in the chunk."""
+    mine = copy.copy(config)
+    mine.num_hidden_layers = len(layers)
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, (list, tuple)):
+        mine.layer_types = [types[i] for i in layers]
+    return mine
 
 
 def _run_hf(stage: StageModule, c: int, x: torch.Tensor, mb) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch.nn as nn
 HF_STYLES = {"colwise": "column", "colwise_rep": "column_gather", "colwise_gather_output": "column_gather",
              "rowwise": "row", "rowwise_rep": "row_split_input", "rowwise_split_input": "row_split_input",
              "embedding_rowwise": "vocab_embedding", "sequence_parallel": "norm",
-             "replicated_with_grad_allreduce": "norm"}
+             "replicated_with_grad_allreduce": "grad_allreduce"}
 HEAD_STYLES = ("colwise_gather_output", "colwise_rep")   # a head whose logits HF gathers: bunsan's vocab_head
 
 
@@ -52,10 +52,17 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embed is not None and "vocab_head" in plan.values():
         name = next(n for n, m in model.named_modules() if m is embed)
-        # under SP the sequence is cut at the first decoder layer: the model reads the embedding's length
-        # to build its mask and positions
-        plan.setdefault(name, "vocab_embedding_whole" if sequence_parallel else "vocab_embedding")
+        plan.setdefault(name, "vocab_embedding")
     if sequence_parallel:
+        if not any(style in ("column", "column_gather", "parallel_input") for style in plan.values()):
+            raise ValueError(f"tensor_parallel.sequence_parallel with {type(model).__name__}: its plan splits no "
+                             "attention or MLP input, so nothing would gather the sequence back; set "
+                             "sequence_parallel to false")
+        # the sequence is cut at the first decoder layer: the model reads the embedding's length to build its
+        # mask and positions, so the embedding's output stays whole
+        for name, style in plan.items():
+            if style == "vocab_embedding":
+                plan[name] = "vocab_embedding_whole"
         plan |= _sequence_parallel_extras(model, prefix)
     return plan
 

@@ -11,6 +11,8 @@ Styles:
     sequence_split  any module: under SP its whole-sequence input becomes this rank's slice
     vocab_head      nn.Linear -> VocabParallelHead (+ parallel input), for the vocabulary-parallel loss
     norm            replicated; under sequence parallelism its gradient is summed over the group
+    grad_allreduce  replicated, but each rank's gradient covers its own heads only (Qwen3's q_norm / k_norm):
+                    summed over the group always
 
 The model code never changes: picotron's table of (module, style), torchtitan's plan-as-dict.
 """
@@ -98,7 +100,7 @@ def _split_lora(name: str, m: nn.Module, style: str, ctx: TPContext) -> None:
 
 
 STYLES = ("column", "column_gather", "row", "row_split_input", "parallel_input", "vocab_embedding", "vocab_embedding_whole", "sequence_split",
-          "vocab_head", "norm")
+          "vocab_head", "norm", "grad_allreduce")
 
 
 def resolve_plan(model: nn.Module, ctx: TPContext, plan: dict | str | None) -> dict:
@@ -165,7 +167,7 @@ def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | str | N
         elif style == "vocab_head":
             head = VocabParallelHead(m, ctx, tied=embedding if tied else None)
             _set(model, name, head)
-        elif style == "norm" and ctx.sequence_parallel:
+        elif (style == "norm" and ctx.sequence_parallel) or style == "grad_allreduce":
             for p in m.parameters():
                 sum_grad_over_tp(p, ctx)
     return head
