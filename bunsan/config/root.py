@@ -19,8 +19,8 @@ from bunsan.config.bunsan_sections import Checkpoint, Data, Lora, ModelOverrides
 from bunsan.config.deepspeed_intake import prepare, row_for
 from bunsan.config.deepspeed_keys import canonical, log_ignored
 from bunsan.config.errors import ConfigError, Rule, convert, lookup, unwrap
-from bunsan.config.sections import (BF16, FP16, OPTIMIZERS, SCHEDULERS, ActivationCheckpointing, Int, OptInt,
-                                    Optimizer, Scheduler, Section, Tensorboard, Zero, optimizer_signature)
+from bunsan.config.optimizer_sections import OPTIMIZERS, SCHEDULERS, Optimizer, Scheduler, optimizer_signature
+from bunsan.config.sections import BF16, FP16, ActivationCheckpointing, Int, OptInt, Section, Tensorboard, Zero
 
 try:
     import tomllib

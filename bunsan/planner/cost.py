@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bunsan.config.sections import OPTIMIZERS
+from bunsan.config.optimizer_sections import OPTIMIZERS
 from bunsan.memory.theory import optimizer_state_bytes_per_param
 from bunsan.models.llama import LlamaConfig
 from bunsan.pipeline.schedules import theory_bubble
