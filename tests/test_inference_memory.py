@@ -3,17 +3,15 @@ the placement it drives, and the predicted-versus-measured lines of `bunsan gene
 
 import importlib
 import re
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from bunsan.estimator.inference import inference_memory
 from bunsan.inference import model_blocks
 from bunsan.inference.load import cpu_needs, plan
 from bunsan.models import Llama, LlamaConfig, generate
+from live_bytes import LiveBytes
 
 MB = 1024 ** 2
 gen = importlib.import_module("bunsan.models.generate")     # the module; bunsan.models.generate is the function
@@ -23,31 +21,6 @@ def tiny(**kw):
     base = dict(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=3, num_attention_heads=8,
                 num_key_value_heads=4, max_position_embeddings=1024)
     return LlamaConfig(**{**base, **kw})
-
-
-class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the tensors created inside the mode and still alive (views of older storage not counted)."""
-
-    def __init__(self):
-        super().__init__()
-        self.live, self.now, self.peak = {}, 0, 0
-
-    def _free(self, key):
-        self.now -= self.live.pop(key, 0)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        old = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.live and key not in old:
-                    self.live[key] = storage.nbytes()
-                    self.now += storage.nbytes()
-                    weakref.finalize(storage, self._free, key)
-        self.peak = max(self.peak, self.now)
-        return out
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -48,12 +48,17 @@ def _all_reduce(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _gather_seq(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
-    """[b, s/tp, h] -> [b, s, h] (rank order along the sequence)."""
-    shard = x.transpose(0, 1).contiguous()                  # [s/tp, b, h]: the gathered dim first
+def _gather_dim(ctx: TPContext, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The ranks' pieces of x along `dim`, in rank order: all-gathered with that dim first."""
+    shard = x.movedim(dim, 0).contiguous()
     out = torch.empty((shard.shape[0] * ctx.size, *shard.shape[1:]), dtype=x.dtype, device=x.device)
     ctx.comm.all_gather(out, shard, ctx.group)
-    return out.transpose(0, 1)
+    return out.movedim(0, dim)
+
+
+def _gather_seq(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
+    """[b, s/tp, h] -> [b, s, h] (rank order along the sequence)."""
+    return _gather_dim(ctx, x, 1)
 
 
 def _scatter_seq(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
@@ -246,10 +251,7 @@ class SplitSeq(torch.autograd.Function):
 
 def _gather_last(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
     """[..., n/tp] -> [..., n] (rank order along the last dimension)."""
-    shard = x.movedim(-1, 0).contiguous()
-    out = torch.empty((shard.shape[0] * ctx.size, *shard.shape[1:]), dtype=x.dtype, device=x.device)
-    ctx.comm.all_gather(out, shard, ctx.group)
-    return out.movedim(0, -1)
+    return _gather_dim(ctx, x, -1)
 
 
 def _local_last(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
