@@ -32,7 +32,8 @@ STEP_MODULES = [
     "zero/stage12.py", "zero/stage3.py", "zero/reduce.py", "zero/optimizer.py", "zero/frozen.py",
     "zero/unit_buffer.py", "zero/units.py", "zero/offload.py", "zero/adafactor.py",
     "tensor_parallel/ops.py", "tensor_parallel/layers.py", "tensor_parallel/loss.py",
-    "models/llama.py",
+    "models/llama.py", "models/saving.py", "transforms/selective.py", "transforms/offload.py",
+    "pipeline/partition.py", "deepspeed/engine.py",
 ]
 
 FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",

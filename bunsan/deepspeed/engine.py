@@ -59,7 +59,7 @@ class DeepSpeedEngine(nn.Module):
             return getattr(engine, name)
 
     # -- ranks, sizes and switches ---------------------------------------------------------------
-    local_rank = property(lambda self: int(os.environ.get("LOCAL_RANK", 0)))
+    local_rank = property(lambda self: int(os.environ.get("LOCAL_RANK", 0)))   # host: an environment variable
     global_rank = property(lambda self: self.bunsan.mesh.rank)
     world_size = property(lambda self: self.bunsan.mesh.world.size)
     dp_world_size = property(lambda self: self.bunsan.mesh.dp)
@@ -241,7 +241,8 @@ class PipelineEngine(DeepSpeedEngine):
     def train_batch(self, data_iter=None) -> torch.Tensor:
         """One optimizer step over gradient_accumulation_steps micro-batches; their mean loss, on every rank."""
         batch = self._draw(data_iter, self.bunsan.grad_accum)
-        return torch.tensor(self._after(lambda: self.bunsan.train_batch(batch)))
+        loss = self._after(lambda: self.bunsan.train_batch(batch))
+        return torch.tensor(loss, device="cpu")   # host: the loss the step already read with its norm
 
     def eval_batch(self, data_iter, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None):
@@ -249,7 +250,7 @@ class PipelineEngine(DeepSpeedEngine):
             raise ValueError("eval_batch: bunsan's pipeline returns the mean loss (reduce_output='avg', "
                              "compute_loss=True, return_logits=False); other forms are not supported")
         batch = self._draw(data_iter, num_micro_batches or self.bunsan.grad_accum)
-        return torch.tensor(self.bunsan.eval_batch(batch))
+        return torch.tensor(self.bunsan.eval_batch(batch), device="cpu")   # host: evaluation returns a number
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a PipelineEngine runs whole steps: call engine.train_batch(data_iter) and "

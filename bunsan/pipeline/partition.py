@@ -240,7 +240,8 @@ def _hf_views(stage: StageModule, model: nn.Module, prefix: str, chunks: list[li
         view = copy.copy(base)
         view.__dict__["_modules"] = {"rotary_emb": base.rotary_emb}   # the rest: the stage's, at each run
         blocks = [p for layer in chunk for p in layer.paths if p.startswith(f"{prefix}.layers.")]
-        view.__dict__["config"] = _chunk_config(base.config, [int(p.rsplit(".", 1)[1]) for p in blocks])
+        indices = [int(p.rsplit(".", 1)[1]) for p in blocks]   # host: layer numbers parsed from paths, no tensor
+        view.__dict__["config"] = _chunk_config(base.config, indices)
         views.append((view, blocks, sid == 0, sid == n_stages - 1))
     return views
 

@@ -31,7 +31,7 @@ class HostCopy:
 
     def __init__(self, stretch: torch.Tensor, stream: torch.cuda.Stream | None):
         self.device, self.stream = stretch.device, stream
-        self.host = torch.empty(stretch.numel(), dtype=torch.uint8, pin_memory=stretch.is_cuda)
+        self.host = torch.empty(stretch.numel(), dtype=torch.uint8, device="cpu", pin_memory=stretch.is_cuda)
         self.back: torch.Tensor | None = None      # on the device again (shared by the views saved from it)
         if stream is None:
             self.host.copy_(stretch)
