@@ -16,8 +16,8 @@ ROWS, SEQ, VOCAB, STEPS = 4, 12, 64, 3
 LR = 0.5
 
 
-def tiny(arch: str):
-    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+def tiny(arch: str, **extra):
+    common = extra | dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
@@ -42,7 +42,10 @@ def data(steps: int = STEPS) -> list[dict]:
 
 
 def reference(arch: str, batches: list[dict]):
-    model = tiny(arch)
+    return reference_from(tiny(arch), batches)
+
+
+def reference_from(model, batches: list[dict]):
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for b in batches:
@@ -279,6 +282,51 @@ def test_hf_model_built_under_zero_init(pools):
     torch.testing.assert_close(results[0][2], tiny("llama").model.rotary_emb.inv_freq)
 
 
+def _train_bunsan_zero_init(rank, world, cfg, batches, tie):
+    from bunsan.zero.slices import slice_of
+    torch.manual_seed(0)
+    with bunsan.zero.Init():        # meta: each rank keeps its slice, initialised by HF's own _init_weights
+        model = tiny("llama", tie_word_embeddings=tie)
+    pieces = {n: slice_of(p).piece.numel() for n, p in model.named_parameters()}
+    assert all(p.is_meta for p in model.parameters())
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    engine = bunsan.initialize(model, cfg)
+    first = engine.consolidated_state_dict()
+    per = ROWS // world
+    losses = [engine.train_batch({k: v[rank * per:(rank + 1) * per] for k, v in b.items()}) for b in batches]
+    return losses, engine.consolidated_state_dict(), inv_freq, first, pieces
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hf_model_built_on_meta_equals_a_normal_build(pools, tie):
+    batches = data()
+    normal = tiny("llama", tie_word_embeddings=tie)
+    built = {k: v.clone() for k, v in normal.state_dict().items()}
+    sizes = {n: p.numel() for n, p in normal.named_parameters()}
+    inv_freq_built = normal.model.rotary_emb.inv_freq.clone()
+    ref = reference_from(normal, batches)
+    for losses, state, inv_freq, first, pieces in pools.run(2, _train_bunsan_zero_init, 2, _cfg(3), batches, tie):
+        for k, v in built.items():
+            torch.testing.assert_close(first[k], v, rtol=0, atol=0, msg=k)   # the same draws, bit for bit
+        assert pieces.keys() == sizes.keys()
+        assert all(pieces[n] <= (sizes[n] + 1) // 2 for n in sizes)           # each rank kept half
+        torch.testing.assert_close(inv_freq, inv_freq_built, rtol=0, atol=0)
+        _check([(losses, state, None)], *ref)
+
+
+def test_hf_meta_build_refuses_what_it_cannot_replay():
+    class WithExtra(transformers.LlamaForCausalLM):     # a parameter _init_weights never writes
+        def __init__(self, config):
+            super().__init__(config)
+            self.extra = torch.nn.Parameter(torch.randn(4))
+            self.post_init()
+
+    config = tiny("llama").config
+    with pytest.raises(ValueError, match="extra.*not written by the model's _init_weights"):
+        with bunsan.zero.Init():
+            WithExtra(config)
+
+
 def _load_pretrained(rank, world, cfg, path):
     torch.manual_seed(99)                 # other weights than the directory's
     model = tiny("llama")
@@ -297,3 +345,30 @@ def test_pretrained_weights_load_straight_into_shards(pools, tmp_path, layout):
     for state in pools.run(2, _load_pretrained, 2, cfg, str(tmp_path)):
         for k, v in source.state_dict().items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_hf_meta_build_follows_a_seed_set_inside_the_block():
+    torch.manual_seed(7)      # tiny() seeds 0 inside the block: the normal build's values are seed 0's
+    with bunsan.zero.Init():
+        model = tiny("llama")
+    after_build = torch.rand(3)
+    normal = tiny("llama")
+    assert torch.equal(after_build, torch.rand(3))                  # the generator stands where a normal build's does
+    from bunsan.zero.slices import slice_of
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(slice_of(p).piece.view(p.shape), dict(normal.named_parameters())[n],
+                                   rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "mistral_sliding", "gpt2"])
+def test_hf_meta_build_equals_a_normal_build_for_each_architecture(arch):
+    from bunsan.zero.slices import slice_of
+    build = _gpt2 if arch == "gpt2" else (lambda: tiny(arch, tie_word_embeddings=True))
+    normal = build()
+    with bunsan.zero.Init():
+        model = build()
+    for n, p in model.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(slice_of(p).piece.view(p.shape),
+                                   dict(normal.named_parameters(remove_duplicate=False))[n], rtol=0, atol=0, msg=n)
+    for n, b in model.named_buffers():
+        torch.testing.assert_close(b, dict(normal.named_buffers())[n], rtol=0, atol=0, msg=n)

@@ -16,9 +16,6 @@ As DeepSpeed, rank 0's values are what every rank keeps (each rank may have draw
 from __future__ import annotations
 
 import contextlib
-import math
-import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -27,115 +24,25 @@ from torch.nn.modules import module as module_hooks
 from bunsan.comm import functional as world
 from bunsan.comm.process_group import init_distributed
 from bunsan.deepspeed.engine import engine_holding
+from bunsan.zero.slices import (agree, attach_rebuilders, gather, gather_device, keep_slice, parameter_slots,
+                                slice_of, swap_slots)
 
 __all__ = ["Init", "GatheredParameters"]
 
 
-@dataclass
-class Slice:
-    """This rank's piece of one parameter built under Init: elements [rank*chunk, rank*chunk + len(piece)).
-    The parameter itself is a meta tensor; `owners` are the (module, name) slots that hold it (tied: several)."""
-    piece: torch.Tensor       # on the host, flat
-    shape: torch.Size
-    chunk: int
-    owners: list
-
-
-_SLICED: dict[int, tuple[weakref.ref, Slice]] = {}   # id(parameter) -> (the parameter, its slice)
-# (id(module), name) -> its slot's slice: to_empty() gives a meta parameter a new object, the slot stays
-_SLOTS: dict[tuple[int, str], Slice] = {}
-
-
-def slice_of(p: torch.Tensor) -> Slice | None:
-    hit = _SLICED.get(id(p))
-    return hit[1] if hit is not None and hit[0]() is p else None
-
-
-def _gather_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if world.get_backend() == "nccl" \
-        else torch.device("cpu")
-
-
-def gather(s: Slice, device: torch.device | None = None) -> torch.Tensor:
-    """The whole parameter from every rank's slice (collective over the world: every rank calls it)."""
-    size = world.get_world_size()
-    if size == 1:
-        return s.piece.view(s.shape).clone()
-    at = _gather_device()
-    padded = torch.zeros(s.chunk, dtype=s.piece.dtype, device=at)
-    padded[:s.piece.numel()] = s.piece
-    out = torch.empty(size * s.chunk, dtype=s.piece.dtype, device=at)
-    world.all_gather_into_tensor(out, padded)
-    return out[:s.shape.numel()].view(s.shape).to(device or s.piece.device)
-
-
-def _swap(owners: list, new: nn.Parameter) -> nn.Parameter:
-    for module, name in owners:
-        module._parameters[name] = new
-    return new
-
-
-def _keep_slice(owners: list, full: torch.Tensor) -> nn.Parameter:
-    """Put a meta parameter in `owners`' slots, remembering this rank's slice of `full`."""
-    size, rank = world.get_world_size(), world.get_rank()
-    flat = full.detach().reshape(-1)
-    chunk = math.ceil(flat.numel() / size)
-    piece = flat[rank * chunk:(rank + 1) * chunk].to("cpu", copy=True)
-    new = nn.Parameter(torch.empty(full.shape, dtype=full.dtype, device="meta"))
-    kept = Slice(piece, full.shape, chunk, owners)
-    _SLICED[id(new)] = (weakref.ref(new), kept)
-    for module, name in owners:
-        _SLOTS[(id(module), name)] = kept
-    return _swap(owners, new)
-
-
-def _agree(t: torch.Tensor) -> None:
-    """Rank 0's values on every rank (through the backend's device)."""
-    if world.get_world_size() == 1:
-        return
-    at = _gather_device()
-    moved = t.detach().to(at)
-    world.broadcast(moved, 0)
-    t.data.copy_(moved)
-
-
 def _slice_module(root: nn.Module) -> None:
     """Keep this rank's slice of every trainable parameter of `root`; frozen ones and buffers stay whole
-    (rank 0's). `root` learns to rebuild them: init_parameter (ZeRO-3's unit-by-unit materialisation) and
-    init_weights (every other layout)."""
-    owners: dict[int, list] = {}
-    for m in root.modules():
-        for name, p in m._parameters.items():
-            if p is not None and not p.is_meta:
-                owners.setdefault(id(p), []).append((m, name))
+    (rank 0's)."""
     with torch.no_grad():
-        for slots in owners.values():
+        for slots in parameter_slots(root).values():
             p = getattr(*slots[0])
-            _agree(p)
+            agree(p)
             if p.requires_grad:
-                _keep_slice(slots, p.data)
+                keep_slice(slots, p.data)
         for b in root.buffers():
             if not b.is_meta:
-                _agree(b)
-    buffers = {name: b.detach().clone() for name, b in root.named_buffers()}
-
-    def init_parameter(name: str, tensor: torch.Tensor, seed: int = 0) -> None:
-        path, _, attr = name.rpartition(".")
-        s = _SLOTS.get((id(root.get_submodule(path)), attr))
-        if s is None:
-            raise ValueError(f"parameter {name!r} was not built under zero.Init, so there is no slice to rebuild "
-                             "it from; build the whole model inside the `with zero.Init():` block")
-        tensor.copy_(gather(s, tensor.device))
-
-    def init_weights(seed: int | None = None) -> None:   # after to_empty(): every parameter and buffer
-        with torch.no_grad():
-            for name, p in root.named_parameters():
-                init_parameter(name, p.data)
-            for name, b in root.named_buffers():
-                if name in buffers:
-                    b.copy_(buffers[name])
-
-    root.init_parameter, root.init_weights = init_parameter, init_weights
+                agree(b)
+    attach_rebuilders(root)
 
 
 class Init:
@@ -203,22 +110,22 @@ def _whole(sliced: list[nn.Parameter], modifier_rank: int | None):
     the modifier's values are sliced again, or a write without a modifier is refused."""
     slices = [slice_of(p) for p in sliced]
     before = [gather(s) for s in slices]
-    whole = [_swap(s.owners, nn.Parameter(b.clone())) for s, b in zip(slices, before)]
+    whole = [swap_slots(s.owners, nn.Parameter(b.clone())) for s, b in zip(slices, before)]
     try:
         yield
     finally:
         changed = sum(not torch.equal(w.data, b) for w, b in zip(whole, before))
         if modifier_rank is None and world.get_world_size() > 1:   # every rank refuses, or none: no hang
-            count = torch.tensor([float(changed)], device=_gather_device())
+            count = torch.tensor([float(changed)], device=gather_device())
             world.all_reduce(count, op=world.ReduceOp.MAX)
             changed = int(count.item())
         for s, w, b in zip(slices, whole, before):
             full = b if modifier_rank is None else w.data.clone()
             if modifier_rank is not None and world.get_world_size() > 1:
-                moved = full.to(_gather_device())
+                moved = full.to(gather_device())
                 world.broadcast(moved, modifier_rank)
                 full = moved.to(full.device)
-            _keep_slice(s.owners, full)
+            keep_slice(s.owners, full)
         if modifier_rank is None and changed:
             raise RuntimeError(f"{changed} parameter(s) built under zero.Init were changed inside "
                                "GatheredParameters without a modifier_rank, and would be lost: pass "

@@ -15,18 +15,29 @@ class Init:
 
     Parameters are created on the meta device; `bunsan.initialize` with ZeRO stage 3
     then materialises each rank's shard only, one unit at a time, so no rank ever
-    holds the whole model. Accepts (and ignores) DeepSpeed's zero.Init arguments.
+    holds the whole model. bunsan's models fill each tensor by name (`init_parameter`);
+    a Hugging Face model is initialised at the end of the block by its own
+    `_init_weights`, one block at a time, each rank keeping its slice, with the values
+    of a normal build for the same seed (zero/hf_init.py). Accepts (and ignores)
+    DeepSpeed's zero.Init arguments.
     """
 
     def __init__(self, *args, **kwargs):
         self._ctx = torch.device("meta")
+        self._hf = None
 
     def __enter__(self):
+        from bunsan.zero.hf_init import HFReplay
         self._ctx.__enter__()
+        self._hf = HFReplay().__enter__()
         return self
 
     def __exit__(self, *exc):
-        return self._ctx.__exit__(*exc)
+        self._hf.__exit__(*exc)
+        self._ctx.__exit__(*exc)
+        if exc[0] is None:
+            self._hf.finish()
+        return False
 
 
 def make_strategy(trainable, comm, group, cfg, device, user_optimizer, module, dims: OtherDims):

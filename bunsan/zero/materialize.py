@@ -22,8 +22,9 @@ def unit_full_weights(module: nn.Module, layout, k: int, params: list, names: li
     if meta and init is None:
         raise ValueError(f"{type(module).__name__} was built on the meta device (bunsan.zero.Init) but has no "
                          "init_parameter(name, tensor, seed) method to initialise it shard by shard; add one, "
-                         "or build it under bunsan.deepspeed.zero.Init() (any module, a transformers model "
-                         "included: built once in host memory by its own init, then each rank keeps its slice)")
+                         "or build it under bunsan.deepspeed.zero.Init() (any module: built once in host memory by its own "
+                         "init, then each rank keeps its slice); a transformers model under bunsan.zero.Init is "
+                         "initialised by its own _init_weights when transformers is imported before the block")
     with torch.no_grad():
         for i in b.params:
             p = params[i]

@@ -1,0 +1,123 @@
+"""Parameters kept as this rank's slice until ZeRO-3 needs them whole: what both `zero.Init`s leave behind.
+
+A sliced parameter is a meta tensor in its module; the rank's elements [rank*chunk, rank*chunk + len(piece))
+of the flat parameter live on the host. The model learns `init_parameter(name, tensor, seed)` (ZeRO-3's
+unit-by-unit materialisation gathers one parameter from every rank's slice) and `init_weights()` (every other
+layout, after `to_empty()`).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from bunsan.comm import functional as world
+
+__all__ = ["Slice", "slice_of", "gather", "gather_device", "swap_slots", "keep_slice", "agree",
+           "parameter_slots", "attach_rebuilders"]
+
+
+@dataclass
+class Slice:
+    """This rank's piece of one parameter: elements [rank*chunk, rank*chunk + len(piece)). The parameter itself
+    is a meta tensor; `owners` are the (module, name) slots that hold it (tied: several)."""
+    piece: torch.Tensor       # on the host, flat
+    shape: torch.Size
+    chunk: int
+    owners: list
+
+
+SLICED: dict[int, tuple[weakref.ref, Slice]] = {}   # id(parameter) -> (the parameter, its slice)
+# (id(module), name) -> its slot's slice: to_empty() gives a meta parameter a new object, the slot stays
+SLOTS: dict[tuple[int, str], Slice] = {}
+
+
+def slice_of(p: torch.Tensor) -> Slice | None:
+    hit = SLICED.get(id(p))
+    return hit[1] if hit is not None and hit[0]() is p else None
+
+
+def gather_device() -> torch.device:
+    """Where collectives run: NCCL takes only CUDA tensors."""
+    return torch.device("cuda", torch.cuda.current_device()) if world.get_backend() == "nccl" \
+        else torch.device("cpu")
+
+
+def gather(s: Slice, device: torch.device | None = None) -> torch.Tensor:
+    """The whole parameter from every rank's slice (collective over the world: every rank calls it)."""
+    size = world.get_world_size()
+    if size == 1:
+        return s.piece.view(s.shape).clone()
+    at = gather_device()
+    padded = torch.zeros(s.chunk, dtype=s.piece.dtype, device=at)
+    padded[:s.piece.numel()] = s.piece
+    out = torch.empty(size * s.chunk, dtype=s.piece.dtype, device=at)
+    world.all_gather_into_tensor(out, padded)
+    return out[:s.shape.numel()].view(s.shape).to(device or s.piece.device)
+
+
+def swap_slots(owners: list, new: nn.Parameter) -> nn.Parameter:
+    for module, name in owners:
+        module._parameters[name] = new
+    return new
+
+
+def keep_slice(owners: list, full: torch.Tensor) -> nn.Parameter:
+    """Put a meta parameter in `owners`' slots, remembering this rank's slice of `full`."""
+    size, rank = world.get_world_size(), world.get_rank()
+    flat = full.detach().reshape(-1)
+    chunk = math.ceil(flat.numel() / size)
+    piece = flat[rank * chunk:(rank + 1) * chunk].to("cpu", copy=True)
+    new = nn.Parameter(torch.empty(full.shape, dtype=full.dtype, device="meta"))
+    kept = Slice(piece, full.shape, chunk, owners)
+    SLICED[id(new)] = (weakref.ref(new), kept)
+    for module, name in owners:
+        SLOTS[(id(module), name)] = kept
+    return swap_slots(owners, new)
+
+
+def agree(t: torch.Tensor) -> None:
+    """Rank 0's values on every rank (through the backend's device)."""
+    if world.get_world_size() == 1:
+        return
+    moved = t.detach().to(gather_device())
+    world.broadcast(moved, 0)
+    t.data.copy_(moved)
+
+
+def parameter_slots(root: nn.Module, include_meta: bool = False) -> dict[int, list]:
+    """id(parameter) -> every (module, name) slot holding it (a tied parameter has several), in module order."""
+    owners: dict[int, list] = {}
+    for m in root.modules():
+        for name, p in m._parameters.items():
+            if p is not None and (include_meta or not p.is_meta):
+                owners.setdefault(id(p), []).append((m, name))
+    return owners
+
+
+def attach_rebuilders(root: nn.Module) -> None:
+    """Give `root` init_parameter (ZeRO-3's unit-by-unit materialisation) and init_weights (every other layout,
+    after to_empty()): sliced parameters gathered, buffers as they are now."""
+    buffers = {name: b.detach().clone() for name, b in root.named_buffers() if not b.is_meta}
+
+    def init_parameter(name: str, tensor: torch.Tensor, seed: int = 0) -> None:
+        path, _, attr = name.rpartition(".")
+        s = SLOTS.get((id(root.get_submodule(path)), attr))
+        if s is None:
+            raise ValueError(f"parameter {name!r} was not built under zero.Init, so there is no slice to rebuild "
+                             "it from; build the whole model inside the `with zero.Init():` block")
+        tensor.copy_(gather(s, tensor.device))
+
+    def init_weights(seed: int | None = None) -> None:   # after to_empty(): every parameter and buffer
+        with torch.no_grad():
+            for name, p in root.named_parameters():
+                init_parameter(name, p.data)
+            for name, b in root.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+
+    root.init_parameter, root.init_weights = init_parameter, init_weights
