@@ -44,7 +44,7 @@ def _run(rank, world, cfg, ckpt, mode, tied=False):
     dict(world=2, zero=0), dict(world=2, zero=1), dict(world=2, zero=2), dict(world=2, zero=3),
     dict(world=2, tp=2), dict(world=2, pp=2), dict(world=2, zero=1, bf16=True),
     dict(world=2, zero=0, fp16={"enabled": True, "initial_scale_power": 8}),
-    dict(world=2, zero=2, offload="nvme"), dict(world=2, zero=3, offload="cpu"),
+    dict(world=2, zero=2, offload="nvme"), dict(world=2, zero=3, offload="cpu"), dict(world=4, pp=2, zero=3),
 ])
 def test_resume_is_bit_exact_on_the_same_layout(pools, tmp_path, layout):
     layout = dict(layout)
@@ -76,6 +76,10 @@ RESHARD = [
     (dict(world=4, tp=2, zero=1, opt="sgd"), dict(world=2, pp=2, opt="sgd")),
     (dict(world=2, pp=2, tied=True, opt="sgd"), dict(world=4, tp=2, zero=3, tied=True, opt="sgd")),
     (dict(world=1, opt="sgd"), dict(world=2, tp=2, opt="sgd")),
+    # pipeline stages with ZeRO-2/3 (AdamW: only the sharding changes within a stage)
+    (dict(world=4, pp=2, zero=3, tied=True), dict(world=1, zero=0, tied=True)),
+    (dict(world=2, zero=1), dict(world=4, pp=2, zero=2)),
+    (dict(world=4, pp=2, zero=2), dict(world=2, pp=2, zero=3)),
 ]
 
 

@@ -26,9 +26,11 @@ TIED = {"tie_word_embeddings": True}      # the embedding and head on different 
 
 
 def layout(dp=1, tp=1, sp=False, pp=1, schedule="1f1b", m=1, v=1, stage=0, offload_optimizer=None,
-           offload_param=None, lora=False, overrides=None, build="plain", ignore_frac=0.0):
+           offload_param=None, lora=False, overrides=None, build="plain", ignore_frac=0.0, gather=None):
     """(world, config without optimizer or clipping, Setup) of one layout; `m` micro-batches per step."""
     zero = {"stage": stage, "reduce_bucket_size": 50_000, "stage3_param_persistence_threshold": 0}
+    if gather:
+        zero["stage3_pipeline_gather"] = gather
     if offload_optimizer:
         zero.update(offload_optimizer={"device": offload_optimizer}, sub_group_size=40_000)
     if offload_param:
@@ -83,6 +85,13 @@ LAYOUTS = {
     "pp2-tp2": layout(pp=2, m=2, tp=2, overrides=TIED),
     "pp2-tp2-sp": layout(pp=2, m=2, tp=2, sp=True, overrides=TIED),
     "pp2-dp2-tp2-zero1": layout(pp=2, m=2, dp=2, tp=2, stage=1, overrides=TIED),
+    # pipeline x ZeRO-2/3: gradients reduced once after the schedule; ZeRO-3's blocks gathered per micro-batch
+    # or once per schedule
+    "pp2-zero3": layout(pp=2, m=2, stage=3),
+    "pp2-dp2-zero2": layout(pp=2, m=2, dp=2, stage=2, overrides=TIED),
+    "pp2-dp2-zero3": layout(pp=2, m=2, dp=2, stage=3, overrides=TIED),
+    "pp2-dp2-zero3-schedule": layout(pp=2, m=2, dp=2, stage=3, gather="schedule", overrides=TIED),
+    "pp2-interleaved-dp2-zero3": layout(pp=2, schedule="interleaved", m=4, v=2, dp=2, stage=3, overrides=TIED),
     # LoRA (frozen base, trained adapters) on each
     "lora-dp2": layout(dp=2, lora=True),
     "lora-dp2-zero3": layout(dp=2, stage=3, lora=True),

@@ -42,11 +42,6 @@ class BatchSizes:
 # c=config). bunsan.initialize raises ConfigError with the messages of the rows that hold; loading does not,
 # so plans and estimates can still price such a config. Delete a row when its feature lands.
 UNIMPLEMENTED: list[tuple[str, typing.Callable[[Config], bool], str]] = [
-    ("pipeline.stages", lambda c: c.pipeline.stages > 1 and c.zero_optimization.stage > 1,
-     "pipeline.stages={c.pipeline.stages} with zero_optimization.stage={c.zero_optimization.stage}: ZeRO-2 and -3 "
-     "reduce gradients (and ZeRO-3 gathers parameters) inside every backward, while a pipeline splits each "
-     "micro-batch's backward into pieces spread over its schedule and reduces once after it; bunsan (like "
-     "DeepSpeed and Megatron) combines pipelines with ZeRO-1 at most; set zero_optimization.stage to 0 or 1"),
     ("activation_checkpointing.partition_activations", lambda c: c.activation_checkpointing.partition_activations,
      "activation_checkpointing.partition_activations=true: partitioning checkpointed activations across "
      "tensor-parallel ranks is not implemented; use tensor_parallel.sequence_parallel, which shards the "

@@ -294,7 +294,8 @@ class Engine:
             # a pipeline needs micro-batches to fill its stages; up to grad_accum of them, as in training
             micro = split(batch, max(1, min(rows, self.grad_accum)) if self.pipe is not None else 1, self.device)
             if self.pipe is not None:
-                total = pipeline.forward(self.pipe, micro, objective)
+                with self.strategy.pipeline_evaluation():
+                    total = pipeline.forward(self.pipe, micro, objective)
             else:
                 total = objective.summed(objective.forward(self.module, micro[0]), micro[0]).double().reshape(1)
             sums = torch.cat([total, objective.count(micro)])

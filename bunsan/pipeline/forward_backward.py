@@ -1,9 +1,11 @@
 """Forward and backward of a step's micro-batches through the pipeline: what the engine's step calls in place
 of its plain micro-batch loop (the step itself, its loss and its optimizer boundary, stay the engine's).
 
-The data-parallel strategy (ZeRO 0 or 1) is told to accumulate through the whole
+The data-parallel strategy (any ZeRO stage) is told to accumulate through the whole
 schedule and reduce once after it: a pipeline's backward comes in pieces (one per
 micro-batch and chunk), so bucket hooks cannot tell when a gradient is final.
+ZeRO-3 gathers a stage's blocks per micro-batch or once per schedule
+(zero_optimization.stage3_pipeline_gather; zero/stage3.py).
 Before that reduction, weights tied across stages (a Llama's embedding and head)
 sum their gradients over the stages that hold them.
 """
@@ -25,17 +27,17 @@ def forward_backward(pipe, micro: list, objective, dp, module: nn.Module,
     # group's first batched send/receive needs before it.
     comm.barrier(group)
     pipe.recorder.begin()
-    dp.begin_backward(sync=False)
+    dp.begin_schedule()
     on_phase(f"pipeline schedule ({pipe.schedule}, {len(micro)} micro-batches)")
-    total = pipe.runner.train(micro, objective.first_input, objective, objective.seq_len)
+    total = pipe.runner.train(micro, objective.first_input, objective, objective.seq_len,
+                              after_backward=dp.after_backward_piece)
     on_phase("gradient reduction after the pipeline schedule")
     with pipe.recorder.record("sync", -1, 0):
         for name, tied_group in pipe.tied:
             grad = module.get_parameter(name).grad
             if grad is not None and tied_group is not None:
                 comm.all_reduce(grad, tied_group)
-        dp.begin_backward(sync=True)     # every bucket reduced now, in order
-        dp.end_backward(sync=True)
+        dp.end_schedule()     # every bucket reduced now, in order
     # The loss lives on the last stage: hand it to every stage (the data-parallel sum is the engine's).
     comm.broadcast(total, pipe.p - 1, group)
     return total

@@ -161,12 +161,12 @@ class Runner:
     def _stage(self, a: Action) -> int:
         return a.chunk * self.p + self.rank
 
-    def train(self, micro_batches: list, first_input, loss_of, seq_len) -> torch.Tensor:
+    def train(self, micro_batches: list, first_input, loss_of, seq_len, after_backward=None) -> torch.Tensor:
         """Forward and backward of every micro-batch; returns the summed loss (last stage; else 0), a 1-element
         fp64 tensor on the device.
 
         first_input(mb) -> the first stage's input; loss_of(out, mb) -> the scalar to backpropagate
-        (already divided and scaled) and the loss to report.
+        (already divided and scaled) and the loss to report. after_backward(): after each backward piece.
         """
         received, outputs, grads, pending = {}, {}, {}, []
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
@@ -192,6 +192,8 @@ class Runner:
                     out, grad = outputs.pop(key), None if s == self.last else grads.pop(key)
                     if out.requires_grad:   # (LoRA: a first stage with no adapters has nothing to backward)
                         torch.autograd.backward(out, grad)
+                    if after_backward is not None:
+                        after_backward()
         self._wait(pending)
         return total
 

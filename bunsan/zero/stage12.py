@@ -10,6 +10,9 @@ is reduce-scattered at once and the rank's slice is added to a persistent fp32
 gradient shard. At most two buckets are in flight, so full-size gradients never
 exist beyond two buckets.
 
+Under a pipeline both accumulate whole gradients through the schedule and reduce
+them once after it (strategy.py); stage 2 frees them then.
+
 Both: each rank steps only its shard (optimizer.py), writes the updated slice
 into the flat parameters, and the buckets are all-gathered.
 """
@@ -135,6 +138,14 @@ class Stage2(ShardedGrads):
 
     def begin_backward(self, sync: bool) -> None:
         self.hooks.begin()
+
+    # Under a pipeline the gradients accumulate whole in .grad through the schedule (as stage 1's do) and are
+    # reduce-scattered once after it; they are freed then, so the optimizer step runs without them.
+    def begin_schedule(self) -> None:
+        pass
+
+    def end_schedule(self) -> None:
+        self.reducer.reduce_held(self.params)
 
     def _grad_bytes(self) -> int:
         return self.layout.shard_numel * 4    # the fp32 gradient shard, counted during backward and the step

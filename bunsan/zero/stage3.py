@@ -49,6 +49,7 @@ class FullyShardedDP(Sharded):
     def __init__(self, trainable, comm, group, cfg, dims, module: nn.Module, opt_spec, device):
         super().__init__(trainable, comm, group, cfg.zero_optimization, dims, module)
         self.device, self.module = device, module
+        self.holding = False      # a pipeline schedule with stage3_pipeline_gather "schedule": nothing released
         self._trim = self.zero.trim_host_memory and device.type == "cpu"
         self._released = 0
         order = self._make_units(trainable, module)
@@ -195,7 +196,7 @@ class FullyShardedDP(Sharded):
 
     def release(self, k: int, force: bool = False) -> None:
         u = self.units[k]
-        if not u.gathered or (u.persistent and not force):
+        if not u.gathered or ((u.persistent or self.holding) and not force):
             return
         u.buf.free()
         if self.frozen_shards is not None:
@@ -296,6 +297,42 @@ class FullyShardedDP(Sharded):
         # its input's gradient after its last trained gradient: pre_backward of the unit before releases it.
         if k != self._root and not self._holds_frozen(k):
             self.release(k)
+
+    # -- under a pipeline: the runtime calls the stage's blocks, not the module, so the root hooks never run --
+    def begin_schedule(self) -> None:
+        """The root unit (this stage's embedding, norm or head) stays gathered through the schedule; the blocks
+        too with stage3_pipeline_gather "schedule", else each is gathered by its hooks per micro-batch."""
+        self.gather(self._root)
+        if self.zero.stage3_pipeline_gather == "schedule":
+            for k in range(len(self.units)):
+                self.gather(k)
+            self.holding = True
+
+    def after_backward_piece(self) -> None:
+        # The piece's blocks are done with for this micro-batch: released (the next one gathers them again).
+        for k, u in enumerate(self.units):
+            u.in_backward = False
+            if k != self._root:
+                self.release(k)
+
+    def end_schedule(self) -> None:
+        self.holding = False
+        for u in self.units:     # a prefetch the schedule never used (the weights have not changed since)
+            if u.pending is not None:
+                u.pending.wait()
+                u.pending, u.gathered = None, True
+        self.reducer.reduce_held(self.params)   # each unit's gradients, once; each unit released as it goes
+        for k, u in enumerate(self.units):
+            u.in_backward = False
+            self.release(k)
+
+    @contextlib.contextmanager
+    def pipeline_evaluation(self):
+        self.gather(self._root)
+        try:
+            yield
+        finally:
+            self.release(self._root)
 
     # -- the step --------------------------------------------------------------------------------
     def begin_backward(self, sync: bool) -> None:

@@ -7,6 +7,10 @@ The engine drives a strategy through one optimizer step:
     norm = unscale(inv)      gradients x inv (loss scale, averaging); the global L2 norm
     clip(coef); step(); zero_grad()
 
+Under pipeline parallelism a micro-batch's backward comes in pieces spread over the schedule, so the pipeline
+calls begin_schedule(), after_backward_piece() after each piece, and end_schedule(), which reduces every
+gradient once, after the schedule.
+
 The memory report reads bytes_by_kind(), checkpoints visit_state() and sync_params_from_master(); nothing
 else of a strategy is read from outside, so a new strategy implements exactly what `Strategy` declares.
 """
@@ -84,6 +88,22 @@ class Strategy(abc.ABC):
     @abc.abstractmethod
     def end_backward(self, sync: bool) -> None:
         """After a micro-batch's backward; with `sync` every reduction is complete on return."""
+
+    def begin_schedule(self) -> None:
+        """Before a pipeline schedule: gradients accumulate locally through it."""
+        self.begin_backward(sync=False)
+
+    def after_backward_piece(self) -> None:
+        """After one backward piece (a micro-batch through one chunk) of a pipeline schedule."""
+
+    def end_schedule(self) -> None:
+        """After the schedule: every gradient reduced once, in bucket order; complete on return."""
+        self.begin_backward(sync=True)
+        self.end_backward(sync=True)
+
+    def pipeline_evaluation(self):
+        """Context around a pipeline's forward-only pass (ZeRO-3 gathers the stage's root unit)."""
+        return contextlib.nullcontext()
 
     @abc.abstractmethod
     def unscale(self, inv: float) -> torch.Tensor:
