@@ -125,3 +125,18 @@ def test_clear_errors():
         estimate("tiny", {"tensor_parallel": {"size": 3}}, gpus=3)
     with pytest.raises(FileNotFoundError, match="without a config.json"):
         estimate("/", {})
+
+
+def test_pipeline_zero3_memory_follows_the_gather_policy():
+    """Whole gradients through a pipeline's schedule at ZeRO-2/3; ZeRO-3 with `schedule` keeps the stage's
+    weights gathered, with `micro_batch` one block (and its prefetch) at a time."""
+    base = dict(dp=2, pp=2, grad_accum=4, micro_batch=1, seq_len=128, precision="bf16")
+    micro = estimate_layout("7b", Layout(zero=3, **base))
+    whole = estimate_layout("7b", Layout(zero=3, pipeline_gather="schedule", **base))
+    zero1 = estimate_layout("7b", Layout(zero=1, **base))
+
+    def item(est, name):
+        return sum(i.device for i in est.items if i.name == name)
+    assert item(micro, "schedule gradients") == item(whole, "schedule gradients") > 0
+    assert item(whole, "ZeRO-3 gathered") > 5 * item(micro, "ZeRO-3 gathered")
+    assert micro.peak < whole.peak and micro.peak < zero1.peak

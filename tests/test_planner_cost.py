@@ -275,3 +275,14 @@ def test_parse_bytes_rejects_with_accepted_forms(bad):
 def test_nothing_is_nan():
     st = price(Layout(dp=2, tp=2, pp=2, grad_accum=2, zero=3, offload_optimizer="nvme", offload_param="nvme"))
     assert all(math.isfinite(getattr(st, name)) and getattr(st, name) >= 0 for name in cost.COMPONENTS)
+
+
+def test_pipeline_zero3_traffic_follows_the_gather_policy():
+    """Under pipeline stages a stage reduces once after the schedule; ZeRO-3 gathers per micro-batch (forward
+    and backward) or once per schedule."""
+    def dp_total(zero, gather="micro_batch", m=4):
+        return price(Layout(dp=2, pp=2, zero=zero, grad_accum=m, pipeline_gather=gather)).dp_comm_total
+    assert rel(dp_total(2), dp_total(1)) < 1e-12                      # one reduce-scatter + the post-step gather
+    assert rel(dp_total(3, "schedule"), dp_total(1)) < 1e-12          # one gather + one reduce-scatter
+    assert rel(dp_total(3), dp_total(1) * (2 * 4 + 1) / 2) < 1e-12    # 2 gathers per micro-batch + 1 reduce
+    assert rel(dp_total(3, m=8), dp_total(1) * (2 * 8 + 1) / 2) < 1e-12

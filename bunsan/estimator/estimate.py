@@ -216,9 +216,17 @@ def _backward_buffer_items(shape: ModelShape, rp: RankParams, base: RankParams |
     if not shape.bare:
         items.append(Item("weight gradient", device=max(rp.numels, default=0) * d, phase="backward",
                           note="the largest weight's fresh gradient before it is accumulated"))
+    whole_schedule = layout.pp > 1 and layout.pipeline_gather == "schedule"
     if words.gathers:
-        items.append(Item("ZeRO-3 gathered", device=zero3_gathered_bytes(rp, d, base), phase="backward",
-                          note="root unit + a block and its prefetch"))
+        gathered = (rp.total + (base.total if base is not None else 0)) * d if whole_schedule else \
+            zero3_gathered_bytes(rp, d, base)
+        items.append(Item("ZeRO-3 gathered", device=gathered, phase="backward",
+                          note="the stage's weights, gathered for the whole schedule" if whole_schedule
+                          else "root unit + a block and its prefetch"))
+    if layout.pp > 1 and layout.zero >= 2:
+        items.append(Item("schedule gradients", device=rp.total * d, phase="backward",
+                          note="a pipeline accumulates whole gradients through its schedule and reduces them "
+                               "once after it (zero/strategy.py)"))
     if words.buckets is not None:
         items.append(Item("gradient buckets", device=gradient_bucket_bytes(rp, layout.dp, layout.zero, d, bucket),
                           phase="backward", note=words.buckets))

@@ -36,6 +36,7 @@ class Layout:
     virtual_stages: int = 1
     offload_optimizer: str = "none"   # none | cpu | nvme
     offload_param: str = "none"       # none | cpu | nvme (ZeRO-3)
+    pipeline_gather: str = "micro_batch"   # ZeRO-3 with pp > 1: micro_batch | schedule (zero/stage3.py)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "micro_batch", "grad_accum", "seq_len", "virtual_stages"):
@@ -49,6 +50,8 @@ class Layout:
         for name in ("offload_optimizer", "offload_param"):
             if getattr(self, name) not in OFFLOAD:
                 raise ValueError(f"Layout.{name} must be one of {', '.join(OFFLOAD)}, got {getattr(self, name)!r}")
+        if self.pipeline_gather not in ("micro_batch", "schedule"):
+            raise ValueError(f"Layout.pipeline_gather must be micro_batch or schedule, got {self.pipeline_gather!r}")
         self._check_recompute()
 
     def _check_recompute(self) -> None:
@@ -151,4 +154,5 @@ class Layout:
                    sequence_parallel=cfg.tensor_parallel.sequence_parallel, schedule=cfg.pipeline.schedule,
                    virtual_stages=cfg.pipeline.virtual_stages,
                    offload_optimizer=z.offload_optimizer.device if z.offload_optimizer else "none",
-                   offload_param=z.offload_param.device if z.offload_param else "none")
+                   offload_param=z.offload_param.device if z.offload_param else "none",
+                   pipeline_gather=z.stage3_pipeline_gather)

@@ -13,6 +13,10 @@ Data-parallel traffic follows what bunsan's ZeRO does per micro-step (bunsan/zer
     stage 2   reduce-scatter on every micro-step (overlapped), parameter all-gather after the step
     stage 3   per micro-step: gather in forward, re-gather in backward, reduce-scatter (all overlapped)
 
+Under pipeline stages every stage reduces once after the schedule, exposed (nothing computes then); ZeRO-3
+gathers per micro-batch in forward and backward (overlapped), or once before the schedule (exposed) with
+stage3_pipeline_gather "schedule".
+
 With one micro-step this is the textbook 2Ψ for stages 0-2 and 3Ψ for stage 3.
 Every figure is an estimate; `benchmarks/` measures the real thing.
 """
@@ -208,6 +212,10 @@ def _dp_comm(layout: Layout, psi: float, link: Interconnect, forward: float, bac
     if d == 1:
         return 0.0, 0.0
     u = (d - 1) / d * psi * layout.dtype_bytes / link.bytes_per_s
+    if layout.pp > 1:     # (hidden, window, exposed): the reduce after the schedule, the gather after the step
+        per_micro = layout.zero == 3 and layout.pipeline_gather == "micro_batch"
+        hidden, window, after = (2 * m, forward + backward, 1) if per_micro else (0, 0.0, 2)
+        return (hidden + after) * u, max(0.0, hidden * u - OVERLAP * window) + after * u
     # stage -> (overlapped passes, window that hides them, passes after the step)
     hidden, window, after = {
         0: (2, backward / m, 0),            # all-reduce = reduce-scatter + all-gather, last micro-step

@@ -95,8 +95,6 @@ def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, glob
                 if pp > 1 and accum % pp == 0 and layers % (2 * pp) == 0:
                     scheds.append(("interleaved", 2))
                 for (sched, v), ckpt, zero in itertools.product(scheds, RECOMPUTE, (0, 1, 2, 3)):
-                    if pp > 1 and zero > 1:
-                        continue
                     for sp in ((False, True) if tp > 1 and seq_len % tp == 0 else (False,)):
                         offloads = [("none", "none")]
                         if zero >= 1:
