@@ -92,6 +92,7 @@ LAYOUTS = {
     "pp2-dp2-zero3": layout(pp=2, m=2, dp=2, stage=3, overrides=TIED),
     "pp2-dp2-zero3-schedule": layout(pp=2, m=2, dp=2, stage=3, gather="schedule", overrides=TIED),
     "pp2-interleaved-dp2-zero3": layout(pp=2, schedule="interleaved", m=4, v=2, dp=2, stage=3, overrides=TIED),
+    "pp2-dp2-tp2-sp-zero3": layout(pp=2, m=2, dp=2, tp=2, sp=True, stage=3, overrides=TIED),
     # LoRA (frozen base, trained adapters) on each
     "lora-dp2": layout(dp=2, lora=True),
     "lora-dp2-zero3": layout(dp=2, stage=3, lora=True),
