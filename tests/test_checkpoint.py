@@ -117,7 +117,8 @@ def test_layout_of_a_checkpoint_directory(pools, tmp_path):
     pools.run(2, _save_twice, 2, str(tmp_path))
     assert (tmp_path / "latest").read_text() == "global_step2"
     d = tmp_path / "global_step2"
-    assert sorted(p.name for p in d.iterdir()) == ["meta.json", "rank00000.safetensors", "rank00001.safetensors"]
+    assert sorted(p.name for p in d.iterdir()) == ["meta.json", "meta.sha256", "rank00000.safetensors",
+                                                   "rank00001.safetensors"]
     meta = json.loads((d / "meta.json").read_text())
     assert meta["step"] == 2 and meta["layout"]["dp"] == 2 and meta["client_state"] == {"step": 2}
     assert all(len(f["sha256"]) == 64 for f in meta["files"].values())

@@ -116,8 +116,8 @@ def test_wrong_batch_rows_name_the_arithmetic(pools):
 
 
 def test_initialize_rejects_unimplemented_features_and_unknown_arguments():
-    with pytest.raises(bunsan.ConfigError, match="pipeline.stages=2 with zero_optimization.stage=3"):
-        bunsan.initialize(tiny_model(), {"pipeline": {"stages": 2}, "zero_optimization": {"stage": 3}})
+    with pytest.raises(bunsan.ConfigError, match="partition_activations=true"):
+        bunsan.initialize(tiny_model(), {"activation_checkpointing": {"partition_activations": True}})
     with pytest.raises(TypeError, match="unexpected arguments"):
         bunsan.initialize(tiny_model(), {}, lr_schedulr=None)
 

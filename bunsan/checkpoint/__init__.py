@@ -131,11 +131,13 @@ def _model_config(engine) -> dict | None:
     return None
 
 
-def _verified(engine, root: Path, tags: list[str]) -> tuple[str, dict]:
-    """The first tag whose every file is whole (checked by all ranks together), and its meta."""
+def _verified(engine, root: Path, tags: list[str]) -> tuple[str, dict, store.Reader]:
+    """The first tag whose every file is whole (checked by all ranks together) and whose index covers every
+    tensor this engine holds, with its meta and a reader of it."""
     rank, world = engine.mesh.rank, engine.mesh.world.size
     problems = []
     for tag in tags:
+        reason = None
         try:
             meta = store.read_meta(root, tag)
             files = sorted(meta["files"])
@@ -145,17 +147,32 @@ def _verified(engine, root: Path, tags: list[str]) -> tuple[str, dict]:
                     bad[k] = 1.0
             bad = engine.comm.all_reduce_scalars(bad, engine.mesh.world) if bad else bad
         except CheckpointError as e:
-            meta, files, bad = None, [], [1.0]
-            reason = str(e)
-        if meta is not None and not any(bad):
-            return tag, meta
-        if meta is not None:
+            meta, files, bad, reason = None, [], [1.0], str(e)
+        if meta is not None and any(bad):
             k = next(k for k, b in enumerate(bad) if b)
             reason = store.check_file(root, tag, files[k], meta["files"][files[k]]) or f"{files[k]} is damaged"
+        if reason is None:     # the same meta on every rank: every rank reaches the same verdict
+            try:
+                return tag, meta, _reader_for(engine, root, tag, meta)
+            except CheckpointError as e:
+                reason = str(e)
         problems.append(f"{tag}: {reason}")
         if rank == 0:
             print(f"bunsan: checkpoint {root / tag} refused: {reason}", file=sys.stderr)
     raise CheckpointError(f"no loadable checkpoint in {root}: " + ("; ".join(problems) or "none was saved"))
+
+
+def _reader_for(engine, root: Path, tag: str, meta: dict) -> store.Reader:
+    """A reader of the checkpoint that has the weights of every tensor this engine holds."""
+    reader = store.Reader(root, tag, meta)
+    names = [t.name for t in locals_of(engine)[0]] + [t.name for t, *_ in frozen_of(engine)]
+    reader.alias_for(names)
+    missing = [n for n in names if not reader.kinds_of(n) & {"master", "frozen"}]
+    if missing:
+        raise CheckpointError(f"checkpoint {root / tag} has no weights for {missing[:3]}"
+                              f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''}; it was written for "
+                              "another model, or its index was damaged")
+    return reader
 
 
 def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_states: bool = True):
@@ -166,9 +183,7 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
     if not tags:
         raise CheckpointError(f"no checkpoint in {root} (no `latest` and no tag directory with a meta.json); "
                               "save one with engine.save_checkpoint or check the path")
-    tag, meta = _verified(engine, root, tags)
-    reader = store.Reader(root, tag, meta)
-    reader.alias_for([t.name for t in locals_of(engine)[0]] + [t.name for t, *_ in frozen_of(engine)])
+    tag, meta, reader = _verified(engine, root, tags)
     states = _StateLoader(engine, reader, meta, load_optimizer_states)
     with torch.no_grad():
         engine.strategy.visit_state(states.put, states.create if load_optimizer_states else None)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -27,14 +28,16 @@ def consolidate(root, tag: str | None = None) -> tuple[dict[str, torch.Tensor], 
     for t in store.candidates(root, tag):
         try:
             meta = store.read_meta(root, t)
+            bad = [p for f, info in meta["files"].items() if (p := store.check_file(root, t, f, info))]
+            if bad:
+                raise CheckpointError(bad[0])
+            reader = store.Reader(root, t, meta)
         except CheckpointError as e:
-            problems.append(str(e))
+            problems.append(f"{t}: {e}")
+            print(f"bunsan convert: checkpoint {root / t} refused: {e}", file=sys.stderr)
             continue
-        bad = [p for f, info in meta["files"].items() if (p := store.check_file(root, t, f, info))]
-        if bad:
-            problems.append(bad[0])
-            continue
-        reader = store.Reader(root, t, meta)
+        if problems:
+            print(f"bunsan convert: using {t}, the newest whole checkpoint", file=sys.stderr)
         out = {}
         for (name, kind), pieces in sorted(reader.by_key.items()):
             if kind not in ("master", "frozen"):

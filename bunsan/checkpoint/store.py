@@ -4,12 +4,14 @@
     ROOT/global_step120/meta.json  layout, step, config, engine and client state, every file's sha256,
                                    and the index of every piece (see pieces.py)
     ROOT/global_step120/rank00000.safetensors  what rank 0 wrote
+    ROOT/global_step120/meta.sha256  meta.json's sha256, written after it (a damaged meta.json is refused)
     ROOT/.tmp-global_step130/      a save in progress (ignored by readers, removed by the next save)
 
 Save: every rank writes its safetensors file and a JSON index into the temporary directory and
 fsyncs them; rank 0 then writes meta.json, renames the directory into place, fsyncs, and only then
 updates `latest` (itself written to a temporary file and renamed). A crash at any point leaves the
-previous checkpoint and `latest` as they were.
+previous checkpoint and `latest` as they were. No write follows a symlink (a temporary name is created
+exclusively, then renamed), and every name a checkpoint holds is checked before it is opened (untrusted.py).
 """
 
 from __future__ import annotations
@@ -18,17 +20,39 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-FORMAT, VERSION = "bunsan-checkpoint", 1
+from bunsan.checkpoint.untrusted import UntrustedError, check_meta, check_pieces, inside, plain_name, read_small
+
+FORMAT, VERSION = "bunsan-checkpoint", 2     # 2: meta.sha256 beside meta.json
+META_BYTES = 1 << 30                          # a meta.json larger than this is not one bunsan wrote
 
 
 class CheckpointError(RuntimeError):
     pass
+
+
+def _unlink_entry(path: Path) -> None:
+    """Remove what is at `path` without following it: a symlink goes, never what it points at."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
+def write_text_safely(path: Path, text: str) -> None:
+    """Create `path` fresh (exclusively, never through a symlink) and write `text`, fsynced."""
+    _unlink_entry(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def tag_for(step: int) -> str:
@@ -46,8 +70,7 @@ def _fsync(path: Path) -> None:
 def write_json(path: Path, obj) -> None:
     """Write, fsync, rename: a reader sees the old file or the whole new one."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    _fsync(tmp)
+    write_text_safely(tmp, json.dumps(obj, indent=1))
     os.replace(tmp, path)
     _fsync(path.parent)
 
@@ -70,10 +93,9 @@ def temp_dir(root: Path, tag: str) -> Path:
 
 def begin(root: Path, tag: str) -> None:
     """Rank 0, before anyone writes: a fresh temporary directory (a crashed save's is discarded)."""
-    tmp = temp_dir(root, tag)
+    tmp = temp_dir(root, plain_name(tag, "checkpoint tag"))
     root.mkdir(parents=True, exist_ok=True)
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    _unlink_entry(tmp)
     tmp.mkdir()
 
 
@@ -98,37 +120,51 @@ def commit(root: Path, tag: str, world: int, meta: dict, keep_last: int) -> Path
     for r in range(world):
         (tmp / f"rank{r:05d}.json").unlink()
     write_json(tmp / "meta.json", meta)
+    write_text_safely(tmp / "meta.sha256", sha256(tmp / "meta.json"))
+    _fsync(tmp)
     final = root / tag
+    if final.is_symlink():
+        final.unlink()
     if final.exists():                       # saving the same step again: replace it, never half of it
         old = root / f".old-{tag}"
-        if old.exists():
-            shutil.rmtree(old)
+        _unlink_entry(old)
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
     _fsync(root)
-    (root / "latest").with_name("latest.tmp").write_text(tag)
-    _fsync(root / "latest.tmp")
+    write_text_safely(root / "latest.tmp", tag)
     os.replace(root / "latest.tmp", root / "latest")
     _fsync(root)
     prune(root, keep_last, keep=tag)
     return final
 
 
+def _step_of(meta_path: Path) -> int:
+    """The step a meta.json records, or -1 when it is damaged (tried last; refused when read)."""
+    try:
+        if not meta_path.is_file() or meta_path.is_symlink() or meta_path.stat().st_size > META_BYTES:
+            return -1
+        step = json.loads(meta_path.read_text()).get("step", -1)
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return -1
+    return step if isinstance(step, int) and not isinstance(step, bool) else -1
+
+
 def complete_tags(root: Path) -> list[str]:
-    """Tags with a meta.json, newest step first."""
+    """Tags with a meta.json, newest step first (plain directory names only: no links, no hidden ones)."""
     if not root.is_dir():
         return []
     out = []
     for d in root.iterdir():
         meta = d / "meta.json"
-        if d.is_dir() and not d.name.startswith(".") and meta.is_file():
+        if d.is_dir() and not d.is_symlink() and not d.name.startswith(".") and meta.is_file():
             try:
-                out.append((json.loads(meta.read_text()).get("step", -1), d.name))
-            except (OSError, json.JSONDecodeError):
-                out.append((-1, d.name))
+                plain_name(d.name, "tag")
+            except UntrustedError:
+                continue
+            out.append((_step_of(meta), d.name))
     return [t for _, t in sorted(out, reverse=True)]
 
 
@@ -142,21 +178,37 @@ def candidates(root: Path, tag: str | None) -> list[str]:
     """Tags to try, in order: the one asked for (or `latest`), then older complete ones."""
     tags = complete_tags(root)
     first = tag
-    if first is None and (root / "latest").is_file():
-        first = (root / "latest").read_text().strip()
+    if first is None and (root / "latest").exists():
+        text = read_small(root / "latest")
+        first = text.strip() if text is not None else None
+        try:
+            plain_name(first, "`latest`")
+        except UntrustedError:
+            print(f"bunsan: {root / 'latest'} is not a small regular file holding a tag name; ignored (the "
+                  "newest complete checkpoint is used instead)", file=sys.stderr)
+            first = None
     if first is None:
         return tags
+    plain_name(first, "checkpoint tag")
     return [first] + [t for t in tags if t != first]
 
 
 def read_meta(root: Path, tag: str) -> dict:
-    path = root / tag / "meta.json"
     try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} does not exist") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is unreadable: {e}") from None
+        path = inside(inside(root, tag, "checkpoint tag"), "meta.json", "meta.json")
+        if path.parent.is_symlink() or not path.is_file() or path.stat().st_size > META_BYTES:
+            raise CheckpointError(f"{path} does not exist (or is not a regular file under {META_BYTES} bytes)")
+        text = path.read_bytes()
+        meta = check_meta(json.loads(text), path)
+    except UntrustedError as e:
+        raise CheckpointError(str(e)) from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path} is unreadable: {type(e).__name__}") from None
+    if meta.get("version", 0) >= 2:     # meta.json's own checksum, written after it
+        recorded = read_small(path.with_name("meta.sha256"))
+        if recorded is None or recorded.strip() != hashlib.sha256(text).hexdigest():
+            raise CheckpointError(f"{path} does not match meta.sha256 beside it (altered, or the save did not "
+                                  "finish)")
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a bunsan checkpoint (format {meta.get('format')!r})")
     if meta.get("version", 0) > VERSION:
@@ -166,7 +218,10 @@ def read_meta(root: Path, tag: str) -> dict:
 
 def check_file(root: Path, tag: str, name: str, expect: dict) -> str | None:
     """None if the file is whole, else what is wrong with it."""
-    path = root / tag / name
+    try:
+        path = inside(root / tag, name, "checkpoint file")
+    except UntrustedError as e:
+        return str(e)
     if not path.is_file():
         return f"{path} is missing"
     size = path.stat().st_size
@@ -185,6 +240,10 @@ class Reader:
         self.by_key: dict[tuple[str, str], list[dict]] = {}
         for p in meta["pieces"]:
             self.by_key.setdefault((p["name"], p["kind"]), []).append(p)
+        try:
+            check_pieces(self.by_key, self.dir)
+        except UntrustedError as e:
+            raise CheckpointError(str(e)) from None
         self._files: dict[str, object] = {}
         self.cache: dict = {}
 
@@ -217,14 +276,15 @@ class Reader:
         """Elements [a, b) of a piece's stored 1-D tensor (all of it by default)."""
         f = self._files.get(piece["file"])
         if f is None:
-            f = self._files[piece["file"]] = safe_open(str(self.dir / piece["file"]), framework="pt")
+            path = inside(self.dir, piece["file"], "checkpoint file")   # (listed and verified: check_meta)
+            f = self._files[piece["file"]] = safe_open(str(path), framework="pt")
         if a is None:
             return f.get_tensor(piece["key"])
         return f.get_slice(piece["key"])[a:b]
 
     def tensor(self, key: str, file: str) -> torch.Tensor | None:
-        path = self.dir / file
-        if not path.is_file():
+        path = inside(self.dir, file, "checkpoint file")
+        if file not in self.meta["files"] or not path.is_file():
             return None
         with safe_open(str(path), framework="pt") as f:
             return f.get_tensor(key) if key in f.keys() else None

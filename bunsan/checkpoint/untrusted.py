@@ -1,0 +1,165 @@
+"""A checkpoint directory is untrusted input (a stranger may hand one over): what it names is checked before
+anything is read, and nothing outside the directory is ever read, written or echoed.
+
+- Tags and file names are plain names inside their directory: no separators, no `..`, no leading dot, no
+  symlinks (a symlink could point anywhere; its target is never opened).
+- `latest` is a small regular file holding a tag; anything else is ignored with a message that does not
+  repeat its content.
+- `meta.json` is a JSON object whose pieces name only files listed (and so verified by sha256) in it, and
+  whose pieces cover every element of every tensor exactly once: a gap would load as zeros, an overlap
+  would load whichever came last.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import stat
+from pathlib import Path
+
+__all__ = ["UntrustedError", "plain_name", "inside", "read_small", "check_meta", "check_pieces",
+           "PARAMETER_NAME"]
+
+PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}")
+PARAMETER_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")     # dotted module path, HF's and bunsan's
+SMALL = 1 << 16          # bytes: `latest`, a tag's checksum file
+
+
+class UntrustedError(ValueError):
+    pass
+
+
+def plain_name(name, what: str) -> str:
+    """`name` if it is a plain file or directory name (no path in it), else an error that does not echo it
+    beyond its length (it could be anything)."""
+    if not isinstance(name, str) or not PLAIN.fullmatch(name) or ".." in name:
+        shown = repr(name) if isinstance(name, str) and len(name) <= 80 and name.isprintable() else \
+            f"a {type(name).__name__} of length {len(name) if hasattr(name, '__len__') else '?'}"
+        raise UntrustedError(f"{what} {shown} is not a plain name (letters, digits, _ . + = -; no path, no "
+                             "'..', no leading dot); the checkpoint is damaged or was made to read other files")
+    return name
+
+
+def inside(directory: Path, name: str, what: str) -> Path:
+    """directory/name for a plain `name` that is not a symlink (a missing file is the caller's to report)."""
+    path = Path(directory) / plain_name(name, what)
+    try:
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            raise UntrustedError(f"{path} is a symbolic link; a checkpoint's files must be regular files "
+                                 "inside it (links are never followed)")
+    except FileNotFoundError:
+        pass
+    return path
+
+
+def read_small(path: Path, limit: int = SMALL) -> str | None:
+    """The text of a small regular file that is not a symlink; None when it is missing, a link, not a regular
+    file, larger than `limit` or not text (never blocks on a pipe: it is not opened unless regular)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    try:
+        return data.decode() if len(data) <= limit else None
+    except UnicodeDecodeError:
+        return None
+
+
+def check_meta(meta, path: Path) -> dict:
+    """The shape of a meta.json: an object with files {name: {sha256, bytes}} and a list of pieces whose file
+    is one of them, whose name is a parameter name and whose ranges are non-negative integers."""
+    if not isinstance(meta, dict):
+        raise UntrustedError(f"{path} holds a JSON {type(meta).__name__}, not an object; the checkpoint is damaged")
+    files, pieces = meta.get("files"), meta.get("pieces")
+    if not isinstance(files, dict) or not isinstance(pieces, list):
+        raise UntrustedError(f"{path} has no 'files' object or no 'pieces' list; the checkpoint is damaged")
+    for name, info in files.items():
+        plain_name(name, f"{path}: file")
+        if not (isinstance(info, dict) and isinstance(info.get("sha256"), str)
+                and isinstance(info.get("bytes"), int) and info["bytes"] >= 0):
+            raise UntrustedError(f"{path}: file {name!r} has no sha256 and byte count; the checkpoint is damaged")
+    if not isinstance(meta.get("step", 0), int) or meta.get("step", 0) < 0:
+        raise UntrustedError(f"{path}: 'step' must be a non-negative integer; the checkpoint is damaged")
+    for p in pieces:
+        _check_piece(p, files, path)
+    return meta
+
+
+def _check_piece(p, files: dict, path: Path) -> None:
+    if not isinstance(p, dict):
+        raise UntrustedError(f"{path}: a piece is a {type(p).__name__}, not an object; the checkpoint is damaged")
+    if p.get("file") not in files:
+        raise UntrustedError(f"{path}: a piece of {str(p.get('name'))[:80]!r} names a file that meta.json does "
+                             "not list (so it could not be verified); the checkpoint is damaged")
+    name = p.get("name")
+    if not isinstance(name, str) or not PARAMETER_NAME.fullmatch(name) or len(name) > 500:
+        raise UntrustedError(f"{path}: a piece's name is not a parameter name (dotted letters, digits and _); "
+                             "the checkpoint is damaged")
+    ints = [p.get("lo"), p.get("hi"), p.get("start", 0)] + list(p.get("shape") or []) + \
+        list(p.get("local_shape") or [])
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints) or p["lo"] > p["hi"]:
+        raise UntrustedError(f"{path}: piece {name!r} has a range or shape that is not non-negative integers "
+                             "with lo <= hi; the checkpoint is damaged")
+    if not isinstance(p.get("key"), str) or not isinstance(p.get("kind"), str):
+        raise UntrustedError(f"{path}: piece {name!r} has no key or kind; the checkpoint is damaged")
+
+
+def check_pieces(by_key: dict, where: Path) -> None:
+    """Every (name, kind) tensor covered exactly once: within each tensor-parallel placement the [lo, hi)
+    ranges tile the local tensor, and the placements tile the global tensor along their dimension."""
+    for (name, kind), pieces in by_key.items():
+        if any("opaque" in p for p in pieces):     # factored states: whole per fragment (assemble checks fit)
+            continue
+        shapes = {tuple(p["shape"]) for p in pieces}
+        if len(shapes) != 1:
+            raise UntrustedError(f"{where}: {kind} of {name!r} has pieces of different shapes {sorted(shapes)}; "
+                                 "the checkpoint is damaged")
+        placements: dict[tuple, list[tuple[int, int]]] = {}
+        for p in pieces:
+            key = (tuple(p["local_shape"]), p.get("tp_dim"), p.get("start", 0))
+            placements.setdefault(key, []).append((p["lo"], p["hi"]))
+        for (local_shape, _, _), ranges in placements.items():
+            _tiles(sorted(ranges), math.prod(local_shape), f"{where}: {kind} of {name!r}")
+        _placements_tile(list(placements), shapes.pop(), f"{where}: {kind} of {name!r}")
+
+
+def _tiles(ranges: list[tuple[int, int]], total: int, what: str) -> None:
+    end = 0
+    for lo, hi in ranges:
+        if lo != end:
+            gap = "elements [{}, {}) are in no piece".format(end, lo) if lo > end else \
+                f"elements from {lo} are in two pieces"
+            raise UntrustedError(f"{what}: {gap}; refusing it (they would load as zeros or twice)")
+        end = hi
+    if end != total:
+        raise UntrustedError(f"{what}: the pieces cover {end} of its {total} elements; refusing it (the rest "
+                             "would load as zeros)")
+
+
+def _placements_tile(keys: list[tuple], shape: tuple, what: str) -> None:
+    dims = {d for _, d, _ in keys}
+    if len(dims) != 1:
+        raise UntrustedError(f"{what}: pieces split along different dimensions; the checkpoint is damaged")
+    dim = dims.pop()
+    if dim is None:
+        if len(keys) != 1 or keys[0][0] != shape:
+            raise UntrustedError(f"{what}: whole-tensor pieces of shape {[list(k[0]) for k in keys]} for a tensor "
+                                 f"of shape {list(shape)}; the checkpoint is damaged")
+        return
+    end = 0
+    for local_shape, _, start in sorted(keys, key=lambda k: k[2]):
+        if start != end or len(local_shape) != len(shape) or dim >= len(shape):
+            raise UntrustedError(f"{what}: tensor-parallel slices do not follow each other along dim {dim}; "
+                                 "the checkpoint is damaged")
+        end = start + local_shape[dim]
+    if end < shape[dim]:
+        raise UntrustedError(f"{what}: tensor-parallel slices cover {end} of {shape[dim]} rows; refusing it")
