@@ -106,8 +106,10 @@ class ShardReducer:
         lo, hi, s = self.slices[k]
         return self.opt.grad[s:s + hi - lo]
 
-    def launch(self, k: int) -> None:
-        full = self.source(k)
+    def launch(self, k: int, full: torch.Tensor | None = None) -> None:
+        """Reduce bucket k: its gradient from `source`, or `full` (a caller's buffer, never pooled)."""
+        borrowed = full is not None
+        full = self.source(k) if full is None else full
         direct = False
         if self.use_reduce_scatter:
             dst = self._shard_slice(k)
@@ -123,14 +125,14 @@ class ShardReducer:
         else:  # DeepSpeed's reduce_scatter: false -> all-reduce and keep the slice
             handle, out = self.comm.all_reduce(full, self.group, async_op=True), None
         self._written.add(k)
-        self._flight.append((k, handle, out, full, direct))
+        self._flight.append((k, handle, out, full, direct, borrowed))
         if self.after_launch is not None:
             self.after_launch(k)
         if len(self._flight) > IN_FLIGHT:
             self._complete(self._flight.pop(0))
 
     def _complete(self, item) -> None:
-        k, handle, out, full, direct = item
+        k, handle, out, full, direct, borrowed = item
         handle.wait()
         if not direct:
             lo, hi, s = self.slices[k]
@@ -146,7 +148,8 @@ class ShardReducer:
                 dst.add_(out.to(torch.float32))
             if self.use_reduce_scatter:
                 self._give(out)
-        self._give(full)
+        if not borrowed:
+            self._give(full)
         self._completed += 1
         if self.trim_every and self._completed % self.trim_every == 0:
             trim_heap()
