@@ -113,6 +113,20 @@ def test_unimplemented_feature_is_a_clear_error(tmp_path, corpus):
     assert r.returncode == 2 and "cpu_checkpointing" in r.stderr
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--nproc", "2", "--tp", "3"], "tensor"),                    # every rank raises it: said once
+    (["--nproc", "1", "--data", "/nonexistent/dir/*.txt"], "/nonexistent/dir"),
+    (["--nproc", "0"], "--nproc 0"),
+])
+def test_errors_are_one_message_without_tracebacks(tmp_path, args, says):
+    r = _run(["train", "--preset", "tiny", "--steps", "1", "--seq-len", "32", "--output", str(tmp_path),
+              "--set", f"data.cache_dir={tmp_path / 'cache'}"] + args, cwd=tmp_path)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("bunsan train")]
+    assert len(lines) == 1 and says in lines[0], r.stderr
+
+
 def test_generate_on_a_missing_checkpoint(tmp_path):
     r = _run(["generate", "--checkpoint", str(tmp_path)], cwd=tmp_path)
     assert r.returncode != 0 and "model.safetensors" in r.stderr

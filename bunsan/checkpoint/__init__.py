@@ -9,11 +9,13 @@ cast), with the optimizer states beside them; engine counters, the loss scaler a
 
 from __future__ import annotations
 
+import shutil
 import sys
 import warnings
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from bunsan.checkpoint import store
 from bunsan.checkpoint.assemble import read_local
@@ -75,21 +77,50 @@ def save_checkpoint(engine, save_dir, tag: str | float | None = None, client_sta
         raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name, not hidden and not 'latest'")
     counters = engine.state_dict()   # (refuses a save in the middle of an optimizer step)
     rank, world = engine.mesh.rank, engine.mesh.world.size
+    failed = None
     if rank == 0:
-        store.begin(root, tag)
-    _barrier(engine)
+        failed = _attempt(lambda: store.begin(root, tag))
+    _all_or_none(engine, failed, root, tag, "creating")
     tensors, index = _rank_state(engine)
-    store.write_rank(root, tag, rank, tensors, index)
-    _barrier(engine)
+    failed = _attempt(lambda: store.write_rank(root, tag, rank, tensors, index))
+    _all_or_none(engine, failed, root, tag, "writing", sum(t.numel() * t.element_size() for t in tensors.values()))
     if rank == 0:
         meta = {"step": engine.global_step, "config": engine.cfg.to_dict(),
                 "layout": {"dp": engine.mesh.dp, "tp": engine.mesh.tp, "pp": engine.mesh.pp,
                            "zero": engine.strategy.stage, "dtype": str(engine.dtype).removeprefix("torch.")},
                 "engine": counters,
                 "model": _model_config(engine), "client_state": client_state or {}}
-        store.commit(root, tag, world, meta, keep_last or engine.cfg.checkpoint.keep_last)
-    _barrier(engine)
+        failed = _attempt(lambda: store.commit(root, tag, world, meta, keep_last or engine.cfg.checkpoint.keep_last))
+    _all_or_none(engine, failed, root, tag, "committing")
     return root / tag
+
+
+def _attempt(write) -> BaseException | None:
+    try:
+        write()
+    except (OSError, SafetensorError) as e:     # a full disk, a read-only or vanished directory
+        return e
+    return None
+
+
+def _all_or_none(engine, failed: BaseException | None, root: Path, tag: str, what: str, nbytes: int = 0) -> None:
+    """Every rank learns whether any rank's write failed (a barrier that carries the verdict: no rank waits
+    forever for one that gave up); on failure the save's temporary files go and every rank raises."""
+    votes = engine.comm.all_reduce_scalars([1.0 if failed else 0.0], engine.mesh.world)
+    if not votes[0]:
+        return
+    if engine.mesh.rank == 0:
+        store.abandon(root, tag)
+    _barrier(engine)
+    try:
+        free = f"{shutil.disk_usage(root).free:,} bytes free there"
+    except OSError:
+        free = "its free space unknown"
+    mine = f"this rank: {type(failed).__name__}: {failed}" if failed else "this rank's part was written"
+    need = f"; this rank's share is {nbytes:,} bytes" if nbytes else ""
+    raise CheckpointError(f"saving checkpoint {root / tag} failed while {what} it on {int(votes[0])} rank(s) "
+                          f"({mine}{need}, {free}); the previous checkpoints are untouched and the partial "
+                          "save was removed: free space or pass another checkpoint directory")
 
 
 TAG_BYTES = 255

@@ -99,6 +99,13 @@ def begin(root: Path, tag: str) -> None:
     tmp.mkdir()
 
 
+def abandon(root: Path, tag: str) -> None:
+    """Remove what a failed save of `tag` left: its temporary directory and temporary `latest`."""
+    _unlink_entry(temp_dir(root, tag))
+    if (root / "latest.tmp").is_symlink() or (root / "latest.tmp").exists():
+        (root / "latest.tmp").unlink()
+
+
 def write_rank(root: Path, tag: str, rank: int, tensors: dict[str, torch.Tensor], index: dict) -> None:
     """This rank's tensors and its index (pieces, scalars, checksum) into the temporary directory."""
     tmp = temp_dir(root, tag)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 
 WORKER_ARGV = "BUNSAN_WORKER_ARGV"
 
@@ -39,13 +41,22 @@ def relaunch(args, nproc: int) -> int:
     survives when any process ran out of memory."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
+    from bunsan.cli.errors import ERROR_DIR, print_collected
     os.environ[WORKER_ARGV] = json.dumps(args.argv)
-    try:
-        torchrun(["--standalone", f"--nproc-per-node={nproc}", "--module", "bunsan.cli", WORKER_ARGV])
-    except ChildFailedError as e:
-        print(f"bunsan: {args.cmd} failed on {len(e.failures)} process(es); see their errors above", file=sys.stderr)
-        from bunsan.doctor.oom import EXIT_CODE
-        return EXIT_CODE if any(f.exitcode == EXIT_CODE for f in e.failures.values()) else 1
+    with tempfile.TemporaryDirectory(prefix="bunsan-errors-") as folder:
+        os.environ[ERROR_DIR] = folder      # each failing rank leaves its message here (cli/errors.py)
+        try:
+            torchrun(["--standalone", f"--nproc-per-node={nproc}", "--module", "bunsan.cli", WORKER_ARGV])
+        except ChildFailedError as e:
+            if not print_collected(args.cmd, Path(folder)):
+                print(f"bunsan: {args.cmd} failed on {len(e.failures)} process(es); see their errors above",
+                      file=sys.stderr)
+            from bunsan.doctor.oom import EXIT_CODE
+            return EXIT_CODE if any(f.exitcode == EXIT_CODE for f in e.failures.values()) else 2
+        finally:
+            os.environ.pop(ERROR_DIR, None)
+        if print_collected(args.cmd, Path(folder)):    # (a rank that reported and still exited 0)
+            return 2
     return 0
 
 

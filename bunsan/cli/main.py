@@ -45,17 +45,12 @@ def main(argv: list[str] | None = None) -> int:
         return run_script(argv[1:])
     args = parser.parse_args(argv)
     args.argv = argv
+    from bunsan.cli.errors import USER_ERRORS, report
     from bunsan.config.errors import ConfigError
     try:
         return COMMANDS[args.cmd](args)
-    except ConfigError as e:
-        print(f"bunsan: config error:\n{e}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        if args.cmd not in ("estimate", "plan", "convert", "serve", "doctor") and not getattr(args, "device_map", None):
-            raise
-        print(f"bunsan {args.cmd}: {e}", file=sys.stderr)
-        return 2
+    except USER_ERRORS as e:
+        return report(args.cmd, e, shared=isinstance(e, ConfigError))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,8 @@ def train_config(args):
 
 
 def cmd_train(args) -> int:
+    if args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc}: the number of processes must be at least 1 (default 2)")
     if args.nproc > 1 and not under_torchrun():
         train_config(args)  # fail fast on a bad config, before starting processes
         return relaunch(args, args.nproc)

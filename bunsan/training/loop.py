@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -16,10 +17,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from bunsan import initialize
 from bunsan.checkpoint import store
+from bunsan.checkpoint.store import CheckpointError
 from bunsan.checkpoint.hf import load_hf_into_engine
 from bunsan.config.deepspeed_keys import IgnoredKeyWarning
 from bunsan.config.root import Config
@@ -70,6 +73,23 @@ def gather_memory(engine) -> list[dict]:
     return [{k: int(v) for k, v in zip(MEMORY_KEYS, row) if k in rep} for row in rows]
 
 
+def _write_final(tmp: Path, final: Path, state: dict, meta: dict) -> None:
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt", "producer": "bunsan"})
+    (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():
+        old = final.with_name(f".final.old{os.getpid()}")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+
+
 def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
     """Rank 0 writes model.safetensors + config.json into out_dir/final, atomically (tmp dir + rename)."""
     state = engine.consolidated_state_dict()
@@ -78,23 +98,14 @@ def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
     final = out_dir / "final"
     if engine.mesh.rank == 0:
         tmp = out_dir / f".final.tmp{os.getpid()}"
-        tmp.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt", "producer": "bunsan"})
-        meta = {"model": mcfg.to_hf(), "bunsan_config": cfg.to_dict(), **extra}
-        (tmp / "config.json").write_text(json.dumps(meta, indent=2))
-        for f in tmp.iterdir():
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if final.exists():
-            old = out_dir / f".final.old{os.getpid()}"
-            final.rename(old)
-            tmp.rename(final)
-            for f in old.iterdir():
-                f.unlink()
-            old.rmdir()
-        else:
-            tmp.rename(final)
+        try:
+            _write_final(tmp, final, state, {"model": mcfg.to_hf(), "bunsan_config": cfg.to_dict(), **extra})
+        except (OSError, SafetensorError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            need = sum(v.numel() * v.element_size() for v in state.values())
+            raise CheckpointError(f"writing the final weights to {final} failed ({type(e).__name__}: {e}); they "
+                                  f"need {need:,} bytes; nothing partial was left: free space or pass another "
+                                  "--out") from None
     return final
 
 
