@@ -203,7 +203,7 @@ def test_load_from_files(tmp_path):
         assert cfg.fp16.enabled and cfg.batch_sizes(64).micro_batch == 16, name
     cfg = Config.load(str(tmp_path / "c.yaml"))
     assert cfg.zero_optimization.reduce_bucket_size == 500_000_000 and cfg.optimizer.params["lr"] == 1e-3
-    (tmp_path / "empty.yml").write_text("")
+    (tmp_path / "empty.yml").write_text("{}")        # an empty mapping means the defaults (an empty file is refused)
     assert Config.load(tmp_path / "empty.yml").to_dict() == Config.load().to_dict()
 
 

@@ -43,7 +43,6 @@ CONSUMED = {
 SHARED_LEAF = {"zero_optimization.offload_optimizer.buffer_count": "off_p.buffer_count"}
 # (config that sets a not-built key, the key): one per UNIMPLEMENTED row
 NOT_BUILT = [
-    ({"pipeline": {"stages": 2}, "zero_optimization": {"stage": 2}}, "pipeline.stages"),
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
     ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),

@@ -25,14 +25,28 @@ class Rule(ValueError):
         self.problems = list(problems)
 
 
+def _cut(v: Any, depth: int = 2) -> Any:
+    """A small copy of v to print: a few items, two levels, short strings (a value can be huge)."""
+    if isinstance(v, str):
+        return v if len(v) <= 40 else v[:40] + "..."
+    if isinstance(v, dict):
+        items = list(v.items())
+        out = {str(k)[:40]: (_cut(x, depth - 1) if depth else "...") for k, x in items[:4]}
+        return out | ({"...": f"{len(items) - 4} more"} if len(items) > 4 else {})
+    if isinstance(v, (list, tuple)):
+        out = [_cut(x, depth - 1) if depth else "..." for x in v[:4]]
+        return out + ([f"... {len(v) - 4} more"] if len(v) > 4 else [])
+    return v
+
+
 def show(v: Any) -> str:
-    """A value as the user wrote it (JSON-ish), cut short."""
+    """A value as the user wrote it (JSON-ish), cut short before it is serialised."""
     if isinstance(v, bool) or v is None:
         r = json.dumps(v)
     elif isinstance(v, (dict, list, tuple)):
-        r = json.dumps(v, default=str)
+        r = json.dumps(_cut(v), default=str)
     else:
-        r = repr(v)
+        r = repr(_cut(v))
     return r if len(r) <= 60 else r[:57] + "..."
 
 

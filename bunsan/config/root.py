@@ -4,12 +4,9 @@ ranges and cross-field rules all raise ConfigError naming the key and the fix.""
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import typing
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional
 
 import yaml
@@ -19,13 +16,9 @@ from bunsan.config.bunsan_sections import Checkpoint, Data, Lora, ModelOverrides
 from bunsan.config.deepspeed_intake import prepare, row_for
 from bunsan.config.deepspeed_keys import canonical, log_ignored
 from bunsan.config.errors import ConfigError, Rule, convert, lookup, unwrap
+from bunsan.config.files import YamlLoader, read_config_file
 from bunsan.config.optimizer_sections import OPTIMIZERS, SCHEDULERS, Optimizer, Scheduler, optimizer_signature
 from bunsan.config.sections import BF16, FP16, ActivationCheckpointing, Int, OptInt, Section, Tensorboard, Zero
-
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
 
 __all__ = ["BatchSizes", "Config", "ConfigError"]
 
@@ -56,38 +49,6 @@ UNIMPLEMENTED: list[tuple[str, typing.Callable[[Config], bool], str]] = [
      "fp16.auto_cast=true: casting floating-point forward inputs to float16 is not implemented; cast them "
      "yourself before calling the engine (token ids need no cast) and set fp16.auto_cast to false"),
 ]
-
-
-class _YamlLoader(yaml.SafeLoader):
-    """PyYAML reads 5e8 and 1e-3 as strings (YAML 1.1); read them as floats, like YAML 1.2."""
-
-
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d[\d_]*(?:\.\d*)?|\.\d+)[eE][-+]?\d+$"),
-    list("-+0123456789."))
-
-
-def _read_file(path: str | os.PathLike) -> dict:
-    p, kinds = Path(path), {".json": "JSON", ".yaml": "YAML", ".yml": "YAML", ".toml": "TOML"}
-    if not p.exists():
-        raise ConfigError(f"config file '{p}' does not exist (working directory {os.getcwd()}); check the path")
-    kind = kinds.get(p.suffix.lower())
-    if kind is None:
-        raise ConfigError(f"config file '{p}' has unsupported extension '{p.suffix}'; "
-                          f"use .json, .yaml/.yml or .toml")
-    try:
-        text = p.read_text(encoding="utf-8")
-        data = (json.loads(text) if kind == "JSON" else tomllib.loads(text) if kind == "TOML"
-                else yaml.load(text, Loader=_YamlLoader))
-    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as e:  # JSON/TOML errors are ValueErrors
-        raise ConfigError(f"config file '{p}' could not be read as {kind}: {e}; fix the syntax "
-                          f"(or check the file is {kind})") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file '{p}' must hold a mapping of keys at the top level, got "
-                          f"{type(data).__name__}; write it as {{\"train_batch_size\": ..., ...}}")
-    return data
 
 
 class Config(Section):
@@ -169,7 +130,7 @@ class Config(Section):
         elif isinstance(src, dict):
             data = src
         elif isinstance(src, (str, os.PathLike)):
-            data, where = _read_file(src), f"config file '{src}'"
+            data, where = read_config_file(src), f"config file '{src}'"
         else:
             raise ConfigError(f"config must be a dict, a file path or a bunsan.Config, got {type(src).__name__}")
         try:
@@ -233,7 +194,7 @@ def _parse_cli(path: str, value: str, field: Any) -> Any:
         nullable = type(None) in typing.get_args(field.annotation)
         return None if nullable and value in ("null", "~") else value
     try:
-        parsed = yaml.load(value, Loader=_YamlLoader)
+        parsed = yaml.load(value, Loader=YamlLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: could not read {value!r} as a YAML value ({e}); quote strings and "
                           f"write lists as [a, b]") from None

@@ -151,10 +151,8 @@ class Zero(Section):
     stage3_unit_modules: list[str] = Field(default_factory=list, description="bunsan: class names of the modules "
                                            "gathered as one ZeRO-3 unit; [] = the elements of model.layers")
     stage3_pipeline_gather: Literal["micro_batch", "schedule"] = Field(
-        "micro_batch", description="bunsan, ZeRO-3 with pipeline stages: micro_batch re-gathers a stage's blocks "
-        "for each micro-batch's forward and backward (one block whole at a time; traffic x micro-batches); "
-        "schedule gathers them once per step and keeps them for the whole schedule (torchtitan's FSDP x PP "
-        "default: the stage's weights whole through the schedule, one gather)")
+        "micro_batch", description="bunsan, ZeRO-3 x pipeline: gather blocks per micro-batch (fwd and bwd) or once "
+        "per step (schedule)")
     # Costs page faults; stage 1 never trims (see zero/stage12.py).
     trim_host_memory: bool = Field(True, description="bunsan, CPU only: return free heap pages to the OS during "
                                    "ZeRO-2/3 steps (malloc_trim), so resident memory follows what is held")

@@ -52,6 +52,11 @@ def _configured(opt_cfg, device: torch.device):
     if device.type == "cuda" and OPTIMIZERS[opt_cfg.type.lower()].fused_on_cuda:
         if "foreach" not in kwargs and "fused" not in kwargs:
             kwargs["fused"] = True
+    try:   # the optimizer's own checks, on one scalar, so that its message comes with the config key
+        cls([torch.zeros(1, requires_grad=True)], **{k: v for k, v in kwargs.items() if k != "fused"})
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"optimizer.params {kwargs}: {cls.__name__} refuses them ({e}); fix the value in the "
+                         "config's optimizer.params") from None
     return cls, kwargs
 
 

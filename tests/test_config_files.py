@@ -1,0 +1,58 @@
+"""Config files are read bounded: nothing a file holds can hang the loader, fill memory or be kept silently."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from bunsan.config.errors import ConfigError, show
+from bunsan.config.root import Config
+
+
+def test_yaml_aliases_are_refused_quickly(tmp_path):
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x]"] + \
+        [f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+         f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]" for i in range(9)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\ntrain_batch_size: *j\n")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="aliases"):
+        Config.load(bomb)
+    assert time.monotonic() - t0 < 5
+
+
+def test_deep_json_is_a_message_not_a_traceback(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ConfigError, match="nested too deeply|could not be read"):
+        Config.load(deep)
+
+
+def test_duplicate_json_keys_are_refused(tmp_path):
+    f = tmp_path / "dup.json"
+    f.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    with pytest.raises(ConfigError, match="'train_batch_size' appears twice"):
+        Config.load(f)
+
+
+@pytest.mark.parametrize("name, text", [("e.yaml", ""), ("n.json", "null"), ("e.toml", "  \n"), ("n.yaml", "~")])
+def test_an_empty_config_file_is_refused(tmp_path, name, text):
+    f = tmp_path / name
+    f.write_text(text)
+    with pytest.raises(ConfigError, match="is empty"):
+        Config.load(f)
+
+
+def test_a_named_pipe_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "c.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        Config.load(fifo)
+
+
+def test_values_are_cut_before_they_are_printed():
+    huge = {"k": [list(range(1000))] * 1000}
+    assert len(show(huge)) <= 60
+    assert len(show("x" * 10 ** 6)) <= 60
