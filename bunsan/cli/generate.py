@@ -111,10 +111,34 @@ def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=No
     meta = json.loads(meta_path.read_text())
     cfg = Config.load(meta.get("bunsan_config", {}))
     model = Llama(LlamaConfig.from_hf(meta["model"]))
-    model.load_state_dict(load_file(str(weights)), strict=False)
+    load_exactly(model, load_file(str(weights)), ckpt)
     if dtype is not None:
         model.to(dtype)
-    return model.eval(), load_tokenizer(tokenizer_path or cfg.data.tokenizer)
+    return model.eval(), load_tokenizer(tokenizer_path or recorded_tokenizer(ckpt, cfg.data.tokenizer, command))
+
+
+def load_exactly(model, state: dict, where: Path) -> None:
+    """The weights exactly: a missing, unexpected or wrongly shaped tensor is an error naming it (a partial
+    load would generate from random weights)."""
+    own = model.state_dict()
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    shapes = [f"{k} {list(state[k].shape)} (the config says {list(own[k].shape)})" for k in own
+              if k in state and state[k].shape != own[k].shape]
+    if missing or extra or shapes:
+        raise ValueError(f"{where}/model.safetensors does not match {where}/config.json: missing {missing[:3]}, "
+                         f"unexpected {extra[:3]}, other shapes {shapes[:2]}; the directory is damaged or mixed")
+    model.load_state_dict(state)
+
+
+def recorded_tokenizer(ckpt: Path, recorded, command: str):
+    """The tokenizer a training output names: bytes, or the tokenizer.json saved beside the weights; a path
+    elsewhere is not followed (the directory may come from anyone): --tokenizer says which file to trust."""
+    if recorded is None or str(recorded) == "byte":
+        return recorded
+    if (ckpt / "tokenizer.json").is_file() and not (ckpt / "tokenizer.json").is_symlink():
+        return str(ckpt / "tokenizer.json")
+    raise ValueError(f"{ckpt}/config.json names the tokenizer {str(recorded)[:100]!r}, which is not in {ckpt}; "
+                     f"pass it yourself: bunsan {command} --tokenizer PATH/tokenizer.json")
 
 
 def cmd_generate(args) -> int:

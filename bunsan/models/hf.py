@@ -46,6 +46,11 @@ class HFWeights:
         self.dir = Path(path)
         if (self.dir / INDEX).is_file():
             self.where = json.loads((self.dir / INDEX).read_text())["weight_map"]
+            for file in set(self.where.values()):    # shards inside the directory: never a path elsewhere
+                if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", "..") \
+                        or (self.dir / file).is_symlink():
+                    raise ValueError(f"{self.dir / INDEX}: weight_map names a shard that is not a plain file in "
+                                     "the directory (a path, '..' or a symlink); the directory is damaged")
         elif (self.dir / SINGLE).is_file():
             with safe_open(str(self.dir / SINGLE), framework="pt") as f:
                 self.where = {k: SINGLE for k in f.keys()}
@@ -86,10 +91,33 @@ class HFWeights:
         return sl[index]
 
 
+def check_llama_dir(path, cfg: LlamaConfig, weights: HFWeights | None = None) -> HFWeights:
+    """The directory's tensors are exactly those of a Llama of `cfg` (its config.json): a missing tensor, one
+    more (4 layers of weights under a config of 2), or one of another shape is an error naming it."""
+    weights = weights or HFWeights(path)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    want = {hf_key(n): tuple(p.shape) for n, p in model.named_parameters()}
+    have = {k for k in weights.where if not k.endswith("rotary_emb.inv_freq")}   # (old HF files keep rope)
+    if cfg.tie_word_embeddings:
+        want.pop("lm_head.weight", None)
+        have.discard("lm_head.weight")
+    missing, extra = sorted(set(want) - have), sorted(have - set(want))
+    if missing or extra:
+        raise ValueError(f"{path}: its weights do not match its config.json ({cfg.num_hidden_layers} layers, "
+                         f"hidden {cfg.hidden_size}): missing {missing[:3]}, unexpected {extra[:3]}"
+                         f"{' ...' if len(missing) > 3 or len(extra) > 3 else ''}; fix config.json or the weights")
+    for key, shape in want.items():
+        got = tuple(weights._file(key).get_slice(key).get_shape())
+        if got != shape:
+            raise ValueError(f"{path}: {key} has shape {list(got)}, its config.json says {list(shape)}")
+    return weights
+
+
 def load_llama(path, dtype: torch.dtype = torch.float32) -> Llama:
-    """A bunsan Llama with the weights of a HF Llama directory."""
+    """A bunsan Llama with the weights of a HF Llama directory (exactly its tensors: check_llama_dir)."""
     cfg = read_config(path)
-    weights = HFWeights(path)
+    weights = check_llama_dir(path, cfg)
     with torch.device("meta"):
         model = Llama(cfg)
     model.to_empty(device="cpu")

@@ -32,7 +32,7 @@ from bunsan.doctor.slow import comm_advice
 from bunsan.transforms.lora import merge_lora
 from bunsan.training.metrics import Metrics, peak_flops
 from bunsan.models import Llama, LlamaConfig, build_config, flops_per_token
-from bunsan.models.hf import read_config
+from bunsan.models.hf import check_llama_dir, read_config
 from bunsan.pipeline import write_timeline
 
 # `bunsan train` without a config file: the small preset, sized to learn Python source on a CPU.
@@ -73,11 +73,14 @@ def gather_memory(engine) -> list[dict]:
     return [{k: int(v) for k, v in zip(MEMORY_KEYS, row) if k in rep} for row in rows]
 
 
-def _write_final(tmp: Path, final: Path, state: dict, meta: dict) -> None:
+def _write_final(tmp: Path, final: Path, state: dict, meta: dict, tokenizer) -> None:
     tmp.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
               metadata={"format": "pt", "producer": "bunsan"})
     (tmp / "config.json").write_text(json.dumps(meta, indent=2))
+    if tokenizer is not None and str(tokenizer) != "byte":   # generate/serve read it from here, nowhere else
+        source = Path(tokenizer)
+        shutil.copyfile(source / "tokenizer.json" if source.is_dir() else source, tmp / "tokenizer.json")
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -99,7 +102,8 @@ def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
     if engine.mesh.rank == 0:
         tmp = out_dir / f".final.tmp{os.getpid()}"
         try:
-            _write_final(tmp, final, state, {"model": mcfg.to_hf(), "bunsan_config": cfg.to_dict(), **extra})
+            _write_final(tmp, final, state, {"model": mcfg.to_hf(), "bunsan_config": cfg.to_dict(), **extra},
+                         cfg.data.tokenizer)
         except (OSError, SafetensorError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
             need = sum(v.numel() * v.element_size() for v in state.values())
@@ -166,6 +170,7 @@ def run_model_config(cfg: Config, vocab_size: int):
     if not cfg.train.init_from:
         return mcfg
     mcfg = read_config(cfg.train.init_from)
+    check_llama_dir(cfg.train.init_from, mcfg)     # its weights are exactly a Llama of its config.json
     if mcfg.vocab_size < vocab_size or mcfg.max_position_embeddings < cfg.data.seq_len:
         raise ValueError(f"{cfg.train.init_from} has vocab_size {mcfg.vocab_size} and max_position_embeddings "
                          f"{mcfg.max_position_embeddings}; the data needs at least {vocab_size} and "
