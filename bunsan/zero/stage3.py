@@ -24,6 +24,7 @@ gathers' host-to-device copies run asynchronously; a write-back into a shard wai
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.nn as nn
@@ -76,6 +77,13 @@ class FullyShardedDP(Sharded):
             in_unit.update(members)
             unit_params.append(members)
         root = [i for i in range(len(trainable)) if i not in in_unit]
+        total = sum(p.numel() for p in trainable)
+        in_root = sum(trainable[i].numel() for i in root)
+        if total > 1_000_000 and in_root > 0.5 * total:   # (a tiny model's embedding may outweigh its blocks)
+            warnings.warn(f"ZeRO-3 on {type(module).__name__}: the root unit (the parameters outside its "
+                          f"{len(unit_modules)} blocks) holds {in_root / total:.0%} of them and is gathered whole "
+                          "through every step, so ZeRO-3 saves little; name the block class in "
+                          "zero_optimization.stage3_unit_modules", stacklevel=4)
         # Buckets in backward order (last block first, root last): gradients are reduced in that order.
         order = [(m, ps) for m, ps in zip(unit_modules, unit_params)][::-1] + [(None, root)]
         self.units = [Unit(m, ps) for m, ps in order]
