@@ -170,3 +170,12 @@ def test_convert_refuses_a_tampered_checkpoint_and_says_which_tag_it_used(saved,
     assert out.is_file()
     err = capfd.readouterr().err
     assert "global_step1" in err and "global_step2" in err and "would load as zeros" in err
+
+
+def test_nan_weights_in_a_checkpoint_are_named_on_load(tmp_path):
+    engine = _engine()
+    with torch.no_grad():
+        engine.module.norm.weight.fill_(float("nan"))     # (fp32 at ZeRO-0: the weight is its own master)
+    engine.save_checkpoint(tmp_path / "D")
+    with pytest.raises(CheckpointError, match="NaN or infinite weights"):
+        _load(tmp_path / "D")

@@ -56,3 +56,22 @@ def test_values_are_cut_before_they_are_printed():
     huge = {"k": [list(range(1000))] * 1000}
     assert len(show(huge)) <= 60
     assert len(show("x" * 10 ** 6)) <= 60
+
+
+def test_settings_that_would_do_nothing_are_said():
+    with pytest.raises(ConfigError, match="no validation split"):
+        Config.load({"train": {"eval_interval": 10}, "data": {"val_fraction": 0.0}})
+    from bunsan.config import deepspeed_keys
+    deepspeed_keys._logged.discard("activation_checkpointing")
+    with pytest.warns(deepspeed_keys.IgnoredKeyWarning, match="nothing is recomputed"):
+        Config.load({"activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False}})
+
+
+def test_a_damaged_data_position_is_refused():
+    import numpy as np
+    from bunsan.training.data import TokenBatches
+    batches = TokenBatches(np.arange(4096, dtype=np.int32), 16, 2, 0, 1, seed=0)
+    state = batches.state_dict()
+    for bad in (-3, "7", 1.5, True):
+        with pytest.raises(ValueError, match="not a non-negative integer"):
+            batches.load_state_dict({**state, "position": bad})

@@ -268,6 +268,9 @@ class _StateLoader:
         t = self.params[i]
         hi = lo + master.numel()
         master.copy_(read_local(self.reader, t, "master", lo, hi))
+        if not bool(torch.isfinite(master).all()):   # (else the first step's NaN loss would blame the lr)
+            raise CheckpointError(f"checkpoint {self.reader.dir} holds NaN or infinite weights in {t.name!r}; it "
+                                  "was saved after training diverged: load an earlier checkpoint (tag=...)")
         have = self.covering(t, lo, hi)
         for kind in have:
             if kind not in state and "opaque" not in have[kind]:

@@ -14,7 +14,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from bunsan.config.bunsan_sections import Checkpoint, Data, Lora, ModelOverrides, Pipeline, TensorParallel, Train
 from bunsan.config.deepspeed_intake import prepare, row_for
-from bunsan.config.deepspeed_keys import canonical, log_ignored
+from bunsan.config.deepspeed_keys import IgnoredKeyWarning, canonical, log_ignored, say_once
 from bunsan.config.errors import ConfigError, Rule, convert, lookup, unwrap
 from bunsan.config.files import YamlLoader, read_config_file
 from bunsan.config.optimizer_sections import OPTIMIZERS, SCHEDULERS, Optimizer, Scheduler, optimizer_signature
@@ -112,6 +112,22 @@ class Config(Section):
             raise Rule(("train.compile", f"train.compile with activation_checkpointing.{what}: torch.compile "
                                          "cannot trace it and would run those blocks uncompiled; set "
                                          "train.compile to false, or use mode full without offload"))
+        return self
+
+    @model_validator(mode="after")
+    def _said_but_inert(self) -> Config:
+        if self.train.eval_interval and not self.data.val_fraction:
+            raise Rule(("train.eval_interval", f"train.eval_interval {self.train.eval_interval} with "
+                                               "data.val_fraction 0: there is no validation split to evaluate; "
+                                               "set data.val_fraction (e.g. 0.01) or eval_interval to 0"))
+        ac = self.activation_checkpointing
+        deepspeed_only = {"partition_activations", "contiguous_memory_optimization", "number_checkpoints",
+                          "synchronize_checkpoint_boundary", "profile", "cpu_checkpointing"}
+        if ac.model_fields_set & deepspeed_only and not ac.model_fields_set & {"enabled", "mode"}:
+            say_once("activation_checkpointing", "activation_checkpointing has DeepSpeed's keys but neither "
+                     "enabled nor mode: DeepSpeed checkpoints where model code calls deepspeed.checkpointing, "
+                     "bunsan recomputes only when activation_checkpointing.enabled is true (or mode is set); as "
+                     "written nothing is recomputed", IgnoredKeyWarning)
         return self
 
     @model_validator(mode="after")

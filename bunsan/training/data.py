@@ -270,7 +270,11 @@ class TokenBatches:
             if k in d and d[k] != getattr(self, k):
                 raise ValueError(f"data state mismatch: checkpoint {k}={d[k]!r}, current {k}={getattr(self, k)!r}; "
                                  "the corpus, seed or seq_len changed since the checkpoint")
-        self.position = int(d["position"])
+        position = d.get("position")
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise ValueError(f"data state position {str(position)[:40]!r} in the checkpoint is not a non-negative "
+                             "integer; the checkpoint's client state is damaged")
+        self.position = position
 
     def __getstate__(self):
         # A memmap would be pickled by value into every DataLoader worker; send its path.
