@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import sysconfig
 import time
 import uuid
@@ -21,6 +22,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from bunsan.training.stream import write_token_file
 from bunsan.training.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: F401  (re-exported)
 
 _CACHE_VERSION = 1  # bump when the on-disk format or document separation changes
@@ -79,6 +81,9 @@ def resolve_paths(paths: list[str] | str) -> list[Path]:
         out.extend(found)
     first = {}
     for f in out:  # de-duplicate by real path, keeping first-seen order
+        if not stat.S_ISREG(os.stat(f).st_mode):    # a pipe or device would block the read, or never end
+            raise ValueError(f"data file {f} is not a regular file (a named pipe, socket or device); remove it "
+                             "from the data paths")
         first.setdefault(f.resolve(), f)
     return list(first.values())
 
@@ -119,28 +124,14 @@ class TokenCache:
     def path(self) -> Path:
         return self.cache_dir / f"{self.tokenizer.identity}-{self.key}.npy"
 
-    def _read_documents(self) -> list[bytes]:
-        docs, left = [], self.max_bytes if self.max_bytes is not None else float("inf")
-        for f in self.files:
-            if left <= 0:
-                break
-            docs.append(f.read_bytes()[: None if left == float("inf") else int(left)])
-            left -= len(docs[-1])
-        return docs
-
     def build(self) -> Path:
-        """Tokenise and atomically publish; returns the cache path."""
-        vocab = self.tokenizer.vocab_size
-        dtype = np.uint16 if vocab <= 2**16 else np.uint32
-        tokens = self.tokenizer.encode_documents(self._read_documents()).astype(dtype, copy=False)
+        """Tokenise (streaming, bounded memory: stream.py) and atomically publish; returns the cache path."""
+        dtype = np.uint16 if self.tokenizer.vocab_size <= 2**16 else np.uint32
         dest = self.path
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(f".{dest.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
         try:
-            with open(tmp, "wb") as fh:
-                np.save(fh, tokens)
-                fh.flush()
-                os.fsync(fh.fileno())
+            write_token_file(tmp, self.files, self.tokenizer, self.max_bytes, dtype)
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)

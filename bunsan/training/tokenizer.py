@@ -21,10 +21,12 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
 
-    def encode_documents(self, docs: list[bytes]) -> np.ndarray:
-        # One buffer, one frombuffer: no per-byte Python work.
-        buf = b"".join(d + b"\n" for d in docs)
-        return np.frombuffer(buf, dtype=np.uint8)
+    def encode_pieces(self, pieces: list[bytes]) -> list[np.ndarray]:
+        return [np.frombuffer(p, dtype=np.uint8) for p in pieces]   # no per-byte Python work
+
+    def separator_ids(self) -> list[int]:
+        """What ends each document (file) of a corpus: a newline."""
+        return [10]
 
 
 class HFTokenizer:
@@ -56,14 +58,15 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
-    def encode_documents(self, docs: list[bytes]) -> np.ndarray:
-        texts = [d.decode("utf-8", errors="replace") for d in docs]
-        sep = [self.eos_token_id] if self.eos_token_id is not None else self.encode("\n")
-        out = []
-        for enc in self._tok.encode_batch(texts, add_special_tokens=False):
-            out.append(np.asarray(enc.ids, dtype=np.int64))
-            out.append(np.asarray(sep, dtype=np.int64))
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+    def encode_pieces(self, pieces: list[bytes]) -> list[list[int]]:
+        """Each piece's ids; the batch is encoded on every core (tokenizers' encode_batch). Pieces are cut at
+        newlines, so decoding each one alone never splits a UTF-8 character."""
+        texts = [p.decode("utf-8", errors="replace") for p in pieces]
+        return [enc.ids for enc in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def separator_ids(self) -> list[int]:
+        """What ends each document (file): the end-of-text token, else a newline's tokens."""
+        return [self.eos_token_id] if self.eos_token_id is not None else self.encode("\n")
 
 
 def load_tokenizer(path: str | os.PathLike | None = None):

@@ -1,0 +1,116 @@
+"""Tokenising a corpus in one streaming pass, in bounded memory, into the token cache's `.npy`.
+
+Files are read in pieces of about PIECE bytes and encoded a batch at a time, the tokens appended to a
+temporary file; the `.npy` is then written from it in blocks. Memory holds one batch of text and its tokens,
+whatever the corpus' size (a corpus larger than RAM works); disk holds the tokens twice until the end.
+
+A piece is a whole file when it fits; a larger file is cut at line starts (after a newline followed by a
+character that is not whitespace). Byte tokens are the same however a file is cut. A Hugging Face
+tokenizer's are the same as the whole file's when its pre-tokenizer splits at whitespace (GPT-2's, Llama
+3's byte-level BPE): a word never spans such a cut. The tokenizers package encodes a batch on every core.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+__all__ = ["PIECE", "write_token_file"]
+
+PIECE = 4 << 20          # bytes of text per piece, and about that per encoded batch
+BLOCK = 8 << 20          # bytes copied at a time into the .npy
+
+
+def _pieces(path: Path, limit: float) -> Iterator[bytes]:
+    """The file's bytes (at most `limit`) in pieces of about PIECE, cut at line starts."""
+    left, carry = limit, b""
+    with open(path, "rb") as f:
+        while left > 0:
+            block = f.read(int(min(PIECE, left)))
+            if not block:
+                break
+            left -= len(block)
+            data = carry + block
+            cut = _line_start_cut(data) if left > 0 else len(data)
+            if cut <= 0:                      # no line start in it: read on (one very long line)
+                carry = data
+                continue
+            yield data[:cut]
+            carry = data[cut:]
+    if carry:
+        yield carry
+
+
+def _line_start_cut(data: bytes) -> int:
+    """The end of the last line of `data` that a non-whitespace character follows; 0 if there is none."""
+    i = len(data) - 1
+    while True:
+        i = data.rfind(b"\n", 0, i)
+        if i < 0 or i + 1 >= len(data):
+            return 0
+        if not data[i + 1:i + 2].isspace():
+            return i + 1
+
+
+def _batches(files: list[Path], max_bytes: int | None) -> Iterator[list[tuple[bytes, bool]]]:
+    """[(piece, it ends its file)] of about PIECE bytes each, in corpus order."""
+    batch, size = [], 0
+    left = float("inf") if max_bytes is None else max_bytes
+    for f in files:
+        if left <= 0:
+            break
+        pieces = _pieces(f, left)
+        piece = next(pieces, b"")
+        while piece is not None:         # one piece of look-ahead: the last one ends the file
+            following = next(pieces, None)
+            left -= len(piece)
+            batch.append((piece, following is None))
+            size += len(piece)
+            if size >= PIECE:
+                yield batch
+                batch, size = [], 0
+            piece = following
+    if batch:
+        yield batch
+
+
+def write_token_file(dest: Path, files: list[Path], tokenizer, max_bytes: int | None, dtype,
+                     show_progress: bool = True) -> int:
+    """Tokenise `files` (each ends with the tokenizer's separator) into the `.npy` at dest (a fresh temporary
+    path); the number of tokens."""
+    total = sum(f.stat().st_size for f in files)
+    total = min(total, max_bytes) if max_bytes is not None else total
+    raw = dest.with_name(dest.name + ".raw")
+    done, shown, count = 0, 0, 0
+    separator = np.asarray(tokenizer.separator_ids(), dtype=dtype)
+    try:
+        with open(raw, "wb") as out:
+            for batch in _batches(files, max_bytes):
+                for (piece, ends), ids in zip(batch, tokenizer.encode_pieces([p for p, _ in batch])):
+                    np.asarray(ids, dtype=dtype).tofile(out)
+                    count += len(ids)
+                    if ends:
+                        separator.tofile(out)
+                        count += len(separator)
+                    done += len(piece)
+                if show_progress and total > 4 * PIECE and done - shown >= total / 10:
+                    shown = done
+                    print(f"bunsan: tokenised {done / 2**20:,.0f} of {total / 2**20:,.0f} MiB "
+                          f"({done / total:.0%})", file=sys.stderr, flush=True)
+        # The .npy: its header, then the tokens copied through a small buffer (a memory map of either file
+        # would make every page of it resident in this process).
+        with open(dest, "wb") as fh, open(raw, "rb") as src:
+            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+                      "shape": (count,)}
+            np.lib.format.write_array_header_2_0(fh, header)
+            shutil.copyfileobj(src, fh, BLOCK)
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        raw.unlink(missing_ok=True)
+    return count
