@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -285,9 +286,14 @@ class Reader:
         if f is None:
             path = inside(self.dir, piece["file"], "checkpoint file")   # (listed and verified: check_meta)
             f = self._files[piece["file"]] = safe_open(str(path), framework="pt")
+        sl = f.get_slice(piece["key"])
+        if math.prod(sl.get_shape()) != piece["hi"] - piece["lo"]:
+            raise CheckpointError(f"{self.dir / piece['file']}: tensor {piece['key']!r} holds "
+                                  f"{math.prod(sl.get_shape())} elements, its piece in meta.json says "
+                                  f"{piece['hi'] - piece['lo']}; the checkpoint is damaged")
         if a is None:
             return f.get_tensor(piece["key"])
-        return f.get_slice(piece["key"])[a:b]
+        return sl[a:b]
 
     def tensor(self, key: str, file: str) -> torch.Tensor | None:
         path = inside(self.dir, file, "checkpoint file")
