@@ -44,6 +44,8 @@ def hf_tokenizer(checkpoint, tokenizer_path: str | None, vocab_size: int):
     model of at most 256 tokens can use (its ids beyond would have no text)."""
     from bunsan.training.data import load_tokenizer
     tok = Path(checkpoint) / "tokenizer.json"
+    if tokenizer_path is None and tok.is_symlink():     # the directory's own file, never one it points at
+        raise ValueError(f"{tok} is a symbolic link; copy the tokenizer into the directory or pass --tokenizer")
     path = tokenizer_path or (str(tok) if tok.is_file() else None)
     if path is None and vocab_size > 256:
         raise ValueError(f"{checkpoint} has no tokenizer.json, and its model's vocabulary of {vocab_size} tokens is "
