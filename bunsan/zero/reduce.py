@@ -154,16 +154,6 @@ class ShardReducer:
         if self.trim_every and self._completed % self.trim_every == 0:
             trim_heap()
 
-    def reduce_held(self, params: list) -> None:
-        """Every bucket in order from the gradients autograd accumulated in the parameters' .grad (a pipeline
-        schedule's, reduced once after it); each is freed as it is staged."""
-        for k, b in enumerate(self.layout.buckets):
-            for i in b.params:
-                if params[i].grad is not None:
-                    self.stage_grad(i, params[i])
-            self.launch(k)
-        self.drain()
-
     def drain(self) -> None:
         for item in self._flight:
             self._complete(item)

@@ -24,10 +24,11 @@ import torch
 from bunsan.comm.collectives import all_reduce_on
 from bunsan.zero.strategy import Sharded
 from bunsan.zero.buckets import BucketHooks, FlatParams
-from bunsan.zero.host_buffer import TRIM_EVERY, HostBuffer
+from bunsan.zero.host_buffer import TRIM_EVERY
 from bunsan.zero.layout import ShardLayout
 from bunsan.zero.optimizer import ShardedOptimizer
 from bunsan.zero.reduce import ShardReducer
+from bunsan.zero.schedule_grads import ScheduleGrads
 
 
 class ShardedGrads(Sharded):
@@ -139,30 +140,18 @@ class Stage2(ShardedGrads):
     def begin_backward(self, sync: bool) -> None:
         self.hooks.begin()
 
-    # Under a pipeline the gradients accumulate whole through the schedule in one flat buffer (as stage 1's
-    # do: autograd's separate tensors would fragment memory) and are reduce-scattered once after it; the buffer
-    # is freed then (its pages dropped on the host), so the optimizer step runs without it.
+    # Under a pipeline the gradients accumulate whole through the schedule (zero/schedule_grads.py) and are
+    # reduce-scattered once after it.
     schedule_grads = None
 
     def begin_schedule(self) -> None:
         if self.schedule_grads is None:
-            total, device = self.layout.total, self.flat.data.device
-            self._schedule_host = HostBuffer(total, self.dtype) if device.type == "cpu" else None
-            self.schedule_grads = self._schedule_host.tensor if self._schedule_host is not None else \
-                torch.zeros(total, dtype=self.dtype, device=device)
-        for i, p in enumerate(self.params):
-            p.grad = self.flat.view(self.schedule_grads, i)
+            self.schedule_grads = ScheduleGrads(self.layout, [tuple(p.shape) for p in self.params], self.dtype,
+                                                self.flat.data.device)
+        self.schedule_grads.attach(self.params)
 
     def end_schedule(self) -> None:
-        for k, b in enumerate(self.layout.buckets):
-            self.reducer.launch(k, full=self.schedule_grads[b.start:b.start + b.size])
-        self.reducer.drain()
-        for p in self.params:
-            p.grad = None
-        if self._schedule_host is not None:
-            self._schedule_host.release()       # reads as zeros when the next schedule writes it
-        else:
-            self.schedule_grads = None
+        self.schedule_grads.reduce_and_drop(self.params, self.reducer)
 
     def _grad_bytes(self) -> int:
         return self.layout.shard_numel * 4    # the fp32 gradient shard, counted during backward and the step

@@ -39,18 +39,20 @@ from bunsan.zero.materialize import replace_meta_parameters, unit_full_weights
 from bunsan.zero.offload import CopyMarks
 from bunsan.zero.optimizer import ShardedOptimizer
 from bunsan.zero.reduce import ShardReducer
+from bunsan.zero.stage3_pipeline import PipelineSchedule
 from bunsan.zero.unit_buffer import UnitBuffer
 from bunsan.zero.units import PreBackward, Unit, UnitHandles, find_units
 from bunsan.zero.swap import SwapFile
 
 
-class FullyShardedDP(Sharded):
+class FullyShardedDP(PipelineSchedule, Sharded):
     stage = 3
 
     def __init__(self, trainable, comm, group, cfg, dims, module: nn.Module, opt_spec, device):
         super().__init__(trainable, comm, group, cfg.zero_optimization, dims, module)
         self.device, self.module = device, module
         self.holding = False      # a pipeline schedule with stage3_pipeline_gather "schedule": nothing released
+        self.schedule_grads = None
         self._trim = self.zero.trim_host_memory and device.type == "cpu"
         self._released = 0
         order = self._make_units(trainable, module)
@@ -305,42 +307,6 @@ class FullyShardedDP(Sharded):
         # its input's gradient after its last trained gradient: pre_backward of the unit before releases it.
         if k != self._root and not self._holds_frozen(k):
             self.release(k)
-
-    # -- under a pipeline: the runtime calls the stage's blocks, not the module, so the root hooks never run --
-    def begin_schedule(self) -> None:
-        """The root unit (this stage's embedding, norm or head) stays gathered through the schedule; the blocks
-        too with stage3_pipeline_gather "schedule", else each is gathered by its hooks per micro-batch."""
-        self.gather(self._root)
-        if self.zero.stage3_pipeline_gather == "schedule":
-            for k in range(len(self.units)):
-                self.gather(k)
-            self.holding = True
-
-    def after_backward_piece(self) -> None:
-        # The piece's blocks are done with for this micro-batch: released (the next one gathers them again).
-        for k, u in enumerate(self.units):
-            u.in_backward = False
-            if k != self._root:
-                self.release(k)
-
-    def end_schedule(self) -> None:
-        self.holding = False
-        for u in self.units:     # a prefetch the schedule never used (the weights have not changed since)
-            if u.pending is not None:
-                u.pending.wait()
-                u.pending, u.gathered = None, True
-        self.reducer.reduce_held(self.params)   # each unit's gradients, once; each unit released as it goes
-        for k, u in enumerate(self.units):
-            u.in_backward = False
-            self.release(k)
-
-    @contextlib.contextmanager
-    def pipeline_evaluation(self):
-        self.gather(self._root)
-        try:
-            yield
-        finally:
-            self.release(self._root)
 
     # -- the step --------------------------------------------------------------------------------
     def begin_backward(self, sync: bool) -> None:
