@@ -175,7 +175,8 @@ def test_ollama_generate_chat_and_tags(server, model):
 def test_the_checkpoints_chat_template_through_transformers(tmp_path):
     """A tokenizer_config.json chat_template is rendered by transformers, its special tokens encoded as such."""
     tokenizers = pytest.importorskip("tokenizers")
-    from bunsan.serve.chat import ChatTemplate, has_template
+    from bunsan.models.hf import has_chat_template as has_template
+    from bunsan.serve.chat import ChatTemplate
     from bunsan.training.tokenizer import HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}

@@ -135,10 +135,10 @@ def load_exactly(model, state: dict, where: Path) -> None:
 def recorded_tokenizer(ckpt: Path, recorded, command: str):
     """The tokenizer a training output names: bytes, or the tokenizer.json saved beside the weights; a path
     elsewhere is not followed (the directory may come from anyone): --tokenizer says which file to trust."""
-    if recorded is None or str(recorded) == "byte":
-        return recorded
     if (ckpt / "tokenizer.json").is_file() and not (ckpt / "tokenizer.json").is_symlink():
         return str(ckpt / "tokenizer.json")
+    if recorded is None or str(recorded) == "byte":
+        return recorded
     raise ValueError(f"{ckpt}/config.json names the tokenizer {str(recorded)[:100]!r}, which is not in {ckpt}; "
                      f"pass it yourself: bunsan {command} --tokenizer PATH/tokenizer.json")
 

@@ -28,9 +28,12 @@ TRAIN_FLAGS = {
     "init_from": ("train.init_from", str, "Hugging Face Llama directory whose shape and weights start the run"),
     "checkpoint_dir": ("checkpoint.dir", str, "save checkpoints here, and resume from the newest one"),
     "save_interval": ("checkpoint.save_interval", int, "steps between checkpoints (0: at the end only)"),
+    "format": ("data.format", str, "text, or records (JSONL, Parquet, a saved datasets directory) as "
+                                   "prompt_completion, instruction or chat"),
 }
 TRAIN_SWITCHES = {"fp16": "fp16.enabled", "bf16": "bf16.enabled", "compile": "train.compile", "lora": "lora.enabled",
-                  "checkpointing": "activation_checkpointing.enabled", "sp": "tensor_parallel.sequence_parallel"}
+                  "checkpointing": "activation_checkpointing.enabled", "sp": "tensor_parallel.sequence_parallel",
+                  "train_on_prompt": "data.train_on_prompt"}
 
 
 
@@ -42,7 +45,7 @@ def add_parser(sub) -> None:
     for name, (key, typ, hlp) in TRAIN_FLAGS.items():
         t.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, help=f"{hlp} ({key})")
     for flag, key in TRAIN_SWITCHES.items():
-        t.add_argument("--" + flag, action="store_true", help=f"set {key}")
+        t.add_argument("--" + flag.replace("_", "-"), dest=flag, action="store_true", help=f"set {key}")
     t.add_argument("--data", nargs="+", help="text files, directories or globs (default: Python's stdlib source)")
     t.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config key, e.g. --set fp16.hysteresis=4")
 

@@ -3,7 +3,7 @@ model `bunsan train` builds, its data, checkpoints and run. DeepSpeed's sections
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
@@ -111,6 +111,12 @@ class Data(Section):
     max_bytes: OptInt = Field(None, ge=1, description="Read at most this many bytes of text; None = all")
     val_fraction: float = Field(0.01, ge=0, lt=0.5, description="Fraction of the tokens held out for the "
                                                                 "validation loss")
+    format: Literal["text", "prompt_completion", "instruction", "chat"] = Field(
+        "text", description="text: plain files as one token stream; else records (JSONL/JSON/Parquet/datasets)")
+    fields: dict[str, str] = Field(default_factory=dict, description="Record field names when they differ, e.g. "
+                                   "{prompt: question, completion: answer} (training/examples.py)")
+    train_on_prompt: bool = Field(False, description="Records: train on every token, not only the responses")
+    packing: bool = Field(False, description="Records: several examples per row (false: one per row, padded)")
 
 
 class Checkpoint(Section):

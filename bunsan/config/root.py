@@ -35,6 +35,10 @@ class BatchSizes:
 # c=config). bunsan.initialize raises ConfigError with the messages of the rows that hold; loading does not,
 # so plans and estimates can still price such a config. Delete a row when its feature lands.
 UNIMPLEMENTED: list[tuple[str, typing.Callable[[Config], bool], str]] = [
+    ("data.packing", lambda c: c.data.packing,
+     "data.packing=true: packing several examples into a row needs attention that stops at document "
+     "boundaries, which bunsan's Llama does not have yet; set data.packing to false (one example per row, "
+     "padded: the same loss, more compute)"),
     ("activation_checkpointing.partition_activations", lambda c: c.activation_checkpointing.partition_activations,
      "activation_checkpointing.partition_activations=true: partitioning checkpointed activations across "
      "tensor-parallel ranks is not implemented; use tensor_parallel.sequence_parallel, which shards the "

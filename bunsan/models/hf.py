@@ -24,6 +24,18 @@ def hf_key(name: str) -> str:
     return name if name.startswith("lm_head.") else f"model.{name}"
 
 
+def has_chat_template(folder: Path) -> bool:
+    """Whether a Hugging Face tokenizer folder carries a chat template (without loading transformers)."""
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    try:
+        return bool(config.is_file() and json.loads(config.read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
 def read_config(path) -> LlamaConfig:
     d = Path(path)
     cfg = d / CONFIG if d.is_dir() else d

@@ -7,9 +7,9 @@ transformers renderer (its sandboxed Jinja environment). Messages with roles the
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from bunsan.models.hf import has_chat_template
 from bunsan.serve.errors import ApiError
 
 # ChatML: each message as <|im_start|>role\ncontent<|im_end|>\n, then the assistant's turn opened. A model
@@ -20,17 +20,6 @@ DEFAULT_TEMPLATE = (
 DEFAULT_STOP = ["<|im_end|>"]
 
 
-def has_template(folder: Path) -> bool:
-    """Whether a Hugging Face tokenizer folder carries a chat template (without loading transformers)."""
-    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
-        return True
-    config = folder / "tokenizer_config.json"
-    try:
-        return bool(config.is_file() and json.loads(config.read_text()).get("chat_template"))
-    except (OSError, ValueError):
-        return False
-
-
 class ChatTemplate:
     """`render(messages)` -> the prompt's token ids, through `tokenizer` (the server's, which decodes too)."""
 
@@ -38,7 +27,7 @@ class ChatTemplate:
         self.tokenizer, self.hf, self.template = tokenizer, None, template
         self.stop: list[str] = []
         self.eos_ids: set[int] = set()
-        if template is None and folder is not None and has_template(folder):
+        if template is None and folder is not None and has_chat_template(folder):
             from transformers import AutoTokenizer
             self.hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
             if self.hf.eos_token_id is not None:      # a chat model's end of turn is often not tokenizer.json's

@@ -26,7 +26,8 @@ from bunsan.checkpoint.store import CheckpointError
 from bunsan.checkpoint.hf import load_hf_into_engine
 from bunsan.config.deepspeed_keys import IgnoredKeyWarning
 from bunsan.config.root import Config
-from bunsan.training.data import (TokenBatches, load_tokenizer, load_tokens, make_loader, resolve_paths, unigram_entropy)
+from bunsan.training.data import TokenBatches, make_loader, unigram_entropy
+from bunsan.training.sources import held_out_batches, load_source, tokenizer_folder, train_batches
 from bunsan.comm.process_group import init_distributed
 from bunsan.doctor.slow import comm_advice
 from bunsan.transforms.lora import merge_lora
@@ -103,7 +104,7 @@ def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
         tmp = out_dir / f".final.tmp{os.getpid()}"
         try:
             _write_final(tmp, final, state, {"model": mcfg.to_hf(), "bunsan_config": cfg.to_dict(), **extra},
-                         cfg.data.tokenizer)
+                         tokenizer_folder(cfg))
         except (OSError, SafetensorError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
             need = sum(v.numel() * v.element_size() for v in state.values())
@@ -141,10 +142,8 @@ def set_up(cfg: Config) -> Run:
     device = init_distributed(cfg.train.backend, timeout_s=cfg.train.timeout_s)
     rank = dist.get_rank()
     torch.manual_seed(cfg.train.seed)
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    files = resolve_paths(cfg.data.paths) if cfg.data.paths else None
-    # Rank 0 tokenises (once, cached); the others wait for the cache file to appear and map it.
-    tokens = load_tokens(files, tokenizer, cfg.data.cache_dir, cfg.data.max_bytes, build=rank == 0)
+    tokenizer, source = load_source(cfg, rank)
+    tokens = source if cfg.data.format == "text" else source.ids.reshape(-1)
     mcfg = run_model_config(cfg, tokenizer.vocab_size)
     if cfg.pipeline.stages > 1:   # each rank allocates and initialises only its own stages
         with torch.device("meta"):
@@ -154,10 +153,9 @@ def set_up(cfg: Config) -> Run:
     with warnings.catch_warnings():   # bunsan train does write TensorBoard scalars (training/metrics.py)
         warnings.filterwarnings("ignore", "config key tensorboard.enabled", IgnoredKeyWarning)
         engine = initialize(model, cfg)
-    batches = TokenBatches(tokens, cfg.data.seq_len, engine.train_batch_size, engine.dp_rank, engine.dp_size,
-                           seed=cfg.train.seed, val_fraction=cfg.data.val_fraction)
+    batches = train_batches(source, cfg, engine)
     loader = make_loader(batches, cfg.data.num_workers, cfg.data.pin_memory, cfg.data.prefetch_factor)
-    val = val_batches(tokens, cfg, engine)
+    val = held_out_batches(source, cfg, engine)
     if cfg.train.init_from:
         load_hf_into_engine(engine, cfg.train.init_from)
     return Run(cfg, device, rank, tokens, mcfg, engine, loader, val)
@@ -321,17 +319,6 @@ def resume(engine, cfg: Config, loader) -> tuple[int, float | None]:
     if engine.mesh.rank == 0:
         print(f"bunsan train: resumed from {path} at step {engine.global_step}", flush=True)
     return engine.global_step, client.get("first_loss")
-
-
-def val_batches(tokens, cfg: Config, engine) -> TokenBatches | None:
-    """The held-out split, or None when there is none or it is smaller than one global batch."""
-    if not cfg.data.val_fraction:
-        return None
-    try:
-        return TokenBatches(tokens, cfg.data.seq_len, engine.train_batch_size, engine.dp_rank, engine.dp_size,
-                            seed=cfg.train.seed, split="val", val_fraction=cfg.data.val_fraction)
-    except ValueError:
-        return None
 
 
 def evaluate(engine, val: TokenBatches, n_batches: int) -> float:

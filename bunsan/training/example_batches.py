@@ -1,0 +1,77 @@
+"""Rendered examples as training rows: one example per row of seq_len + 1 tokens, padded (labels -100) or cut
+to fit, and batched as the corpus is (TokenBatches: a seeded permutation per epoch, each data-parallel rank its
+rows of every step, the position in the checkpoint, a held-out split of the last examples).
+
+The loss is the mean over the trained tokens of the whole global batch (the engine counts labels != -100
+over every rank), so padding changes nothing but the work done.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from bunsan.training.data import TokenBatches
+
+__all__ = ["ExampleRows", "example_rows", "ExampleBatches"]
+
+IGNORE = -100
+
+
+@dataclass
+class ExampleRows:
+    ids: np.ndarray        # [examples, seq_len + 1]
+    trained: np.ndarray    # [examples, seq_len + 1], bool: the loss is taken on predicting this token
+    cut: int               # examples longer than a row, cut to it
+    dropped: int           # examples with no trained token left in their row (said, not used)
+
+
+def example_rows(records, renderer, seq_len: int, pad_id: int) -> ExampleRows:
+    w = seq_len + 1
+    ids, trained, cut, dropped = [], [], 0, 0
+    for where, rec in records:
+        toks, mask = renderer.render(rec, where)
+        if len(toks) > w:
+            toks, mask, cut = toks[:w], mask[:w], cut + 1
+        if not any(mask[1:]):         # (the first token is never predicted)
+            dropped += 1
+            continue
+        ids.append(toks + [pad_id] * (w - len(toks)))
+        trained.append(mask + [False] * (w - len(mask)))
+    if not ids:
+        raise ValueError(f"no example has a token to train on ({dropped} had none left within seq_len+1 = {w}); "
+                         "check data.format and data.fields, or raise data.seq_len")
+    dtype = np.int32 if max(max(r) for r in ids) < 2 ** 31 else np.int64
+    return ExampleRows(np.asarray(ids, dtype=dtype), np.asarray(trained, dtype=bool), cut, dropped)
+
+
+def report(rows: ExampleRows, seq_len: int) -> None:
+    n = len(rows.ids) + rows.dropped
+    notes = []
+    if rows.cut:
+        notes.append(f"{rows.cut} cut to seq_len+1 = {seq_len + 1} tokens")
+    if rows.dropped:
+        notes.append(f"{rows.dropped} left out (no trained token within the row)")
+    filled = rows.trained.sum() / rows.trained.size
+    print(f"bunsan train: {n:,} examples, {len(rows.ids):,} used{': ' + ', '.join(notes) if notes else ''}; "
+          f"{filled:.0%} of the row tokens are trained", file=sys.stderr, flush=True)
+
+
+class ExampleBatches(TokenBatches):
+    """TokenBatches whose windows are the example rows, with their labels."""
+
+    def __init__(self, rows: ExampleRows, global_batch: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
+                 split: str = "train", val_fraction: float = 0.01):
+        w = rows.ids.shape[1]
+        super().__init__(rows.ids.reshape(-1), w - 1, global_batch, dp_rank, dp_size, seed, split, val_fraction)
+        self.labels = np.where(rows.trained, rows.ids, IGNORE).astype(np.int64).reshape(-1)
+
+    def batch_at(self, position: int) -> dict[str, torch.Tensor]:
+        w = self.seq_len + 1
+        picked = self.window_ids(position)
+        ids = torch.from_numpy(np.asarray(self.tokens.reshape(-1, w)[picked], dtype=np.int64))
+        labels = torch.from_numpy(self.labels.reshape(-1, w)[picked])
+        return {"input_ids": ids[:, :-1].contiguous(), "labels": labels[:, 1:].contiguous()}

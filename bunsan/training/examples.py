@@ -1,0 +1,171 @@
+"""Fine-tuning data as people have it: records (JSONL, JSON, Parquet, a `datasets` dataset saved to disk) in one
+of four formats, rendered to token ids and the labels the loss is taken on.
+
+    text               {"text": ...}                                        every token trained
+    prompt_completion  {"prompt": ..., "completion": ...}                   the completion (and EOS) trained
+    instruction        {"instruction": ..., "input": ..., "output": ...}    Alpaca's fields; the output trained
+    chat               {"messages": [{"role": ..., "content": ...}, ...]}   the assistant turns trained
+
+Field names are configurable (data.fields). Chat, and instruction when the tokenizer has one, use the
+tokenizer's own chat template (its tokenizer_config.json, rendered by transformers); an assistant turn is
+what the template adds between the conversation rendered up to that turn with the generation prompt and
+rendered through it, so its end-of-turn token is trained exactly as the template writes it. Without a
+template, instruction examples use Alpaca's prompt. `train_on_prompt` trains every token instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+from bunsan.models.hf import has_chat_template
+
+__all__ = ["FORMATS", "DEFAULT_FIELDS", "is_dataset_dir", "read_records", "Renderer"]
+
+FORMATS = ("text", "prompt_completion", "instruction", "chat")
+DEFAULT_FIELDS = {"text": "text", "prompt": "prompt", "completion": "completion", "instruction": "instruction",
+                  "input": "input", "output": "output", "messages": "messages", "role": "role",
+                  "content": "content"}
+RECORD_FILES = (".jsonl", ".json", ".parquet")
+ALPACA = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
+          "completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
+
+
+def is_dataset_dir(path: Path) -> bool:
+    """A `datasets` dataset saved with save_to_disk."""
+    return path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def is_record_file(path: Path) -> bool:
+    return path.suffix.lower() in RECORD_FILES
+
+
+def read_records(paths: list[Path]) -> Iterator[tuple[str, dict]]:
+    """(where, record) of every record, in order: JSONL lines, a JSON list, Parquet rows, a dataset's rows."""
+    for path in paths:
+        if is_dataset_dir(path):
+            yield from _dataset_rows(path)
+        elif path.suffix.lower() == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if line.strip():
+                        yield f"{path}:{n}", _object(line, f"{path}:{n}")
+        elif path.suffix.lower() == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, list):
+                raise ValueError(f"{path}: a JSON data file holds a list of records, got {type(data).__name__}")
+            for n, rec in enumerate(data):
+                yield f"{path}[{n}]", _checked(rec, f"{path}[{n}]")
+        elif path.suffix.lower() == ".parquet":
+            import pyarrow.parquet as pq
+            n = 0
+            for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+                for rec in batch.to_pylist():
+                    yield f"{path} row {n}", rec
+                    n += 1
+        else:
+            raise ValueError(f"data file {path} is not .jsonl, .json or .parquet (nor a saved datasets directory); "
+                             "a data.format other than text reads records")
+
+
+def _object(line: str, where: str) -> dict:
+    try:
+        return _checked(json.loads(line), where)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not a JSON object ({e.msg} at column {e.colno}); fix the line") from None
+
+
+def _checked(rec, where: str) -> dict:
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
+    return rec
+
+
+def _dataset_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    import datasets
+    data = datasets.load_from_disk(str(path))
+    if isinstance(data, datasets.DatasetDict):
+        if "train" not in data:
+            raise ValueError(f"{path} is a DatasetDict without a 'train' split (it has {sorted(data)}); save the "
+                             "split to train on")
+        data = data["train"]
+    for n, rec in enumerate(data):
+        yield f"{path} row {n}", rec
+
+
+class Renderer:
+    """Records to (ids, trained) pairs: token ids and, per token, whether the loss is taken on it."""
+
+    def __init__(self, fmt: str, tokenizer, folder: Path | None, fields: dict, train_on_prompt: bool):
+        if fmt not in FORMATS:
+            raise ValueError(f"data.format {fmt!r} is not one of {', '.join(FORMATS)}")
+        self.fmt, self.tokenizer, self.train_on_prompt = fmt, tokenizer, train_on_prompt
+        self.fields = {**DEFAULT_FIELDS, **fields}
+        self.hf = None
+        if folder is not None and has_chat_template(folder):
+            from transformers import AutoTokenizer
+            self.hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        if fmt == "chat" and self.hf is None:
+            raise ValueError(f"data.format chat renders conversations with the tokenizer's chat template, and "
+                             f"{folder or 'the byte tokenizer'} has none; set data.tokenizer to a Hugging Face "
+                             "tokenizer directory with a chat_template (tokenizer_config.json)")
+        self.eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+
+    def _field(self, rec: dict, name: str, where: str, optional: bool = False):
+        key = self.fields[name]
+        if key not in rec or rec[key] is None:
+            if optional:
+                return ""
+            raise ValueError(f"{where}: no field {key!r} (data.format {self.fmt} reads {name} from it; set "
+                             f"data.fields.{name} to the field your records use); it has {sorted(rec)[:8]}")
+        return rec[key]
+
+    def render(self, rec: dict, where: str) -> tuple[list[int], list[bool]]:
+        if self.fmt == "text":
+            ids = self.tokenizer.encode(str(self._field(rec, "text", where))) + self.eos
+            return ids, [True] * len(ids)
+        if self.fmt == "prompt_completion":
+            prompt = self.tokenizer.encode(str(self._field(rec, "prompt", where)))
+            answer = self.tokenizer.encode(str(self._field(rec, "completion", where))) + self.eos
+            return prompt + answer, [self.train_on_prompt] * len(prompt) + [True] * len(answer)
+        if self.fmt == "instruction":
+            instruction, extra = self._field(rec, "instruction", where), self._field(rec, "input", where, True)
+            output = str(self._field(rec, "output", where))
+            if self.hf is not None:
+                user = instruction + (f"\n\n{extra}" if extra else "")
+                return self._chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}],
+                                  where)
+            prompt = ALPACA.format(with_input=", paired with an input that provides further context" if extra
+                                   else "", instruction=instruction,
+                                   input_block=f"### Input:\n{extra}\n\n" if extra else "")
+            ids_p, ids_a = self.tokenizer.encode(prompt), self.tokenizer.encode(output) + self.eos
+            return ids_p + ids_a, [self.train_on_prompt] * len(ids_p) + [True] * len(ids_a)
+        messages = self._field(rec, "messages", where)
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError(f"{where}: {self.fields['messages']!r} must be a list of {{role, content}} objects")
+        role, content = self.fields["role"], self.fields["content"]
+        return self._chat([{"role": m.get(role), "content": m.get(content)} for m in messages], where)
+
+    def _chat(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+        """The conversation through the template; tokens inside an assistant turn's text are trained."""
+        def text(upto, prompt=False):
+            return self.hf.apply_chat_template(upto, tokenize=False, add_generation_prompt=prompt)
+        full = text(messages)
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before, through = text(messages[:i], prompt=True), text(messages[:i + 1])
+            if not (full.startswith(before) and full.startswith(through)):
+                raise ValueError(f"{where}: the chat template renders a conversation's beginning differently from "
+                                 "the whole conversation, so the assistant's tokens cannot be found; use "
+                                 "data.train_on_prompt or another template")
+            spans.append((len(before), len(through)))
+        enc = self.hf(full, add_special_tokens=False, return_offsets_mapping=True)
+        trained = [self.train_on_prompt or any(a <= s and e <= b and e > s for a, b in spans)
+                   for s, e in enc["offset_mapping"]]
+        if not any(trained):
+            raise ValueError(f"{where}: no assistant turn to train on (roles {[m['role'] for m in messages]}); "
+                             "give each conversation an assistant message")
+        return list(enc["input_ids"]), trained
