@@ -4,6 +4,7 @@ Llama directories in (any layout, each rank its slices) and out, checked against
 from __future__ import annotations
 
 import os
+import json
 import subprocess
 import sys
 import textwrap
@@ -140,6 +141,10 @@ def test_a_killed_rank_resumes_and_ends_like_an_uninterrupted_run(tmp_path, corp
     assert r.returncode == 0, logs
     assert (tmp_path / "killed").exists()
     assert "resumed from" in logs and "global_step2" in logs   # killed after step 3, before saving it
+    records = [json.loads(line) for line in (broken / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[0] == 1          # one continuous history, nothing twice
+    assert [r["step"] for r in records if r.get("event") == "resumed"] == [2]
     a = load_file(str(whole / "final" / "model.safetensors"))
     b = load_file(str(broken / "final" / "model.safetensors"))
     assert a.keys() == b.keys()

@@ -118,7 +118,7 @@ def run_training(cfg: Config) -> dict:
     """Train as `cfg` says, on this rank: set up, resume, the steps, the end-of-run outputs (a summary dict)."""
     run = set_up(cfg)
     start, first_loss = resume(run.engine, cfg, run.loader)
-    meter = open_meter(run)
+    meter = open_meter(run, start)
     clock = StepClock(start)
     losses, first_loss = train_steps(run, meter, clock, first_loss)
     return finish(run, meter, clock, losses, first_loss)
@@ -190,11 +190,12 @@ class Meter:
         return tokens_per_s * self.flops_per_token / (self.peak * dist.get_world_size()) if self.peak else None
 
 
-def open_meter(run: Run) -> Meter:
-    """The metrics file and console; rank 0 prints the run's first line."""
+def open_meter(run: Run, resumed_at: int = 0) -> Meter:
+    """The metrics file (a resumed run continues its history) and console; rank 0 prints the first line."""
     cfg, engine, seq = run.cfg, run.engine, run.cfg.data.seq_len
     out_dir = Path(cfg.train.output_dir)
-    metrics = Metrics(out_dir, cfg.train.metrics_file, cfg.train.steps, run.rank, cfg.tensorboard)
+    metrics = Metrics(out_dir, cfg.train.metrics_file, cfg.train.steps, run.rank, cfg.tensorboard,
+                      resumed_at=resumed_at)
     entropy = unigram_entropy(run.tokens[: 50_000_000]) if run.rank == 0 else None
     n_params = run.mcfg.num_params()   # the whole model's, whatever this rank holds (ZeRO-3, TP, PP)
     meter = Meter(out_dir, metrics, entropy, flops_per_token(run.mcfg, seq), peak_flops(run.device),

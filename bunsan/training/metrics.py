@@ -28,11 +28,31 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
+def open_history(path: Path, resumed_at: int):
+    """metrics.jsonl for writing: fresh for a new run; for a resumed one the history up to the checkpoint's
+    step kept (records of steps after it were lost with the crash and come again), the resume marked."""
+    if not resumed_at or not path.is_file():
+        return open(path, "w")
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue                       # a line cut by the crash
+        if not isinstance(step, int) or step <= resumed_at:
+            kept.append(line)
+    f = open(path, "w")
+    f.write("".join(k + "\n" for k in kept) + json.dumps({"time": time.time(), "step": resumed_at,
+                                                         "event": "resumed"}) + "\n")
+    f.flush()
+    return f
+
+
 class Metrics:
     """Everything rank 0 shows and writes while training; other ranks only time their steps."""
 
     def __init__(self, out_dir: Path, metrics_file: str, total_steps: int, rank: int, tensorboard=None,
-                 console: Console | None = None):
+                 console: Console | None = None, resumed_at: int = 0):
         self.rank, self.total = rank, total_steps
         self.console = console or Console(stderr=True)
         self.jsonl = None
@@ -41,7 +61,7 @@ class Metrics:
         if rank != 0:
             return
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(out_dir / metrics_file, "w")
+        self.jsonl = open_history(out_dir / metrics_file, resumed_at)
         if tensorboard is not None and tensorboard.enabled:
             try:
                 from torch.utils.tensorboard import SummaryWriter
