@@ -7,6 +7,7 @@ different data-parallel size and still read the same samples in the same order.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -92,11 +93,48 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("BUNSAN_CACHE", Path.home() / ".cache" / "bunsan")) / "tokens"
 
 
+class FileDigests:
+    """Each file's content digest, remembered by (path, size, mtime) so that a start re-reads only files
+    that changed."""
+
+    def __init__(self, path: Path):
+        self.path, self.changed = path, False
+        try:
+            self.known = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError):
+            self.known = {}
+
+    def digest(self, f: Path) -> str:
+        st, real = f.stat(), str(f.resolve())
+        hit = self.known.get(real)
+        if isinstance(hit, list) and hit[:2] == [st.st_size, st.st_mtime_ns]:
+            return hit[2]
+        h = hashlib.blake2b(digest_size=16)
+        h.update(str(st.st_size).encode() + b":")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 22), b""):
+                h.update(block)
+        self.known[real], self.changed = [st.st_size, st.st_mtime_ns, h.hexdigest()], True
+        return h.hexdigest()
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+            tmp.write_text(json.dumps(self.known))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass      # a read-only cache directory: the digests are computed again next time
+
+
 class TokenCache:
     """Tokenise ``files`` once into a flat memory-mapped ``.npy``.
 
-    The file name is a hash of (paths, sizes, mtimes, tokenizer identity,
-    max_bytes), so an edited file or another tokenizer gets a new cache. Writers
+    The file name is a hash of the files' content, the tokenizer identity and
+    max_bytes, so an edited file or another tokenizer gets a new cache, and
+    machines with the same corpus agree on it. Writers
     build into a private temp file and ``os.replace`` it into place: readers never
     see a partial file, and two processes building at once both succeed (the last
     rename wins with identical bytes).
@@ -111,14 +149,17 @@ class TokenCache:
         self.max_bytes = max_bytes
         self.builds = 0  # how many times this object tokenised (tests check reuse)
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        stats = []
+        """A hash of the corpus' content (each file's bytes, in order), the tokenizer and max_bytes: the same
+        on every machine that has the same files, wherever they live and whatever their mtimes."""
+        h = hashlib.blake2b(digest_size=12)
+        h.update(json.dumps([_CACHE_VERSION, self.tokenizer.identity, self.max_bytes]).encode())
+        memo = FileDigests(self.cache_dir / "file-digests.json")
         for f in self.files:
-            st = f.stat()
-            stats.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
-        blob = json.dumps([_CACHE_VERSION, self.tokenizer.identity, self.max_bytes, stats])
-        return hashlib.sha256(blob.encode()).hexdigest()[:24]
+            h.update(memo.digest(f).encode())
+        memo.save()
+        return h.hexdigest()
 
     @property
     def path(self) -> Path:

@@ -3,13 +3,21 @@ corpus) or records rendered to one example per row (the other formats: examples.
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
-from bunsan.training.data import TokenBatches, load_tokenizer, load_tokens, resolve_paths
+import numpy as np
+import torch
+
+from bunsan.comm import functional as world
+from bunsan.training.data import TokenBatches, TokenCache, default_corpus_files, load_tokenizer, resolve_paths
 from bunsan.training.example_batches import ExampleBatches, example_rows, report
 from bunsan.training.examples import Renderer, is_dataset_dir, read_records
 
-__all__ = ["tokenizer_folder", "load_source", "train_batches", "held_out_batches"]
+__all__ = ["tokenizer_folder", "load_source", "corpus_tokens", "same_everywhere", "train_batches",
+           "held_out_batches"]
+
+HOST_BYTES = 64
 
 
 def tokenizer_folder(cfg) -> str | None:
@@ -21,6 +29,42 @@ def tokenizer_folder(cfg) -> str | None:
     if init and (Path(init) / "tokenizer.json").is_file():
         return init
     return None
+
+
+def corpus_tokens(cache: TokenCache) -> np.ndarray:
+    """The token stream, from a cache that each node builds for itself (its local rank 0, when missing: a
+    cache directory need not be shared) while the others wait in a collective, bounded by train.timeout_s;
+    then every rank checks that all of them tokenised the same corpus with the same tokenizer."""
+    distributed = world.is_initialized() and world.get_world_size() > 1
+    if world.get_local_rank() == 0 and not cache.path.exists():
+        cache.build()
+    if distributed:
+        world.barrier()
+        same_everywhere(cache.key, "corpus and tokenizer (data.paths' content, data.tokenizer)")
+    if not cache.path.exists():
+        raise FileNotFoundError(f"token cache {cache.path} is missing on {socket.gethostname()} after this "
+                                "node's local rank 0 built it: is data.cache_dir the same directory for every "
+                                "rank of a node?")
+    return np.load(cache.path, mmap_mode="r")
+
+
+def same_everywhere(key: str, what: str) -> None:
+    """Every rank's `key` (hex) equals rank 0's, else an error naming the hosts and ranks that differ."""
+    device = torch.device("cuda", torch.cuda.current_device()) if world.get_backend() == "nccl" \
+        else torch.device("cpu")
+    host = socket.gethostname().encode()[:HOST_BYTES]
+    mine = torch.tensor(list(bytes.fromhex(key)) + list(host) + [0] * (HOST_BYTES - len(host)),
+                        dtype=torch.int32, device=device)
+    every = [torch.empty_like(mine) for _ in range(world.get_world_size())]
+    world.all_gather(every, mine)
+    rows = [t.tolist() for t in every]
+    n = len(bytes.fromhex(key))
+    differ = [r for r, row in enumerate(rows) if row[:n] != rows[0][:n]]
+    if differ:
+        hosts = {bytes(c for c in rows[r][n:] if c).decode(errors="replace") for r in differ}
+        raise ValueError(f"rank(s) {differ[:8]} on {sorted(hosts)} see another {what} than rank 0 on "
+                         f"{bytes(c for c in rows[0][n:] if c).decode(errors='replace')}: give every node the "
+                         "same files and tokenizer (their bytes must match; paths and mtimes may differ)")
 
 
 def _record_paths(paths: list[str]) -> list[Path]:
@@ -36,9 +80,8 @@ def load_source(cfg, rank: int):
     folder = tokenizer_folder(cfg)
     tokenizer = load_tokenizer(folder)
     if cfg.data.format == "text":
-        files = resolve_paths(cfg.data.paths) if cfg.data.paths else None
-        # Rank 0 tokenises (once, cached); the others wait for the cache file to appear and map it.
-        return tokenizer, load_tokens(files, tokenizer, cfg.data.cache_dir, cfg.data.max_bytes, build=rank == 0)
+        files = resolve_paths(cfg.data.paths) if cfg.data.paths else default_corpus_files()
+        return tokenizer, corpus_tokens(TokenCache(files, tokenizer, cfg.data.cache_dir, cfg.data.max_bytes))
     if not cfg.data.paths:
         raise ValueError(f"data.format {cfg.data.format} reads records: give data.paths (JSONL, JSON, Parquet "
                          "files or a saved datasets directory)")

@@ -1,0 +1,57 @@
+"""Several machines, each with its own disk: every node builds (or finds) its own token cache, keyed by the
+corpus' content, and every rank checks that all of them tokenised the same corpus."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+from bunsan.training.data import TokenCache
+
+
+def _corpus(d, text="def f():\n    return 1\n" * 50):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "a.py").write_text(text)
+    (d / "b.py").write_text(text.upper())
+    return [d / "a.py", d / "b.py"]
+
+
+def test_the_cache_key_is_the_content_not_the_path_or_mtime(tmp_path):
+    one = _corpus(tmp_path / "node0")
+    (tmp_path / "node1").mkdir()
+    two = [tmp_path / "node1" / f.name for f in one]          # the same bytes elsewhere, with other mtimes
+    for f, g in zip(one, two):
+        shutil.copyfile(f, g)
+    os.utime(two[0], (time.time() - 1000, time.time() - 1000))
+    assert TokenCache(one, cache_dir=tmp_path / "c0").key == TokenCache(two, cache_dir=tmp_path / "c1").key
+    two[0].write_text("something else\n")
+    assert TokenCache(one, cache_dir=tmp_path / "c0").key != TokenCache(two, cache_dir=tmp_path / "c2").key
+
+
+def _node_local(rank, world, root, differ):
+    """Each rank plays a node of its own: LOCAL_RANK 0, its own corpus copy and cache directory."""
+    from pathlib import Path
+    from bunsan.training.sources import corpus_tokens
+    os.environ["LOCAL_RANK"] = "0"
+    files = _corpus(Path(root) / f"node{rank}", "other text\n" * 40 if differ and rank == 1 else
+                    "def f():\n    return 1\n" * 50)
+    cache = TokenCache(files, cache_dir=Path(root) / f"cache{rank}")
+    try:
+        tokens = corpus_tokens(cache)
+    except ValueError as e:
+        return str(e)
+    return cache.builds, np.asarray(tokens).tolist()
+
+
+def test_every_node_builds_its_own_cache(pools, tmp_path):
+    (b0, t0), (b1, t1) = pools.run(2, _node_local, 2, str(tmp_path), False)
+    assert b0 == b1 == 1 and t0 == t1
+
+
+def test_a_node_with_another_corpus_is_named(pools, tmp_path):
+    messages = pools.run(2, _node_local, 2, str(tmp_path), True)
+    assert all(isinstance(m, str) and "rank(s) [1]" in m and "another corpus and tokenizer" in m for m in messages)
