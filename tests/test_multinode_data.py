@@ -55,3 +55,36 @@ def test_every_node_builds_its_own_cache(pools, tmp_path):
 def test_a_node_with_another_corpus_is_named(pools, tmp_path):
     messages = pools.run(2, _node_local, 2, str(tmp_path), True)
     assert all(isinstance(m, str) and "rank(s) [1]" in m and "another corpus and tokenizer" in m for m in messages)
+
+
+def _check_dir(rank, world, root, local):
+    import bunsan
+    from bunsan.checkpoint import check_shared
+    from parity import tiny_model
+    engine = bunsan.initialize(tiny_model(0), {"train_micro_batch_size_per_gpu": 1})
+    d = f"{root}/node{rank}" if local else f"{root}/shared"       # node-local disks: the same path, other dirs
+    try:
+        check_shared(engine, d)
+    except Exception as e:        # noqa: BLE001  (the message is what is checked)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def test_a_checkpoint_directory_that_is_not_shared_is_found_at_start_up(pools, tmp_path):
+    assert pools.run(2, _check_dir, 2, str(tmp_path), False) == [None, None]
+    messages = pools.run(2, _check_dir, 2, str(tmp_path), True)
+    assert all(m and "is not shared: rank(s) [1]" in m for m in messages), messages
+    assert not list(tmp_path.rglob(".bunsan-shared-check"))
+
+
+def _saved_mode(rank, world, root):
+    import stat
+    import bunsan
+    from parity import tiny_model
+    engine = bunsan.initialize(tiny_model(0), {"train_micro_batch_size_per_gpu": 1})
+    path = engine.save_checkpoint(root)
+    return sorted(stat.S_IMODE(os.stat(f).st_mode) & 0o044 for f in path.iterdir())
+
+
+def test_checkpoint_files_are_readable_by_every_rank(pools, tmp_path):
+    assert set(pools.run(2, _saved_mode, 2, str(tmp_path / "D"))[0]) == {0o044}

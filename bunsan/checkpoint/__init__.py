@@ -10,6 +10,7 @@ cast), with the optimizer states beside them; engine counters, the loss scaler a
 from __future__ import annotations
 
 import shutil
+import socket
 import sys
 import warnings
 from pathlib import Path
@@ -98,7 +99,7 @@ def save_checkpoint(engine, save_dir, tag: str | float | None = None, client_sta
 def _attempt(write) -> BaseException | None:
     try:
         write()
-    except (OSError, SafetensorError) as e:     # a full disk, a read-only or vanished directory
+    except (OSError, SafetensorError, CheckpointError) as e:   # a full disk, a read-only or unshared directory
         return e
     return None
 
@@ -121,6 +122,39 @@ def _all_or_none(engine, failed: BaseException | None, root: Path, tag: str, wha
     raise CheckpointError(f"saving checkpoint {root / tag} failed while {what} it on {int(votes[0])} rank(s) "
                           f"({mine}{need}, {free}); the previous checkpoints are untouched and the partial "
                           "save was removed: free space or pass another checkpoint directory")
+
+
+def check_shared(engine, save_dir) -> None:
+    """At start-up, before hours of training: every rank sees the file rank 0 writes in `save_dir`, i.e. the
+    checkpoint directory is one filesystem shared by every node (each rank writes its part into one
+    directory that rank 0 then commits). Collective: every rank calls it."""
+    root, rank, world = Path(save_dir), engine.mesh.rank, engine.mesh.world.size
+    if world == 1:
+        return
+    probe = root / ".bunsan-shared-check"
+    token = torch.randint(1, 2 ** 62, (1,), dtype=torch.int64) if rank == 0 else torch.zeros(1, dtype=torch.int64)
+    token = token.to(engine.comm.device)
+    engine.comm.broadcast(token, 0, engine.mesh.world)
+    want = str(int(token.item()))
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        store.write_text_safely(probe, want)
+    _barrier(engine)
+    try:
+        seen = probe.read_text() == want
+    except OSError:
+        seen = False
+    missing = engine.comm.all_reduce_scalars([0.0 if seen or r != rank else 1.0 for r in range(world)],
+                                             engine.mesh.world)
+    _barrier(engine)
+    if rank == 0:
+        probe.unlink(missing_ok=True)
+    blind = [r for r, m in enumerate(missing) if m]
+    if blind:
+        raise CheckpointError(f"checkpoint directory {root} is not shared: rank(s) {blind[:8]} cannot see the file "
+                              f"rank 0 wrote there (this rank is on {socket.gethostname()}); every rank writes its "
+                              "part of a checkpoint into one directory, so put checkpoint.dir on a filesystem every "
+                              "node mounts (NFS, Lustre, ...)")
 
 
 TAG_BYTES = 255

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -110,8 +111,13 @@ def abandon(root: Path, tag: str) -> None:
 def write_rank(root: Path, tag: str, rank: int, tensors: dict[str, torch.Tensor], index: dict) -> None:
     """This rank's tensors and its index (pieces, scalars, checksum) into the temporary directory."""
     tmp = temp_dir(root, tag)
+    if not tmp.is_dir():
+        raise CheckpointError(f"rank {rank} on {socket.gethostname()} cannot see {tmp}, which rank 0 just made: "
+                              f"the checkpoint directory {root} is not one filesystem shared by every node; put "
+                              "checkpoint.dir on a filesystem every node mounts (NFS, Lustre, ...)")
     path = tmp / rank_file(rank)
     save_file(tensors, str(path), metadata={"format": FORMAT, "rank": str(rank)})
+    os.chmod(path, 0o644)     # (safetensors writes 0600: other ranks and users read the checkpoint too)
     _fsync(path)
     index = {**index, "file": path.name, "sha256": sha256(path), "bytes": path.stat().st_size}
     write_json(tmp / f"rank{rank:05d}.json", index)

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from bunsan import initialize
-from bunsan.checkpoint import store
+from bunsan.checkpoint import check_shared, store
 from bunsan.checkpoint.store import CheckpointError
 from bunsan.checkpoint.hf import load_hf_into_engine
 from bunsan.config.deepspeed_keys import IgnoredKeyWarning
@@ -153,6 +153,8 @@ def set_up(cfg: Config) -> Run:
     with warnings.catch_warnings():   # bunsan train does write TensorBoard scalars (training/metrics.py)
         warnings.filterwarnings("ignore", "config key tensorboard.enabled", IgnoredKeyWarning)
         engine = initialize(model, cfg)
+    if cfg.checkpoint.dir:
+        check_shared(engine, cfg.checkpoint.dir)     # (now, not at the first save hours later)
     batches = train_batches(source, cfg, engine)
     loader = make_loader(batches, cfg.data.num_workers, cfg.data.pin_memory, cfg.data.prefetch_factor)
     val = held_out_batches(source, cfg, engine)
