@@ -127,6 +127,18 @@ def test_errors_are_one_message_without_tracebacks(tmp_path, args, says):
     assert len(lines) == 1 and says in lines[0], r.stderr
 
 
+def test_a_missing_node_is_one_message_naming_what_to_check(tmp_path):
+    (tmp_path / "one.py").write_text("print('never runs')\n")
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = _run(["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+              f"127.0.0.1:{port}", "--rdzv-conf", "join_timeout=3", str(tmp_path / "one.py")], cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "not every node joined" in r.stderr and "GLOO_SOCKET_IFNAME" in r.stderr
+
+
 def test_generate_on_a_missing_checkpoint(tmp_path):
     r = _run(["generate", "--checkpoint", str(tmp_path)], cwd=tmp_path)
     assert r.returncode != 0 and "model.safetensors" in r.stderr
