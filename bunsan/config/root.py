@@ -15,7 +15,8 @@ from typing import Any, Optional
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from bunsan.config.bunsan_sections import Checkpoint, Data, Lora, ModelOverrides, Pipeline, TensorParallel, Train
+from bunsan.config.bunsan_sections import (Checkpoint, ContextParallel, Data, Lora, ModelOverrides, Pipeline,
+                                          TensorParallel, Train)
 from bunsan.config.deepspeed_intake import prepare, row_for
 from bunsan.config.deepspeed_keys import canonical, log_ignored
 from bunsan.config.errors import ConfigError, Rule, convert, lookup, unwrap
@@ -128,6 +129,7 @@ class Config(Section):
                                                               description=ActivationCheckpointing.__doc__)
     tensorboard: Tensorboard = Field(default_factory=Tensorboard, description=Tensorboard.__doc__)
     tensor_parallel: TensorParallel = Field(default_factory=TensorParallel, description=TensorParallel.__doc__)
+    context_parallel: ContextParallel = Field(default_factory=ContextParallel, description=ContextParallel.__doc__)
     pipeline: Pipeline = Field(default_factory=Pipeline, description=Pipeline.__doc__)
     lora: Lora = Field(default_factory=Lora, description=Lora.__doc__)
     model: ModelOverrides = Field(default_factory=ModelOverrides, description=ModelOverrides.__doc__)
@@ -156,6 +158,20 @@ class Config(Section):
             raise Rule(("train.compile", f"train.compile with activation_checkpointing.{what}: torch.compile "
                                          "cannot trace it and would run those blocks uncompiled; set "
                                          "train.compile to false, or use mode full without offload"))
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel(self) -> Config:
+        cp, seq = self.context_parallel.size, self.data.seq_len
+        if cp > 1 and seq % (2 * cp):
+            lo = seq // (2 * cp) * (2 * cp)
+            raise Rule(("data.seq_len", f"data.seq_len {seq} is not divisible by 2 x context_parallel.size = "
+                                        f"{2 * cp}: each row is cut into 2 x {cp} equal chunks; set data.seq_len "
+                                        f"to {f'{lo} or ' if lo else ''}{lo + 2 * cp}"))
+        if cp > 1 and self.train.compile:
+            raise Rule(("train.compile", f"train.compile with context_parallel.size {cp}: compiled blocks with "
+                                         "the K/V all-gather inside are not supported yet; set train.compile to "
+                                         "false or context_parallel.size to 1"))
         return self
 
     @model_validator(mode="after")
