@@ -16,12 +16,13 @@ from parity import Setup, assert_parity, compare_losses, compare_states, referen
 ROWS, SEQ = 4, 16
 
 
-def layout(cp=2, dp=1, tp=1, pp=1, m=1, stage=0, steps=2, overrides=None):
+def layout(cp=2, dp=1, tp=1, sp=False, pp=1, m=1, stage=0, steps=2, overrides=None, recompute="none"):
     cfg = {"train_micro_batch_size_per_gpu": ROWS // (dp * m), "gradient_accumulation_steps": m,
-           "context_parallel": {"size": cp}, "tensor_parallel": {"size": tp}, "pipeline": {"stages": pp},
+           "context_parallel": {"size": cp}, "tensor_parallel": {"size": tp, "sequence_parallel": sp},
+           "pipeline": {"stages": pp},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000,
                                  "stage3_param_persistence_threshold": 0},
-           "data": {"seq_len": SEQ}, "train": {"timeout_s": 60}}
+           "activation_checkpointing": {"mode": recompute}, "data": {"seq_len": SEQ}, "train": {"timeout_s": 60}}
     return cp * dp * tp * pp, cfg, Setup(steps=steps, rows=ROWS, seq=SEQ, overrides=overrides or {})
 
 
@@ -31,6 +32,10 @@ LAYOUTS = {
     "cp2-dp2": layout(cp=2, dp=2),
     "cp2-zero3": layout(cp=2, stage=3),
     "cp2-tp2": layout(cp=2, tp=2),
+    "cp2-tp2-sp": layout(cp=2, tp=2, sp=True),
+    # recomputed blocks all-gather K/V again in backward, in the same order on every rank
+    "cp2-full-recompute": layout(cp=2, recompute="full"),
+    "cp2-selective-recompute": layout(cp=2, recompute="selective"),
     "cp2-pp2": layout(cp=2, pp=2, m=2, overrides={"tie_word_embeddings": True}),
 }
 
@@ -51,3 +56,61 @@ def test_context_parallel_with_adamw_matches_single_process(pools):
     cfg = {**cfg, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "eps": 1e-5}},
            "gradient_clipping": 1.0}
     assert_parity(pools.run(world, train, world, cfg, setup), reference_for(cfg, setup), what="cp2 adamw")
+
+
+def refused(rank: int, world: int, cfg: dict, batch: dict) -> str:
+    import bunsan
+    from parity import tiny_model
+    engine = bunsan.initialize(tiny_model(), cfg)
+    try:
+        engine.train_batch(batch)
+    except ValueError as e:
+        return str(e)
+    return "trained"
+
+
+def test_a_length_that_does_not_cut_into_2cp_chunks_is_refused_naming_the_rule(pools):
+    world, cfg, _ = layout(cp=2)
+    ids = torch.randint(0, 256, (ROWS, 10))          # 10 tokens: not a multiple of 2 x 2
+    msgs = pools.run(world, refused, world, cfg, {"input_ids": ids, "labels": ids})
+    for msg in msgs:
+        assert "sequence length 10" in msg and "2 x context_parallel.size = 4" in msg and "8 or 12" in msg
+
+
+def test_bunsan_train_refuses_a_seq_len_that_does_not_cut():
+    from bunsan.config.root import Config
+    from bunsan.training.loop import model_config
+    cfg = Config.load({"context_parallel": {"size": 3}, "data": {"seq_len": 20}, "model": {"preset": "tiny"}})
+    with pytest.raises(ValueError, match=r"sequence length 20 .* 2 x context_parallel.size = 6.*18 or 24"):
+        model_config(cfg, 256)
+
+
+def test_positions_of_the_balanced_split():
+    from bunsan.context_parallel import shard_positions, shard_sequence
+    assert shard_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert shard_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    x = torch.arange(16).view(1, 16)
+    pieces = [shard_sequence(x, 4, r) for r in range(4)]
+    assert pieces[0].tolist() == [[0, 1, 14, 15]] and pieces[3].tolist() == [[6, 7, 8, 9]]
+    assert sorted(torch.cat(pieces, 1).flatten().tolist()) == list(range(16))
+
+
+def hf_refused(rank: int, world: int, cfg: dict) -> str:
+    import bunsan
+    try:
+        bunsan.initialize(torch.nn.Sequential(torch.nn.Linear(4, 4)), cfg)
+    except ValueError as e:
+        return str(e)
+    return "initialized"
+
+
+def test_a_model_other_than_bunsans_llama_is_refused_at_initialize(pools):
+    world, cfg, _ = layout(cp=2)
+    for msg in pools.run(world, hf_refused, world, cfg):
+        assert "context_parallel.size 2 with a Sequential" in msg and "bunsan's own Llama" in msg
+
+
+def test_compile_with_context_parallelism_is_refused():
+    from bunsan.config.root import Config, ConfigError
+    with pytest.raises(ConfigError, match="train.compile with context_parallel.size 2"):
+        Config.load({"context_parallel": {"size": 2}, "train": {"compile": True}})

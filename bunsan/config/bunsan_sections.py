@@ -40,8 +40,7 @@ class TensorParallel(Section):
 
 
 class ContextParallel(Section):
-    """bunsan: context parallelism, each row's tokens split over ranks (bunsan's Llama; attention all-gathers
-    K/V); the ranks are data parallel for gradients."""
+    """bunsan: context parallelism, each row's tokens split over ranks whose attention all-gathers K/V"""
     size: Int = Field(1, ge=1, description="Ranks each row's tokens are split over (2 x size balanced chunks; "
                                            "data.seq_len a multiple of 2 x size)")
 

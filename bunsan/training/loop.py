@@ -23,6 +23,7 @@ from bunsan.checkpoint import store
 from bunsan.checkpoint.hf import load_hf_into_engine
 from bunsan.config.deepspeed_keys import IgnoredKeyWarning
 from bunsan.config.root import Config
+from bunsan.context_parallel import check_length
 from bunsan.training.data import (TokenBatches, load_tokenizer, load_tokens, make_loader, resolve_paths, unigram_entropy)
 from bunsan.comm.process_group import init_distributed
 from bunsan.doctor.slow import comm_advice
@@ -56,6 +57,8 @@ def model_config(cfg: Config, vocab_size: int):
     if mcfg.max_position_embeddings < cfg.data.seq_len:
         raise ValueError(f"data.seq_len {cfg.data.seq_len} exceeds model.max_position_embeddings "
                          f"{mcfg.max_position_embeddings}; lower data.seq_len or raise max_position_embeddings")
+    if cfg.context_parallel.size > 1:
+        check_length(cfg.data.seq_len, cfg.context_parallel.size)
     return mcfg
 
 
