@@ -114,3 +114,32 @@ def test_compile_with_context_parallelism_is_refused():
     from bunsan.config.root import Config, ConfigError
     with pytest.raises(ConfigError, match="train.compile with context_parallel.size 2"):
         Config.load({"context_parallel": {"size": 2}, "train": {"compile": True}})
+
+
+def checkpointed(rank: int, world: int, cfg: dict, root: str, mode: str):
+    """'save': 2 steps then a checkpoint; 'load': other weights, the checkpoint, 2 more steps."""
+    import bunsan
+    from parity import batches, rank_slice, tiny_model, to_numpy
+    engine = bunsan.initialize(tiny_model(seed=7 if mode == "load" else 0), cfg)
+    data = batches(4, ROWS, SEQ)
+    if mode == "load":
+        engine.load_checkpoint(root)
+    steps = range(0, 2) if mode == "save" else range(2, 4)
+    losses = [engine.train_batch(rank_slice(data[s], engine.dp_rank, engine.dp_size)) for s in steps]
+    if mode == "save":
+        engine.save_checkpoint(root)
+    return losses, to_numpy(engine.consolidated_state_dict())
+
+
+@pytest.mark.parametrize("save_cp,save_zero,load_cp,load_zero", [(2, 0, 1, 0), (1, 0, 2, 1), (2, 1, 2, 3)])
+def test_checkpoints_move_between_context_parallel_and_other_layouts(pools, tmp_path, save_cp, save_zero,
+                                                                       load_cp, load_zero):
+    from parity import batches, reference_train, tiny_model
+
+    def cfg(cp, zero):
+        _, c, _ = layout(cp=max(cp, 1), stage=zero)
+        return sgd_no_clip({**c, "context_parallel": {"size": cp}}, momentum=0.9)
+    first = pools.run(save_cp, checkpointed, save_cp, cfg(save_cp, save_zero), str(tmp_path), "save")
+    second = pools.run(load_cp, checkpointed, load_cp, cfg(load_cp, load_zero), str(tmp_path), "load")
+    ref = reference_train(tiny_model(0), batches(4, ROWS, SEQ), cfg(1, 0)["optimizer"])
+    assert_parity([(first[0][0] + run[0], run[1]) for run in second], ref)
