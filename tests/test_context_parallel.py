@@ -143,3 +143,69 @@ def test_checkpoints_move_between_context_parallel_and_other_layouts(pools, tmp_
     second = pools.run(load_cp, checkpointed, load_cp, cfg(load_cp, load_zero), str(tmp_path), "load")
     ref = reference_train(tiny_model(0), batches(4, ROWS, SEQ), cfg(1, 0)["optimizer"])
     assert_parity([(first[0][0] + run[0], run[1]) for run in second], ref)
+
+
+# -- the estimator and the cost model ----------------------------------------------------------------------
+def saved_bytes(model, ids) -> float:
+    """Bytes of the distinct storages autograd saves in forward, parameters and buffers excluded."""
+    skip = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids)
+    return sum(seen.values())
+
+
+def block_saved(rank: int, world: int, b: int, seq: int) -> tuple[float, float]:
+    """(measured, estimated) bytes one block saves on this context-parallel rank."""
+    from bunsan.comm import Comm, Mesh
+    from bunsan.context_parallel import CPContext, apply_context_parallel, shard_sequence
+    from bunsan.estimator.activations import Micro, block_bytes
+    from bunsan.models import Llama, build_config
+    mesh, comm = Mesh.create(cp=world), Comm(timeout_s=60)
+    ids = shard_sequence(torch.randint(0, 256, (b, seq), generator=torch.Generator().manual_seed(0)), world, rank)
+    measured = []
+    for layers in (3, 1):
+        cfg = build_config("tiny", num_hidden_layers=layers)
+        model = Llama(cfg)
+        apply_context_parallel(model, CPContext(comm, mesh.cp_group, cfg))
+        measured.append(saved_bytes(model, ids))
+    return (measured[0] - measured[1]) / 2, block_bytes(cfg, Micro(b, seq // world, 4, device="cpu", cp=world))
+
+
+def test_the_activation_estimate_of_a_block_matches_what_it_saves_under_context_parallelism(pools):
+    for measured, estimated in pools.run(2, block_saved, 2, 2, 16):
+        assert measured == pytest.approx(estimated)
+
+
+def test_the_estimator_prices_context_parallel_shares_and_traffic():
+    from bunsan.config.root import Config
+    from bunsan.estimator import estimate
+    from bunsan.estimator.layout import Layout
+    from bunsan.planner.cost import cp_kv_bytes, step_time
+    from bunsan.estimator.hardware import GPUS, INTERCONNECTS
+    from bunsan.models import build_config
+    base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}, "data": {"seq_len": 8192}}
+    one = estimate("1b", base, gpus=2)
+    two = estimate("1b", {**base, "context_parallel": {"size": 2}}, gpus=2)
+    assert two.layout.cp == 2 and two.layout.dp == 1 and "cp2" in two.layout.describe()
+    assert Layout.from_config(Config.load(two.layout.to_config(base)), 2) == two.layout
+    one_act, two_act = (next(i.device for i in e.items if i.name == "activations") for e in (one, two))
+    assert two_act < 0.6 * one_act            # half the tokens each, the whole row's K/V kept
+    mask = next(i.device for i in two.items if i.name == "context-parallel mask")
+    assert mask == 4096 * 8192 * 4            # fp32 (no bf16 in the config)
+    assert two.model_states == one.model_states   # ZeRO-3 shards over dp x cp = dp 2's
+    c = build_config("1b")
+    lay = Layout(cp=4, seq_len=8192, precision="bf16")
+    assert cp_kv_bytes(c, lay) == 3 / 4 * 2 * 8192 * c.num_key_value_heads * c.head_dim * 2
+    links = (GPUS["h100"], INTERCONNECTS["nvlink"], INTERCONNECTS["infiniband"], 8)
+    t = step_time(c, lay, *links)
+    assert t.cp_comm > 0 and "cp_comm" in t.explain() and "cp: per layer" in t.explain()
+    assert step_time(c, lay.replace(cp=1), *links).cp_comm == 0
+    with pytest.raises(ValueError, match="seq_len 102 is not divisible by 2 x cp = 4"):
+        Layout(cp=2, seq_len=102)

@@ -34,7 +34,7 @@ class Layout:
     positions: torch.Tensor       # [s] global positions of the local tokens
     gathered: torch.Tensor        # [S] global position of each row of the rank-order all-gather
     order: torch.Tensor           # [S] rows of the all-gather in global order (the inverse of `gathered`)
-    mask: torch.Tensor            # [s, S] bool: local query i may see key j
+    mask: torch.Tensor            # [s, S] additive, 0 where local query i may see key j, else -inf
     cos: torch.Tensor
     sin: torch.Tensor
 
@@ -55,14 +55,14 @@ class CPContext:
     def rank(self) -> int:
         return self.group.rank
 
-    def layout(self, local_len: int, device: torch.device) -> Layout:
-        key = (local_len, str(device))
+    def layout(self, local_len: int, device: torch.device, dtype: torch.dtype) -> Layout:
+        key = (local_len, str(device), dtype)
         if key not in self._layouts:
             self._layouts.clear()       # one length at a time: a training run's
-            self._layouts[key] = self._make_layout(local_len, device)
+            self._layouts[key] = self._make_layout(local_len, device, dtype)
         return self._layouts[key]
 
-    def _make_layout(self, local_len: int, device: torch.device) -> Layout:
+    def _make_layout(self, local_len: int, device: torch.device, dtype: torch.dtype) -> Layout:
         total = local_len * self.size
         if total > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {total} ({self.size} context-parallel ranks x {local_len} tokens) "
@@ -70,7 +70,10 @@ class CPContext:
                              "the rows or raise the model's max_position_embeddings")
         positions = shard_positions(total, self.size, self.rank, device)
         gathered = torch.cat([shard_positions(total, self.size, r, device) for r in range(self.size)])
-        mask = positions[:, None] >= torch.arange(total, device=device)[None, :]
+        # Additive and in the attention's dtype: SDPA would turn a bool mask into this in every layer and keep
+        # each layer's copy for backward; made once, the layers share it.
+        seen = positions[:, None] >= torch.arange(total, device=device)[None, :]
+        mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
         cos, sin = rope_at(self.config, positions)
         return Layout(positions, gathered, torch.argsort(gathered), mask, cos, sin)
 
@@ -106,8 +109,8 @@ class ContextParallelAttention(Attention):
             raise RuntimeError("context parallelism is for training and evaluation of whole sequences; generate "
                                "with a model that is not split over context-parallel ranks")
         b, s, _ = x.shape
-        at = self.cp.layout(s, x.device)
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        at = self.cp.layout(s, x.device, q.dtype)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, at.cos, at.sin), apply_rope(k, at.cos, at.sin)
