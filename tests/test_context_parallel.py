@@ -16,20 +16,24 @@ from parity import Setup, assert_parity, compare_losses, compare_states, referen
 ROWS, SEQ = 4, 16
 
 
-def layout(cp=2, dp=1, tp=1, sp=False, pp=1, m=1, stage=0, steps=2, overrides=None, recompute="none"):
+def layout(cp=2, dp=1, tp=1, sp=False, pp=1, m=1, stage=0, steps=2, overrides=None, recompute="none",
+           ignore_frac=0.0):
     cfg = {"train_micro_batch_size_per_gpu": ROWS // (dp * m), "gradient_accumulation_steps": m,
            "context_parallel": {"size": cp}, "tensor_parallel": {"size": tp, "sequence_parallel": sp},
            "pipeline": {"stages": pp},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000,
                                  "stage3_param_persistence_threshold": 0},
            "activation_checkpointing": {"mode": recompute}, "data": {"seq_len": SEQ}, "train": {"timeout_s": 60}}
-    return cp * dp * tp * pp, cfg, Setup(steps=steps, rows=ROWS, seq=SEQ, overrides=overrides or {})
+    return cp * dp * tp * pp, cfg, Setup(steps=steps, rows=ROWS, seq=SEQ, overrides=overrides or {},
+                                         ignore_frac=ignore_frac)
 
 
 LAYOUTS = {
     "cp2": layout(cp=2, steps=3),
     "cp4": layout(cp=4),
-    "cp2-dp2": layout(cp=2, dp=2),
+    # labels -100 in different numbers on each rank's chunks: the loss is the global token mean
+    "cp2-dp2-ignored-labels": layout(cp=2, dp=2, ignore_frac=0.3),
+    "cp2-accum2": layout(cp=2, m=2),
     "cp2-zero3": layout(cp=2, stage=3),
     "cp2-tp2": layout(cp=2, tp=2),
     "cp2-tp2-sp": layout(cp=2, tp=2, sp=True),
@@ -209,3 +213,30 @@ def test_the_estimator_prices_context_parallel_shares_and_traffic():
     assert step_time(c, lay.replace(cp=1), *links).cp_comm == 0
     with pytest.raises(ValueError, match="seq_len 102 is not divisible by 2 x cp = 4"):
         Layout(cp=2, seq_len=102)
+
+
+def evaluated(rank: int, world: int, cfg: dict, batch: dict):
+    """(eval_batch's loss, what engine(inputs) says) on this rank."""
+    import bunsan
+    from parity import rank_slice, tiny_model
+    engine = bunsan.initialize(tiny_model(), cfg)
+    loss = engine.eval_batch(rank_slice(batch, engine.dp_rank, engine.dp_size))
+    try:
+        engine(batch["input_ids"])
+        refusal = "ran"
+    except RuntimeError as e:
+        refusal = str(e)
+    return loss, refusal
+
+
+def test_eval_batch_is_the_token_mean_and_the_deepspeed_loop_is_refused(pools):
+    import torch.nn.functional as F
+    from parity import batches, tiny_model
+    world, cfg, _ = layout(cp=2, dp=2)
+    batch = batches(1, ROWS, SEQ, ignore_frac=0.3)[0]
+    with torch.no_grad():
+        logits = tiny_model()(batch["input_ids"])
+    want = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1), ignore_index=-100)
+    for loss, refusal in pools.run(world, evaluated, world, cfg, batch):
+        assert loss == pytest.approx(want.item(), rel=1e-5)
+        assert "context parallelism" in refusal and "engine.train_batch(batch)" in refusal
