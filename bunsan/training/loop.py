@@ -191,7 +191,8 @@ def open_meter(run: Run) -> Meter:
     if run.rank == 0:
         metrics.console.print(
             f"[bold]bunsan train[/]: {cfg.model.preset} Llama, {n_params / 1e6:.2f}M params, "
-            f"{dist.get_world_size()} x {run.device.type}, dp={engine.dp_size}, zero={cfg.zero_optimization.stage}, "
+            f"{dist.get_world_size()} x {run.device.type}, dp={engine.dp_size}"
+            + (f", cp={engine.cp_size}" if engine.cp_size > 1 else "") + f", zero={cfg.zero_optimization.stage}, "
             f"batch {engine.train_batch_size} x {seq} tokens (micro {engine.micro_batch} x accum "
             f"{engine.grad_accum}), {len(run.tokens):,} corpus tokens, unigram entropy {entropy:.3f} nats")
     return meter
