@@ -17,13 +17,16 @@ ROWS, SEQ = 4, 16
 
 
 def layout(cp=2, dp=1, tp=1, sp=False, pp=1, m=1, stage=0, steps=2, overrides=None, recompute="none",
-           ignore_frac=0.0):
+           ignore_frac=0.0, lora=False):
     cfg = {"train_micro_batch_size_per_gpu": ROWS // (dp * m), "gradient_accumulation_steps": m,
            "context_parallel": {"size": cp}, "tensor_parallel": {"size": tp, "sequence_parallel": sp},
            "pipeline": {"stages": pp},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000,
                                  "stage3_param_persistence_threshold": 0},
            "activation_checkpointing": {"mode": recompute}, "data": {"seq_len": SEQ}, "train": {"timeout_s": 60}}
+    if lora:
+        cfg["lora"] = {"enabled": True, "r": 4, "alpha": 8.0, "dropout": 0.0,
+                       "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
     return cp * dp * tp * pp, cfg, Setup(steps=steps, rows=ROWS, seq=SEQ, overrides=overrides or {},
                                          ignore_frac=ignore_frac)
 
@@ -40,6 +43,7 @@ LAYOUTS = {
     # recomputed blocks all-gather K/V again in backward, in the same order on every rank
     "cp2-full-recompute": layout(cp=2, recompute="full"),
     "cp2-selective-recompute": layout(cp=2, recompute="selective"),
+    "cp2-lora": layout(cp=2, lora=True),
     "cp2-pp2": layout(cp=2, pp=2, m=2, overrides={"tie_word_embeddings": True}),
 }
 
@@ -51,7 +55,7 @@ def test_context_parallel_with_unclipped_sgd_matches_single_process(pools, name)
     ref = reference_for(cfg, setup)
     doubled = reference_for(cfg, setup, grad_scale=2.0)
     assert compare_states(doubled[1], ref[1]) is not None and compare_losses(doubled[0], ref[0]) is not None
-    init = {k: v.detach().numpy() for k, v in reference_model(setup).state_dict().items()}
+    init = {k: v.detach().numpy() for k, v in reference_model(setup, cfg.get("lora")).state_dict().items()}
     assert_parity(pools.run(world, train, world, cfg, setup), ref, init=init, what=name)
 
 
