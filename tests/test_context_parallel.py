@@ -206,7 +206,7 @@ def test_the_estimator_prices_context_parallel_shares_and_traffic():
     one_act, two_act = (next(i.device for i in e.items if i.name == "activations") for e in (one, two))
     assert two_act < 0.6 * one_act            # half the tokens each, the whole row's K/V kept
     mask = next(i.device for i in two.items if i.name == "context-parallel mask")
-    assert mask == 4096 * 8192 * 4            # fp32 (no bf16 in the config)
+    assert mask == 2048 * (2048 + 4 * 2048) * 4   # chunks 0 and 3 of 2048 tokens against 1 and 4 chunks of keys
     assert two.model_states == one.model_states   # ZeRO-3 shards over dp x cp = dp 2's
     c = build_config("1b")
     lay = Layout(cp=4, seq_len=8192, precision="bf16")

@@ -29,12 +29,22 @@ from bunsan.models.llama import Attention, LlamaConfig, apply_rope, rope_at
 
 
 @dataclass
+class Chunk:
+    """One of the rank's two chunks: local query rows [lo, hi) see keys [0, end) of the sequence (nothing after
+    the chunk's last position), through `mask` [hi - lo, end], additive: 0 where visible, -inf elsewhere."""
+    lo: int
+    hi: int
+    end: int
+    mask: torch.Tensor
+
+
+@dataclass
 class Layout:
     """What every layer of one forward needs, for one local length: computed once, shared by the layers."""
     positions: torch.Tensor       # [s] global positions of the local tokens
     gathered: torch.Tensor        # [S] global position of each row of the rank-order all-gather
     order: torch.Tensor           # [S] rows of the all-gather in global order (the inverse of `gathered`)
-    mask: torch.Tensor            # [s, S] additive, 0 where local query i may see key j, else -inf
+    chunks: list[Chunk]
     cos: torch.Tensor
     sin: torch.Tensor
 
@@ -70,12 +80,18 @@ class CPContext:
                              "the rows or raise the model's max_position_embeddings")
         positions = shard_positions(total, self.size, self.rank, device)
         gathered = torch.cat([shard_positions(total, self.size, r, device) for r in range(self.size)])
-        # Additive and in the attention's dtype: SDPA would turn a bool mask into this in every layer and keep
-        # each layer's copy for backward; made once, the layers share it.
-        seen = positions[:, None] >= torch.arange(total, device=device)[None, :]
-        mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+        chunk = local_len // 2          # = total / (2 cp): shard.py's chunks r and 2cp-1-r
+        chunks = []
+        for lo, index in ((0, self.rank), (chunk, 2 * self.size - 1 - self.rank)):
+            first = index * chunk
+            end = first + chunk
+            # Additive and in the attention's dtype: SDPA would turn a bool mask into this in every layer and
+            # keep each layer's copy for backward; made once, the layers share it.
+            seen = (first + torch.arange(chunk, device=device))[:, None] >= torch.arange(end, device=device)
+            mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+            chunks.append(Chunk(lo, lo + chunk, end, mask))
         cos, sin = rope_at(self.config, positions)
-        return Layout(positions, gathered, torch.argsort(gathered), mask, cos, sin)
+        return Layout(positions, gathered, torch.argsort(gathered), chunks, cos, sin)
 
 
 class GatherKV(torch.autograd.Function):
@@ -125,8 +141,12 @@ class ContextParallelAttention(Attention):
         if n_rep > 1 and not gqa:
             k = k.repeat_interleave(n_rep, dim=1)
             v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=at.mask, enable_gqa=gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        # Chunk by chunk, each against the keys up to its own end: the keys after it, all masked, are never
+        # multiplied (one [s, S] mask would make every rank score the whole row, twice a causal kernel's work).
+        outs = [F.scaled_dot_product_attention(q[:, :, c.lo:c.hi], k[:, :, :c.end], v[:, :, :c.end],
+                                               attn_mask=c.mask, enable_gqa=gqa).transpose(1, 2)
+                for c in at.chunks]
+        return self.o_proj(torch.cat(outs, dim=1).reshape(b, s, -1))
 
 
 def apply_context_parallel(model: torch.nn.Module, ctx: CPContext) -> int:

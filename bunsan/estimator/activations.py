@@ -24,8 +24,10 @@ s·b·h·(34 + 5as/h) for GPT blocks without flash attention. With activation ch
 its input, d·bsh/σ, and one block's full set lives again while it is recomputed in backward.
 
 Under context parallelism (cp ranks) s is the rank's share of a row, and the K/V SDPA saves are the
-all-gathered ones of the whole row: 2d·b·(cp·s)·w/t (the causal mask by global position, s x cp·s bools, is
-one tensor shared by every block).
+all-gathered ones of the whole row: 2d·b·(cp·s)·w/t; attention runs chunk by chunk (context_parallel/
+attention.py), and the chunks' outputs joined for o_proj are one more copy of the output, d·bsh/t. The causal
+masks by global position (two chunks of s/2 queries, each against the keys up to its end) are shared by every
+block.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ def block_bytes(c: LlamaConfig, m: Micro) -> float:
     grouped = Attention.native_gqa(m.device, m.dtype, c.head_dim, masked=m.cp > 1)
     kv_heads = c.num_key_value_heads // t if grouped else heads
     attention = 2 * d * b * s * (heads + kv_heads * m.cp) * c.head_dim + 4 * b * heads * s
+    if m.cp > 1:    # the two chunks' outputs joined for o_proj: a copy beside the ones SDPA keeps
+        attention += d * b * s * heads * c.head_dim
     mlp = 3 * d * b * s * (c.intermediate_size // t)
     return 2 * norm_bytes(c, m) + 2 * d * b * s * h / m.seq_div + attention + mlp
 
