@@ -3,8 +3,11 @@
 Each rank holds the queries, keys and values of its own tokens (shard.py's balanced chunks). Every layer
 all-gathers K and V over the context-parallel group, puts the gathered chunks back in global sequence order,
 and attends its local queries to the whole sequence with a causal mask by global position (a query at
-position i sees keys <= i). Backward, the gradients of the gathered K and V are reduce-scattered: each rank
-receives the sum, over every rank's queries, of the gradient of its own tokens' K and V.
+position i sees keys <= i). It does so chunk by chunk: each of its two chunks against the keys up to the
+chunk's end only, so no rank scores keys that its queries cannot see (with one mask over the whole row every
+rank would score all of it: twice the work of a causal kernel). Backward, the gradients of the gathered K and
+V are reduce-scattered: each rank receives the sum, over every rank's queries, of the gradient of its own
+tokens' K and V.
 
 Why the all-gather rather than ring attention: with grouped-query attention K and V are small (the
 num_key_value_heads / num_attention_heads fraction of Q), so gathering them whole costs little memory and
