@@ -244,3 +244,11 @@ def test_eval_batch_is_the_token_mean_and_the_deepspeed_loop_is_refused(pools):
     for loss, refusal in pools.run(world, evaluated, world, cfg, batch):
         assert loss == pytest.approx(want.item(), rel=1e-5)
         assert "context parallelism" in refusal and "engine.train_batch(batch)" in refusal
+
+
+def test_bf16_under_context_parallelism_tracks_the_fp32_loop(pools):
+    world, cfg, setup = layout(cp=2)
+    cfg = {**sgd_no_clip(cfg), "bf16": {"enabled": True}}
+    ref_losses, _ = reference_for(cfg, setup)
+    for run in pools.run(world, train, world, cfg, setup):
+        assert compare_losses(run.losses, ref_losses, rtol=2e-2) is None
