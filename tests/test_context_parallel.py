@@ -38,6 +38,7 @@ LAYOUTS = {
     "cp2-dp2-ignored-labels": layout(cp=2, dp=2, ignore_frac=0.3),
     "cp2-accum2": layout(cp=2, m=2),
     "cp2-zero3": layout(cp=2, stage=3),
+    "cp2-dp2-zero2": layout(cp=2, dp=2, stage=2),
     "cp2-tp2": layout(cp=2, tp=2),
     "cp2-tp2-sp": layout(cp=2, tp=2, sp=True),
     # recomputed blocks all-gather K/V again in backward, in the same order on every rank
