@@ -253,3 +253,14 @@ def test_bf16_under_context_parallelism_tracks_the_fp32_loop(pools):
     ref_losses, _ = reference_for(cfg, setup)
     for run in pools.run(world, train, world, cfg, setup):
         assert compare_losses(run.losses, ref_losses, rtol=2e-2) is None
+
+
+def test_the_mesh_puts_cp_just_outside_tp_and_reduces_gradients_over_dp_x_cp():
+    from bunsan.comm.mesh import Mesh
+    groups = {axis: Mesh._groups(2, 2, 2, 2, axis) for axis in ("tp", "cp", "dp", "pp", "dpcp")}
+    assert groups["tp"][:2] == [[0, 1], [2, 3]]                    # rank = ((p * dp + d) * cp + c) * tp + t
+    assert groups["cp"][:2] == [[0, 2], [1, 3]]
+    assert groups["dp"][:2] == [[0, 4], [1, 5]]
+    assert groups["pp"][0] == [0, 8]
+    assert groups["dpcp"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]      # the same weights: gradients and ZeRO shards
+    assert Mesh._groups(2, 2, 1, 2, "dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]   # without cp: as before
