@@ -112,12 +112,12 @@ class Engine:
 
     # -- DeepSpeed-style loop --------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        self._no_pipeline("engine(inputs)")
+        self._whole_step_only("engine(inputs)")
         if self._micro_steps == 0 and self.device.type == "cuda":   # the reported peak is this step's
             reset_peak_memory(self.device)
         return self.module(*args, **kwargs)
 
-    def _no_pipeline(self, what: str) -> None:
+    def _whole_step_only(self, what: str) -> None:
         if self.cp is not None:
             raise RuntimeError(f"{what}: under context parallelism each rank holds a share of every row's tokens, "
                                "cut from the batch by the engine: call engine.train_batch(batch) (and "
@@ -136,7 +136,7 @@ class Engine:
         """Backward of one micro-batch's mean loss; the gradients of the step average over micro-batches and
         ranks (a mean per micro-batch: the step multiplies the reduced sum by 1/dp). `scale_wrt_gas=False`
         (DeepSpeed's): the loss is not divided by gradient_accumulation_steps."""
-        self._no_pipeline("engine.backward(loss)")
+        self._whole_step_only("engine.backward(loss)")
         scale = self.scaler.scale if self.scaler else 1.0
         if scale_wrt_gas:
             loss = loss / self.grad_accum
@@ -161,7 +161,7 @@ class Engine:
 
     def step(self) -> None:
         """Call once per micro-batch; the optimizer steps on the accumulation boundary."""
-        self._no_pipeline("engine.step()")
+        self._whole_step_only("engine.step()")
         if self._no_sync:
             raise RuntimeError("engine.step() inside no_sync(): the gradients are not reduced yet; leave the "
                                "no_sync() block, run one more backward, then step")
