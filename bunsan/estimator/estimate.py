@@ -145,8 +145,9 @@ def _process_items(layout: Layout, runtime: float, on_cpu: bool) -> list[Item]:
                 Item("host process", host=HOST_PROCESS_BYTES, note="CUDA libraries, pinned buffers (assumed)")]
     items = [Item("runtime", device=runtime, note="process before the model"),
              Item("math library workspace", device=CPU_WORKSPACE_BYTES, note="measured after a first step")]
-    groups = [(w, g) for w, g in (("data", layout.shard_ranks), ("context", layout.cp), ("tensor", layout.tp))
-              if g > 1]
+    # (with dp 1 the context-parallel group is the gradients' group too: one ring)
+    data = layout.shard_ranks if layout.dp > 1 else 1
+    groups = [(w, g) for w, g in (("data", data), ("context", layout.cp), ("tensor", layout.tp)) if g > 1]
     if groups:      # gloo collectives through shared memory
         items.append(Item("collective buffers", device=sum(ring_bytes(g) for _, g in groups),
                           note="a shared-memory ring per " + " and ".join(w for w, _ in groups)
