@@ -93,8 +93,8 @@ class CPContext:
             seen = (first + torch.arange(chunk, device=device))[:, None] >= torch.arange(end, device=device)
             mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
             chunks.append(Chunk(lo, lo + chunk, end, mask))
-        cos, sin = rope_at(self.config, positions)
-        return Layout(positions, gathered, torch.argsort(gathered), chunks, cos, sin)
+        cos, sin = rope_at(self.config, positions)   # in the model's dtype, as its rope tables are once cast
+        return Layout(positions, gathered, torch.argsort(gathered), chunks, cos.to(dtype), sin.to(dtype))
 
 
 class GatherKV(torch.autograd.Function):
