@@ -264,3 +264,21 @@ def test_the_mesh_puts_cp_just_outside_tp_and_reduces_gradients_over_dp_x_cp():
     assert groups["pp"][0] == [0, 8]
     assert groups["dpcp"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]      # the same weights: gradients and ZeRO shards
     assert Mesh._groups(2, 2, 1, 2, "dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]   # without cp: as before
+
+
+def test_bunsan_train_with_cp(tmp_path):
+    import inspect
+    import json
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "code.py").write_text(inspect.getsource(json))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-m", "bunsan.cli", "train", "--nproc", "2", "--cp", "2", "--preset", "tiny",
+                        "--steps", "2", "--micro-batch", "2", "--seq-len", "64", "--data", str(tmp_path / "code.py"),
+                        "--output", str(tmp_path / "out"), "--set", f"data.cache_dir={tmp_path / 'cache'}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "cp=2" in r.stdout + r.stderr
+    meta = json.loads((tmp_path / "out" / "final" / "config.json").read_text())
+    assert meta["bunsan_config"]["context_parallel"] == {"size": 2}
