@@ -17,13 +17,13 @@ ROWS, SEQ = 4, 16
 
 
 def layout(cp=2, dp=1, tp=1, sp=False, pp=1, m=1, stage=0, steps=2, overrides=None, recompute="none",
-           ignore_frac=0.0, lora=False):
+           ignore_frac=0.0, lora=False, offload=0, schedule="1f1b", v=1):
     cfg = {"train_micro_batch_size_per_gpu": ROWS // (dp * m), "gradient_accumulation_steps": m,
            "context_parallel": {"size": cp}, "tensor_parallel": {"size": tp, "sequence_parallel": sp},
-           "pipeline": {"stages": pp},
+           "pipeline": {"stages": pp, "schedule": schedule, "virtual_stages": v},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000,
                                  "stage3_param_persistence_threshold": 0},
-           "activation_checkpointing": {"mode": recompute}, "data": {"seq_len": SEQ}, "train": {"timeout_s": 60}}
+           "activation_checkpointing": {"mode": recompute, "offload_blocks": offload}, "data": {"seq_len": SEQ}, "train": {"timeout_s": 60}}
     if lora:
         cfg["lora"] = {"enabled": True, "r": 4, "alpha": 8.0, "dropout": 0.0,
                        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
@@ -45,7 +45,9 @@ LAYOUTS = {
     "cp2-full-recompute": layout(cp=2, recompute="full"),
     "cp2-selective-recompute": layout(cp=2, recompute="selective"),
     "cp2-lora": layout(cp=2, lora=True),
+    "cp2-offload-activations": layout(cp=2, offload=2),
     "cp2-pp2": layout(cp=2, pp=2, m=2, overrides={"tie_word_embeddings": True}),
+    "cp2-pp2-interleaved": layout(cp=2, pp=2, m=4, schedule="interleaved", v=2),
 }
 
 
