@@ -284,3 +284,33 @@ def test_bunsan_train_with_cp(tmp_path):
     assert "cp=2" in r.stdout + r.stderr
     meta = json.loads((tmp_path / "out" / "final" / "config.json").read_text())
     assert meta["bunsan_config"]["context_parallel"] == {"size": 2}
+
+
+def held_per_block_selective(rank: int, world: int, ops: list, ids) -> float:
+    import bunsan
+    from bunsan.context_parallel import shard_sequence
+    from bunsan.memory.held import held_for_backward
+    from bunsan.models import Llama, build_config
+    held = []
+    for layers in (1, 3):
+        torch.manual_seed(0)
+        engine = bunsan.initialize(Llama(build_config("tiny", num_hidden_layers=layers)), {
+            "train_micro_batch_size_per_gpu": 1, "context_parallel": {"size": world},
+            "activation_checkpointing": {"mode": "selective", "recompute": ops}})
+        mine = shard_sequence(ids, world, rank)
+        logits, alive = held_for_backward(lambda: engine.module(mine))
+        held.append(alive.get("cpu", 0))
+        logits.float().sum().backward()
+    return (held[1] - held[0]) / 2
+
+
+@pytest.mark.parametrize("ops", [["attention", "swiglu"], []], ids=["both", "none"])
+def test_selective_recompute_under_context_parallelism_keeps_what_the_estimator_prices(pools, ops):
+    """Whatever selective keeps, the gathered K/V are not among it: recomputing the block gathers them again."""
+    from bunsan.estimator.activations import Micro
+    from bunsan.estimator.recompute import selective_kept
+    from bunsan.models import build_config
+    b, s = 2, 32
+    ids = torch.randint(0, 256, (b, s), generator=torch.Generator().manual_seed(0))
+    want = sum(selective_kept(build_config("tiny"), Micro(b, s // 2, 4, device="cpu", cp=2), ops).values())
+    assert pools.run(2, held_per_block_selective, 2, ops, ids) == [want, want]
