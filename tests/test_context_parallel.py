@@ -236,10 +236,11 @@ def evaluated(rank: int, world: int, cfg: dict, batch: dict):
     return loss, refusal
 
 
-def test_eval_batch_is_the_token_mean_and_the_deepspeed_loop_is_refused(pools):
+@pytest.mark.parametrize("shape", [dict(dp=2), dict(pp=2, m=2)], ids=["cp2-dp2", "cp2-pp2"])
+def test_eval_batch_is_the_token_mean_and_the_deepspeed_loop_is_refused(pools, shape):
     import torch.nn.functional as F
     from parity import batches, tiny_model
-    world, cfg, _ = layout(cp=2, dp=2)
+    world, cfg, _ = layout(cp=2, **shape)
     batch = batches(1, ROWS, SEQ, ignore_frac=0.3)[0]
     with torch.no_grad():
         logits = tiny_model()(batch["input_ids"])
