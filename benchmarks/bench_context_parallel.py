@@ -7,8 +7,9 @@ per rank, one contender after another:
   single   1 process, the whole row: 2 x its tokens/s is "the ceiling" for 2 ranks
   cp2      2 processes, context_parallel.size 2: K/V all-gathered per layer, reduce-scattered in backward
 
-tokens/s counts the global batch's tokens (rows x seq); peak RSS is each process's ru_maxrss; "activations
-(est.)" is bunsan.estimate's activations + mask for one rank, what CP divides.
+tokens/s counts the global batch's tokens (rows x seq); CPU s/step is each rank's process time per step (less
+moved than wall time by other jobs on the cores; the collectives' waits on shared memory count in it); peak RSS
+is each process's ru_maxrss; "activations (est.)" is bunsan.estimate's activations + masks for one rank.
 
     python benchmarks/bench_context_parallel.py                          # seq 2048 and 4096, 1 row, 3 steps
     python benchmarks/bench_context_parallel.py --seqs 256 --steps 1 --warmup 1
@@ -21,6 +22,7 @@ import json
 import os
 import resource
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -51,10 +53,14 @@ def _worker(rank: int, contender: str, seq: int, port: int, a: dict, outdir: str
     def step(x, y) -> float:
         return engine.train_batch({"input_ids": x, "labels": y})
 
-    loss, elapsed = timed_steps(step, batches, a["warmup"], world, average_loss=False)
+    for x, y in batches[:a["warmup"]]:
+        step(x, y)
+    cpu0 = time.process_time()
+    loss, elapsed = timed_steps(step, batches[a["warmup"]:], 0, world, average_loss=False)
+    cpu = (time.process_time() - cpu0) / a["steps"]
     est = bunsan.estimate(cfg, _config(contender, a, seq), gpus=world, device_type="cpu")
     act = sum(i.device for i in est.items if i.name in ("activations", "context-parallel mask"))
-    res = {"rank": rank, "tokens_per_s": a["rows"] * seq * a["steps"] / elapsed, "loss": loss,
+    res = {"rank": rank, "tokens_per_s": a["rows"] * seq * a["steps"] / elapsed, "loss": loss, "cpu_s": cpu,
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "activations": act}
     with open(os.path.join(outdir, f"{contender}-{rank}.json"), "w") as f:
         json.dump(res, f)
@@ -71,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps before the clock starts")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per contender before its ranks are killed")
     args = p.parse_args(argv)
-    header = ["seq", "contender", "ranks", "tokens/s", "vs single", "vs ceiling", "peak RSS/rank GiB",
-              "activations/rank GiB (est.)", "loss"]
+    header = ["seq", "contender", "ranks", "tokens/s", "vs single", "vs ceiling", "CPU s/step/rank (max)",
+              "peak RSS/rank GiB", "activations/rank GiB (est.)", "loss"]
     rows = []
     for seq in (int(s) for s in args.seqs.split(",")):
         single = None
@@ -81,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             tps = rs[0]["tokens_per_s"]     # global tokens: every rank times the same steps
             single = single or tps
             rows.append([str(seq), c, str(WORLD[c]), f"{tps:,.0f}", f"{tps / single:.2f}",
-                         f"{tps / (2 * single):.2f}", f"{max(r['peak_rss'] for r in rs) / GiB:.3f}",
+                         f"{tps / (2 * single):.2f}", f"{max(r['cpu_s'] for r in rs):.3f}",
+                         f"{max(r['peak_rss'] for r in rs) / GiB:.3f}",
                          f"{rs[0]['activations'] / GiB:.3f}", f"{rs[0]['loss']:.4f}"])
             print(" | ".join(rows[-1]), flush=True)
     print(f"\nmachine: {machine()}\n")
