@@ -1,7 +1,8 @@
 """`initialize`: a plain model becomes a training engine through transforms applied in one visible order,
 
-    (tensor-parallel plan) -> pipeline cut -> LoRA -> materialise -> tensor parallel -> activation checkpointing
-    (full or selective) and offload -> compile -> data parallel (the ZeRO strategy) -> Engine
+    (tensor-parallel plan) -> pipeline cut -> LoRA -> materialise -> tensor parallel -> context parallel ->
+    activation checkpointing (full or selective) and offload -> compile -> data parallel (the ZeRO strategy)
+    -> Engine
 
 torchtitan's order. Each transform below is a function with one job; the model code never learns about
 any of them (parameter names and state-dict keys stay those of the plain model).
@@ -22,8 +23,10 @@ from bunsan.comm.process_group import backend_name, collective_timeout, init_dis
 from bunsan.config.deepspeed_keys import warn_ignored
 from bunsan.config.errors import ConfigError
 from bunsan.config.root import Config
+from bunsan.context_parallel import CPContext, apply_context_parallel
 from bunsan.engine.engine import Engine
 from bunsan.engine.precision import model_dtype
+from bunsan.models.llama import Llama
 from bunsan.tensor_parallel import TPContext, apply_tensor_parallel, replicated_parameter_names
 from bunsan.tensor_parallel.hf_plan import is_hf_model
 from bunsan.tensor_parallel.plan import check_plan_matches, resolve_plan
@@ -60,16 +63,18 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
     at = place(load_config(config, deepspeed_kwargs))
     user_groups = optimizer_groups_by_name(optimizer, model, at.cfg)
     tp_plan = whole_model_plan(model, at, tp_plan)
+    check_context_parallel(model, at)
     model, pipe = cut_pipeline(model, at)
     add_lora(model, at.cfg)
     materialize(model, at)
     model, tp = tensor_parallel(model, at, tp_plan, pipe)
+    cp = context_parallel(model, at)
     recompute(model, at.cfg, pipe)
     if at.cfg.train.compile:
         apply_compile(model)
     optimizer = follow_user_optimizer(optimizer, user_groups, model)
     strategy = data_parallel(model, at, optimizer, tp, pipe)
-    return Engine(model, at.cfg, at.mesh, at.device, at.comm, strategy, loss_fn=loss_fn, tp=tp, pipe=pipe)
+    return Engine(model, at.cfg, at.mesh, at.device, at.comm, strategy, loss_fn=loss_fn, tp=tp, pipe=pipe, cp=cp)
 
 
 NO_TENSORBOARD = ("an engine you step yourself writes no TensorBoard scalars (`bunsan train` writes its metric "
@@ -93,12 +98,12 @@ def load_config(config, deepspeed_kwargs: dict) -> Config:
 
 
 def place(cfg: Config) -> Placement:
-    """The process group, this rank's device and the (pp, dp, tp) mesh."""
+    """The process group, this rank's device and the (pp, dp, cp, tp) mesh."""
     device = init_distributed(cfg.train.backend, timeout_s=cfg.train.timeout_s)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
-    mesh = Mesh.create(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size)
+    mesh = Mesh.create(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size, cp=cfg.context_parallel.size)
     comm = Comm(timeout_s=collective_timeout(cfg.train.timeout_s, backend_name()),
                 gloo_collectives=cfg.train.gloo_collectives, device=device)
     return Placement(cfg, device, mesh, comm)
@@ -195,6 +200,26 @@ def tensor_parallel(model: nn.Module, at: Placement, tp_plan: dict | None, pipe)
     return model, (ctx, apply_tensor_parallel(model, ctx, tp_plan, stage_only=True))
 
 
+def check_context_parallel(model: nn.Module, at: Placement) -> None:
+    """Context parallelism replaces bunsan's Llama attention; any other model is refused before any work."""
+    if at.mesh.cp == 1:
+        return
+    if not isinstance(model, Llama):
+        raise ValueError(f"context_parallel.size {at.mesh.cp} with a {type(model).__name__}: context parallelism "
+                         "splits attention of bunsan's own Llama (bunsan.models.llama.Llama) only; a Hugging Face "
+                         "or other model would attend to its own share of the tokens alone. Set "
+                         "context_parallel.size to 1, or train a bunsan Llama (bunsan.models.hf loads HF weights)")
+
+
+def context_parallel(model: nn.Module, at: Placement) -> CPContext | None:
+    """Each Attention all-gathers K/V over the context-parallel group (a pipeline stage: its own blocks')."""
+    if at.mesh.cp == 1:
+        return None
+    ctx = CPContext(at.comm, at.mesh.cp_group, model.config)
+    apply_context_parallel(model, ctx)
+    return ctx
+
+
 def recompute(model: nn.Module, cfg: Config, pipe) -> None:
     """Activation checkpointing of every block (full or selective), then the offload of the chosen blocks'
     saved activations to host memory, around the checkpoint; a pipeline stage of only the embedding or head
@@ -231,7 +256,8 @@ def data_parallel(model: nn.Module, at: Placement, optimizer, tp, pipe):
                              f"{list(cfg.lora.target_modules)} (a pipeline stage of only the embedding or "
                              "head?): target more modules, or use fewer pipeline stages")
         raise ValueError("the model has no parameters with requires_grad=True; nothing to train")
-    return make_strategy(trainable, at.comm, mesh.dp_group, cfg, at.device, optimizer, model,
+    # context-parallel ranks hold the same weights and different tokens: data parallel for gradients
+    return make_strategy(trainable, at.comm, mesh.grad_group, cfg, at.device, optimizer, model,
                          other_dims(model, mesh, tp, pipe))
 
 

@@ -19,7 +19,7 @@ MODEL = dict(vocab_size=8192, hidden_size=512, intermediate_size=1376, num_hidde
 SEQ = 128
 
 # (name, world, config) for the sweep: every ZeRO stage, offload, TP (+SP), PP, checkpointing,
-# accumulation and precision.
+# accumulation, precision and context parallelism.
 LAYOUTS = [
     ("zero0", 2, {}),
     ("zero1", 2, {"zero_optimization": {"stage": 1}}),
@@ -40,6 +40,7 @@ LAYOUTS = [
     ("pp2 1f1b m4", 2, {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 4,
                         "train_micro_batch_size_per_gpu": 1}),
     ("zero0 SGD", 2, {"optimizer": {"type": "SGD", "params": {"lr": 0.01, "momentum": 0.9}}}),
+    ("cp2", 2, {"context_parallel": {"size": 2}}),
 ]
 
 

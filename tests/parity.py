@@ -220,7 +220,7 @@ def train(rank: int, world: int, cfg: dict, setup: Setup | None = None) -> Run:
     import bunsan
     setup = setup or Setup()
     engine = bunsan.initialize(build_model(setup, cfg), cfg)
-    assert engine.dp_size * engine.tp_size * engine.pp_size == world
+    assert engine.dp_size * engine.cp_size * engine.tp_size * engine.pp_size == world
     if engine.dp_size == world:
         assert engine.dp_rank == rank
     losses = [engine.train_batch(rank_slice(b, engine.dp_rank, engine.dp_size)) for b in setup.data()]

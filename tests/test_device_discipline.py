@@ -33,7 +33,8 @@ STEP_MODULES = [
     "zero/unit_buffer.py", "zero/units.py", "zero/offload.py", "zero/adafactor.py",
     "tensor_parallel/ops.py", "tensor_parallel/layers.py", "tensor_parallel/loss.py",
     "models/llama.py", "models/saving.py", "transforms/selective.py", "transforms/offload.py",
-    "pipeline/partition.py", "deepspeed/engine.py",
+    "pipeline/partition.py", "deepspeed/engine.py", "comm/along.py", "context_parallel/attention.py",
+    "context_parallel/shard.py",
 ]
 
 FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",

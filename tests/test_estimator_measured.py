@@ -1,4 +1,4 @@
-"""The estimate against real runs: 14 layouts of a 20M-parameter Llama on 2 gloo ranks (CPU).
+"""The estimate against real runs: 15 layouts of a 20M-parameter Llama on 2 gloo ranks (CPU).
 
 Model-state bytes must agree within 5% and the peak resident set within 15% (issue #6). Each layout gets
 fresh worker processes, so one layout's heap cannot inflate the next one's peak.

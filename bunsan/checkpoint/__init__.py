@@ -34,7 +34,8 @@ def _barrier(engine) -> None:
 def _rank_state(engine) -> tuple[dict, dict]:
     """(tensors, index) this rank writes."""
     params, writes = locals_of(engine)
-    dp, dp_rank = engine.mesh.dp, engine.mesh.dp_rank
+    # the strategy's group: context-parallel ranks hold what their data-parallel peers hold
+    dp, dp_rank = engine.mesh.grad_group.size, engine.mesh.grad_group.rank
     replicated = engine.strategy.stage == 0     # every dp rank holds everything: they take turns by parameter
     tensors, pieces, scalars = {}, [], {}
 

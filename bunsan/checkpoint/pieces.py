@@ -109,11 +109,11 @@ def frozen_of(engine) -> list[tuple[Local, int, torch.Tensor, bool]]:
             continue
         seen.add(id(p))
         t = local(name, p, tuple(p.shape))
-        writes = mesh.dp_rank == 0 and (t.tp_dim is not None or mesh.tp_rank == 0)
+        writes = mesh.grad_group.rank == 0 and (t.tp_dim is not None or mesh.tp_rank == 0)
         out.append((t, 0, p.data.view(-1), writes))
     persistent = set(module.state_dict().keys())
     for name, b in module.named_buffers():
         if name in persistent and b is not None:
-            writes = mesh.dp_rank == 0 and mesh.tp_rank == 0
+            writes = mesh.grad_group.rank == 0 and mesh.tp_rank == 0
             out.append((Local(name, tuple(b.shape), tuple(b.shape)), 0, b.view(-1), writes))
     return out

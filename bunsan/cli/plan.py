@@ -10,7 +10,7 @@ GiB = 1024 ** 3
 # Flags of `bunsan estimate` that map onto config keys (the rest of the layout comes from --config).
 ESTIMATE_FLAGS = {
     "zero": ("zero_optimization.stage", int), "tp": ("tensor_parallel.size", int), "pp": ("pipeline.stages", int),
-    "schedule": ("pipeline.schedule", str), "virtual_stages": ("pipeline.virtual_stages", int),
+    "cp": ("context_parallel.size", int), "schedule": ("pipeline.schedule", str), "virtual_stages": ("pipeline.virtual_stages", int),
     "micro_batch": ("train_micro_batch_size_per_gpu", int), "grad_accum": ("gradient_accumulation_steps", int),
     "seq_len": ("data.seq_len", int), "optimizer": ("optimizer.type", str),
     "offload_optimizer": ("zero_optimization.offload_optimizer.device", str),
@@ -26,7 +26,7 @@ def add_parsers(sub) -> None:
     e.add_argument("--model", required=True, help="preset (tiny, small, 135m, 1b, 7b, 13b, 70b), a Hugging Face "
                    "config.json or model directory, or a parameter count (7.5B: model states only)")
     e.add_argument("--config", help="bunsan/DeepSpeed config file for the layout (default: bunsan's defaults)")
-    e.add_argument("--gpus", type=int, help="GPUs in all (default: tp x pp of the config)")
+    e.add_argument("--gpus", type=int, help="GPUs in all (default: tp x pp x cp of the config)")
     e.add_argument("--nodes", type=int, default=1)
     e.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB or 24GiB (default: the --gpu's)")
     e.add_argument("--gpu", default=None, help="GPU model for its memory (h100, a100, l40s, ...)")
@@ -129,12 +129,13 @@ def _zero_table(console, est) -> None:
     psi = est.n_params / (lay.tp * lay.pp)
     k = optimizer_bytes(lay.optimizer, [(1,)]) + (4 if lay.dtype_bytes < 4 else 0)
     t = Table(title=f"model states per GPU by ZeRO stage (Ψ = {psi / 1e9:.3g}B per model-parallel rank, "
-                    f"N = {lay.dp}, K = {k:g})")
+                    f"N = {lay.shard_ranks}, K = {k:g})")
     for col in ("stage", "ZeRO paper GB (16-bit Ψ, grads)", "this layout's precision GB"):
         t.add_column(col, justify="right")
     for stage in range(4):
         ours = _states_at(est, stage)
-        t.add_row(str(stage), f"{zero_paper(psi, lay.dp, k, stage) / 1e9:,.1f}", f"{ours / 1e9:,.1f}" if ours else "-")
+        t.add_row(str(stage), f"{zero_paper(psi, lay.shard_ranks, k, stage) / 1e9:,.1f}",
+                  f"{ours / 1e9:,.1f}" if ours else "-")
     console.print(t)
 
 
@@ -143,7 +144,7 @@ def _states_at(est, stage: int) -> float | None:
     from bunsan.memory.theory import model_states
     lay = est.layout
     rp = max(rank_params(est.shape, lay.tp, lay.pp, lay.virtual_stages), key=lambda r: r.total)
-    st = model_states(rp, lay.dp, stage, lay.dtype_bytes, lay.optimizer)
+    st = model_states(rp, lay.shard_ranks, stage, lay.dtype_bytes, lay.optimizer)
     return st["model_states"] + st["disk"]
 
 

@@ -13,6 +13,7 @@ TRAIN_FLAGS = {
     "steps": ("train.steps", int, "optimizer steps"),
     "zero": ("zero_optimization.stage", int, "ZeRO stage"),
     "tp": ("tensor_parallel.size", int, "tensor-parallel size (the rest of --nproc is data parallel)"),
+    "cp": ("context_parallel.size", int, "context-parallel size: each row's tokens split over this many ranks"),
     "pp": ("pipeline.stages", int, "pipeline stages (micro-batches: --grad-accum, at least the stages)"),
     "schedule": ("pipeline.schedule", str, "pipeline schedule: gpipe, 1f1b or interleaved"),
     "virtual_stages": ("pipeline.virtual_stages", int, "model chunks per pipeline rank (interleaved schedule)"),

@@ -4,7 +4,8 @@ collectives.py  Comm: every collective and p2p call, device-checked and recorded
 work.py         Group, P2POp, handles, CommError / DeviceError
 stats.py        per-step bytes and wait times of each op
 shm.py, mailbox.py, exchange.py   same-host fast paths and the object exchange Comm uses
-process_group.py   process start-up and device choice;  mesh.py: the (pp, dp, tp) groups
+process_group.py   process start-up and device choice;  mesh.py: the (pp, dp, cp, tp) groups
+along.py        all-gather / reduce-scatter along any dimension (activations cut by TP, SP and CP)
 """
 
 from bunsan.comm.collectives import Comm

@@ -1,9 +1,16 @@
-"""The (pp, dp, tp) mesh of process groups.
+"""The (pp, dp, cp, tp) mesh of process groups.
 
-The mesh lays ranks out as world = pp x dp x tp with tp innermost, so that
-tensor-parallel peers are neighbouring ranks (the fast links inside a node):
+The mesh lays ranks out as world = pp x dp x cp x tp with tp innermost, so that
+tensor-parallel peers are neighbouring ranks (the fast links inside a node), and
+context-parallel peers, which exchange K/V in every layer, are the next closest:
 
-    rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+Context-parallel ranks hold the same weights and see different tokens of the same
+rows, so for gradients they are data parallel: `grad_group` (dp x cp) is the group
+gradients are reduced over and ZeRO shards are spread over, while `dp_group` (and
+`dp`, `dp_rank`) is the data coordinate: which rows of the global batch a rank reads.
+Without context parallelism the two are the same group.
 """
 
 from __future__ import annotations
@@ -14,10 +21,13 @@ import torch.distributed as dist
 
 from bunsan.comm.work import Group
 
+# What stays fixed along each axis's groups: the other coordinates (p, d, c, t).
+_FIXED = {"tp": (0, 1, 2), "cp": (0, 1, 3), "dp": (0, 2, 3), "pp": (1, 2, 3), "dpcp": (0, 3)}
+
 
 @dataclass
 class Mesh:
-    """The groups a rank belongs to. Build with `Mesh.create(pp, tp)`; dp is what is left."""
+    """The groups a rank belongs to. Build with `Mesh.create(pp, tp, cp)`; dp is what is left."""
 
     pp: int
     dp: int
@@ -27,6 +37,15 @@ class Mesh:
     dp_group: Group
     tp_group: Group
     pp_group: Group
+    cp: int = 1
+    cp_group: Group | None = None
+    grad_group: Group | None = None     # dp x cp: gradients and ZeRO shards (dp_group when cp is 1)
+
+    def __post_init__(self) -> None:
+        if self.cp_group is None:
+            self.cp_group = Group("cp", None, 1, 0, (self.rank,))
+        if self.grad_group is None:
+            self.grad_group = self.dp_group
 
     @property
     def pp_rank(self) -> int:
@@ -40,55 +59,64 @@ class Mesh:
     def tp_rank(self) -> int:
         return self.tp_group.rank
 
+    @property
+    def cp_rank(self) -> int:
+        return self.cp_group.rank
+
     @staticmethod
-    def coords(rank: int, pp: int, dp: int, tp: int) -> tuple[int, int, int]:
-        return rank // (dp * tp), (rank // tp) % dp, rank % tp
+    def coords(rank: int, pp: int, dp: int, tp: int, cp: int = 1) -> tuple[int, ...]:
+        """(pp, dp, tp) coordinates of a rank; with cp > 1, (pp, dp, cp, tp)."""
+        p, d, c, t = rank // (dp * cp * tp), (rank // (cp * tp)) % dp, (rank // tp) % cp, rank % tp
+        return (p, d, t) if cp == 1 else (p, d, c, t)
 
     @classmethod
-    def create(cls, pp: int = 1, tp: int = 1) -> "Mesh":
+    def create(cls, pp: int = 1, tp: int = 1, cp: int = 1) -> "Mesh":
         world_size, rank = dist.get_world_size(), dist.get_rank()
-        if pp < 1 or tp < 1 or world_size % (pp * tp):
+        fixed = pp * tp * cp
+        if pp < 1 or tp < 1 or cp < 1 or world_size % fixed:
             raise ValueError(
                 f"world size {world_size} is not divisible by pipeline stages {pp} x tensor-parallel size {tp} "
-                f"(= {pp * tp}); launch a multiple of {pp * tp} processes or change pipeline.stages / "
-                "tensor_parallel.size")
-        dp = world_size // (pp * tp)
-        ranks = list(range(world_size))
-        world = Group("world", dist.group.WORLD if world_size > 1 else None, world_size, rank, tuple(ranks))
+                f"x context-parallel size {cp} (= {fixed}); launch a multiple of {fixed} processes or change "
+                "pipeline.stages / tensor_parallel.size / context_parallel.size")
+        dp = world_size // fixed
+        world = Group("world", dist.group.WORLD if world_size > 1 else None, world_size, rank,
+                      tuple(range(world_size)))
         mine = {}
+        axes = ["tp", "dp", "pp"] + (["cp"] if cp > 1 else []) + (["dpcp"] if cp > 1 and dp > 1 else [])
         # Every rank must call new_group for every group, in the same order.
-        for name, members in (("tp", cls._groups(pp, dp, tp, "tp")), ("dp", cls._groups(pp, dp, tp, "dp")),
-                              ("pp", cls._groups(pp, dp, tp, "pp"))):
-            for ranks_in in members:
-                pg = dist.new_group(ranks_in) if len(ranks_in) > 1 and len(ranks_in) < world_size else None
+        for name in axes:
+            for ranks_in in cls._groups(pp, dp, cp, tp, name):
+                pg = dist.new_group(ranks_in) if 1 < len(ranks_in) < world_size else None
                 if len(ranks_in) == world_size and world_size > 1:
                     pg = dist.group.WORLD
                 if rank in ranks_in:
                     mine[name] = Group(name, pg, len(ranks_in), ranks_in.index(rank), tuple(ranks_in))
-        return cls(pp, dp, tp, rank, world, mine["dp"], mine["tp"], mine["pp"])
+        cp_group = mine.get("cp")
+        grad = mine["dp"] if cp == 1 else mine["dpcp"] if dp > 1 else cp_group
+        return cls(pp, dp, tp, rank, world, mine["dp"], mine["tp"], mine["pp"], cp, cp_group, grad)
 
     def pp_subgroup(self, stages: tuple[int, ...], name: str) -> Group | None:
-        """The group of the given pipeline ranks at this rank's (dp, tp) coordinates, or None if not among them.
+        """The group of the given pipeline ranks at this rank's (dp, cp, tp) coordinates, or None if not among
+        them.
 
         Collective: every rank must call it with the same arguments in the same order (new_group's rule).
         """
         if len(stages) == self.pp:
             return self.pp_group
         mine = None
-        for d in range(self.dp):
-            for t in range(self.tp):
-                ranks_in = [s * self.dp * self.tp + d * self.tp + t for s in stages]
-                pg = dist.new_group(ranks_in) if len(ranks_in) > 1 else None
-                if self.rank in ranks_in:
-                    mine = Group(name, pg, len(ranks_in), ranks_in.index(self.rank), tuple(ranks_in))
+        per_stage = self.dp * self.cp * self.tp
+        for inner in range(per_stage):
+            ranks_in = [s * per_stage + inner for s in stages]
+            pg = dist.new_group(ranks_in) if len(ranks_in) > 1 else None
+            if self.rank in ranks_in:
+                mine = Group(name, pg, len(ranks_in), ranks_in.index(self.rank), tuple(ranks_in))
         return mine
 
     @classmethod
-    def _groups(cls, pp: int, dp: int, tp: int, axis: str) -> list[list[int]]:
-        """All rank lists along one axis of the mesh."""
+    def _groups(cls, pp: int, dp: int, cp: int, tp: int, axis: str) -> list[list[int]]:
+        """All rank lists along one axis of the mesh ("dpcp": the dp and cp axes together)."""
         out: dict[tuple, list[int]] = {}
-        for r in range(pp * dp * tp):
-            p, d, t = cls.coords(r, pp, dp, tp)
-            key = {"tp": (p, d), "dp": (p, t), "pp": (d, t)}[axis]
-            out.setdefault(key, []).append(r)
+        for r in range(pp * dp * cp * tp):
+            at = (r // (dp * cp * tp), (r // (cp * tp)) % dp, (r // tp) % cp, r % tp)
+            out.setdefault(tuple(at[i] for i in _FIXED[axis]), []).append(r)
         return list(out.values())

@@ -1,4 +1,4 @@
-"""bunsan's own sections, which DeepSpeed has no counterpart for: tensor and pipeline parallelism, LoRA, the
+"""bunsan's own sections, which DeepSpeed has no counterpart for: tensor, context and pipeline parallelism, LoRA, the
 model `bunsan train` builds, its data, checkpoints and run. DeepSpeed's sections are in sections.py."""
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ class TensorParallel(Section):
                                              "ranks and needs size > 1, got size 1; set tensor_parallel.size to 2 "
                                              "or more, or set sequence_parallel to false"))
         return self
+
+
+class ContextParallel(Section):
+    """bunsan: context parallelism, each row's tokens split over ranks whose attention all-gathers K/V"""
+    size: Int = Field(1, ge=1, description="Ranks each row's tokens are split over (2 x size balanced chunks; "
+                                           "data.seq_len a multiple of 2 x size)")
 
 
 class Pipeline(Section):

@@ -149,8 +149,9 @@ FEATURES = {
     "datastates_ckpt": refuse(is_(False, None), "DataStates asynchronous checkpointing is not built; "
                               "checkpoint.dir saves bunsan's sharded checkpoints; remove it"),
     "sequence_parallel_size": refuse(is_(1), "DeepSpeed-Ulysses sequence parallelism is not built; "
-                                     "tensor_parallel.sequence_parallel shards activations between blocks; "
-                                     "set it to 1"),
+                                     "context_parallel.size splits each row's tokens over ranks (K/V "
+                                     "all-gathered), tensor_parallel.sequence_parallel shards activations "
+                                     "between blocks; set it to 1"),
     "managed_gradient_accumulation": refuse(is_(True), "false (the caller owns the accumulation boundary) is "
                                             "not built: engine.step() steps every gradient_accumulation_steps-th "
                                             "call; set it to true"),

@@ -12,7 +12,8 @@ from typing import Any, Optional
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from bunsan.config.bunsan_sections import Checkpoint, Data, Lora, ModelOverrides, Pipeline, TensorParallel, Train
+from bunsan.config.bunsan_sections import (Checkpoint, ContextParallel, Data, Lora, ModelOverrides, Pipeline,
+                                          TensorParallel, Train)
 from bunsan.config.deepspeed_intake import prepare, row_for
 from bunsan.config.deepspeed_keys import IgnoredKeyWarning, canonical, log_ignored, say_once
 from bunsan.config.errors import ConfigError, Rule, convert, lookup, unwrap
@@ -88,6 +89,7 @@ class Config(Section):
                                                               description=ActivationCheckpointing.__doc__)
     tensorboard: Tensorboard = Field(default_factory=Tensorboard, description=Tensorboard.__doc__)
     tensor_parallel: TensorParallel = Field(default_factory=TensorParallel, description=TensorParallel.__doc__)
+    context_parallel: ContextParallel = Field(default_factory=ContextParallel, description=ContextParallel.__doc__)
     pipeline: Pipeline = Field(default_factory=Pipeline, description=Pipeline.__doc__)
     lora: Lora = Field(default_factory=Lora, description=Lora.__doc__)
     model: ModelOverrides = Field(default_factory=ModelOverrides, description=ModelOverrides.__doc__)
@@ -132,6 +134,17 @@ class Config(Section):
                      "enabled nor mode: DeepSpeed checkpoints where model code calls deepspeed.checkpointing, "
                      "bunsan recomputes only when activation_checkpointing.enabled is true (or mode is set); as "
                      "written nothing is recomputed", IgnoredKeyWarning)
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel(self) -> Config:
+        # (the sequence length rule, a multiple of 2 x size, is checked where rows are cut: data.seq_len is
+        # only `bunsan train`'s, and initialize's rows come from the caller)
+        cp = self.context_parallel.size
+        if cp > 1 and self.train.compile:
+            raise Rule(("train.compile", f"train.compile with context_parallel.size {cp}: compiled blocks with "
+                                         "the K/V all-gather inside are not supported yet; set train.compile to "
+                                         "false or context_parallel.size to 1"))
         return self
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ import torch.nn as nn
 from bunsan.comm.collectives import Comm
 from bunsan.comm.mesh import Mesh
 from bunsan.comm.rollcall import post_step
+from bunsan.context_parallel import shard_batch
 from bunsan.doctor.oom import OutOfMemory, explain, is_oom
 from bunsan.engine.batch import Objective, make_objective, rows_of, split
 from bunsan.engine.precision import LossScaler, model_dtype
@@ -45,8 +46,9 @@ class Engine:
     model): loss, loss scaling, clipping, the learning-rate schedule and the step counters."""
 
     def __init__(self, model: nn.Module, cfg, mesh: Mesh, device: torch.device, comm: Comm, strategy: Strategy,
-                 loss_fn=None, tp=None, pipe=None):
+                 loss_fn=None, tp=None, pipe=None, cp=None):
         self.cfg, self.mesh, self.device, self.comm = cfg, mesh, device, comm
+        self.cp = cp                # context parallelism's CPContext: this rank holds a share of each row
         self.tp_ctx, self.tp_head = tp if tp is not None else (None, None)
         self.module = model
         self.loss_fn = loss_fn
@@ -78,6 +80,8 @@ class Engine:
     tp_rank = property(lambda self: self.mesh.tp_rank)
     tp_size = property(lambda self: self.mesh.tp)
     pp_rank = property(lambda self: self.mesh.pp_rank)
+    cp_rank = property(lambda self: self.mesh.cp_rank)
+    cp_size = property(lambda self: self.mesh.cp)
     pp_size = property(lambda self: self.mesh.pp)
     loss_scale = property(lambda self: self.scaler.scale if self.scaler else 1.0)
 
@@ -108,12 +112,16 @@ class Engine:
 
     # -- DeepSpeed-style loop --------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        self._no_pipeline("engine(inputs)")
+        self._whole_step_only("engine(inputs)")
         if self._micro_steps == 0 and self.device.type == "cuda":   # the reported peak is this step's
             reset_peak_memory(self.device)
         return self.module(*args, **kwargs)
 
-    def _no_pipeline(self, what: str) -> None:
+    def _whole_step_only(self, what: str) -> None:
+        if self.cp is not None:
+            raise RuntimeError(f"{what}: under context parallelism each rank holds a share of every row's tokens, "
+                               "cut from the batch by the engine: call engine.train_batch(batch) (and "
+                               "engine.eval_batch(batch)) with whole rows instead of the DeepSpeed-style loop")
         if self.pipe is not None:
             raise RuntimeError(f"{what}: under pipeline parallelism a rank holds only its stages, so the forward, "
                                "backward and step of one batch run together: call engine.train_batch(batch) "
@@ -128,7 +136,7 @@ class Engine:
         """Backward of one micro-batch's mean loss; the gradients of the step average over micro-batches and
         ranks (a mean per micro-batch: the step multiplies the reduced sum by 1/dp). `scale_wrt_gas=False`
         (DeepSpeed's): the loss is not divided by gradient_accumulation_steps."""
-        self._no_pipeline("engine.backward(loss)")
+        self._whole_step_only("engine.backward(loss)")
         scale = self.scaler.scale if self.scaler else 1.0
         if scale_wrt_gas:
             loss = loss / self.grad_accum
@@ -153,7 +161,7 @@ class Engine:
 
     def step(self) -> None:
         """Call once per micro-batch; the optimizer steps on the accumulation boundary."""
-        self._no_pipeline("engine.step()")
+        self._whole_step_only("engine.step()")
         if self._no_sync:
             raise RuntimeError("engine.step() inside no_sync(): the gradients are not reduced yet; leave the "
                                "no_sync() block, run one more backward, then step")
@@ -238,19 +246,20 @@ class Engine:
         if self.device.type == "cuda":     # the reported peak is this step's, not set-up's
             reset_peak_memory(self.device)
         objective = make_objective(batch, self.loss_fn, self._lm_loss_sum, self.module)
+        self._lm_only(objective)
         micro = self._split(batch)
         objective.scale = self.scaler.scale if self.scaler else 1.0
         if objective.lm:
             # The global mean over tokens: summed losses divided by the token count of the whole global batch,
             # counted and reduced on the device (read with the norm; a global batch of no tokens is refused then).
             tokens = objective.tokens(micro)
-            self.comm.all_reduce(tokens, self.mesh.dp_group)
+            self.comm.all_reduce(tokens, self.mesh.grad_group)
             # (in fp32, as the loss: a float64 divisor would promote the loss and round its gradient twice)
             objective.div = tokens[0].clamp(min=1.0).float()
         else:
             objective.div, objective.post_scale = self.grad_accum, 1.0 / self.mesh.dp
         total = self._forward_backward(micro, objective)
-        self.comm.all_reduce(total, self.mesh.dp_group)
+        self.comm.all_reduce(total, self.mesh.grad_group)
         if objective.lm:
             summed, n = self._optimizer_step(objective.post_scale, (total, tokens), _refuse_empty_batch)
             return summed / n
@@ -264,7 +273,19 @@ class Engine:
             raise ValueError(f"batch has {sorted(rows)} rows per data-parallel rank; expected micro_batch "
                              f"{self.micro_batch} x gradient_accumulation_steps {self.grad_accum} = {expect} "
                              f"(train_batch_size {self.train_batch_size} over {self.mesh.dp} ranks)")
-        return split(batch, self.grad_accum, self.device)
+        return self._cut(split(batch, self.grad_accum, self.device))
+
+    def _cut(self, micro: list) -> list:
+        """Context parallelism: each micro-batch's rows cut to this rank's tokens (its two balanced chunks)."""
+        if self.cp is None:
+            return micro
+        return [shard_batch(mb, self.cp.size, self.cp.rank) for mb in micro]
+
+    def _lm_only(self, objective: Objective) -> None:
+        if self.cp is not None and not objective.lm:
+            raise ValueError("context parallelism trains on language-model dict batches {input_ids, labels} "
+                             "with the engine's token-mean loss: a loss_fn would see only this rank's share of "
+                             "each row's tokens; pass dict batches without a loss_fn")
 
     def _forward_backward(self, micro: list, objective: Objective) -> torch.Tensor:
         """Forward and backward of every micro-batch; this rank's summed loss (a device tensor). A pipeline
@@ -290,16 +311,18 @@ class Engine:
         self.module.eval()
         try:
             objective = make_objective(batch, self.loss_fn, self._lm_loss_sum, self.module)
+            self._lm_only(objective)
             rows = max(rows_of(batch))
             # a pipeline needs micro-batches to fill its stages; up to grad_accum of them, as in training
-            micro = split(batch, max(1, min(rows, self.grad_accum)) if self.pipe is not None else 1, self.device)
+            micro = self._cut(split(batch, max(1, min(rows, self.grad_accum)) if self.pipe is not None else 1,
+                                    self.device))
             if self.pipe is not None:
                 with self.strategy.pipeline_evaluation():
                     total = pipeline.forward(self.pipe, micro, objective)
             else:
                 total = objective.summed(objective.forward(self.module, micro[0]), micro[0]).double().reshape(1)
             sums = torch.cat([total, objective.count(micro)])
-            self.comm.all_reduce(sums, self.mesh.dp_group)
+            self.comm.all_reduce(sums, self.mesh.grad_group)
             summed, n = sums.tolist()   # host: evaluation returns a number
             return summed / n
         finally:
@@ -326,7 +349,7 @@ class Engine:
         """Context in which every parameter holds its full value (ZeRO-3 gathers and releases after). With
         `modifier_rank` (a data-parallel rank) what that rank writes is kept on every rank, as DeepSpeed's
         GatheredParameters; without, the parameters are read-only and a write is an error."""
-        return gathered_parameters(self.strategy, self.comm, self.mesh.dp_group, self.module, modifier_rank)
+        return gathered_parameters(self.strategy, self.comm, self.mesh.grad_group, self.module, modifier_rank)
 
     def comm_stats(self) -> dict:
         """Communication of the last completed optimizer step and totals since start."""

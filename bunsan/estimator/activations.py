@@ -22,6 +22,12 @@ so a block keeps (4d·bsh + 8bs)/σ + 2d·bsh/t + 2d·bsw/t + 3d·bsi/t + 4bas/t
 statistics, the bound of issue #24 (tests/test_activation_bound.py), where Korthikanti et al. (2022) count
 s·b·h·(34 + 5as/h) for GPT blocks without flash attention. With activation checkpointing a block keeps only
 its input, d·bsh/σ, and one block's full set lives again while it is recomputed in backward.
+
+Under context parallelism (cp ranks) s is the rank's share of a row, and the K/V SDPA saves are the
+all-gathered ones of the whole row: 2d·b·(cp·s)·w/t; attention runs chunk by chunk (context_parallel/
+attention.py), and the chunks' outputs joined for o_proj are one more copy of the output, d·bsh/t. The causal
+masks by global position (two chunks of s/2 queries, each against the keys up to its end) are shared by every
+block.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class Micro:
     tp: int = 1
     sp: bool = False
     device: str = "cuda"   # device type: which attention kernels run, so whether K/V are saved repeated
+    cp: int = 1         # context parallel: s is this rank's share of a row, attention's K/V are cp x s long
 
     @property
     def dtype(self) -> torch.dtype:
@@ -60,9 +67,11 @@ def block_bytes(c: LlamaConfig, m: Micro) -> float:
     """Saved bytes of one transformer block, one micro-batch, no recomputation."""
     b, s, h, t, d = m.b, m.s, c.hidden_size, m.tp, m.d
     heads = c.num_attention_heads // t
-    grouped = Attention.native_gqa(m.device, m.dtype, c.head_dim, masked=False)
+    grouped = Attention.native_gqa(m.device, m.dtype, c.head_dim, masked=m.cp > 1)
     kv_heads = c.num_key_value_heads // t if grouped else heads
-    attention = 2 * d * b * s * (heads + kv_heads) * c.head_dim + 4 * b * heads * s
+    attention = 2 * d * b * s * (heads + kv_heads * m.cp) * c.head_dim + 4 * b * heads * s
+    if m.cp > 1:    # the two chunks' outputs joined for o_proj: a copy beside the ones SDPA keeps
+        attention += d * b * s * heads * c.head_dim
     mlp = 3 * d * b * s * (c.intermediate_size // t)
     return 2 * norm_bytes(c, m) + 2 * d * b * s * h / m.seq_div + attention + mlp
 

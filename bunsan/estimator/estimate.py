@@ -5,7 +5,9 @@ Peak = runtime + resident model states + the larger of two phases:
             gradients at the start of backward (or one block recomputed, or brought back from host memory)
             + ZeRO-3's gathered units + the gradient buckets being reduced
   step      the fp32 gradient shard (ZeRO-1 makes it at the last reduce) + optimizer temporaries
-Every pipeline rank is priced; the table shows the fullest one.
+Every pipeline rank is priced; the table shows the fullest one. Under context parallelism a rank holds
+seq_len / cp tokens of each row (its activations are priced for those), keeps the whole sequence's K and V
+for attention's backward, and shares ZeRO shards with its dp x cp peers.
 """
 
 from __future__ import annotations
@@ -123,10 +125,10 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
     what the step adds) and its model states. `base`: LoRA's frozen base weights beside the adapters `rp`."""
     on_cpu = device_type == "cpu"
     bucket = int(zero.get("reduce_bucket_size", 10_000_000))
-    st = model_states(rp, layout.dp, layout.zero, layout.dtype_bytes, layout.optimizer, opt_params, bucket,
+    st = model_states(rp, layout.shard_ranks, layout.zero, layout.dtype_bytes, layout.optimizer, opt_params, bucket,
                       layout.offload_optimizer, layout.offload_param, on_cpu=on_cpu)
     frozen = base.total if base is not None else 0
-    st = with_frozen_base(st, frozen, layout.dp, layout.zero, layout.dtype_bytes)
+    st = with_frozen_base(st, frozen, layout.shard_ranks, layout.zero, layout.dtype_bytes)
     items = (_process_items(layout, runtime, on_cpu)
              + _model_state_items(st, rp, frozen, layout, on_cpu)
              + _activation_items(shape.llama, rp, rank, layout, on_cpu)
@@ -143,7 +145,9 @@ def _process_items(layout: Layout, runtime: float, on_cpu: bool) -> list[Item]:
                 Item("host process", host=HOST_PROCESS_BYTES, note="CUDA libraries, pinned buffers (assumed)")]
     items = [Item("runtime", device=runtime, note="process before the model"),
              Item("math library workspace", device=CPU_WORKSPACE_BYTES, note="measured after a first step")]
-    groups = [(w, g) for w, g in (("data", layout.dp), ("tensor", layout.tp)) if g > 1]
+    # (with dp 1 the context-parallel group is the gradients' group too: one ring)
+    data = layout.shard_ranks if layout.dp > 1 else 1
+    groups = [(w, g) for w, g in (("data", data), ("context", layout.cp), ("tensor", layout.tp)) if g > 1]
     if groups:      # gloo collectives through shared memory
         items.append(Item("collective buffers", device=sum(ring_bytes(g) for _, g in groups),
                           note="a shared-memory ring per " + " and ".join(w for w, _ in groups)
@@ -154,7 +158,7 @@ def _process_items(layout: Layout, runtime: float, on_cpu: bool) -> list[Item]:
 def _model_state_items(st: dict, rp: RankParams, frozen: int, layout: Layout, on_cpu: bool) -> list[Item]:
     """Parameters, gradients, master weights and optimizer states, each where it lives (device, host, NVMe)."""
     words = ZERO_STAGES[layout.zero]
-    params = words.params.format(elements=rp.total + frozen, dp=layout.dp)
+    params = words.params.format(elements=rp.total + frozen, dp=layout.shard_ranks)
     if frozen:
         params += f" ({frozen:,} frozen base, {rp.total:,} LoRA adapters)"
     notes = {"params": params, "grads": words.grads.format(precision=layout.precision),
@@ -176,8 +180,8 @@ def _activation_items(c: LlamaConfig | None, rp: RankParams, rank: int, layout: 
     """A Llama's activations kept for backward, the transient at its start, and under PP the stage's messages."""
     if c is None:
         return []
-    micro = Micro(layout.micro_batch, layout.seq_len, layout.dtype_bytes, layout.tp, layout.sequence_parallel,
-                  device="cpu" if on_cpu else "cuda")
+    micro = Micro(layout.micro_batch, layout.rank_tokens, layout.dtype_bytes, layout.tp, layout.sequence_parallel,
+                  device="cpu" if on_cpu else "cuda", cp=layout.cp)
     flight = _in_flight(layout, rank)
     blocks = rp.blocks / layout.virtual_stages if layout.pp > 1 else rp.blocks
     # recompute and offload: estimator/recompute.py (offload_blocks counts the rank's blocks, over its chunks)
@@ -188,6 +192,11 @@ def _activation_items(c: LlamaConfig | None, rp: RankParams, rank: int, layout: 
     what = KEPT_UNDER[layout.checkpointing]
     items = [Item("activations", device=act["kept"], phase="backward",
                   note=f"{what}, {flight} micro-batch(es) in flight" if layout.pp > 1 else what)]
+    if layout.cp > 1:    # chunks r and 2cp-1-r of c = s/(2cp) queries, against (r+1)c and (2cp-r)c keys
+        c = layout.seq_len // (2 * layout.cp)
+        items.append(Item("context-parallel mask", device=layout.dtype_bytes * c * c * (2 * layout.cp + 1),
+                          note="the causal masks by global position of the rank's two chunks, shared by every "
+                               "block"))
     if act["host"]:
         items.append(Item("offloaded activations", host=act["host"], phase="backward",
                           note=f"{layout.offload_blocks} blocks' saved activations, pinned host memory"))
@@ -228,7 +237,7 @@ def _backward_buffer_items(shape: ModelShape, rp: RankParams, base: RankParams |
                           note="a pipeline accumulates whole gradients through its schedule and reduces them "
                                "once after it (zero/strategy.py)"))
     if words.buckets is not None:
-        items.append(Item("gradient buckets", device=gradient_bucket_bytes(rp, layout.dp, layout.zero, d, bucket),
+        items.append(Item("gradient buckets", device=gradient_bucket_bytes(rp, layout.shard_ranks, layout.zero, d, bucket),
                           phase="backward", note=words.buckets))
     return items
 
@@ -236,7 +245,7 @@ def _backward_buffer_items(shape: ModelShape, rp: RankParams, base: RankParams |
 def _step_items(shape: ModelShape, rp: RankParams, st: dict, layout: Layout, zero: dict,
                 on_cpu: bool) -> list[Item]:
     """What the optimizer step adds: the NVMe swap-in, ZeRO-1's fp32 gradient shard, per-tensor temporaries."""
-    shard = grad_shard_elems(st, rp, layout.dp, layout.zero)
+    shard = grad_shard_elems(st, rp, layout.shard_ranks, layout.zero)
     items = []
     if layout.offload_optimizer == "nvme":   # read back into host memory (which is the device on a CPU run)
         swapped = nvme_swap_in_bytes(st, shard, int(zero.get("sub_group_size", 10 ** 9)))
@@ -287,10 +296,10 @@ def estimate_layout(model, layout: Layout, *, nodes: int = 1, gpu_memory: float 
 def estimate(model, config=None, *, gpus: int | None = None, nodes: int = 1, gpu_memory: float | None = None,
              device_type: str | None = None, runtime_bytes: float | None = None) -> Estimate:
     """Memory per GPU for `model` (preset name, config.json, LlamaConfig or meta nn.Module) under `config`
-    (dict, path or bunsan.Config) on `gpus` processes (default: the config's tp x pp)."""
+    (dict, path or bunsan.Config) on `gpus` processes (default: the config's tp x pp x cp)."""
     from bunsan.config.root import Config
     cfg = Config.load(config)
-    world = gpus or cfg.tensor_parallel.size * cfg.pipeline.stages
+    world = gpus or cfg.tensor_parallel.size * cfg.pipeline.stages * cfg.context_parallel.size
     layout = Layout.from_config(cfg, world)
     if device_type is None:
         device_type = "cuda"

@@ -22,7 +22,7 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    zero: int = 0                     # ZeRO stage 0-3 over the data-parallel group
+    zero: int = 0                     # ZeRO stage 0-3 over the data-parallel group (dp x cp ranks)
     micro_batch: int = 1              # samples per micro-batch per data-parallel rank
     grad_accum: int = 1               # micro-batches per step (the pipeline's micro-batches under PP)
     seq_len: int = 2048
@@ -37,9 +37,10 @@ class Layout:
     offload_optimizer: str = "none"   # none | cpu | nvme
     offload_param: str = "none"       # none | cpu | nvme (ZeRO-3)
     pipeline_gather: str = "micro_batch"   # ZeRO-3 with pp > 1: micro_batch | schedule (zero/stage3.py)
+    cp: int = 1                       # context parallel: each row's tokens split over cp ranks
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "micro_batch", "grad_accum", "seq_len", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "cp", "micro_batch", "grad_accum", "seq_len", "virtual_stages"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Layout.{name} must be a positive int, got {v!r}")
@@ -53,6 +54,9 @@ class Layout:
         if self.pipeline_gather not in ("micro_batch", "schedule"):
             raise ValueError(f"Layout.pipeline_gather must be micro_batch or schedule, got {self.pipeline_gather!r}")
         self._check_recompute()
+        if self.cp > 1 and self.seq_len % (2 * self.cp):
+            raise ValueError(f"Layout.seq_len {self.seq_len} is not divisible by 2 x cp = {2 * self.cp}: context "
+                             "parallelism cuts each row into 2 x cp equal chunks; use a multiple of it")
 
     def _check_recompute(self) -> None:
         mode = {False: "none", True: "full"}.get(self.checkpointing, self.checkpointing)
@@ -69,7 +73,18 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def shard_ranks(self) -> int:
+        """The ranks gradients are reduced and ZeRO shards spread over: dp x cp (context-parallel ranks hold
+        the same weights)."""
+        return self.dp * self.cp
+
+    @property
+    def rank_tokens(self) -> int:
+        """Tokens of each row one rank holds."""
+        return self.seq_len // self.cp
 
     @property
     def global_batch(self) -> int:
@@ -85,7 +100,8 @@ class Layout:
 
     def describe(self) -> str:
         """One short line: dp2 tp4 pp2(1f1b) zero1 mb1x8 bf16 ckpt."""
-        parts = [f"dp{self.dp}", f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")]
+        parts = [f"dp{self.dp}"] + ([f"cp{self.cp}"] if self.cp > 1 else []) + \
+            [f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")]
         if self.pp > 1:
             sched = self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
             parts.append(f"pp{self.pp}({sched})")
@@ -121,6 +137,8 @@ class Layout:
         cfg["zero_optimization"] = zero
         cfg["activation_checkpointing"] = self._recompute_section(cfg.get("activation_checkpointing", {}))
         cfg["tensor_parallel"] = {"size": self.tp, "sequence_parallel": self.sequence_parallel}
+        if self.cp > 1 or "context_parallel" in cfg:
+            cfg["context_parallel"] = {"size": self.cp}
         cfg["pipeline"] = {**cfg.get("pipeline", {}), "stages": self.pp, "schedule": self.schedule,
                            "virtual_stages": self.virtual_stages}
         if self.optimizer != cfg.get("optimizer", {}).get("type", "AdamW"):
@@ -140,15 +158,15 @@ class Layout:
     @classmethod
     def from_config(cls, cfg, world: int) -> Layout:
         """The layout a bunsan.Config describes on `world` processes."""
-        tp, pp = cfg.tensor_parallel.size, cfg.pipeline.stages
-        if world % (tp * pp):
-            raise ValueError(f"{world} GPUs cannot hold tensor_parallel.size {tp} x pipeline.stages {pp}; "
-                             f"use a GPU count that is a multiple of {tp * pp}")
-        dp = world // (tp * pp)
+        tp, pp, cp = cfg.tensor_parallel.size, cfg.pipeline.stages, cfg.context_parallel.size
+        if world % (tp * pp * cp):
+            raise ValueError(f"{world} GPUs cannot hold tensor_parallel.size {tp} x pipeline.stages {pp} x "
+                             f"context_parallel.size {cp}; use a GPU count that is a multiple of {tp * pp * cp}")
+        dp = world // (tp * pp * cp)
         bs = cfg.batch_sizes(dp)
         z, ac = cfg.zero_optimization, cfg.activation_checkpointing
         precision = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
-        return cls(dp=dp, tp=tp, pp=pp, zero=z.stage, micro_batch=bs.micro_batch, grad_accum=bs.grad_accum,
+        return cls(dp=dp, tp=tp, pp=pp, cp=cp, zero=z.stage, micro_batch=bs.micro_batch, grad_accum=bs.grad_accum,
                    seq_len=cfg.data.seq_len, precision=precision, optimizer=cfg.optimizer.type,
                    checkpointing=ac.recompute_mode, recompute_ops=ac.recompute_ops, offload_blocks=ac.offloaded,
                    sequence_parallel=cfg.tensor_parallel.sequence_parallel, schedule=cfg.pipeline.schedule,

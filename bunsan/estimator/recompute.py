@@ -14,7 +14,8 @@ kept outputs live in the checkpoint's cache, on the device). Backward brings one
 CPU run host memory is the device, and the offload moves nothing.
 
 b samples of s tokens, hidden h, h_kv = kv heads x head_dim, intermediate i, a query heads, d bytes, tensor
-parallel t, σ = t under sequence parallelism else 1.
+parallel t, σ = t under sequence parallelism else 1. Under context parallelism s is the rank's share of a row,
+and selective keeps none of the gathered K/V (the recomputed block gathers them again).
 """
 
 from __future__ import annotations

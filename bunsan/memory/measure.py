@@ -69,13 +69,13 @@ def measured_memory(engine) -> dict:
     opt_name, defaults = dp.opt_class.__name__, dp.opt_defaults
     psi = sum(dp.layout.numels)   # ZeRO-3 parameters are empty between gathers: count from the layout
     theory = model_state_bytes(psi, dp.dtype.itemsize, optimizer_state_bytes_per_param(opt_name, defaults),
-                               engine.mesh.dp, dp.stage, grad_shard_bytes=4)
+                               engine.mesh.grad_group.size, dp.stage, grad_shard_bytes=4)
     if opt_name.lower() == "adafactor":
         # row and column moments of each matrix, held by the rank(s) with a part of it under ZeRO (~1/N each)
         theory["optimizer_states"] = adafactor_state_bytes([p.shape for p in dp.params]) / (
-            engine.mesh.dp if dp.stage else 1)
+            engine.mesh.grad_group.size if dp.stage else 1)
         theory["total"] = theory["params"] + theory["grads"] + theory["master_weights"] + theory["optimizer_states"]
-    report["theory_model_states"] = int(theory["total"] + frozen_bytes / (engine.mesh.dp if sharded else 1))
+    report["theory_model_states"] = int(theory["total"] + frozen_bytes / (engine.mesh.grad_group.size if sharded else 1))
     report["peak_rss"] = peak_rss_bytes()
     report["rss"] = current_rss_bytes()
     if engine.device.type == "cuda":      # peaks since the start of the last optimizer step (the engine resets)

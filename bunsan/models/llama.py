@@ -144,9 +144,14 @@ def rope_inv_freq(config: LlamaConfig, device=None) -> torch.Tensor:
 
 def rope_tables(config: LlamaConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [max_position_embeddings, head_dim] in fp32 (HF layout: halves repeated)."""
-    inv = rope_inv_freq(config, device)
-    t = torch.arange(config.max_position_embeddings, device=device, dtype=torch.float32)
-    freqs = torch.outer(t, inv)
+    return rope_at(config, torch.arange(config.max_position_embeddings, device=device))
+
+
+def rope_at(config: LlamaConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [len(positions), head_dim] in fp32 at the given token positions: the rows of `rope_tables` for
+    them, computed alike (a context-parallel shard's tokens sit at scattered global positions)."""
+    inv = rope_inv_freq(config, positions.device)
+    freqs = torch.outer(positions.to(torch.float32), inv)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos(), emb.sin()
 

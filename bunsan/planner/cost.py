@@ -1,6 +1,6 @@
 """Seconds per optimizer step for a layout: an analytic model the planner ranks layouts with.
 
-    total = compute + recompute + tp_comm + dp_comm (exposed) + pp_comm + bubble + offload
+    total = compute + recompute + tp_comm + dp_comm (exposed) + pp_comm + bubble + offload + cp_comm
 
 Compute follows the PaLM/Megatron convention: 6N + 12·L·h·s FLOPs per token (N without
 the input embedding table, which is a lookup), spread evenly over the GPUs and run at
@@ -17,7 +17,10 @@ Under pipeline stages every stage reduces once after the schedule, exposed (noth
 gathers per micro-batch in forward and backward (overlapped), or once before the schedule (exposed) with
 stage3_pipeline_gather "schedule".
 
-With one micro-step this is the textbook 2Ψ for stages 0-2 and 3Ψ for stage 3.
+With one micro-step this is the textbook 2Ψ for stages 0-2 and 3Ψ for stage 3. Context-parallel ranks
+are data parallel for gradients (ZeRO over dp x cp) and, per layer and micro-batch, all-gather K and V in
+forward ((cp-1)/cp of the whole row's K/V bytes; again when a recomputed forward reruns it) and
+reduce-scatter their gradients in backward (the same bytes); never overlapped.
 Every figure is an estimate; `benchmarks/` measures the real thing.
 """
 
@@ -57,7 +60,7 @@ NVME_READ_BYTES_PER_S = hardware.NVME_READ_BYTES_PER_S
 NVME_WRITE_BYTES_PER_S = hardware.NVME_WRITE_BYTES_PER_S
 CPU_ADAM_PARAMS_PER_S = hardware.CPU_ADAM_PARAMS_PER_S
 
-COMPONENTS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "offload")
+COMPONENTS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "offload", "cp_comm")
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class StepTime:
     gpus: int
     peak_flops: float        # per GPU, dense, for the layout's precision
     assumptions: tuple = ()
+    cp_comm: float = 0.0     # context parallel: the K/V all-gathers and their gradients' reduce-scatters
 
     @property
     def total(self) -> float:
@@ -108,6 +112,7 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
     """Estimated seconds per optimizer step of `layout` training `model` on `gpu`s, `gpus_per_node` per node."""
     peak = _validate(model, layout, gpu, gpus_per_node, efficiency)
     tp_link, dp_link, pp_link = _links(layout, intra, inter, gpus_per_node)
+    cp_link = intra if layout.tp * layout.cp <= gpus_per_node else inter
     n_flops, n_all = model.num_params(include_embedding=False), model.num_params()
     flops_per_token = 6 * n_flops + 12 * model.num_hidden_layers * model.hidden_size * layout.seq_len
     tokens = layout.global_batch * layout.seq_len
@@ -124,7 +129,7 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
         f"{flops_per_token / 1e9:.4g} GFLOP/token = 6N (N={n_flops:,}, no input embedding) + 12·L·h·s; "
         f"{efficiency:.0%} of {peak / 1e12:g} TFLOP/s {layout.precision} on {gpu.name}",
         f"links: tp {tp_link.name}, dp {dp_link.name}, pp {pp_link.name} "
-        f"(mesh order pp, dp, tp: tp innermost; {gpus_per_node} GPUs per node)",
+        f"(mesh order pp, dp, cp, tp: tp innermost; {gpus_per_node} GPUs per node)",
         "tp: 2 all-reduces forward + 2 backward per layer per micro-batch (+2 when recomputing, +1 under "
         "selective recompute: o_proj's, and under SP the all-gathers into attention and MLP); "
         "sequence parallelism moves the same volume as all-gather + reduce-scatter; never overlapped",
@@ -140,7 +145,8 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
                     pp_comm=_pp_comm(model, layout, pp_link), bubble=bubble,
                     offload=_offload(layout, psi) + _activation_offload(model, layout),
                     dp_comm_total=dp_total, tokens_per_step=tokens, flops_per_token=flops_per_token,
-                    gpus=layout.gpus, peak_flops=peak, assumptions=notes)
+                    gpus=layout.gpus, peak_flops=peak, assumptions=notes + _cp_note(layout, cp_link),
+                    cp_comm=_cp_comm(model, layout, cp_link))
 
 
 def train_time(step: StepTime, layout: Layout, total_tokens: int) -> float:
@@ -157,11 +163,11 @@ def train_time(step: StepTime, layout: Layout, total_tokens: int) -> float:
 # ---------------------------------------------------------------- components
 
 def _links(layout: Layout, intra: Interconnect, inter: Interconnect, gpus_per_node: int):
-    """(tp, dp, pp) links. Ranks are laid out pp-major, tp-minor, so a group of consecutive ranks
-    stays inside a node while it fits: tp spans tp ranks, dp spans tp·dp, and pp crosses a node
+    """(tp, dp, pp) links. Ranks are laid out pp-major, tp-minor (pp, dp, cp, tp), so a group of consecutive
+    ranks stays inside a node while it fits: tp spans tp ranks, cp tp·cp, dp tp·cp·dp, and pp crosses a node
     boundary somewhere as soon as the job spans nodes."""
     tp = intra if layout.tp <= gpus_per_node else inter
-    dp = intra if layout.tp * layout.dp <= gpus_per_node else inter
+    dp = intra if layout.tp * layout.cp * layout.dp <= gpus_per_node else inter
     pp = intra if layout.gpus <= gpus_per_node else inter
     return tp, dp, pp
 
@@ -172,8 +178,8 @@ def _ring(n: int, volume: float, link: Interconnect, steps_per_rank: int) -> flo
 
 
 def _activation_bytes(model: LlamaConfig, layout: Layout) -> int:
-    """One micro-batch's hidden states: micro_batch x seq x hidden in the model dtype."""
-    return layout.micro_batch * layout.seq_len * model.hidden_size * layout.dtype_bytes
+    """One micro-batch's hidden states on one rank: micro_batch x its tokens of a row x hidden, model dtype."""
+    return layout.micro_batch * layout.rank_tokens * model.hidden_size * layout.dtype_bytes
 
 
 def _recompute_fraction(model: LlamaConfig, layout: Layout, flops_per_token: float) -> float:
@@ -208,7 +214,7 @@ def _tp_comm(model: LlamaConfig, layout: Layout, link: Interconnect) -> float:
 def _dp_comm(layout: Layout, psi: float, link: Interconnect, forward: float, backward: float):
     """(all traffic, exposed) seconds. Units of u = one ring pass (d-1)/d·Ψ·bytes; buckets are
     large, so latency is ignored."""
-    d, m = layout.dp, layout.grad_accum
+    d, m = layout.shard_ranks, layout.grad_accum
     if d == 1:
         return 0.0, 0.0
     u = (d - 1) / d * psi * layout.dtype_bytes / link.bytes_per_s
@@ -237,6 +243,32 @@ def _pp_comm(model: LlamaConfig, layout: Layout, link: Interconnect) -> float:
     return sends * (size / link.bytes_per_s + link.latency_s)
 
 
+def cp_kv_bytes(model: LlamaConfig, layout: Layout) -> float:
+    """Bytes one rank receives per layer and micro-batch in the K/V all-gather: (cp-1)/cp of the whole row's
+    K and V (its tensor-parallel share of the key/value heads); its backward reduce-scatter moves as much."""
+    c = layout.cp
+    kv = 2 * layout.micro_batch * layout.seq_len * model.num_key_value_heads * model.head_dim / layout.tp
+    return (c - 1) / c * kv * layout.dtype_bytes
+
+
+def _cp_comm(model: LlamaConfig, layout: Layout, link: Interconnect) -> float:
+    if layout.cp == 1:
+        return 0.0
+    one = _ring(layout.cp, cp_kv_bytes(model, layout), link, 1)
+    again = 1 if layout.checkpointing == "full" or "attention" in layout.recompute_ops and \
+        layout.checkpointing == "selective" else 0
+    layers = model.num_hidden_layers / layout.pp
+    return layout.grad_accum * layers * (2 + again) * one
+
+
+def _cp_note(layout: Layout, link: Interconnect) -> tuple:
+    if layout.cp == 1:
+        return ()
+    return (f"cp: per layer and micro-batch an all-gather of K and V forward ((cp-1)/cp of the row's K/V, "
+            f"over {link.name}) and a reduce-scatter of their gradients backward, again when recompute reruns "
+            "attention; ZeRO and gradients over dp x cp; never overlapped",)
+
+
 def _bubble(layout: Layout, ideal: float) -> float:
     """theory_bubble is idle / (ideal + idle), so idle = ideal x f / (1 - f) = ideal (p-1)/(v m)."""
     if layout.pp == 1:
@@ -247,7 +279,7 @@ def _bubble(layout: Layout, ideal: float) -> float:
 
 def _offload(layout: Layout, psi: float) -> float:
     """Host traffic and the CPU optimizer step for this rank's ZeRO shard (Ψ/dp parameters)."""
-    shard, b, m = psi / layout.dp, layout.dtype_bytes, layout.grad_accum
+    shard, b, m = psi / layout.shard_ranks, layout.dtype_bytes, layout.grad_accum
     seconds = 0.0
     if layout.offload_optimizer != "none":
         seconds += shard * (GRAD_SHARD_BYTES + b) / HOST_LINK_BYTES_PER_S   # gradients down, weights up
@@ -267,7 +299,8 @@ def _activation_offload(model: LlamaConfig, layout: Layout) -> float:
     """Offloaded blocks' saved activations: to the host in forward, back in backward, every micro-batch."""
     if not layout.offload_blocks:
         return 0.0
-    micro = Micro(layout.micro_batch, layout.seq_len, layout.dtype_bytes, layout.tp, layout.sequence_parallel)
+    micro = Micro(layout.micro_batch, layout.rank_tokens, layout.dtype_bytes, layout.tp, layout.sequence_parallel,
+                  cp=layout.cp)
     _, host = offloaded_per_block(model, micro, layout.checkpointing, layout.recompute_ops)
     blocks = offloaded_count(layout.offload_blocks, model.num_hidden_layers / layout.pp)
     return 2 * layout.grad_accum * blocks * host / HOST_LINK_BYTES_PER_S
@@ -284,12 +317,16 @@ def _validate(model: LlamaConfig, layout: Layout, gpu: GPU, gpus_per_node: int, 
         raise ValueError(f"gpus_per_node must be a positive int, got {gpus_per_node!r}")
     peak = gpu.flops(layout.precision)
     if layout.gpus > gpus_per_node and layout.gpus % gpus_per_node:
-        raise ValueError(f"dp {layout.dp} x tp {layout.tp} x pp {layout.pp} = {layout.gpus} GPUs is not a whole "
-                         f"number of {gpus_per_node}-GPU nodes; use a multiple of {gpus_per_node} GPUs "
+        raise ValueError(f"dp {layout.dp} x cp {layout.cp} x tp {layout.tp} x pp {layout.pp} = {layout.gpus} GPUs is "
+                         f"not a whole number of {gpus_per_node}-GPU nodes; use a multiple of {gpus_per_node} GPUs "
                          f"or pass the GPUs used per node as gpus_per_node")
+    if layout.cp > 1 and layout.seq_len % (2 * layout.cp * (layout.tp if layout.sequence_parallel else 1)):
+        raise ValueError(f"context parallelism cuts seq_len {layout.seq_len} into 2 x cp {layout.cp} chunks"
+                         + (f" and sequence parallelism each rank's share over tp {layout.tp}"
+                            if layout.sequence_parallel else "") + "; use a seq_len that divides so")
     if layout.tp > 1:
         check_llama(model, layout.tp)
-        if layout.sequence_parallel and layout.seq_len % layout.tp:
+        if layout.sequence_parallel and layout.rank_tokens % layout.tp:
             raise ValueError(f"sequence parallelism splits seq_len {layout.seq_len} over tp {layout.tp}, which "
                              f"does not divide it; use a seq_len that is a multiple of {layout.tp}")
     _validate_pipeline(model, layout)

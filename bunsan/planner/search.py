@@ -77,7 +77,9 @@ def _tp_sizes(shape: ModelShape, gpus_per_node: int, gpus: int) -> list[int]:
 
 def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int,
             precision: str, optimizer: str = "AdamW"):
-    """Every layout worth pricing (bunsan can run each one)."""
+    """Every layout worth pricing (bunsan can run each one). Context parallelism is not searched yet: every
+    layout has cp 1 (the estimator and cost model price cp > 1 when asked: `bunsan plan` of a config with
+    context_parallel.size, Layout(cp=...))."""
     layers = shape.llama.num_hidden_layers if shape.llama else 1
     for tp in _tp_sizes(shape, gpus_per_node, gpus):
         for pp in _divisors(gpus // tp):

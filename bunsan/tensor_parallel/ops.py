@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bunsan.comm.along import all_gather_along
 from bunsan.comm.collectives import Comm, Group
 
 
@@ -49,11 +50,8 @@ def _all_reduce(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_dim(ctx: TPContext, x: torch.Tensor, dim: int) -> torch.Tensor:
-    """The ranks' pieces of x along `dim`, in rank order: all-gathered with that dim first."""
-    shard = x.movedim(dim, 0).contiguous()
-    out = torch.empty((shard.shape[0] * ctx.size, *shard.shape[1:]), dtype=x.dtype, device=x.device)
-    ctx.comm.all_gather(out, shard, ctx.group)
-    return out.movedim(0, dim)
+    """The ranks' pieces of x along `dim`, in rank order."""
+    return all_gather_along(ctx.comm, ctx.group, x, dim)
 
 
 def _gather_seq(ctx: TPContext, x: torch.Tensor) -> torch.Tensor:

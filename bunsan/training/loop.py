@@ -26,6 +26,7 @@ from bunsan.checkpoint.store import CheckpointError
 from bunsan.checkpoint.hf import load_hf_into_engine
 from bunsan.config.deepspeed_keys import IgnoredKeyWarning
 from bunsan.config.root import Config
+from bunsan.context_parallel import check_length
 from bunsan.training.data import TokenBatches, make_loader, unigram_entropy
 from bunsan.training.sources import held_out_batches, load_source, tokenizer_folder, train_batches
 from bunsan.comm.process_group import init_distributed
@@ -60,6 +61,8 @@ def model_config(cfg: Config, vocab_size: int):
     if mcfg.max_position_embeddings < cfg.data.seq_len:
         raise ValueError(f"data.seq_len {cfg.data.seq_len} exceeds model.max_position_embeddings "
                          f"{mcfg.max_position_embeddings}; lower data.seq_len or raise max_position_embeddings")
+    if cfg.context_parallel.size > 1:
+        check_length(cfg.data.seq_len, cfg.context_parallel.size)
     return mcfg
 
 
@@ -205,7 +208,8 @@ def open_meter(run: Run, resumed_at: int = 0) -> Meter:
     if run.rank == 0:
         metrics.console.print(
             f"[bold]bunsan train[/]: {cfg.model.preset} Llama, {n_params / 1e6:.2f}M params, "
-            f"{dist.get_world_size()} x {run.device.type}, dp={engine.dp_size}, zero={cfg.zero_optimization.stage}, "
+            f"{dist.get_world_size()} x {run.device.type}, dp={engine.dp_size}"
+            + (f", cp={engine.cp_size}" if engine.cp_size > 1 else "") + f", zero={cfg.zero_optimization.stage}, "
             f"batch {engine.train_batch_size} x {seq} tokens (micro {engine.micro_batch} x accum "
             f"{engine.grad_accum}), {len(run.tokens):,} corpus tokens, unigram entropy {entropy:.3f} nats")
     return meter
