@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 from bunsan.estimator.estimate import Estimate, estimate_layout
 from bunsan.estimator.shape import ModelShape, load_shape, rank_params
-from bunsan.planner.cost import StepTime, step_time, train_time
-from bunsan.estimator.hardware import GPU, gpu_spec, interconnect
+from bunsan.planner.cost import COMPONENTS, StepTime, step_time, train_time
+from bunsan.estimator.hardware import GPU, Interconnect, gpu_spec, interconnect, intra_link
 from bunsan.estimator.layout import RECOMPUTE, Layout
 
 GiB = 1024 ** 3
@@ -113,31 +113,33 @@ def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, glob
 def _why(c: Candidate, best: Candidate) -> str:
     if c is best:
         return "fastest that fits"
-    parts = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "offload")
-    deltas = {p: getattr(c.step, p) - getattr(best.step, p) for p in parts}
+    deltas = {p: getattr(c.step, p) - getattr(best.step, p) for p in COMPONENTS}
     worst = max(deltas, key=deltas.get)
     slower = c.step.total / best.step.total - 1
     if deltas[worst] <= 1e-9 * best.step.total:
         return "same estimated time; ranked by ZeRO stage, offload, micro-batch, memory"
     label = {"compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel traffic",
              "dp_comm": "exposed data-parallel traffic", "pp_comm": "pipeline sends", "bubble": "pipeline bubble",
-             "offload": "offload traffic"}[worst]
+             "offload": "offload traffic", "optimizer": "optimizer step"}[worst]
     return f"{slower:+.0%}: more {label} (+{deltas[worst]:.3g} s)"
 
 
-def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100", nodes: int = 1,
-         seq_len: int | None = None, global_batch: int | None = None, interconnect_name: str | None = None,
-         inter_node: str = "infiniband", precision: str | None = None, optimizer: str = "AdamW",
-         margin: float = MARGIN, total_tokens: int | None = None, efficiency: float = 0.4,
-         device_type: str = "cuda", keep: int = 10, host_memory: float | None = None) -> Plan:
+def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = "h100", nodes: int = 1,
+         seq_len: int | None = None, global_batch: int | None = None,
+         interconnect_name: str | Interconnect | None = None, inter_node: str | Interconnect = "infiniband",
+         precision: str | None = None, optimizer: str = "AdamW", margin: float = MARGIN,
+         total_tokens: int | None = None, efficiency: float | None = None, device_type: str = "cuda",
+         keep: int = 10, host_memory: float | None = None, attention: str = "flash") -> Plan:
     """The layouts of `model` on `gpus` GPUs (`nodes` nodes) that fit, fastest first. `host_memory` (per
-    node), when given, also rules out layouts whose offloaded states would not fit in host memory."""
+    node), when given, also rules out layouts whose offloaded states would not fit in host memory. GPUs and
+    links are names (hardware.py) or GPU / Interconnect objects (measured figures, `with_link`);
+    `keep` 0 keeps every layout that fits."""
     shape = load_shape(model)
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive int, got {gpus!r}")
     if nodes < 1 or gpus % nodes:
         raise ValueError(f"{gpus} GPUs cannot be spread evenly over {nodes} nodes; use a multiple of {nodes}")
-    spec = gpu_spec(gpu)
+    spec = gpu if isinstance(gpu, GPU) else gpu_spec(gpu)
     memory = float(gpu_memory if gpu_memory is not None else spec.memory_bytes)
     if precision is None:   # 16-bit (bf16 where the GPU has it) and fp32; CPUs: fp32, faster there than bf16
         half = "bf16" if "bf16" in spec.peak_flops else "fp16"
@@ -149,8 +151,9 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100"
     seq = seq_len or (min(c.max_position_embeddings, 4096) if c else 2048)
     batch = global_batch or max(gpus, 8)
     per_node = gpus // nodes
-    intra = interconnect(interconnect_name or ("nvlink" if device_type == "cuda" else "loopback"))
-    inter = interconnect(inter_node)
+    intra = _link(interconnect_name) if interconnect_name else \
+        intra_link(spec) if device_type == "cuda" else interconnect("loopback")
+    inter = _link(inter_node)
     ranks = functools.lru_cache(maxsize=None)(lambda tp, pp, v: rank_params(shape, tp, pp, v))
 
     def host_ok(e: Estimate) -> bool:
@@ -174,13 +177,14 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100"
             too_big += 1
             continue
         if c is not None:
-            cand.step = step_time(c, lay, spec, intra, inter, per_node, efficiency)
+            cand.step = step_time(c, lay, spec, intra, inter, per_node, efficiency, attention)
         fits.append(cand)
     # Ties on time go to less traffic (lower ZeRO stage, no offload), then bigger micro-batches (better
     # matmul efficiency, which the FLOP count does not see), then less memory.
     fits.sort(key=lambda k: (round(k.step.total, 9) if k.step else 0.0, k.layout.zero,
                              k.layout.offload_optimizer != "none", -k.layout.micro_batch, k.peak))
-    result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, margin, fits[:keep], considered, too_big,
+    result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, margin, fits[:keep or None], considered,
+                  too_big,
                   smallest, total_tokens=total_tokens)
     for cand in result.ranked:
         cand.why = _why(cand, result.ranked[0]) if cand.step else "fits"
@@ -188,6 +192,10 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100"
         result.suggestions = _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precisions[0], smallest,
                                              device_type, host_ok, host_memory)
     return result
+
+
+def _link(link: str | Interconnect) -> Interconnect:
+    return link if isinstance(link, Interconnect) else interconnect(link)
 
 
 def _offload_what_does_not_fit(shape: ModelShape, lay: Layout, est: Estimate, margin: float,
