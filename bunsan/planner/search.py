@@ -19,7 +19,8 @@ from bunsan.estimator.estimate import Estimate, estimate_layout
 from bunsan.estimator.shape import ModelShape, load_shape, rank_params
 from bunsan.planner.cost import COMPONENTS, StepTime, step_time, train_time
 from bunsan.estimator.hardware import GPU, Interconnect, gpu_spec, interconnect, intra_link
-from bunsan.estimator.layout import RECOMPUTE, Layout
+from bunsan.estimator.layout import Layout
+from bunsan.planner.space import Space, layouts
 
 GiB = 1024 ** 3
 MARGIN = 0.10   # memory kept free for the allocator's fragmentation and what the estimate leaves out
@@ -63,53 +64,6 @@ class Plan:
         return train_time(c.step, c.layout, self.total_tokens) / 86400
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _tp_sizes(shape: ModelShape, gpus_per_node: int, gpus: int) -> list[int]:
-    c = shape.llama
-    if c is None:
-        return [1]
-    return [t for t in _divisors(min(gpus_per_node, gpus)) if gpus % t == 0 and t <= 8
-            and c.num_attention_heads % t == 0 and c.num_key_value_heads % t == 0 and c.intermediate_size % t == 0]
-
-
-def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int,
-            precision: str, optimizer: str = "AdamW"):
-    """Every layout worth pricing (bunsan can run each one)."""
-    layers = shape.llama.num_hidden_layers if shape.llama else 1
-    for tp in _tp_sizes(shape, gpus_per_node, gpus):
-        for pp in _divisors(gpus // tp):
-            if pp > 1 and (shape.llama is None or pp > layers):
-                continue
-            dp = gpus // (tp * pp)
-            if global_batch % dp:
-                continue
-            per_rank = global_batch // dp
-            for mb in (m for m in (1, 2, 4, 8, 16, 32) if per_rank % m == 0):
-                accum = per_rank // mb
-                if pp > 1 and accum < pp:
-                    continue          # fewer micro-batches than stages leaves stages idle
-                scheds = [("1f1b", 1)]
-                if pp > 1 and accum % pp == 0 and layers % (2 * pp) == 0:
-                    scheds.append(("interleaved", 2))
-                for (sched, v), ckpt, zero in itertools.product(scheds, RECOMPUTE, (0, 1, 2, 3)):
-                    for sp in ((False, True) if tp > 1 and seq_len % tp == 0 else (False,)):
-                        offloads = [("none", "none")]
-                        if zero >= 1:
-                            offloads.append(("cpu", "none"))
-                        if zero == 3:
-                            offloads.append(("cpu", "cpu"))
-                        if dp == 1 and zero:
-                            offloads.remove(("none", "none"))   # one rank: ZeRO only to offload (ZeRO-Offload)
-                        for off_opt, off_par in offloads:
-                            yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, grad_accum=accum,
-                                         seq_len=seq_len, precision=precision, optimizer=optimizer,
-                                         checkpointing=ckpt, sequence_parallel=sp, schedule=sched,
-                                         virtual_stages=v, offload_optimizer=off_opt, offload_param=off_par)
-
-
 def _why(c: Candidate, best: Candidate) -> str:
     if c is best:
         return "fastest that fits"
@@ -129,7 +83,8 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
          interconnect_name: str | Interconnect | None = None, inter_node: str | Interconnect = "infiniband",
          precision: str | None = None, optimizer: str = "AdamW", margin: float = MARGIN,
          total_tokens: int | None = None, efficiency: float | None = None, device_type: str = "cuda",
-         keep: int = 10, host_memory: float | None = None, attention: str = "flash") -> Plan:
+         keep: int = 10, host_memory: float | None = None, attention: str = "flash",
+         space: Space | None = None) -> Plan:
     """The layouts of `model` on `gpus` GPUs (`nodes` nodes) that fit, fastest first. `host_memory` (per
     node), when given, also rules out layouts whose offloaded states would not fit in host memory. GPUs and
     links are names (hardware.py) or GPU / Interconnect objects (measured figures, `with_link`);
@@ -160,7 +115,7 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
         return host_memory is None or e.host_per_node <= host_memory
 
     fits, considered, too_big, smallest = [], 0, 0, None
-    candidates = itertools.chain.from_iterable(layouts(shape, gpus, per_node, seq, batch, p, optimizer)
+    candidates = itertools.chain.from_iterable(layouts(shape, gpus, per_node, seq, batch, p, optimizer, space)
                                                for p in precisions)
     for lay in candidates:
         considered += 1
