@@ -7,6 +7,7 @@ import pytest
 from bunsan.models.llama import LlamaConfig
 from bunsan.planner import collectives, compute, constants, cost
 from bunsan.planner.cost import step_time, train_time
+from bunsan.estimator import hardware
 from bunsan.estimator.hardware import GPU, Interconnect, gpu_spec, interconnect, parse_bytes
 from bunsan.estimator.layout import Layout
 
@@ -326,3 +327,43 @@ def test_pipeline_zero3_traffic_follows_the_gather_policy():
     assert rel(dp_total(3, "schedule"), dp_total(1)) < 1e-12          # one gather + one reduce-scatter
     assert rel(dp_total(3), dp_total(1) * (2 * 4 + 1) / 2) < 1e-12    # 2 gathers per micro-batch + 1 reduce
     assert rel(dp_total(3, m=8), dp_total(1) * (2 * 8 + 1) / 2) < 1e-12
+
+
+# ---------------------------------------------------------------- collectives and overrides
+
+NVL = Interconnect("nvl", 200e9, 3e-6, 8e-6)
+NET = Interconnect("net", 20e9, 10e-6, 8e-6)
+TOPO = collectives.Topology(8, NVL, NET)
+
+
+def test_collectives_are_latency_plus_bytes_over_the_slowest_hop():
+    inside = collectives.collective("all_gather", 1e9, 8, 1, TOPO)
+    assert rel(inside, 8e-6 + 7 * 3e-6 + 7 / 8 * 1e9 / 200e9) < 1e-12
+    across = collectives.collective("all_gather", 1e9, 16, 1, TOPO)      # two nodes: the network bounds it
+    assert rel(across, 8e-6 + 14 * 3e-6 + 1 * 10e-6 + 15 / 16 * 1e9 / 20e9) < 1e-12
+    assert collectives.collective("all_reduce", 1e9, 8, 1, TOPO) > 2 * inside - 8e-6 - 1e-9
+
+
+def test_small_all_reduces_across_many_nodes_take_the_tree():
+    ring_steps = 2 * 255 * 3e-6   # a lower bound on the ring's latency alone over 256 ranks
+    small = collectives.collective("all_reduce", 1e3, 256, 8, TOPO)      # one rank per node: 256 nodes
+    assert small < ring_steps
+    assert collectives.collective("all_gather", 1e3, 256, 8, TOPO) > 255 * 10e-6   # rings only
+
+
+def test_group_span_follows_the_mesh_order():
+    assert TOPO.span(8, 1) == (8, 1)        # tp 8 inside a node
+    assert TOPO.span(4, 8) == (1, 4)        # dp 4 across tp 8: one per node
+    assert TOPO.span(4, 2) == (4, 1) and TOPO.span(8, 2) == (4, 2)
+
+
+def test_measured_links_and_gpus_override_the_table():
+    slow = hardware.with_link(interconnect("hdr"), bandwidth="6.25GB/s", latency=2e-5)
+    assert slow.bytes_per_s == 6.25e9 and slow.latency_s == 2e-5
+    gpu = hardware.parse_gpu_spec("a100,bf16=250T,hbm=1.5TB")
+    assert gpu.flops("bf16") == 250e12 and gpu.hbm_bytes_per_s == 1.5e12 and gpu.memory_bytes == 80 * 2 ** 30
+    assert hardware.intra_link(gpu).name == "nvlink3"
+    with pytest.raises(ValueError, match="custom GPU needs all three"):
+        hardware.parse_gpu_spec("custom,bf16=1T")
+    with pytest.raises(ValueError, match="6.25GB/s"):
+        hardware.parse_rate("-3")

@@ -52,7 +52,7 @@ ASPECT, HEAD_DIM, VOCAB = 128, 128, 32000
 
 
 def llama_of_count(count: int) -> LlamaConfig:
-    """A Llama shape with `count` parameters (to within one hidden row): its blocks are ZeRO-3's units and
+    """A Llama shape with `count` parameters (to within two hidden rows): its blocks are ZeRO-3's units and
     its largest weight the per-tensor transients, where one tensor of `count` elements would be neither."""
     def block(h: int) -> int:
         inter = max(256, round(8 * h / 3 / 256) * 256)
