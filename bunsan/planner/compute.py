@@ -59,15 +59,26 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
     qkv = mm(tokens, h, (heads + 2 * kv) * d // t)
     o_proj = mm(tokens, h // t, h)
     mlp = mm(tokens, h, 2 * inter // t) + mm(tokens, inter // t, h)
-    # the attention core as the 12·L·h·s FLOP convention counts it: QK^T and AV over the full square
-    core = mm(s, d, s, batch=b * heads // t) + mm(s, s, d, batch=b * heads // t)
-    if attention == "materialized":
-        core += streamed(K.SCORE_PASSES * b * (heads // t) * s * s * nb, gpu)
+    core = _attention_core(b, s, heads // t, kv // t or 1, d, gpu, p, nb, efficiency, attention)
     hidden_tokens = tokens / (t if layout.sequence_parallel else 1)
     elementwise = streamed((K.HIDDEN_PASSES * hidden_tokens * h + K.MLP_ACT_PASSES * tokens * inter / t) * nb, gpu)
     forward = qkv + o_proj + mlp + core + elementwise
     return BlockTime(forward=forward, backward=K.BACKWARD_FACTOR * forward, attention_forward=core,
                      o_proj_forward=o_proj)
+
+
+def _attention_core(b: int, s: int, heads: int, kv: int, d: int, gpu: GPU, precision: str, nb: int,
+                    efficiency: float, attention: str) -> float:
+    """QK^T and AV over the full square, as the 12·L·h·s convention counts them (a causal flash kernel skips
+    half the square at about half the GEMM efficiency: the same seconds). Flash keeps the scores on chip and
+    moves only q, k, v and the output; a materialised kernel writes them and runs softmax over them."""
+    if attention == "flash":
+        flops = 4.0 * b * heads * s * s * d
+        nbytes = b * s * (2 * heads + 2 * kv) * d * nb
+        return max(flops / (gpu.flops(precision) * efficiency), streamed(nbytes, gpu))
+    core = gemm(s, d, s, gpu, precision, nb, efficiency, b * heads) + gemm(s, s, d, gpu, precision, nb, efficiency,
+                                                                            b * heads)
+    return core + streamed(K.SCORE_PASSES * b * heads * s * s * nb, gpu)
 
 
 def head_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float) -> float:
