@@ -107,8 +107,9 @@ def test_a_bare_count_is_priced_as_a_llama_of_that_count(capsys):
 def test_cli_plan_output_gives_a_launch_line_per_node(tmp_path, capsys):
     out = tmp_path / "best.json"
     assert main(["plan", "--model", "tiny", "--gpus", "4", "--nodes", "2", "--gpu", "a100", "--seq-len", "128",
-                 "--global-batch", "8", "--link-bandwidth", "inter=6.25GB/s", "--output", str(out)]) == 0
+                 "--global-batch", "8", "--link-bandwidth", "inter=6.25GB/s", "--output", str(out), "--constants"]) == 0
     text = capsys.readouterr().out
+    assert "GEMM_EFFICIENCY" in text and "tuning.cc" in text
     for rank in (0, 1):
         assert f"bunsan run --nnodes 2 --nproc-per-node 2 --node-rank {rank}" in text
     assert "6.25e+09" in text                  # the measured link is the one priced

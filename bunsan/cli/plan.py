@@ -60,6 +60,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--zero-stages", help="ZeRO stages to search, e.g. 0,1 (default 0,1,2,3)")
     p.add_argument("--recompute", help="recompute modes to search, e.g. full (default none,full,selective)")
     p.add_argument("--no-sp", action="store_true", help="leave sequence parallelism out of the search")
+    p.add_argument("--constants", action="store_true", help="also print the cost model's constants and sources")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), help="default: bf16 where the GPU has it")
     p.add_argument("--tokens", type=float, help="training tokens, for the time-to-train column (e.g. 1e12)")
     p.add_argument("--efficiency", type=float, help="fraction of the tensor-core peak a large GEMM reaches "
@@ -241,6 +242,10 @@ def cmd_plan(args) -> int:
         table.add_row(*row)
     console.print(table)
     console.print(best.step.explain())
+    if args.constants:
+        from bunsan.planner.constants import table as constants_table
+        console.print("constants (bunsan/planner/constants.py, bunsan/estimator/hardware.py):\n"
+                      + constants_table(), highlight=False)
     if args.output:
         cfg = best.layout.to_config(_model_section(args.model))
         cfg["train_batch_size"] = best.layout.global_batch

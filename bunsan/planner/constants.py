@@ -7,6 +7,8 @@ is the table the planner prints (`bunsan plan` assumptions, README "What the pla
 
 from __future__ import annotations
 
+from bunsan.estimator import hardware
+
 # Fraction of the tensor-core peak a large, well-shaped GEMM sustains (cuBLAS, 16-bit, A100/H100). Smaller or
 # skinnier GEMMs fall below it through the roofline (their bytes over HBM), not through this number.
 GEMM_EFFICIENCY = 0.80
@@ -28,15 +30,8 @@ BACKWARD_FACTOR = 2.0
 # AdamW step on the rank's fp32 shard, bytes per parameter moved through HBM: master weight, two moments
 # (read + write, 4 bytes each), the fp32 gradient read, the 16-bit weight written.
 OPTIMIZER_BYTES_PER_PARAM = 3 * 2 * 4 + 4 + 2
-# NCCL's ring latency model (src/graph/tuning.cc, NCCL 2.8-2.12, ring / Simple protocol): a base latency
-# per collective plus a per-step latency, NVLink and network steps priced apart (hardware.py's links).
-NCCL_BASE_LATENCY_S = 8.4e-6
-# A transformer block is one ZeRO-3 unit (bunsan/zero/stage3.py): its gather is prefetched while the block
-# before computes, so each gather hides behind one block's compute at most; what exceeds it is exposed.
-ZERO3_PREFETCH_DEPTH = 1
-# Gradient buckets reduce while backward runs; the last bucket's reduce finds no compute left to hide
-# behind. bunsan's bucket is one block's gradients (zero/buckets.py), so 1 / layers of the traffic.
-LAST_BUCKET_EXPOSED = True
+# NCCL's latencies (per collective, per ring step) and the links' bandwidths: bunsan/estimator/hardware.py.
+NCCL_BASE_LATENCY_S = hardware.NCCL_BASE_LATENCY_S
 
 SOURCES = (
     ("GEMM_EFFICIENCY", GEMM_EFFICIENCY, "cuBLAS large 16-bit GEMMs on A100/H100 reach ~80% of the dense "
@@ -52,5 +47,13 @@ SOURCES = (
     ("BACKWARD_FACTOR", BACKWARD_FACTOR, "a GEMM's backward is two GEMMs of its size (dgrad, wgrad)"),
     ("OPTIMIZER_BYTES_PER_PARAM", OPTIMIZER_BYTES_PER_PARAM, "counted: fused AdamW on an fp32 shard"),
     ("NCCL_BASE_LATENCY_S", NCCL_BASE_LATENCY_S, "NCCL src/graph/tuning.cc baseLat, ring / Simple"),
-    ("ZERO3_PREFETCH_DEPTH", ZERO3_PREFETCH_DEPTH, "bunsan/zero/stage3.py prefetches the next unit only"),
+    ("nvlink3 / hdr / omnipath", "235 / 20 / 5 GB/s", "hardware.py: NCCL's A100 bus-bandwidth cap; 80% of "
+     "HDR 200 Gb/s per GPU (DGX A100); 80% of 4 x 100 Gb/s Omni-Path per 8 GPUs (Jean Zay)"),
+    ("NVLink / network step", f"{hardware.NVLINK_STEP_S * 1e6:g} / {hardware.NET_STEP_S * 1e6:g} us",
+     "NCCL src/graph/tuning.cc hwLat, ring / Simple"),
 )
+
+
+def table() -> str:
+    """The constants and their sources, one per line (`bunsan plan --constants`)."""
+    return "\n".join(f"  {name:<26} {value!s:<18} {source}" for name, value, source in SOURCES)
