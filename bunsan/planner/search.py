@@ -96,19 +96,12 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
         raise ValueError(f"{gpus} GPUs cannot be spread evenly over {nodes} nodes; use a multiple of {nodes}")
     spec = gpu if isinstance(gpu, GPU) else gpu_spec(gpu)
     memory = float(gpu_memory if gpu_memory is not None else spec.memory_bytes)
-    if precision is None:   # 16-bit (bf16 where the GPU has it) and fp32; CPUs: fp32, faster there than bf16
-        half = "bf16" if "bf16" in spec.peak_flops else "fp16"
-        precisions = ["fp32"] if spec.name == "cpu" else [half, "fp32"]
-    else:
-        spec.flops(precision)                   # a precision the GPU lacks is an error here
-        precisions = [precision]
+    precisions = _precisions(spec, precision)
     c = shape.llama
     seq = seq_len or (min(c.max_position_embeddings, 4096) if c else 2048)
     batch = global_batch or max(gpus, 8)
     per_node = gpus // nodes
-    intra = _link(interconnect_name) if interconnect_name else \
-        intra_link(spec) if device_type == "cuda" else interconnect("loopback")
-    inter = _link(inter_node)
+    intra, inter = _links(spec, interconnect_name, inter_node, device_type)
     ranks = functools.lru_cache(maxsize=None)(lambda tp, pp, v: rank_params(shape, tp, pp, v))
 
     def host_ok(e: Estimate) -> bool:
@@ -134,13 +127,9 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
         if c is not None:
             cand.step = step_time(c, lay, spec, intra, inter, per_node, efficiency, attention)
         fits.append(cand)
-    # Ties on time go to less traffic (lower ZeRO stage, no offload), then bigger micro-batches (better
-    # matmul efficiency, which the FLOP count does not see), then less memory.
-    fits.sort(key=lambda k: (round(k.step.total, 9) if k.step else 0.0, k.layout.zero,
-                             k.layout.offload_optimizer != "none", -k.layout.micro_batch, k.peak))
+    fits.sort(key=_order)
     result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, margin, fits[:keep or None], considered,
-                  too_big,
-                  smallest, total_tokens=total_tokens)
+                  too_big, smallest, total_tokens=total_tokens)
     for cand in result.ranked:
         cand.why = _why(cand, result.ranked[0]) if cand.step else "fits"
     if not fits:
@@ -149,8 +138,28 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
     return result
 
 
-def _link(link: str | Interconnect) -> Interconnect:
-    return link if isinstance(link, Interconnect) else interconnect(link)
+def _precisions(spec: GPU, precision: str | None) -> list[str]:
+    """16-bit (bf16 where the GPU has it) and fp32 unless one is asked for; CPUs: fp32, faster there."""
+    if precision is None:
+        half = "bf16" if "bf16" in spec.peak_flops else "fp16"
+        return ["fp32"] if spec.name == "cpu" else [half, "fp32"]
+    spec.flops(precision)                   # a precision the GPU lacks is an error here
+    return [precision]
+
+
+def _order(k: Candidate) -> tuple:
+    """Fastest first; ties on time go to less traffic (lower ZeRO stage, no offload), then bigger
+    micro-batches, then less memory."""
+    return (round(k.step.total, 9) if k.step else 0.0, k.layout.zero, k.layout.offload_optimizer != "none",
+            -k.layout.micro_batch, k.peak)
+
+
+def _links(spec: GPU, intra, inter, device_type: str) -> tuple[Interconnect, Interconnect]:
+    """(inside a node, between nodes): names or Interconnects; inside defaults to the GPU's own link."""
+    def link(x):
+        return x if isinstance(x, Interconnect) else interconnect(x)
+    inside = link(intra) if intra else intra_link(spec) if device_type == "cuda" else interconnect("loopback")
+    return inside, link(inter)
 
 
 def _offload_what_does_not_fit(shape: ModelShape, lay: Layout, est: Estimate, margin: float,
