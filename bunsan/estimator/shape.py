@@ -59,12 +59,15 @@ def llama_of_count(count: int) -> LlamaConfig:
         return 4 * h * h + 3 * h * inter + 2 * h
 
     best = None
-    for h in range(256, 65537, 128):
-        layers = round((count - 2 * VOCAB * h) / block(h))
-        if layers >= 1 and (best is None or abs(layers - h / ASPECT) < abs(best[1] - best[0] / ASPECT)):
-            best = (h, layers)
+    for step in (1024, 128):     # heads a multiple of 8 where the count allows: every tensor-parallel size fits
+        for h in range(step, 65537, step):
+            layers = round((count - 2 * VOCAB * h) / block(h))
+            if layers >= 1 and (best is None or abs(layers - h / ASPECT) < abs(best[1] - best[0] / ASPECT)):
+                best = (h, layers)
+        if best is not None:
+            break
     if best is None:
-        raise ValueError(f"{count:,} parameters is too few for a Llama shape (under one 256-wide block and a "
+        raise ValueError(f"{count:,} parameters is too few for a Llama shape (under one 128-wide block and a "
                          f"{VOCAB}-token vocabulary); give a preset or a config.json instead")
     h, layers = best
     inter = max(256, round(8 * h / 3 / 256) * 256)
@@ -75,8 +78,13 @@ def llama_of_count(count: int) -> LlamaConfig:
 
 def _bare(count: float, name: str) -> ModelShape:
     """A model known only by its parameter count ("7.5B"): model states of a Llama shape of that count, no
-    activations (its sequence and batch are unknown)."""
-    cfg = llama_of_count(int(count))
+    activations (its sequence and batch are unknown); one tensor when the count is too small for a Llama."""
+    try:
+        cfg = llama_of_count(int(count))
+    except ValueError:
+        module = nn.Module()
+        module.weight = nn.Parameter(torch.empty(int(count), device="meta"))
+        return ModelShape(f"{name} parameters (one tensor: too few for a Llama shape)", module, bare=True)
     with torch.device("meta"):
         module = Llama(cfg)
     label = (f"{name} parameters, priced as a Llama of {cfg.num_hidden_layers} layers x hidden {cfg.hidden_size} "

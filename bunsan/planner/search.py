@@ -11,6 +11,7 @@ would.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass, field
@@ -90,6 +91,8 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
     links are names (hardware.py) or GPU / Interconnect objects (measured figures, `with_link`);
     `keep` 0 keeps every layout that fits."""
     shape = load_shape(model)
+    if shape.bare:      # a plan has a sequence and a batch: the assumed Llama shape's activations count too
+        shape = dataclasses.replace(shape, bare=False)
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus must be a positive int, got {gpus!r}")
     if nodes < 1 or gpus % nodes:
