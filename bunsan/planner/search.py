@@ -93,13 +93,11 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
     shape = load_shape(model)
     if shape.bare:      # a plan has a sequence and a batch: the assumed Llama shape's activations count too
         shape = dataclasses.replace(shape, bare=False)
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"gpus must be a positive int, got {gpus!r}")
-    if nodes < 1 or gpus % nodes:
-        raise ValueError(f"{gpus} GPUs cannot be spread evenly over {nodes} nodes; use a multiple of {nodes}")
+    _check_gpus(gpus, nodes)
     spec = gpu if isinstance(gpu, GPU) else gpu_spec(gpu)
     memory = float(gpu_memory if gpu_memory is not None else spec.memory_bytes)
     precisions = _precisions(spec, precision)
+    space = _searched(space or Space(), host_memory)
     c = shape.llama
     seq = seq_len or (min(c.max_position_embeddings, 4096) if c else 2048)
     batch = global_batch or max(gpus, 8)
@@ -139,6 +137,21 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
         result.suggestions = _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precisions[0], smallest,
                                              device_type, host_ok, host_memory)
     return result
+
+
+def _check_gpus(gpus: int, nodes: int) -> None:
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive int, got {gpus!r}")
+    if nodes < 1 or gpus % nodes:
+        raise ValueError(f"{gpus} GPUs cannot be spread evenly over {nodes} nodes; use a multiple of {nodes}")
+
+
+def _searched(space: Space, host_memory: float | None) -> Space:
+    """NVMe offload holds what CPU offload holds on the GPU, only slower: it wins only where host memory
+    runs out, which without a `host_memory` it cannot; leave it out then."""
+    if host_memory is not None or "nvme" not in space.offload:
+        return space
+    return dataclasses.replace(space, offload=tuple(o for o in space.offload if o != "nvme") or ("none",))
 
 
 def _precisions(spec: GPU, precision: str | None) -> list[str]:
