@@ -92,3 +92,37 @@ def test_cli_errors_exit_2(capsys):
     assert "did you mean 'tiny'" in capsys.readouterr().err
     assert main(["estimate", "--model", "tiny", "--gpu-memory", "lots"]) == 2
     assert "lots" in capsys.readouterr().err
+
+
+def test_a_bare_count_is_priced_as_a_llama_of_that_count(capsys):
+    """`--model 68.98B` is a Llama shape of 68.98B parameters (blocks as ZeRO-3 units), not one tensor."""
+    shape = load_shape("68.98B")
+    assert shape.bare and shape.llama is not None and "priced as a Llama" in shape.name
+    assert abs(shape.n_params - 68.98e9) < 2 * shape.llama.hidden_size   # the vocabulary absorbs the rest
+    assert main(["estimate", "--model", "68.98B", "--gpus", "64", "--zero", "3", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "priced as a Llama" in out and ": fits, headroom +" in out
+
+
+def test_cli_plan_output_gives_a_launch_line_per_node(tmp_path, capsys):
+    out = tmp_path / "best.json"
+    assert main(["plan", "--model", "tiny", "--gpus", "4", "--nodes", "2", "--gpu", "a100", "--seq-len", "128",
+                 "--global-batch", "8", "--link-bandwidth", "inter=6.25GB/s", "--output", str(out), "--constants"]) == 0
+    text = capsys.readouterr().out
+    assert "GEMM_EFFICIENCY" in text and "tuning.cc" in text
+    for rank in (0, 1):
+        assert f"bunsan run --nnodes 2 --nproc-per-node 2 --node-rank {rank}" in text
+    assert "6.25e+09" in text                  # the measured link is the one priced
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--link-bandwidth", "fabric=6GB/s"], ["intra=VALUE or inter=VALUE"]),
+    (["--link-bandwidth", "inter=fast"], ["'fast'", "bandwidth"]),
+    (["--gpu-spec", "a100,tflops=3"], ["'tflops'", "bf16, fp16, fp32, memory, hbm"]),
+    (["--zero-stages", "4"], ["Space.zero", "(0, 1, 2, 3)"]),
+])
+def test_cli_plan_overrides_name_bad_values(argv, words, capsys):
+    assert main(["plan", "--model", "tiny", "--gpus", "2"] + argv) == 2
+    err = capsys.readouterr().err
+    for word in words:
+        assert word in err

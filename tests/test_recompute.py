@@ -326,8 +326,12 @@ def test_selective_recomputes_a_fraction_of_full():
     def price(**kw):
         return step_time(c, Layout(seq_len=4096, **kw), gpu_spec("h100"), link, link, 8)
     full, sel = price(checkpointing="full"), price(checkpointing="selective")
-    assert sel.recompute == pytest.approx(full.compute * 4 * c.hidden_size * 4096 * c.num_hidden_layers
-                                          / full.flops_per_token)
+    # selective reruns the attention core's forward (priced per GEMM, planner/compute.py), full the block's
+    from bunsan.planner.compute import block_time
+    from bunsan.planner.cost import EFFICIENCY
+    blk = block_time(c, Layout(seq_len=4096), gpu_spec("h100"), EFFICIENCY)
+    assert sel.recompute == pytest.approx(c.num_hidden_layers * blk.attention_forward)
+    assert full.recompute == pytest.approx(c.num_hidden_layers * blk.forward)
     assert 0 < sel.recompute < full.recompute and price(checkpointing="selective", recompute_ops=()).recompute == 0
     tp = price(checkpointing="selective", recompute_ops=(), tp=2)     # o_proj's matmul, all-reduced in place
     assert tp.recompute > 0 and tp.tp_comm < price(checkpointing="full", tp=2).tp_comm

@@ -42,18 +42,32 @@ def add_parsers(sub) -> None:
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu", default="h100", help="GPU model (h100, h200, a100, a100-40gb, l40s, a10, v100, rtx4090)")
+    p.add_argument("--gpu-spec", help="measured or custom GPU figures: NAME[,bf16=312T][,fp16=..][,fp32=..]"
+                   "[,memory=80GiB][,hbm=2TB] (a known NAME or custom; replaces --gpu)")
     p.add_argument("--gpu-memory", help="memory per GPU (default: the --gpu's), e.g. 80GB")
     p.add_argument("--host-memory", help="host memory per node, to rule out offload that cannot fit, e.g. 1TB")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: min(model max, 4096))")
     p.add_argument("--global-batch", type=int, help="samples per optimizer step (default: max(gpus, 8))")
-    p.add_argument("--interconnect", help="link inside a node: nvlink, pcie (default nvlink)")
-    p.add_argument("--inter-node", default="infiniband", help="link between nodes: infiniband, ethernet")
+    p.add_argument("--interconnect", help="link inside a node: nvlink, nvlink3, pcie (default: the --gpu's)")
+    p.add_argument("--inter-node", default="infiniband", help="link between nodes, per GPU: infiniband (NDR), "
+                   "hdr, omnipath, ethernet")
+    p.add_argument("--link-bandwidth", action="append", metavar="intra|inter=RATE", default=[],
+                   help="measured bandwidth per GPU, one direction, e.g. inter=6.25GB/s (repeatable)")
+    p.add_argument("--link-latency", action="append", metavar="intra|inter=SECONDS", default=[],
+                   help="per-step latency of a link, e.g. inter=1e-5 (repeatable)")
+    p.add_argument("--attention", choices=("flash", "materialized"), default="flash",
+                   help="materialized: price attention that writes its scores out (no flash kernel)")
+    p.add_argument("--zero-stages", help="ZeRO stages to search, e.g. 0,1 (default 0,1,2,3)")
+    p.add_argument("--recompute", help="recompute modes to search, e.g. full (default none,full,selective)")
+    p.add_argument("--no-sp", action="store_true", help="leave sequence parallelism out of the search")
+    p.add_argument("--constants", action="store_true", help="also print the cost model's constants and sources")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), help="default: bf16 where the GPU has it")
     p.add_argument("--tokens", type=float, help="training tokens, for the time-to-train column (e.g. 1e12)")
-    p.add_argument("--efficiency", type=float, default=0.4, help="fraction of the GPU's peak FLOP/s reached")
+    p.add_argument("--efficiency", type=float, help="fraction of the tensor-core peak a large GEMM reaches "
+                   "(default 0.8: planner/constants.py)")
     p.add_argument("--margin", type=float, default=0.10, help="fraction of GPU memory kept free (default 0.10)")
     p.add_argument("--top", type=int, default=8, help="layouts to show")
-    p.add_argument("--output", help="write the best layout's config here (JSON) for bunsan train / initialize")
+    p.add_argument("--output", help="write the best layout's config here (JSON) and print its launch line per node")
 
 
 def _bytes(text: str | None) -> float | None:
@@ -148,16 +162,61 @@ def _states_at(est, stage: int) -> float | None:
     return st["model_states"] + st["disk"]
 
 
+def _links(args):
+    """(intra, inter) links: named, then with any measured --link-bandwidth / --link-latency applied."""
+    from bunsan.estimator.hardware import interconnect, intra_link, with_link
+    gpu = _gpu(args)
+    links = {"intra": interconnect(args.interconnect) if args.interconnect else intra_link(gpu),
+             "inter": interconnect(args.inter_node)}
+    for flag, key in (("--link-bandwidth", "bandwidth"), ("--link-latency", "latency")):
+        for item in getattr(args, flag[2:].replace("-", "_")):
+            which, _, value = item.partition("=")
+            if which not in links or not value:
+                raise ValueError(f"{flag} {item!r}: write intra=VALUE or inter=VALUE, e.g. {flag} inter="
+                                 + ("6.25GB/s" if key == "bandwidth" else "1e-5"))
+            links[which] = with_link(links[which], **{key: value if key == "bandwidth" else _seconds(flag, value)})
+    return links["intra"], links["inter"]
+
+
+def _seconds(flag: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not a number of seconds; write e.g. 1e-5") from None
+
+
+def _gpu(args):
+    from bunsan.estimator.hardware import gpu_spec, parse_gpu_spec
+    return parse_gpu_spec(args.gpu_spec) if args.gpu_spec else gpu_spec(args.gpu)
+
+
+def _space(args):
+    from bunsan.planner.space import Space
+    fields = {}
+    if args.zero_stages:
+        try:
+            fields["zero"] = tuple(int(z) for z in args.zero_stages.split(","))
+        except ValueError:
+            raise ValueError(f"--zero-stages {args.zero_stages!r}: write stages as 0,1,2,3") from None
+    if args.recompute:
+        fields["recompute"] = tuple(r.strip() for r in args.recompute.split(","))
+    if args.no_sp:
+        fields["sequence_parallel"] = (False,)
+    return Space(**fields)
+
+
 def cmd_plan(args) -> int:
     from rich.table import Table
 
     from bunsan.planner.search import plan
 
     tokens = int(args.tokens) if args.tokens else None
-    result = plan(args.model, args.gpus, _bytes(args.gpu_memory), gpu=args.gpu, nodes=args.nodes,
-                  seq_len=args.seq_len, global_batch=args.global_batch, interconnect_name=args.interconnect,
-                  inter_node=args.inter_node, precision=args.precision, margin=args.margin, total_tokens=tokens,
-                  efficiency=args.efficiency, host_memory=_bytes(args.host_memory), keep=max(args.top, 1))
+    intra, inter = _links(args)
+    result = plan(args.model, args.gpus, _bytes(args.gpu_memory), gpu=_gpu(args), nodes=args.nodes,
+                  seq_len=args.seq_len, global_batch=args.global_batch, interconnect_name=intra,
+                  inter_node=inter, precision=args.precision, margin=args.margin, total_tokens=tokens,
+                  efficiency=args.efficiency, host_memory=_bytes(args.host_memory), keep=max(args.top, 1),
+                  attention=args.attention, space=_space(args))
     console = _console()
     best = result.best
     lay0 = best.layout if best else None
@@ -184,12 +243,26 @@ def cmd_plan(args) -> int:
         table.add_row(*row)
     console.print(table)
     console.print(best.step.explain())
+    if args.constants:
+        from bunsan.planner.constants import table as constants_table
+        console.print("constants (bunsan/planner/constants.py, bunsan/estimator/hardware.py):\n"
+                      + constants_table(), highlight=False)
     if args.output:
         cfg = best.layout.to_config(_model_section(args.model))
         cfg["train_batch_size"] = best.layout.global_batch
         Path(args.output).write_text(json.dumps(cfg, indent=2) + "\n")
-        console.print(f"wrote {args.output}: bunsan train {args.output} --nproc {best.layout.gpus}")
+        console.print(f"wrote {args.output}; launch it with, on each node:")
+        for line in launch_lines(args.output, result.nodes, result.gpus // result.nodes):
+            console.print("  " + line, soft_wrap=True, highlight=False)
     return 0
+
+
+def launch_lines(config: str, nodes: int, per_node: int) -> list[str]:
+    """The `bunsan run` (torchrun) line for each node of the job; one node needs no rendezvous."""
+    if nodes == 1:
+        return [f"bunsan train {config} --nproc {per_node}"]
+    return [f"bunsan run --nnodes {nodes} --nproc-per-node {per_node} --node-rank {r} --master-addr NODE0_ADDRESS "
+            f"--master-port 29500 --module bunsan.cli train {config}   # node {r}" for r in range(nodes)]
 
 
 def _model_section(model: str) -> dict:

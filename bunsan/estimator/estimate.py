@@ -131,7 +131,7 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
     st = with_frozen_base(st, frozen, layout.shard_ranks, layout.zero, layout.dtype_bytes)
     items = (_process_items(layout, runtime, on_cpu)
              + _model_state_items(st, rp, frozen, layout, on_cpu)
-             + _activation_items(shape.llama, rp, rank, layout, on_cpu)
+             + _activation_items(None if shape.bare else shape.llama, rp, rank, layout, on_cpu)
              + _backward_buffer_items(shape, rp, base, layout, bucket)
              + _step_items(shape, rp, st, layout, zero, on_cpu))
     return items, st

@@ -73,24 +73,36 @@ GPU_ALIASES = {
 class Interconnect:
     name: str
     bytes_per_s: float   # per GPU, one direction, achievable bus bandwidth
-    latency_s: float     # per message hop
+    latency_s: float     # per ring step (NCCL's per-hop latency)
+    launch_s: float = 0.0   # per collective, whatever its size (NCCL's base latency)
 
+
+# NCCL's ring latency model (NVIDIA/nccl src/graph/tuning.cc, NCCL 2.8-2.12, ring / Simple protocol):
+# baseLat 8.4 us per collective, hwLat 3.4 us per NVLink step, 9.6 us per network step.
+NCCL_BASE_LATENCY_S = 8.4e-6
+NVLINK_STEP_S, NET_STEP_S, PCIE_STEP_S = 3.4e-6, 9.6e-6, 5.7e-6
 
 INTERCONNECTS = {i.name: i for i in (
     # Intra-node. H100 NVLink4 is 900 GB/s bidirectional = 450 GB/s per direction; we assume
     # collectives reach about that (NCCL with NVLink SHARP on 8 GPUs comes close; plain rings ~80%).
-    Interconnect("nvlink", 450e9, 5e-6),
-    Interconnect("pcie", 25e9, 10e-6),        # PCIe gen4 x16: 32 GB/s per direction signalling, ~25 achievable
-    # Inter-node.
-    Interconnect("infiniband", 40e9, 10e-6),  # NDR 400 Gb/s per GPU = 50 GB/s, ~40 achievable
-    Interconnect("ethernet", 10e9, 30e-6),    # 100 Gb/s = 12.5 GB/s, ~10 achievable
+    Interconnect("nvlink", 450e9, NVLINK_STEP_S, NCCL_BASE_LATENCY_S),
+    # A100 NVLink3: 600 GB/s bidirectional; NCCL caps an A100 ring's bus bandwidth at 235 GB/s (tuning.cc).
+    Interconnect("nvlink3", 235e9, NVLINK_STEP_S, NCCL_BASE_LATENCY_S),
+    Interconnect("pcie", 25e9, PCIE_STEP_S, NCCL_BASE_LATENCY_S),   # PCIe gen4 x16: 32 GB/s signalling, ~25
+    # Inter-node, per GPU: the node's NIC bandwidth over its GPUs, ~80% of signalling reached by NCCL.
+    Interconnect("infiniband", 40e9, NET_STEP_S, NCCL_BASE_LATENCY_S),   # NDR 400 Gb/s per GPU = 50 GB/s
+    Interconnect("hdr", 20e9, NET_STEP_S, NCCL_BASE_LATENCY_S),   # HDR 200 Gb/s per GPU = 25 GB/s (DGX A100)
+    # Jean Zay (BLOOM): four 100 Gb/s Omni-Path links per 8-GPU node = 6.25 GB/s per GPU signalling.
+    Interconnect("omnipath", 5e9, NET_STEP_S, NCCL_BASE_LATENCY_S),
+    Interconnect("ethernet", 10e9, 30e-6, NCCL_BASE_LATENCY_S),    # 100 Gb/s = 12.5 GB/s, ~10 achievable
     Interconnect("loopback", 5e9, 50e-6),     # gloo over TCP on one host (CPU test runs)
 )}
 
 INTERCONNECT_ALIASES = {
     "nvlink4": "nvlink", "nvl": "nvlink",
     "pcie4": "pcie", "pcie-gen4": "pcie", "pci-e": "pcie",
-    "ib": "infiniband", "ndr": "infiniband", "ib-ndr": "infiniband",
+    "ib": "infiniband", "ndr": "infiniband", "ib-ndr": "infiniband", "ib-hdr": "hdr", "hdr200": "hdr",
+    "nvlink-a100": "nvlink3", "opa": "omnipath", "omni-path": "omnipath",
     "eth": "ethernet", "100gbe": "ethernet", "tcp": "ethernet",
     "gloo": "loopback", "localhost": "loopback", "lo": "loopback",
 }
@@ -153,3 +165,84 @@ def parse_bytes(text) -> int:
     if value.denominator != 1:
         raise ValueError(f"{text!r} is {float(value)} bytes, not a whole number of bytes; write {_FORMS}")
     return int(value)
+
+
+# The link inside a node each GPU comes with (parts without NVLink talk over PCIe).
+INTRA_LINK = {"a100": "nvlink3", "a100-40gb": "nvlink3", "v100": "nvlink3", "l40s": "pcie", "a10": "pcie",
+              "rtx4090": "pcie", "cpu": "loopback"}
+
+
+def intra_link(gpu: GPU) -> Interconnect:
+    """The link inside a node that `gpu` comes with: NVLink4 for H100/H200, NVLink3 for A100, else PCIe."""
+    return interconnect(INTRA_LINK.get(gpu.name.rstrip("*"), "nvlink"))
+
+
+def parse_rate(text) -> float:
+    """'6.25GB/s', '6.25GB' or 6.25e9 -> bytes per second (decimal and binary units as parse_bytes)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool) and text > 0:
+        return float(text)
+    body = text.strip()[:-2] if isinstance(text, str) and text.strip().lower().endswith("/s") else text
+    try:
+        rate = parse_bytes(body)
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a bandwidth; write bytes per second such as 6.25GB/s, "
+                         "25GB or 2.5e10") from None
+    if rate <= 0:
+        raise ValueError(f"bandwidth {text!r} must be above zero; write e.g. 6.25GB/s")
+    return float(rate)
+
+
+def with_link(link: Interconnect, bandwidth=None, latency=None) -> Interconnect:
+    """`link` with a measured bandwidth (bytes/s or '6GB/s') and/or per-step latency (seconds) instead."""
+    import dataclasses
+    changes = {}
+    if bandwidth is not None:
+        changes["bytes_per_s"] = parse_rate(bandwidth)
+    if latency is not None:
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
+            raise ValueError(f"link latency must be seconds >= 0, got {latency!r}; write e.g. 1e-5")
+        changes["latency_s"] = float(latency)
+    if not changes:
+        return link
+    label = ",".join(f"{k}={v:g}" for k, v in changes.items())
+    return dataclasses.replace(link, name=f"{link.name}({label})", **changes)
+
+
+_FLOPS = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?)\s*([kmgtp]?)(?:flops?(?:/s)?)?\s*$", re.IGNORECASE)
+_FLOP_SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
+
+
+def _flops(key: str, text: str) -> float:
+    m = _FLOPS.match(text)
+    if not m or float(m[1]) <= 0:
+        raise ValueError(f"--gpu-spec {key}={text!r}: write dense FLOP/s such as {key}=312T or {key}=3.12e14")
+    return float(m[1]) * _FLOP_SCALE[m[2].lower()]
+
+
+def parse_gpu_spec(text: str) -> GPU:
+    """'a100,bf16=300T,memory=80GiB,hbm=2TB' -> the named GPU with those figures replaced (a name first, or
+    'custom' and every figure given)."""
+    import dataclasses
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise ValueError("--gpu-spec is empty; write NAME[,bf16=312T][,fp16=..][,fp32=..][,memory=80GiB][,hbm=2TB]")
+    name, *pairs = parts
+    base = GPU("custom", 0, {}, 0.0) if name.lower() == "custom" else gpu_spec(name)
+    flops, changes = dict(base.peak_flops), {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        key = key.strip().lower()
+        if key in ("bf16", "fp16", "fp32"):
+            flops[key] = _flops(key, value.strip())
+        elif key == "memory":
+            changes["memory_bytes"] = parse_bytes(value.strip())
+        elif key == "hbm":
+            changes["hbm_bytes_per_s"] = parse_rate(value.strip())
+        else:
+            raise ValueError(f"--gpu-spec key {key!r} is not one of bf16, fp16, fp32, memory, hbm; write e.g. "
+                             "a100,bf16=312T,memory=80GiB,hbm=2.039TB")
+    gpu = dataclasses.replace(base, name=base.name if not pairs else f"{base.name}*", peak_flops=flops, **changes)
+    if not gpu.peak_flops or gpu.memory_bytes <= 0 or gpu.hbm_bytes_per_s <= 0:
+        raise ValueError(f"--gpu-spec {text!r} leaves the GPU without FLOP/s, memory or HBM bandwidth; a custom "
+                         "GPU needs all three: custom,bf16=312T,memory=80GiB,hbm=2TB")
+    return gpu

@@ -134,6 +134,8 @@ class Layout:
                 zero.pop(key, None)
             else:
                 zero[key] = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
+        if self.zero == 3 and self.pp > 1:
+            zero["stage3_pipeline_gather"] = self.pipeline_gather
         cfg["zero_optimization"] = zero
         cfg["activation_checkpointing"] = self._recompute_section(cfg.get("activation_checkpointing", {}))
         cfg["tensor_parallel"] = {"size": self.tp, "sequence_parallel": self.sequence_parallel}

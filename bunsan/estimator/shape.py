@@ -30,7 +30,7 @@ class ModelShape:
     name: str
     module: nn.Module                 # on the meta device
     llama: LlamaConfig | None = None  # the shape activations are computed from; None for other modules
-    bare: bool = False                # known only by its parameter count: no per-tensor transients
+    bare: bool = False                # known only by its parameter count: model states only, no activations
 
     @property
     def n_params(self) -> int:
@@ -46,11 +46,50 @@ _COUNT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmbt])\s*$", re.IGNORECASE)
 _SCALE = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
 
+# A bare count is priced as a Llama-2-style shape (models/presets.py's 7b: hidden 4096, 32 layers, head dim
+# 128, SwiGLU at 8h/3): hidden / layers = 128 as in Llama-2 7B and 13B, the vocabulary absorbing the rest.
+ASPECT, HEAD_DIM, VOCAB = 128, 128, 32000
+
+
+def llama_of_count(count: int) -> LlamaConfig:
+    """A Llama shape with `count` parameters (to within two hidden rows): its blocks are ZeRO-3's units and
+    its largest weight the per-tensor transients, where one tensor of `count` elements would be neither."""
+    def block(h: int) -> int:
+        inter = max(256, round(8 * h / 3 / 256) * 256)
+        return 4 * h * h + 3 * h * inter + 2 * h
+
+    best = None
+    for step in (1024, 128):     # heads a multiple of 8 where the count allows: every tensor-parallel size fits
+        for h in range(step, 65537, step):
+            layers = round((count - 2 * VOCAB * h) / block(h))
+            if layers >= 1 and (best is None or abs(layers - h / ASPECT) < abs(best[1] - best[0] / ASPECT)):
+                best = (h, layers)
+        if best is not None:
+            break
+    if best is None:
+        raise ValueError(f"{count:,} parameters is too few for a Llama shape (under one 128-wide block and a "
+                         f"{VOCAB}-token vocabulary); give a preset or a config.json instead")
+    h, layers = best
+    inter = max(256, round(8 * h / 3 / 256) * 256)
+    vocab = max(1, (count - layers * block(h) - h) // (2 * h))
+    return LlamaConfig(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_hidden_layers=layers,
+                       num_attention_heads=max(1, h // HEAD_DIM), max_position_embeddings=4096)
+
+
 def _bare(count: float, name: str) -> ModelShape:
-    """A model known only by its parameter count ("7.5B"): model states, no activations."""
-    module = nn.Module()
-    module.weight = nn.Parameter(torch.empty(int(count), device="meta"))
-    return ModelShape(f"{name} parameters", module, bare=True)
+    """A model known only by its parameter count ("7.5B"): model states of a Llama shape of that count, no
+    activations (its sequence and batch are unknown); one tensor when the count is too small for a Llama."""
+    try:
+        cfg = llama_of_count(int(count))
+    except ValueError:
+        module = nn.Module()
+        module.weight = nn.Parameter(torch.empty(int(count), device="meta"))
+        return ModelShape(f"{name} parameters (one tensor: too few for a Llama shape)", module, bare=True)
+    with torch.device("meta"):
+        module = Llama(cfg)
+    label = (f"{name} parameters, priced as a Llama of {cfg.num_hidden_layers} layers x hidden {cfg.hidden_size} "
+             f"(intermediate {cfg.intermediate_size}, vocabulary {cfg.vocab_size:,})")
+    return ModelShape(label, module, cfg, bare=True)
 
 
 def load_shape(model, overrides: dict | None = None) -> ModelShape:

@@ -1,30 +1,34 @@
 """Seconds per optimizer step for a layout: an analytic model the planner ranks layouts with.
 
-    total = compute + recompute + tp_comm + dp_comm (exposed) + pp_comm + bubble + offload + cp_comm
+    total = compute + recompute + tp_comm + dp_comm (exposed) + pp_comm + bubble + offload + optimizer
+            + cp_comm
 
-Compute follows the PaLM/Megatron convention: 6N + 12·L·h·s FLOPs per token (N without
-the input embedding table, which is a lookup), spread evenly over the GPUs and run at
-`efficiency` x the chip's dense peak. Communication uses ring volumes (all-reduce
-2(n-1)/n·S, all-gather and reduce-scatter (n-1)/n·S) over the link each group uses.
-Data-parallel traffic follows what bunsan's ZeRO does per micro-step (bunsan/zero/):
+Compute is priced per GEMM of the block (planner/compute.py: a roofline of FLOPs at a GEMM efficiency and
+bytes at the HBM bandwidth, plus the element-wise rest), on the pipeline stage with the most blocks (and
+the head). Collectives are latency + size / bandwidth over the real topology (planner/collectives.py):
+NVLink inside a node, the per-GPU share of the inter-node fabric across, ring or tree, with the group's
+size. What overlaps and what does not:
 
-    stage 0   all-reduce of gradients on the last micro-step, during its backward
-    stage 1   reduce-scatter on the last micro-step (overlapped), parameter all-gather after the step
-    stage 2   reduce-scatter on every micro-step (overlapped), parameter all-gather after the step
-    stage 3   per micro-step: gather in forward, re-gather in backward, reduce-scatter (all overlapped)
+    tensor parallel   all-reduces (or SP's all-gathers and reduce-scatters) on the critical path
+    stage 0-2         gradient buckets reduce while backward runs, hidden up to the backward's length; the
+                      last bucket is exposed; stages 1-2 gather the parameters after the step (exposed)
+    stage 3           each block's gather hides behind the block before's compute only (prefetch depth
+                      1), in forward and again in backward, where its reduce-scatter shares the link
+    pipeline          every stage reduces once after the schedule, exposed (nothing computes then); ZeRO-3
+                      gathers per micro-batch in forward and backward (as stage 3), or once before the
+                      schedule (exposed) with stage3_pipeline_gather "schedule"; bubble and sends exposed
+    recompute         the recomputed forward runs inside backward, on the critical path
+    context parallel  per layer and micro-batch the K/V all-gather (forward, again under recompute) and the
+                      reduce-scatter of their gradients, on the critical path; cp ranks are data parallel
+                      for gradients (ZeRO over dp x cp)
 
-Under pipeline stages every stage reduces once after the schedule, exposed (nothing computes then); ZeRO-3
-gathers per micro-batch in forward and backward (overlapped), or once before the schedule (exposed) with
-stage3_pipeline_gather "schedule".
-
-With one micro-step this is the textbook 2Ψ for stages 0-2 and 3Ψ for stage 3. Context-parallel ranks
-are data parallel for gradients (ZeRO over dp x cp) and, per layer and micro-batch, all-gather K and V in
-forward ((cp-1)/cp of the whole row's K/V bytes; again when a recomputed forward reruns it) and
-reduce-scatter their gradients in backward (the same bytes); never overlapped.
-Every figure is an estimate; `benchmarks/` measures the real thing.
+Every constant is in planner/constants.py (and hardware.py) with its source. Every figure is an estimate;
+`benchmarks/bench_planner.py` checks it against published runs, `benchmarks/` measures the real thing.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import math
 from dataclasses import dataclass
@@ -39,19 +43,11 @@ from bunsan.estimator.hardware import GPU, Interconnect
 from bunsan.estimator.activations import Micro
 from bunsan.estimator.layout import Layout
 from bunsan.estimator.recompute import offloaded_count, offloaded_per_block
+from bunsan.planner import constants as K
+from bunsan.planner.collectives import Topology, collective, p2p
+from bunsan.planner.compute import BlockTime, block_time, head_time, optimizer_time
 
-# Fraction of dense peak a well-tuned training step sustains. Megatron-LM and PaLM report
-# 40-55% MFU on A100/H100 at scale; 0.4 is a conservative estimate, not a measurement.
-EFFICIENCY = 0.4
-# Fraction of the compute window that really hides overlapped data-parallel traffic. An
-# estimate: NCCL kernels share SMs and memory bandwidth with the matmuls they overlap.
-OVERLAP = 0.8
-# Full activation checkpointing reruns each block's forward in backward; with backward
-# costing about twice the forward, that is 1/3 of forward + backward (Megatron-LM).
-RECOMPUTE_FRACTION = 1 / 3
-FORWARD_FRACTION = 1 / 3   # forward share of forward + backward; backward is the other 2/3
-# fp32 optimizer-state bytes per parameter besides the 4-byte master copy (as memory/theory.py's K;
-# 8-bit AdamW keeps two 1-byte moments; Adafactor's factored moments are negligible).
+EFFICIENCY = K.GEMM_EFFICIENCY   # the default GEMM efficiency (`efficiency=` overrides it)
 MASTER_BYTES = 4
 GRAD_SHARD_BYTES = 4   # bunsan keeps the reduced gradient shard in fp32 (zero/optimizer.py)
 # Host-side figures (estimates; see hardware.py).
@@ -60,7 +56,7 @@ NVME_READ_BYTES_PER_S = hardware.NVME_READ_BYTES_PER_S
 NVME_WRITE_BYTES_PER_S = hardware.NVME_WRITE_BYTES_PER_S
 CPU_ADAM_PARAMS_PER_S = hardware.CPU_ADAM_PARAMS_PER_S
 
-COMPONENTS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "offload", "cp_comm")
+COMPONENTS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "offload", "optimizer", "cp_comm")
 
 
 @dataclass(frozen=True)
@@ -74,6 +70,7 @@ class StepTime:
     pp_comm: float
     bubble: float
     offload: float
+    optimizer: float         # the optimizer step on the GPU (offloaded steps are in `offload`)
     dp_comm_total: float     # all data-parallel traffic, before overlap
     tokens_per_step: int
     flops_per_token: float   # 6N + 12·L·h·s
@@ -108,45 +105,62 @@ class StepTime:
 
 
 def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect, inter: Interconnect,
-              gpus_per_node: int, efficiency: float = EFFICIENCY) -> StepTime:
-    """Estimated seconds per optimizer step of `layout` training `model` on `gpu`s, `gpus_per_node` per node."""
-    peak = _validate(model, layout, gpu, gpus_per_node, efficiency)
-    tp_link, dp_link, pp_link = _links(layout, intra, inter, gpus_per_node)
-    cp_link = intra if layout.tp * layout.cp <= gpus_per_node else inter
+              gpus_per_node: int, efficiency: float | None = None, attention: str = "flash") -> StepTime:
+    """Estimated seconds per optimizer step of `layout` training `model` on `gpu`s, `gpus_per_node` per node.
+    `efficiency` is the fraction of the tensor-core peak a large GEMM reaches (default GEMM_EFFICIENCY);
+    `attention` "materialized" prices a kernel that writes the scores out (no flash attention)."""
+    eff = K.GEMM_EFFICIENCY if efficiency is None else efficiency
+    peak = _validate(model, layout, gpu, gpus_per_node, eff)
+    topo = Topology(gpus_per_node, intra, inter)
     n_flops, n_all = model.num_params(include_embedding=False), model.num_params()
     flops_per_token = 6 * n_flops + 12 * model.num_hidden_layers * model.hidden_size * layout.seq_len
-    tokens = layout.global_batch * layout.seq_len
-
-    compute = flops_per_token * tokens / (layout.gpus * efficiency * peak)
-    recompute = compute * _recompute_fraction(model, layout, flops_per_token)
-    tp_comm = _tp_comm(model, layout, tp_link)
+    tokens, m = layout.global_batch * layout.seq_len, layout.grad_accum
+    # Under context parallelism a rank computes its seq_len/cp tokens of each row (its queries' attention
+    # against the whole row is priced as attention over its own tokens: an underestimate by up to cp x)
+    local = dataclasses.replace(layout, seq_len=layout.rank_tokens, cp=1) if layout.cp > 1 else layout
+    blk = block_time(model, local, gpu, eff, attention)
+    blocks = stage_blocks(model, layout)
+    head = head_time(model, local, gpu, eff)
+    compute = m * (blocks * (blk.forward + blk.backward) + head)
+    recompute = m * blocks * _recompute_per_block(layout, blk)
+    tp_comm = _tp_comm(model, local, topo, blocks)
     psi = n_all / (layout.tp * layout.pp)          # parameters this rank holds (before ZeRO sharding)
-    forward = FORWARD_FRACTION * compute
-    backward = compute - forward + recompute        # recompute runs inside backward
-    dp_total, dp_exposed = _dp_comm(layout, psi, dp_link, forward, backward)
+    dp_total, dp_exposed = _dp_comm(layout, psi, topo, blk, blocks, recompute / max(1, m * blocks))
     bubble = _bubble(layout, compute + recompute + tp_comm)
-    notes = (
-        f"{flops_per_token / 1e9:.4g} GFLOP/token = 6N (N={n_flops:,}, no input embedding) + 12·L·h·s; "
-        f"{efficiency:.0%} of {peak / 1e12:g} TFLOP/s {layout.precision} on {gpu.name}",
-        f"links: tp {tp_link.name}, dp {dp_link.name}, pp {pp_link.name} "
-        f"(mesh order pp, dp, cp, tp: tp innermost; {gpus_per_node} GPUs per node)",
+    shard = psi / layout.shard_ranks if layout.zero else psi
+    optimizer = 0.0 if layout.offload_optimizer != "none" else optimizer_time(shard, gpu)
+    return StepTime(compute=compute, recompute=recompute, tp_comm=tp_comm, dp_comm=dp_exposed,
+                    pp_comm=_pp_comm(model, layout, topo), bubble=bubble,
+                    offload=_offload(layout, psi) + _activation_offload(model, layout), optimizer=optimizer,
+                    dp_comm_total=dp_total, tokens_per_step=tokens, flops_per_token=flops_per_token,
+                    gpus=layout.gpus, peak_flops=peak, cp_comm=_cp_comm(model, layout, topo, blocks),
+                    assumptions=_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token)
+                    + _cp_note(layout))
+
+
+def _notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token) -> tuple:
+    link = {name: topo.link(size, stride).name for name, size, stride in
+            (("tp", layout.tp, 1), ("dp", layout.shard_ranks, layout.tp),
+             ("pp", layout.pp, layout.tp * layout.shard_ranks))}
+    return (
+        f"{flops_per_token / 1e9:.4g} GFLOP/token = 6N (N={n_flops:,}, no input embedding) + 12·L·h·s counts "
+        f"MFU; time is priced per GEMM: roofline of {eff:.0%} of {gpu.flops(layout.precision) / 1e12:g} TFLOP/s "
+        f"{layout.precision} and {K.HBM_EFFICIENCY:.0%} of {gpu.hbm_bytes_per_s / 1e12:.3g} TB/s HBM on {gpu.name}; "
+        f"element-wise ops by their bytes; attention {attention}",
+        f"links: tp {link['tp']}, dp {link['dp']}, pp {link['pp']} (mesh order pp, dp, cp, tp: tp innermost; "
+        f"{topo.gpus_per_node} GPUs per node); collectives = NCCL latency model + bytes / bandwidth",
         "tp: 2 all-reduces forward + 2 backward per layer per micro-batch (+2 when recomputing, +1 under "
         "selective recompute: o_proj's, and under SP the all-gathers into attention and MLP); "
         "sequence parallelism moves the same volume as all-gather + reduce-scatter; never overlapped",
-        f"dp: ZeRO-{layout.zero} traffic in model dtype; overlapped traffic hidden up to {OVERLAP:.0%} "
-        "of its compute window; the post-step parameter all-gather (stages 1-2) is exposed",
+        f"dp: ZeRO-{layout.zero} traffic in model dtype; reduces hidden behind backward up to its length (the "
+        "last bucket exposed); ZeRO-3 gathers hidden behind the block before's compute only; the post-step "
+        "parameter all-gather (stages 1-2) and, under pipeline stages, the reduce after the schedule exposed",
         "pp: one activation and one gradient send per micro-batch per chunk boundary; bubble = "
-        "ideal x f/(1-f) with f = schedule's idle fraction (p-1)/(v·m + p-1)",
+        "ideal x f/(1-f) with f = schedule's idle fraction (p-1)/(v·m + p-1); the busiest stage sets the pace",
         f"offload: PCIe {HOST_LINK_BYTES_PER_S / 1e9:g} GB/s, NVMe {NVME_READ_BYTES_PER_S / 1e9:g}/"
         f"{NVME_WRITE_BYTES_PER_S / 1e9:g} GB/s read/write, CPU Adam {CPU_ADAM_PARAMS_PER_S:.3g} params/s; "
         "not overlapped (an upper estimate); offloaded activations go down in forward and up in backward",
     )
-    return StepTime(compute=compute, recompute=recompute, tp_comm=tp_comm, dp_comm=dp_exposed,
-                    pp_comm=_pp_comm(model, layout, pp_link), bubble=bubble,
-                    offload=_offload(layout, psi) + _activation_offload(model, layout),
-                    dp_comm_total=dp_total, tokens_per_step=tokens, flops_per_token=flops_per_token,
-                    gpus=layout.gpus, peak_flops=peak, assumptions=notes + _cp_note(layout, cp_link),
-                    cp_comm=_cp_comm(model, layout, cp_link))
 
 
 def train_time(step: StepTime, layout: Layout, total_tokens: int) -> float:
@@ -162,111 +176,133 @@ def train_time(step: StepTime, layout: Layout, total_tokens: int) -> float:
 
 # ---------------------------------------------------------------- components
 
-def _links(layout: Layout, intra: Interconnect, inter: Interconnect, gpus_per_node: int):
-    """(tp, dp, pp) links. Ranks are laid out pp-major, tp-minor (pp, dp, cp, tp), so a group of consecutive
-    ranks stays inside a node while it fits: tp spans tp ranks, cp tp·cp, dp tp·cp·dp, and pp crosses a node
-    boundary somewhere as soon as the job spans nodes."""
-    tp = intra if layout.tp <= gpus_per_node else inter
-    dp = intra if layout.tp * layout.cp * layout.dp <= gpus_per_node else inter
-    pp = intra if layout.gpus <= gpus_per_node else inter
-    return tp, dp, pp
-
-
-def _ring(n: int, volume: float, link: Interconnect, steps_per_rank: int) -> float:
-    """Seconds for a ring collective moving `volume` bytes per rank in `steps_per_rank` hops."""
-    return volume / link.bytes_per_s + steps_per_rank * (n - 1) * link.latency_s
+def stage_blocks(model: LlamaConfig, layout: Layout) -> int:
+    """Blocks on the busiest pipeline rank: its chunks' share of the layers, rounded up."""
+    chunks = layout.pp * layout.virtual_stages
+    return -(-model.num_hidden_layers // chunks) * layout.virtual_stages
 
 
 def _activation_bytes(model: LlamaConfig, layout: Layout) -> int:
-    """One micro-batch's hidden states on one rank: micro_batch x its tokens of a row x hidden, model dtype."""
-    return layout.micro_batch * layout.rank_tokens * model.hidden_size * layout.dtype_bytes
+    """One micro-batch's hidden states: micro_batch x seq x hidden in the model dtype."""
+    return layout.micro_batch * layout.seq_len * model.hidden_size * layout.dtype_bytes
 
 
-def _recompute_fraction(model: LlamaConfig, layout: Layout, flops_per_token: float) -> float:
-    """Share of the step's compute that recompute adds: a third under full recompute; under selective the
-    attention core's forward (4·h·s per token per layer, a third of the 12·L·h·s term) if it is recomputed,
-    and o_proj's matmul under tensor parallelism (whose in-place all-reduce the recompute cannot keep)."""
+def _recompute_per_block(layout: Layout, blk: BlockTime) -> float:
+    """Seconds recompute adds per block and micro-batch: the whole forward under full recompute; under
+    selective the attention core's forward (if it is recomputed) and o_proj's GEMM under tensor parallelism
+    (whose in-place all-reduce the recompute cannot keep)."""
     if layout.checkpointing == "full":
-        return RECOMPUTE_FRACTION
+        return blk.forward
     if layout.checkpointing == "none":
         return 0.0
-    h = model.hidden_size
-    per_layer = (4 * h * layout.seq_len if "attention" in layout.recompute_ops else 0) + \
-        (2 * h * h if layout.tp > 1 else 0)
-    return model.num_hidden_layers * per_layer / flops_per_token
+    return (blk.attention_forward if "attention" in layout.recompute_ops else 0.0) + \
+        (blk.o_proj_forward if layout.tp > 1 else 0.0)
 
 
-def _tp_comm(model: LlamaConfig, layout: Layout, link: Interconnect) -> float:
+def _tp_comm(model: LlamaConfig, layout: Layout, topo: Topology, blocks: int) -> float:
     t = layout.tp
     if t == 1:
         return 0.0
-    per_all_reduce = _ring(t, 2 * (t - 1) / t * _activation_bytes(model, layout), link, 2)
+    per_all_reduce = collective("all_reduce", _activation_bytes(model, layout), t, 1, topo)
     # the recomputed forward all-reduces again: both (full); o_proj's, and under SP the two all-gathers
     # into attention and MLP (half an all-reduce each) (selective)
     again = {"none": 0, "full": 2, "selective": 1.5 if layout.sequence_parallel else 1}[layout.checkpointing]
     per_layer = 4 + again
     if layout.sequence_parallel:   # attention's and the MLP's inputs gathered again in backward (saved as slices)
         per_layer += 1             # two all-gathers: one all-reduce's bytes
-    layers = model.num_hidden_layers / layout.pp
-    return layout.grad_accum * layers * per_layer * per_all_reduce
+    return layout.grad_accum * blocks * per_layer * per_all_reduce
 
 
-def _dp_comm(layout: Layout, psi: float, link: Interconnect, forward: float, backward: float):
-    """(all traffic, exposed) seconds. Units of u = one ring pass (d-1)/d·Ψ·bytes; buckets are
-    large, so latency is ignored."""
+def _dp_comm(layout: Layout, psi: float, topo: Topology, blk: BlockTime, blocks: int, recompute: float):
+    """(all traffic, exposed) seconds of the data-parallel group (dp x cp ranks, tp apart: context-parallel
+    ranks are data parallel for gradients)."""
     d, m = layout.shard_ranks, layout.grad_accum
     if d == 1:
         return 0.0, 0.0
-    u = (d - 1) / d * psi * layout.dtype_bytes / link.bytes_per_s
-    if layout.pp > 1:     # (hidden, window, exposed): the reduce after the schedule, the gather after the step
-        per_micro = layout.zero == 3 and layout.pipeline_gather == "micro_batch"
-        hidden, window, after = (2 * m, forward + backward, 1) if per_micro else (0, 0.0, 2)
-        return (hidden + after) * u, max(0.0, hidden * u - OVERLAP * window) + after * u
-    # stage -> (overlapped passes, window that hides them, passes after the step)
-    hidden, window, after = {
-        0: (2, backward / m, 0),            # all-reduce = reduce-scatter + all-gather, last micro-step
-        1: (1, backward / m, 1),
-        2: (m, backward, 1),
-        3: (3 * m, forward + backward, 0),  # gathers prefetched in forward and backward
-    }[layout.zero]
-    total = (hidden + after) * u
-    return total, max(0.0, hidden * u - OVERLAP * window) + after * u
+    size = psi * layout.dtype_bytes
+
+    def coll(kind: str, nbytes: float) -> float:
+        return collective(kind, nbytes, d, layout.tp, topo)
+
+    backward = blocks * (blk.backward + recompute)       # one micro-step's backward on this rank
+    if layout.pp > 1:
+        return _dp_under_pipeline(layout, size, coll, blk, blocks, recompute)
+    if layout.zero == 3:
+        fwd, bwd, total = _zero3_micro_step(size / blocks, coll, blk, blocks, recompute, reduce=True)
+        return m * total, m * (fwd + bwd)
+    reduce = coll("all_reduce" if layout.zero == 0 else "reduce_scatter", size)
+    gather = coll("all_gather", size) if layout.zero else 0.0
+    reduces = m if layout.zero == 2 else 1     # stage 2 reduces every micro-step, 0-1 the last one
+    exposed = reduces * _hidden(reduce, backward, blocks) + gather
+    return reduces * reduce + gather, exposed
 
 
-def _pp_comm(model: LlamaConfig, layout: Layout, link: Interconnect) -> float:
+def _hidden(traffic: float, window: float, blocks: int) -> float:
+    """Exposed seconds of `traffic` issued through a `window` of compute, bucket by bucket (a block's
+    gradients each): what outlasts the window, and at least the last bucket, which nothing hides."""
+    return max(traffic - window, traffic / blocks)
+
+
+def _zero3_micro_step(unit_bytes: float, coll, blk: BlockTime, blocks: int, recompute: float, reduce: bool):
+    """(forward exposed, backward exposed, all traffic) of ZeRO-3 on one micro-step: block i+1's gather
+    (prefetched) hides behind block i's compute only; in backward the re-gather and the reduce-scatter of
+    the block's gradients share the link. The first gather of each pass and the last reduce are exposed."""
+    g = coll("all_gather", unit_bytes)
+    r = coll("reduce_scatter", unit_bytes) if reduce else 0.0
+    fwd = g + (blocks - 1) * max(0.0, g - blk.forward)
+    bwd = g + (blocks - 1) * max(0.0, g + r - blk.backward - recompute) + r
+    return fwd, bwd, blocks * (2 * g + r)
+
+
+def _dp_under_pipeline(layout: Layout, size: float, coll, blk: BlockTime, blocks: int, recompute: float):
+    """Under pipeline stages every stage reduces once after the schedule (exposed); stages 1-2 gather after
+    the step; ZeRO-3 gathers per micro-batch in forward and backward, or once before the schedule."""
+    m = layout.grad_accum
+    if layout.zero == 0:
+        reduce = coll("all_reduce", size)
+        return reduce, reduce
+    reduce, gather = coll("reduce_scatter", size), coll("all_gather", size)
+    if layout.zero == 3 and layout.pipeline_gather == "micro_batch":
+        fwd, bwd, total = _zero3_micro_step(size / blocks, coll, blk, blocks, recompute, reduce=False)
+        return m * total + reduce, m * (fwd + bwd) + reduce
+    return reduce + gather, reduce + gather
+
+
+def _pp_comm(model: LlamaConfig, layout: Layout, topo: Topology) -> float:
     """1F1B steady state: per micro-batch and model chunk, one activation in, one gradient out.
     Under sequence parallelism each tensor-parallel rank sends only its sequence shard."""
     if layout.pp == 1:
         return 0.0
     size = _activation_bytes(model, layout) / (layout.tp if layout.sequence_parallel else 1)
     sends = 2 * layout.grad_accum * layout.virtual_stages
-    return sends * (size / link.bytes_per_s + link.latency_s)
+    return sends * p2p(size / layout.cp, topo.link(layout.pp, layout.tp * layout.shard_ranks))
 
 
 def cp_kv_bytes(model: LlamaConfig, layout: Layout) -> float:
-    """Bytes one rank receives per layer and micro-batch in the K/V all-gather: (cp-1)/cp of the whole row's
-    K and V (its tensor-parallel share of the key/value heads); its backward reduce-scatter moves as much."""
-    c = layout.cp
+    """Bytes of the whole row's K and V one rank holds per layer and micro-batch (its tensor-parallel share of
+    the key/value heads): what the K/V all-gather assembles, and its backward reduce-scatter splits."""
     kv = 2 * layout.micro_batch * layout.seq_len * model.num_key_value_heads * model.head_dim / layout.tp
-    return (c - 1) / c * kv * layout.dtype_bytes
+    return kv * layout.dtype_bytes
 
 
-def _cp_comm(model: LlamaConfig, layout: Layout, link: Interconnect) -> float:
+def _cp_comm(model: LlamaConfig, layout: Layout, topo: Topology, blocks: int) -> float:
+    """Per layer and micro-batch: the K/V all-gather forward (again when recompute reruns attention) and the
+    reduce-scatter of their gradients backward, over the cp ranks (tp apart); never overlapped."""
     if layout.cp == 1:
         return 0.0
-    one = _ring(layout.cp, cp_kv_bytes(model, layout), link, 1)
-    again = 1 if layout.checkpointing == "full" or "attention" in layout.recompute_ops and \
-        layout.checkpointing == "selective" else 0
-    layers = model.num_hidden_layers / layout.pp
-    return layout.grad_accum * layers * (2 + again) * one
+    gather = collective("all_gather", cp_kv_bytes(model, layout), layout.cp, layout.tp, topo)
+    scatter = collective("reduce_scatter", cp_kv_bytes(model, layout), layout.cp, layout.tp, topo)
+    again = layout.checkpointing == "full" or (layout.checkpointing == "selective"
+                                               and "attention" in layout.recompute_ops)
+    return layout.grad_accum * blocks * ((2 if again else 1) * gather + scatter)
 
 
-def _cp_note(layout: Layout, link: Interconnect) -> tuple:
+def _cp_note(layout: Layout) -> tuple:
     if layout.cp == 1:
         return ()
-    return (f"cp: per layer and micro-batch an all-gather of K and V forward ((cp-1)/cp of the row's K/V, "
-            f"over {link.name}) and a reduce-scatter of their gradients backward, again when recompute reruns "
-            "attention; ZeRO and gradients over dp x cp; never overlapped",)
+    return ("cp: per layer and micro-batch an all-gather of the row's K and V forward (again under recompute) "
+            "and a reduce-scatter of their gradients backward; ZeRO and gradients over dp x cp; compute of "
+            "seq_len/cp tokens per rank (attention against the whole row underestimated)",)
 
 
 def _bubble(layout: Layout, ideal: float) -> float:
@@ -299,8 +335,7 @@ def _activation_offload(model: LlamaConfig, layout: Layout) -> float:
     """Offloaded blocks' saved activations: to the host in forward, back in backward, every micro-batch."""
     if not layout.offload_blocks:
         return 0.0
-    micro = Micro(layout.micro_batch, layout.rank_tokens, layout.dtype_bytes, layout.tp, layout.sequence_parallel,
-                  cp=layout.cp)
+    micro = Micro(layout.micro_batch, layout.seq_len, layout.dtype_bytes, layout.tp, layout.sequence_parallel)
     _, host = offloaded_per_block(model, micro, layout.checkpointing, layout.recompute_ops)
     blocks = offloaded_count(layout.offload_blocks, model.num_hidden_layers / layout.pp)
     return 2 * layout.grad_accum * blocks * host / HOST_LINK_BYTES_PER_S
@@ -311,22 +346,19 @@ def _activation_offload(model: LlamaConfig, layout: Layout) -> float:
 def _validate(model: LlamaConfig, layout: Layout, gpu: GPU, gpus_per_node: int, efficiency: float) -> float:
     """Reject layouts the engine would reject, with the arithmetic and the fix; return the peak FLOP/s."""
     if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or not 0 < efficiency <= 1:
-        raise ValueError(f"efficiency is the fraction of peak FLOP/s reached, in (0, 1]; got {efficiency!r}; "
-                         f"use e.g. {EFFICIENCY}")
+        raise ValueError(f"efficiency is the fraction of the tensor-core peak a large GEMM reaches, in (0, 1]; "
+                         f"got {efficiency!r}; use e.g. {EFFICIENCY}")
     if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be a positive int, got {gpus_per_node!r}")
     peak = gpu.flops(layout.precision)
     if layout.gpus > gpus_per_node and layout.gpus % gpus_per_node:
         raise ValueError(f"dp {layout.dp} x cp {layout.cp} x tp {layout.tp} x pp {layout.pp} = {layout.gpus} GPUs is "
-                         f"not a whole number of {gpus_per_node}-GPU nodes; use a multiple of {gpus_per_node} GPUs "
+                         f"not a whole "
+                         f"number of {gpus_per_node}-GPU nodes; use a multiple of {gpus_per_node} GPUs "
                          f"or pass the GPUs used per node as gpus_per_node")
-    if layout.cp > 1 and layout.seq_len % (2 * layout.cp * (layout.tp if layout.sequence_parallel else 1)):
-        raise ValueError(f"context parallelism cuts seq_len {layout.seq_len} into 2 x cp {layout.cp} chunks"
-                         + (f" and sequence parallelism each rank's share over tp {layout.tp}"
-                            if layout.sequence_parallel else "") + "; use a seq_len that divides so")
     if layout.tp > 1:
         check_llama(model, layout.tp)
-        if layout.sequence_parallel and layout.rank_tokens % layout.tp:
+        if layout.sequence_parallel and layout.seq_len % layout.tp:
             raise ValueError(f"sequence parallelism splits seq_len {layout.seq_len} over tp {layout.tp}, which "
                              f"does not divide it; use a seq_len that is a multiple of {layout.tp}")
     _validate_pipeline(model, layout)

@@ -11,15 +11,17 @@ would.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass, field
 
 from bunsan.estimator.estimate import Estimate, estimate_layout
 from bunsan.estimator.shape import ModelShape, load_shape, rank_params
-from bunsan.planner.cost import StepTime, step_time, train_time
-from bunsan.estimator.hardware import GPU, gpu_spec, interconnect
-from bunsan.estimator.layout import RECOMPUTE, Layout
+from bunsan.planner.cost import COMPONENTS, StepTime, step_time, train_time
+from bunsan.estimator.hardware import GPU, Interconnect, gpu_spec, interconnect, intra_link
+from bunsan.estimator.layout import Layout
+from bunsan.planner.space import Space, layouts
 
 GiB = 1024 ** 3
 MARGIN = 0.10   # memory kept free for the allocator's fragmentation and what the estimate leaves out
@@ -63,103 +65,51 @@ class Plan:
         return train_time(c.step, c.layout, self.total_tokens) / 86400
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _tp_sizes(shape: ModelShape, gpus_per_node: int, gpus: int) -> list[int]:
-    c = shape.llama
-    if c is None:
-        return [1]
-    return [t for t in _divisors(min(gpus_per_node, gpus)) if gpus % t == 0 and t <= 8
-            and c.num_attention_heads % t == 0 and c.num_key_value_heads % t == 0 and c.intermediate_size % t == 0]
-
-
-def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int,
-            precision: str, optimizer: str = "AdamW"):
-    """Every layout worth pricing (bunsan can run each one). Context parallelism is not searched yet: every
-    layout has cp 1 (the estimator and cost model price cp > 1 when asked: `bunsan plan` of a config with
-    context_parallel.size, Layout(cp=...))."""
-    layers = shape.llama.num_hidden_layers if shape.llama else 1
-    for tp in _tp_sizes(shape, gpus_per_node, gpus):
-        for pp in _divisors(gpus // tp):
-            if pp > 1 and (shape.llama is None or pp > layers):
-                continue
-            dp = gpus // (tp * pp)
-            if global_batch % dp:
-                continue
-            per_rank = global_batch // dp
-            for mb in (m for m in (1, 2, 4, 8, 16, 32) if per_rank % m == 0):
-                accum = per_rank // mb
-                if pp > 1 and accum < pp:
-                    continue          # fewer micro-batches than stages leaves stages idle
-                scheds = [("1f1b", 1)]
-                if pp > 1 and accum % pp == 0 and layers % (2 * pp) == 0:
-                    scheds.append(("interleaved", 2))
-                for (sched, v), ckpt, zero in itertools.product(scheds, RECOMPUTE, (0, 1, 2, 3)):
-                    for sp in ((False, True) if tp > 1 and seq_len % tp == 0 else (False,)):
-                        offloads = [("none", "none")]
-                        if zero >= 1:
-                            offloads.append(("cpu", "none"))
-                        if zero == 3:
-                            offloads.append(("cpu", "cpu"))
-                        if dp == 1 and zero:
-                            offloads.remove(("none", "none"))   # one rank: ZeRO only to offload (ZeRO-Offload)
-                        for off_opt, off_par in offloads:
-                            yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, grad_accum=accum,
-                                         seq_len=seq_len, precision=precision, optimizer=optimizer,
-                                         checkpointing=ckpt, sequence_parallel=sp, schedule=sched,
-                                         virtual_stages=v, offload_optimizer=off_opt, offload_param=off_par)
-
-
 def _why(c: Candidate, best: Candidate) -> str:
     if c is best:
         return "fastest that fits"
-    parts = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "offload")
-    deltas = {p: getattr(c.step, p) - getattr(best.step, p) for p in parts}
+    deltas = {p: getattr(c.step, p) - getattr(best.step, p) for p in COMPONENTS}
     worst = max(deltas, key=deltas.get)
     slower = c.step.total / best.step.total - 1
     if deltas[worst] <= 1e-9 * best.step.total:
         return "same estimated time; ranked by ZeRO stage, offload, micro-batch, memory"
     label = {"compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel traffic",
              "dp_comm": "exposed data-parallel traffic", "pp_comm": "pipeline sends", "bubble": "pipeline bubble",
-             "offload": "offload traffic"}[worst]
+             "offload": "offload traffic", "optimizer": "optimizer step"}[worst]
     return f"{slower:+.0%}: more {label} (+{deltas[worst]:.3g} s)"
 
 
-def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100", nodes: int = 1,
-         seq_len: int | None = None, global_batch: int | None = None, interconnect_name: str | None = None,
-         inter_node: str = "infiniband", precision: str | None = None, optimizer: str = "AdamW",
-         margin: float = MARGIN, total_tokens: int | None = None, efficiency: float = 0.4,
-         device_type: str = "cuda", keep: int = 10, host_memory: float | None = None) -> Plan:
+def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = "h100", nodes: int = 1,
+         seq_len: int | None = None, global_batch: int | None = None,
+         interconnect_name: str | Interconnect | None = None, inter_node: str | Interconnect = "infiniband",
+         precision: str | None = None, optimizer: str = "AdamW", margin: float = MARGIN,
+         total_tokens: int | None = None, efficiency: float | None = None, device_type: str = "cuda",
+         keep: int = 10, host_memory: float | None = None, attention: str = "flash",
+         space: Space | None = None) -> Plan:
     """The layouts of `model` on `gpus` GPUs (`nodes` nodes) that fit, fastest first. `host_memory` (per
-    node), when given, also rules out layouts whose offloaded states would not fit in host memory."""
+    node), when given, also rules out layouts whose offloaded states would not fit in host memory. GPUs and
+    links are names (hardware.py) or GPU / Interconnect objects (measured figures, `with_link`);
+    `keep` 0 keeps every layout that fits."""
     shape = load_shape(model)
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"gpus must be a positive int, got {gpus!r}")
-    if nodes < 1 or gpus % nodes:
-        raise ValueError(f"{gpus} GPUs cannot be spread evenly over {nodes} nodes; use a multiple of {nodes}")
-    spec = gpu_spec(gpu)
+    if shape.bare:      # a plan has a sequence and a batch: the assumed Llama shape's activations count too
+        shape = dataclasses.replace(shape, bare=False)
+    _check_gpus(gpus, nodes)
+    spec = gpu if isinstance(gpu, GPU) else gpu_spec(gpu)
     memory = float(gpu_memory if gpu_memory is not None else spec.memory_bytes)
-    if precision is None:   # 16-bit (bf16 where the GPU has it) and fp32; CPUs: fp32, faster there than bf16
-        half = "bf16" if "bf16" in spec.peak_flops else "fp16"
-        precisions = ["fp32"] if spec.name == "cpu" else [half, "fp32"]
-    else:
-        spec.flops(precision)                   # a precision the GPU lacks is an error here
-        precisions = [precision]
+    precisions = _precisions(spec, precision)
+    space = _searched(space or Space(), host_memory)
     c = shape.llama
     seq = seq_len or (min(c.max_position_embeddings, 4096) if c else 2048)
     batch = global_batch or max(gpus, 8)
     per_node = gpus // nodes
-    intra = interconnect(interconnect_name or ("nvlink" if device_type == "cuda" else "loopback"))
-    inter = interconnect(inter_node)
+    intra, inter = _links(spec, interconnect_name, inter_node, device_type)
     ranks = functools.lru_cache(maxsize=None)(lambda tp, pp, v: rank_params(shape, tp, pp, v))
 
     def host_ok(e: Estimate) -> bool:
         return host_memory is None or e.host_per_node <= host_memory
 
     fits, considered, too_big, smallest = [], 0, 0, None
-    candidates = itertools.chain.from_iterable(layouts(shape, gpus, per_node, seq, batch, p, optimizer)
+    candidates = itertools.chain.from_iterable(layouts(shape, gpus, per_node, seq, batch, p, optimizer, space)
                                                for p in precisions)
     for lay in candidates:
         considered += 1
@@ -176,20 +126,56 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str = "h100"
             too_big += 1
             continue
         if c is not None:
-            cand.step = step_time(c, lay, spec, intra, inter, per_node, efficiency)
+            cand.step = step_time(c, lay, spec, intra, inter, per_node, efficiency, attention)
         fits.append(cand)
-    # Ties on time go to less traffic (lower ZeRO stage, no offload), then bigger micro-batches (better
-    # matmul efficiency, which the FLOP count does not see), then less memory.
-    fits.sort(key=lambda k: (round(k.step.total, 9) if k.step else 0.0, k.layout.zero,
-                             k.layout.offload_optimizer != "none", -k.layout.micro_batch, k.peak))
-    result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, margin, fits[:keep], considered, too_big,
-                  smallest, total_tokens=total_tokens)
+    fits.sort(key=_order)
+    result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, margin, fits[:keep or None], considered,
+                  too_big, smallest, total_tokens=total_tokens)
     for cand in result.ranked:
         cand.why = _why(cand, result.ranked[0]) if cand.step else "fits"
     if not fits:
         result.suggestions = _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precisions[0], smallest,
                                              device_type, host_ok, host_memory)
     return result
+
+
+def _check_gpus(gpus: int, nodes: int) -> None:
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive int, got {gpus!r}")
+    if nodes < 1 or gpus % nodes:
+        raise ValueError(f"{gpus} GPUs cannot be spread evenly over {nodes} nodes; use a multiple of {nodes}")
+
+
+def _searched(space: Space, host_memory: float | None) -> Space:
+    """NVMe offload holds what CPU offload holds on the GPU, only slower: it wins only where host memory
+    runs out, which without a `host_memory` it cannot; leave it out then."""
+    if host_memory is not None or "nvme" not in space.offload:
+        return space
+    return dataclasses.replace(space, offload=tuple(o for o in space.offload if o != "nvme") or ("none",))
+
+
+def _precisions(spec: GPU, precision: str | None) -> list[str]:
+    """16-bit (bf16 where the GPU has it) and fp32 unless one is asked for; CPUs: fp32, faster there."""
+    if precision is None:
+        half = "bf16" if "bf16" in spec.peak_flops else "fp16"
+        return ["fp32"] if spec.name == "cpu" else [half, "fp32"]
+    spec.flops(precision)                   # a precision the GPU lacks is an error here
+    return [precision]
+
+
+def _order(k: Candidate) -> tuple:
+    """Fastest first; ties on time go to less traffic (lower ZeRO stage, no offload), then bigger
+    micro-batches, then less memory."""
+    return (round(k.step.total, 9) if k.step else 0.0, k.layout.zero, k.layout.offload_optimizer != "none",
+            -k.layout.micro_batch, k.peak)
+
+
+def _links(spec: GPU, intra, inter, device_type: str) -> tuple[Interconnect, Interconnect]:
+    """(inside a node, between nodes): names or Interconnects; inside defaults to the GPU's own link."""
+    def link(x):
+        return x if isinstance(x, Interconnect) else interconnect(x)
+    inside = link(intra) if intra else intra_link(spec) if device_type == "cuda" else interconnect("loopback")
+    return inside, link(inter)
 
 
 def _offload_what_does_not_fit(shape: ModelShape, lay: Layout, est: Estimate, margin: float,

@@ -1,0 +1,94 @@
+"""Seconds of compute per transformer block and micro-batch on one rank: a roofline per GEMM.
+
+Each GEMM of the block (q/k/v, o, gate/up, down, the attention core, the head) is priced at the slower of
+its FLOPs at `gemm_efficiency` x the tensor-core peak and its bytes (both operands and the result) at the
+HBM bandwidth: so tensor parallelism that makes GEMMs skinny, or micro-batches that make them short,
+costs what the roofline says. The element-wise rest (norms, residuals, the activation, a materialised
+softmax) moves bytes only. Under tensor parallelism the GEMMs shrink by tp; without sequence parallelism
+the norms and residuals run on every rank's whole sequence (replicated), with it on 1/tp of the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bunsan.estimator.hardware import GPU
+from bunsan.estimator.layout import Layout
+from bunsan.models.llama import LlamaConfig
+from bunsan.planner import constants as K
+
+ATTENTION = ("flash", "materialized")
+
+
+@dataclass(frozen=True)
+class BlockTime:
+    """One block, one micro-batch, one rank: forward and backward seconds, and the parts recompute reruns."""
+
+    forward: float
+    backward: float
+    attention_forward: float      # the attention core's forward (selective recompute reruns it)
+    o_proj_forward: float         # o_proj's GEMM (selective recompute reruns it under tensor parallelism)
+
+
+def gemm(m: int, k: int, n: int, gpu: GPU, precision: str, dtype_bytes: int, efficiency: float,
+         batch: int = 1) -> float:
+    """Seconds for `batch` (m x k) @ (k x n) products: the roofline of FLOPs and HBM bytes."""
+    flops = 2.0 * batch * m * k * n
+    nbytes = batch * (m * k + k * n + m * n) * dtype_bytes
+    return max(flops / (gpu.flops(precision) * efficiency), nbytes / (gpu.hbm_bytes_per_s * K.HBM_EFFICIENCY))
+
+
+def streamed(nbytes: float, gpu: GPU) -> float:
+    return nbytes / (gpu.hbm_bytes_per_s * K.HBM_EFFICIENCY)
+
+
+def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
+               attention: str = "flash") -> BlockTime:
+    """Seconds for one block's forward and backward on one micro-batch on one tensor-parallel rank."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}; 'flash' for a "
+                         "fused kernel (bunsan's SDPA), 'materialized' when the scores are written out")
+    t, b, s, h = layout.tp, layout.micro_batch, layout.seq_len, model.hidden_size
+    heads, kv = model.num_attention_heads, model.num_key_value_heads
+    d, inter, p, nb = h // heads, model.intermediate_size, layout.precision, layout.dtype_bytes
+    tokens = b * s
+
+    def mm(m, k, n, batch=1):
+        return gemm(m, k, n, gpu, p, nb, efficiency, batch)
+
+    qkv = mm(tokens, h, (heads + 2 * kv) * d // t)
+    o_proj = mm(tokens, h // t, h)
+    mlp = mm(tokens, h, 2 * inter // t) + mm(tokens, inter // t, h)
+    core = _attention_core(b, s, heads // t, kv // t or 1, d, gpu, p, nb, efficiency, attention)
+    hidden_tokens = tokens / (t if layout.sequence_parallel else 1)
+    elementwise = streamed((K.HIDDEN_PASSES * hidden_tokens * h + K.MLP_ACT_PASSES * tokens * inter / t) * nb, gpu)
+    forward = qkv + o_proj + mlp + core + elementwise
+    return BlockTime(forward=forward, backward=K.BACKWARD_FACTOR * forward, attention_forward=core,
+                     o_proj_forward=o_proj)
+
+
+def _attention_core(b: int, s: int, heads: int, kv: int, d: int, gpu: GPU, precision: str, nb: int,
+                    efficiency: float, attention: str) -> float:
+    """QK^T and AV over the full square, as the 12·L·h·s convention counts them (a causal flash kernel skips
+    half the square at about half the GEMM efficiency: the same seconds). Flash keeps the scores on chip and
+    moves only q, k, v and the output; a materialised kernel writes them and runs softmax over them."""
+    if attention == "flash":
+        flops = 4.0 * b * heads * s * s * d
+        nbytes = b * s * (2 * heads + 2 * kv) * d * nb
+        return max(flops / (gpu.flops(precision) * efficiency), streamed(nbytes, gpu))
+    core = gemm(s, d, s, gpu, precision, nb, efficiency, b * heads) + gemm(s, s, d, gpu, precision, nb, efficiency,
+                                                                            b * heads)
+    return core + streamed(K.SCORE_PASSES * b * heads * s * s * nb, gpu)
+
+
+def head_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float) -> float:
+    """Forward + backward of the LM head (and its loss) on one micro-batch: the last stage's extra work."""
+    tokens, v = layout.micro_batch * layout.seq_len, -(-model.vocab_size // layout.tp)
+    fwd = gemm(tokens, model.hidden_size, v, gpu, layout.precision, layout.dtype_bytes, efficiency)
+    loss = streamed(3 * tokens * v * 4, gpu)     # fp32 log-softmax: read the logits, write and read back
+    return (1 + K.BACKWARD_FACTOR) * (fwd + loss)
+
+
+def optimizer_time(params: float, gpu: GPU) -> float:
+    """The optimizer step over `params` parameters of this rank's shard: memory-bound."""
+    return streamed(params * K.OPTIMIZER_BYTES_PER_PARAM, gpu)

@@ -1,0 +1,59 @@
+"""Every constant the cost model prices a step with, each with where it comes from.
+
+GPU peaks, HBM and link bandwidths live in bunsan/estimator/hardware.py (datasheets); this table holds the
+figures that say how much of those peaks real kernels and collectives reach, and what overlaps. `SOURCES`
+is the table the planner prints (`bunsan plan` assumptions, README "What the planner assumes").
+"""
+
+from __future__ import annotations
+
+from bunsan.estimator import hardware
+
+# Fraction of the tensor-core peak a large, well-shaped GEMM sustains (cuBLAS, 16-bit, A100/H100). Smaller or
+# skinnier GEMMs fall below it through the roofline (their bytes over HBM), not through this number.
+GEMM_EFFICIENCY = 0.80
+# Fraction of the datasheet HBM bandwidth a streaming (element-wise) kernel reaches.
+HBM_EFFICIENCY = 0.80
+# Element-wise passes over the block's hidden state per layer in forward, each a read or a write of
+# tokens x hidden: two RMSNorms (read + write each), two residual adds (two reads + one write each), rotary
+# embedding on q and k (about two); under sequence parallelism each rank runs them on its 1/tp of the tokens.
+HIDDEN_PASSES = 12
+# SwiGLU's element-wise part: reads gate and up, writes their product (per element of tokens x I / tp).
+MLP_ACT_PASSES = 3
+# A materialised attention (no flash kernel: Megatron-LM 2021, BLOOM 2022): the scores written by QK^T, read
+# and written by scale + mask + softmax (fused), read and written by dropout with its mask, read by the
+# product with V: about 6 passes over micro-batch x heads/tp x seq^2.
+SCORE_PASSES = 6
+# Backward of an element-wise op reads the saved input and the incoming gradient and writes one gradient:
+# about twice the forward's bytes; a GEMM's backward is two GEMMs of the forward's size.
+BACKWARD_FACTOR = 2.0
+# AdamW step on the rank's fp32 shard, bytes per parameter moved through HBM: master weight, two moments
+# (read + write, 4 bytes each), the fp32 gradient read, the 16-bit weight written.
+OPTIMIZER_BYTES_PER_PARAM = 3 * 2 * 4 + 4 + 2
+# NCCL's latencies (per collective, per ring step) and the links' bandwidths: bunsan/estimator/hardware.py.
+NCCL_BASE_LATENCY_S = hardware.NCCL_BASE_LATENCY_S
+
+SOURCES = (
+    ("GEMM_EFFICIENCY", GEMM_EFFICIENCY, "cuBLAS large 16-bit GEMMs on A100/H100 reach ~80% of the dense "
+     "peak (NVIDIA Deep Learning Performance guide, matrix multiplication background); checked against "
+     "Megatron-LM Table 1's 1.7B row (benchmarks/bench_planner.py)"),
+    ("HBM_EFFICIENCY", HBM_EFFICIENCY, "streaming kernels reach 80-90% of the datasheet HBM bandwidth "
+     "(STREAM-like copy on A100/H100)"),
+    ("HIDDEN_PASSES", HIDDEN_PASSES, "counted from bunsan's Llama block (models/blocks.py): norms, residuals, "
+     "rotary"),
+    ("MLP_ACT_PASSES", MLP_ACT_PASSES, "counted: SwiGLU reads gate and up, writes one"),
+    ("SCORE_PASSES", SCORE_PASSES, "counted from Megatron-LM's unfused-attention path (only when "
+     "attention='materialized')"),
+    ("BACKWARD_FACTOR", BACKWARD_FACTOR, "a GEMM's backward is two GEMMs of its size (dgrad, wgrad)"),
+    ("OPTIMIZER_BYTES_PER_PARAM", OPTIMIZER_BYTES_PER_PARAM, "counted: fused AdamW on an fp32 shard"),
+    ("NCCL_BASE_LATENCY_S", NCCL_BASE_LATENCY_S, "NCCL src/graph/tuning.cc baseLat, ring / Simple"),
+    ("nvlink3 / hdr / omnipath", "235 / 20 / 5 GB/s", "hardware.py: NCCL's A100 bus-bandwidth cap; 80% of "
+     "HDR 200 Gb/s per GPU (DGX A100); 80% of 4 x 100 Gb/s Omni-Path per 8 GPUs (Jean Zay)"),
+    ("NVLink / network step", f"{hardware.NVLINK_STEP_S * 1e6:g} / {hardware.NET_STEP_S * 1e6:g} us",
+     "NCCL src/graph/tuning.cc hwLat, ring / Simple"),
+)
+
+
+def table() -> str:
+    """The constants and their sources, one per line (`bunsan plan --constants`)."""
+    return "\n".join(f"  {name:<26} {value!s:<18} {source}" for name, value, source in SOURCES)

@@ -1,0 +1,106 @@
+"""The layouts the planner walks: every one bunsan can run, or the part of them a `Space` allows.
+
+A `Space` narrows the walk to what a given software stack could run (Megatron-LM 2021 had no sequence
+parallelism and always recomputed; Megatron-DeepSpeed ran ZeRO-1 under pipeline stages), so the planner
+can be asked the question the authors of a published run faced, as well as the wider one bunsan offers.
+
+Context parallelism (branch h-cp) goes here as one more loop, over the cp sizes that divide the GPUs and
+the sequence, beside tp: Layout carries cp there, and planner/cost.py prices its ring of K/V sends with
+planner/collectives.py's p2p over the cp group (stride tp).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from bunsan.estimator.layout import RECOMPUTE, Layout
+from bunsan.estimator.shape import ModelShape
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+OFFLOADS = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class Space:
+    """Which options the search walks; the default is everything bunsan runs."""
+
+    zero: tuple = (0, 1, 2, 3)
+    recompute: tuple = RECOMPUTE
+    sequence_parallel: tuple = (False, True)
+    schedules: tuple = ("1f1b", "interleaved")    # gpipe costs 1F1B's bubble with more memory: off unless asked
+    offload: tuple = ("none", "cpu", "nvme")      # optimizer and parameter offload targets tried
+    pipeline_gather: tuple = ("micro_batch", "schedule")   # ZeRO-3 under pipeline stages
+    micro_batches: tuple = (1, 2, 4, 8, 16, 32)
+
+    def __post_init__(self) -> None:
+        checks = (("zero", self.zero, (0, 1, 2, 3)), ("recompute", self.recompute, RECOMPUTE),
+                  ("sequence_parallel", self.sequence_parallel, (False, True)),
+                  ("schedules", self.schedules, SCHEDULES), ("offload", self.offload, OFFLOADS),
+                  ("pipeline_gather", self.pipeline_gather, ("micro_batch", "schedule")))
+        for name, chosen, allowed in checks:
+            bad = [v for v in chosen if v not in allowed]
+            if bad or not chosen:
+                raise ValueError(f"Space.{name} {chosen!r} must be a non-empty selection of {allowed}; "
+                                 f"drop {bad}" if bad else f"Space.{name} is empty; allow at least one of {allowed}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tp_sizes(shape: ModelShape, gpus_per_node: int, gpus: int) -> list[int]:
+    c = shape.llama
+    if c is None:
+        return [1]
+    return [t for t in _divisors(min(gpus_per_node, gpus)) if gpus % t == 0 and t <= 8
+            and c.num_attention_heads % t == 0 and c.num_key_value_heads % t == 0 and c.intermediate_size % t == 0]
+
+
+def _offloads(zero: int, dp: int, space: Space) -> list[tuple[str, str]]:
+    """(optimizer, parameter) offload pairs for a ZeRO stage: optimizer offload needs a stage, parameter
+    offload stage 3 (and goes where the optimizer goes)."""
+    out = [("none", "none")] if "none" in space.offload else []
+    for dev in (d for d in ("cpu", "nvme") if d in space.offload and zero >= 1):
+        out.append((dev, "none"))
+        if zero == 3:
+            out.append((dev, dev))
+    if dp == 1 and zero:
+        out = [o for o in out if o != ("none", "none")]   # one rank: ZeRO only to offload (ZeRO-Offload)
+    return out
+
+
+def _schedules(pp: int, accum: int, layers: int, space: Space) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [(s, 1) for s in ("1f1b", "gpipe") if s in space.schedules]
+    if "interleaved" in space.schedules and accum % pp == 0:
+        out += [("interleaved", v) for v in (2, 4) if layers % (v * pp) == 0]
+    return out
+
+
+def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int,
+            precision: str, optimizer: str = "AdamW", space: Space | None = None):
+    """Every layout worth pricing in `space` (bunsan can run each one)."""
+    space = space or Space()
+    layers = shape.llama.num_hidden_layers if shape.llama else 1
+    for tp in tp_sizes(shape, gpus_per_node, gpus):
+        for pp in (p for p in _divisors(gpus // tp) if p == 1 or (shape.llama is not None and p <= layers)):
+            dp = gpus // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_rank = global_batch // dp
+            for mb in (m for m in space.micro_batches if per_rank % m == 0):
+                accum = per_rank // mb
+                if pp > 1 and accum < pp:
+                    continue          # fewer micro-batches than stages leaves stages idle
+                sps = [sp for sp in space.sequence_parallel if not sp or (tp > 1 and seq_len % tp == 0)]
+                for (sched, v), ckpt, zero, sp in itertools.product(
+                        _schedules(pp, accum, layers, space), space.recompute, space.zero, sps):
+                    gathers = space.pipeline_gather if zero == 3 and pp > 1 else ("micro_batch",)
+                    for (off_opt, off_par), gather in itertools.product(_offloads(zero, dp, space), gathers):
+                        yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, grad_accum=accum,
+                                     seq_len=seq_len, precision=precision, optimizer=optimizer,
+                                     checkpointing=ckpt, sequence_parallel=sp, schedule=sched,
+                                     virtual_stages=v, offload_optimizer=off_opt, offload_param=off_par,
+                                     pipeline_gather=gather)

@@ -1,0 +1,41 @@
+"""The planner against published runs (tests/published_runs.py, benchmarks/bench_planner.py): pinned so that
+a change to the cost model that drifts from what Megatron-LM and BLOOM measured fails here.
+
+The bounds are today's figures with a little room, not the issue's targets where those are not met yet
+(the ranks: the first choices halve tensor parallelism, see README "What the planner assumes")."""
+
+import pytest
+
+import published_runs as pr
+
+BY_NAME = {r.name: r for r in pr.RUNS}
+
+
+@pytest.mark.parametrize("run", [r for r in pr.RUNS if r.ranked], ids=lambda r: r.name)
+def test_published_layouts_are_priced_within_15_percent_of_measured(run):
+    r = pr.reproduce(run, search=False)
+    assert abs(r.error) < 0.15, f"{run.name}: predicted {r.predicted_tflops:.0f} vs {run.measured_tflops}"
+
+
+@pytest.mark.parametrize("name, rank, behind", [
+    ("GPT 1.7B, 32 A100", 2, 0.01),
+    ("BLOOM-176B, 384 A100", 8, 0.11),
+    ("GPT-3 175B, 384 A100", 28, 0.11),
+])
+def test_published_layouts_rank_where_they_ranked(name, rank, behind):
+    r = pr.reproduce(BY_NAME[name])
+    assert r.rank is not None and r.rank <= rank, f"{name}: rank {r.rank} of {r.ranked}, was {rank}"
+    assert r.behind_first <= behind, f"{name}: {r.behind_first:.1%} behind {r.first.describe()}"
+
+
+def test_zero3_declines_as_table_2_measured():
+    """Megatron-LM Table 2: ZeRO-3 without model parallelism falls from 144 to 88 to 44 TFLOP/s per GPU at
+    384, 768, 1536 GPUs (fixed batch 1536). The decline, relative to the 384-GPU row, within 20%."""
+    runs = [pr.reproduce(r, search=False) for r in pr.RUNS if not r.ranked]
+    base = runs[0]
+    for r in runs[1:]:
+        measured = r.run.measured_tflops / base.run.measured_tflops
+        predicted = r.predicted_tflops / base.predicted_tflops
+        assert abs(predicted / measured - 1) < 0.2, f"{r.run.name}: {predicted:.2f} vs {measured:.2f}"
+    # the absolute level is too optimistic (DeepSpeed 2021's ZeRO-3 overheads are not modelled): pin the gap
+    assert all(0 < r.error < 0.45 for r in runs)
