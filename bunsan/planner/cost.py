@@ -278,11 +278,17 @@ def _pp_comm(model: LlamaConfig, layout: Layout, topo: Topology) -> float:
     return sends * p2p(size / layout.cp, topo.link(layout.pp, layout.tp * layout.shard_ranks))
 
 
-def cp_kv_bytes(model: LlamaConfig, layout: Layout) -> float:
-    """Bytes of the whole row's K and V one rank holds per layer and micro-batch (its tensor-parallel share of
-    the key/value heads): what the K/V all-gather assembles, and its backward reduce-scatter splits."""
+def _row_kv_bytes(model: LlamaConfig, layout: Layout) -> float:
+    """The whole row's K and V per layer and micro-batch (this rank's tensor-parallel share of the key/value
+    heads): what the K/V all-gather assembles, and its backward reduce-scatter splits."""
     kv = 2 * layout.micro_batch * layout.seq_len * model.num_key_value_heads * model.head_dim / layout.tp
     return kv * layout.dtype_bytes
+
+
+def cp_kv_bytes(model: LlamaConfig, layout: Layout) -> float:
+    """Bytes one rank receives per layer and micro-batch in the K/V all-gather: (cp-1)/cp of the row's K/V;
+    the backward reduce-scatter sends as much."""
+    return (layout.cp - 1) / layout.cp * _row_kv_bytes(model, layout)
 
 
 def _cp_comm(model: LlamaConfig, layout: Layout, topo: Topology, blocks: int) -> float:
@@ -290,8 +296,8 @@ def _cp_comm(model: LlamaConfig, layout: Layout, topo: Topology, blocks: int) ->
     reduce-scatter of their gradients backward, over the cp ranks (tp apart); never overlapped."""
     if layout.cp == 1:
         return 0.0
-    gather = collective("all_gather", cp_kv_bytes(model, layout), layout.cp, layout.tp, topo)
-    scatter = collective("reduce_scatter", cp_kv_bytes(model, layout), layout.cp, layout.tp, topo)
+    gather = collective("all_gather", _row_kv_bytes(model, layout), layout.cp, layout.tp, topo)
+    scatter = collective("reduce_scatter", _row_kv_bytes(model, layout), layout.cp, layout.tp, topo)
     again = layout.checkpointing == "full" or (layout.checkpointing == "selective"
                                                and "attention" in layout.recompute_ops)
     return layout.grad_accum * blocks * ((2 if again else 1) * gather + scatter)
