@@ -46,7 +46,6 @@ NOT_BUILT = [
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
     ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
-    ({"data": {"packing": True}}, "data.packing"),
 ]
 
 

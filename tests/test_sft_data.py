@@ -129,7 +129,8 @@ def test_batches_are_sharded_resumable_and_reshuffled(tok_dir, tmp_path):
     assert (labels == -100).any() and (labels != -100).any()
 
 
-def test_train_init_from_lora_chat_end_to_end(tok_dir, tmp_path):
+@pytest.mark.parametrize("packing", [False, True])
+def test_train_init_from_lora_chat_end_to_end(tok_dir, tmp_path, packing):
     from bunsan.models import Llama, LlamaConfig
     from bunsan.models.hf import save_llama
     import shutil
@@ -143,8 +144,46 @@ def test_train_init_from_lora_chat_end_to_end(tok_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     r = subprocess.run([sys.executable, "-m", "bunsan.cli", "train", "--nproc", "1", "--init-from", str(hf),
                         "--lora", "--data", str(data), "--format", "chat", "--steps", "3", "--seq-len", "96",
-                        "--micro-batch", "2", "--output", str(tmp_path / "out"), "--set", "data.val_fraction=0.2"],
+                        "--micro-batch", "2", "--output", str(tmp_path / "out"), "--set", "data.val_fraction=0.2",
+                        "--set", f"data.packing={str(packing).lower()}"],
                        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "12 examples, 12 used" in r.stderr
+    assert "12 examples, 12 used" in r.stderr and ("packed into" in r.stderr) == packing
     assert (tmp_path / "out" / "final" / "tokenizer.json").is_file()
+
+
+def test_a_packed_row_computes_each_document_as_if_alone():
+    from parity import tiny_model
+    from bunsan.models.packing import document_positions
+    model = tiny_model(0).eval()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(0, 256, (1, 10), generator=g), torch.randint(0, 256, (1, 7), generator=g)
+    row = torch.cat([a, b, torch.zeros(1, 3, dtype=torch.long)], 1)
+    docs = torch.tensor([[0] * 10 + [1] * 7 + [2] * 3])
+    assert document_positions(docs).tolist() == [list(range(10)) + list(range(7)) + [0, 1, 2]]
+    with torch.no_grad():
+        packed = model(row, documents=docs)
+        torch.testing.assert_close(packed[:, :10], model(a), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed[:, 10:17], model(b), rtol=1e-5, atol=1e-5)
+
+
+def test_packing_gives_the_loss_and_gradients_of_one_example_per_row(tok_dir, tmp_path):
+    import bunsan
+    from parity import tiny_model
+    tok = load_tokenizer(tok_dir)
+    recs = [{"prompt": "2+2=", "completion": "4"}, {"prompt": "Say hi: ", "completion": "hi there"},
+            {"prompt": "x", "completion": "yz"}]
+    r = Renderer("prompt_completion", tok, None, {}, False)
+    padded = example_rows([(str(i), x) for i, x in enumerate(recs)], r, 40, tok.eos_token_id)
+    packed = example_rows([(str(i), x) for i, x in enumerate(recs)], r, 40, tok.eos_token_id, packing=True)
+    assert len(packed.ids) == 1 and len(padded.ids) == 3 and int(packed.trained.sum()) == int(padded.trained[:, 1:].sum())
+    results = []
+    for rows in (padded, packed):
+        batches = ExampleBatches(rows, len(rows.ids), seed=0, val_fraction=0.0)
+        engine = bunsan.initialize(tiny_model(0, vocab_size=320), {"train_micro_batch_size_per_gpu": len(rows.ids),
+                                                   "optimizer": {"type": "SGD", "params": {"lr": 1.0}}})
+        loss = engine.train_batch(next(batches))
+        results.append((loss, engine.consolidated_state_dict()))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
+    for k, v in results[0][1].items():
+        torch.testing.assert_close(results[1][1][k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -122,7 +122,8 @@ class Data(Section):
     fields: dict[str, str] = Field(default_factory=dict, description="Record field names when they differ, e.g. "
                                    "{prompt: question, completion: answer} (training/examples.py)")
     train_on_prompt: bool = Field(False, description="Records: train on every token, not only the responses")
-    packing: bool = Field(False, description="Records: several examples per row (false: one per row, padded)")
+    packing: bool = Field(False, description="Records: several examples per row, each attending only to itself "
+                                             "(false: one per row, padded)")
 
 
 class Checkpoint(Section):

@@ -36,10 +36,6 @@ class BatchSizes:
 # c=config). bunsan.initialize raises ConfigError with the messages of the rows that hold; loading does not,
 # so plans and estimates can still price such a config. Delete a row when its feature lands.
 UNIMPLEMENTED: list[tuple[str, typing.Callable[[Config], bool], str]] = [
-    ("data.packing", lambda c: c.data.packing,
-     "data.packing=true: packing several examples into a row needs attention that stops at document "
-     "boundaries, which bunsan's Llama does not have yet; set data.packing to false (one example per row, "
-     "padded: the same loss, more compute)"),
     ("activation_checkpointing.partition_activations", lambda c: c.activation_checkpointing.partition_activations,
      "activation_checkpointing.partition_activations=true: partitioning checkpointed activations across "
      "tensor-parallel ranks is not implemented; use tensor_parallel.sequence_parallel, which shards the "
@@ -126,6 +122,11 @@ class Config(Section):
             raise Rule(("train.eval_interval", f"train.eval_interval {self.train.eval_interval} with "
                                                "data.val_fraction 0: there is no validation split to evaluate; "
                                                "set data.val_fraction (e.g. 0.01) or eval_interval to 0"))
+        if self.data.packing and (self.pipeline.stages > 1 or self.context_parallel.size > 1
+                                  or self.tensor_parallel.sequence_parallel):
+            raise Rule(("data.packing", "data.packing with pipeline stages, context or sequence parallelism: "
+                                        "the documents' attention needs the whole row in one place; set "
+                                        "data.packing to false there (one example per row)"))
         ac = self.activation_checkpointing
         deepspeed_only = {"partition_activations", "contiguous_memory_optimization", "number_checkpoints",
                           "synchronize_checkpoint_boundary", "profile", "cpu_checkpointing"}

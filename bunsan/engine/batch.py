@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 LM_KEYS = ("input_ids", "labels")
+DOCUMENTS = "document_ids"    # packed rows: each position's document (a model with takes_documents reads it)
 HF_TARGETS = ("labels", "shift_labels")
 
 
@@ -41,13 +42,13 @@ def keyword_inputs(module) -> set[str] | None:
     return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def check_keys(batch, accepted: set[str] | None) -> None:
+def check_keys(batch, accepted: set[str] | None, takes_documents: bool = False) -> None:
     """A dict batch holds exactly what the model is fed: a key it does not take would be silently dropped."""
     if not isinstance(batch, dict):
         return
     if accepted is None:    # a model called as model(input_ids)
         missing = [k for k in LM_KEYS if k not in batch]
-        extra = sorted(set(batch) - set(LM_KEYS))
+        extra = sorted(set(batch) - set(LM_KEYS) - ({DOCUMENTS} if takes_documents else set()))
         if missing or extra:
             raise ValueError(f"batch keys {sorted(batch)}: bunsan feeds this model input_ids and computes the "
                              "loss from labels, so a dict batch holds exactly those"
@@ -117,6 +118,8 @@ class Objective:
         if not isinstance(mb, dict):
             return module(*mb[:-1])
         if not self.keywords:
+            if DOCUMENTS in mb:
+                return module(mb["input_ids"], documents=mb[DOCUMENTS])
             return module(mb["input_ids"])
         inputs = {k: v for k, v in mb.items() if k not in HF_TARGETS}
         return module(**inputs, **({"use_cache": False} if self.use_cache and "use_cache" not in mb else {}))
@@ -173,7 +176,7 @@ class Objective:
 def make_objective(batch, loss_fn, lm_loss_sum, module) -> Objective:
     """The objective for this kind of batch and model; refuses a batch the engine cannot honour."""
     accepted = keyword_inputs(module) if isinstance(batch, dict) else None
-    check_keys(batch, accepted)
+    check_keys(batch, accepted, getattr(module, "takes_documents", False))
     lm = isinstance(batch, dict) and loss_fn is None
     if not lm and loss_fn is None:
         raise ValueError("pass loss_fn to bunsan.initialize for batches that are not language-model dicts")

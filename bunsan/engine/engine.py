@@ -24,7 +24,7 @@ from bunsan.comm.mesh import Mesh
 from bunsan.comm.rollcall import post_step
 from bunsan.context_parallel import shard_batch
 from bunsan.doctor.oom import OutOfMemory, explain, is_oom
-from bunsan.engine.batch import Objective, make_objective, rows_of, split
+from bunsan.engine.batch import DOCUMENTS, Objective, make_objective, rows_of, split
 from bunsan.engine.precision import LossScaler, model_dtype
 from bunsan.memory.measure import measured_memory, reset_peak_memory
 from bunsan.models.loss import lm_loss_sum
@@ -277,6 +277,11 @@ class Engine:
 
     def _cut(self, micro: list) -> list:
         """Context parallelism: each micro-batch's rows cut to this rank's tokens (its two balanced chunks)."""
+        packed = any(isinstance(mb, dict) and DOCUMENTS in mb for mb in micro)
+        if packed and (self.cp is not None or self.cfg.tensor_parallel.sequence_parallel):
+            raise ValueError("packed rows (document_ids) under context parallelism or sequence parallelism: "
+                             "their attention would need the whole row's documents; set data.packing to false "
+                             "(one example per row) or train without them")
         if self.cp is None:
             return micro
         return [shard_batch(mb, self.cp.size, self.cp.rank) for mb in micro]

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from bunsan.models.packing import packed_forward
 from bunsan.models.saving import rms_norm, swiglu
 
 _POSITIVE_INTS = (
@@ -355,12 +356,19 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, input_ids: torch.Tensor, kv_cache=None) -> torch.Tensor:
+    takes_documents = True     # the engine may feed packed rows' document_ids (engine/batch.py)
+
+    def forward(self, input_ids: torch.Tensor, kv_cache=None, documents: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [b, s] -> logits [b, s, vocab].
 
         ``kv_cache`` (see ``bunsan.models.generate.KVCache``) needs ``pos``,
         ``layer(i)`` returning an object with ``update(k, v)``, and ``advance(n)``.
+        ``documents`` [b, s]: packed rows, each position's document id (models/packing.py).
         """
+        if documents is not None:
+            if kv_cache is not None:
+                raise ValueError("documents (packed rows) are for training; generation takes one sequence per row")
+            return packed_forward(self, input_ids, documents)
         s = input_ids.shape[1]
         rows = getattr(kv_cache, "positions", None)    # a batch whose rows sit at their own positions
         start = kv_cache.pos if kv_cache is not None and rows is None else 0

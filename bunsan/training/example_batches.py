@@ -1,5 +1,5 @@
 """Rendered examples as training rows: one example per row of seq_len + 1 tokens, padded (labels -100) or cut
-to fit, and batched as the corpus is (TokenBatches: a seeded permutation per epoch, each data-parallel rank its
+to fit, or with data.packing several per row (document_ids tell the model where each one starts), and batched as the corpus is (TokenBatches: a seeded permutation per epoch, each data-parallel rank its
 rows of every step, the position in the checkpoint, a held-out split of the last examples).
 
 The loss is the mean over the trained tokens of the whole global batch (the engine counts labels != -100
@@ -23,15 +23,19 @@ IGNORE = -100
 
 @dataclass
 class ExampleRows:
-    ids: np.ndarray        # [examples, seq_len + 1]
-    trained: np.ndarray    # [examples, seq_len + 1], bool: the loss is taken on predicting this token
+    ids: np.ndarray        # [rows, seq_len + 1]
+    trained: np.ndarray    # [rows, seq_len + 1], bool: the loss is taken on predicting this token
     cut: int               # examples longer than a row, cut to it
     dropped: int           # examples with no trained token left in their row (said, not used)
+    documents: np.ndarray | None = None   # packed: [rows, seq_len + 1] each token's document in its row
+    examples: int = 0      # examples in the rows (a packed row holds several)
 
 
-def example_rows(records, renderer, seq_len: int, pad_id: int) -> ExampleRows:
+def example_rows(records, renderer, seq_len: int, pad_id: int, packing: bool = False) -> ExampleRows:
+    """One example per row, padded; with `packing`, examples in file order fill each row while they fit
+    (a document's first token is never a target: it would be predicted from the document before)."""
     w = seq_len + 1
-    ids, trained, cut, dropped = [], [], 0, 0
+    ids, trained, docs, cut, dropped, used = [], [], [], 0, 0, 0
     for where, rec in records:
         toks, mask = renderer.render(rec, where)
         if len(toks) > w:
@@ -39,24 +43,39 @@ def example_rows(records, renderer, seq_len: int, pad_id: int) -> ExampleRows:
         if not any(mask[1:]):         # (the first token is never predicted)
             dropped += 1
             continue
-        ids.append(toks + [pad_id] * (w - len(toks)))
-        trained.append(mask + [False] * (w - len(mask)))
+        used += 1
+        mask = [False] + list(mask[1:])
+        if packing and ids and len(ids[-1]) + len(toks) <= w:
+            ids[-1] += toks
+            trained[-1] += mask
+            docs[-1] += [docs[-1][-1] + 1] * len(toks)
+        else:
+            ids.append(list(toks))
+            trained.append(mask)
+            docs.append([0] * len(toks))
     if not ids:
         raise ValueError(f"no example has a token to train on ({dropped} had none left within seq_len+1 = {w}); "
                          "check data.format and data.fields, or raise data.seq_len")
+    for row, mask, doc in zip(ids, trained, docs):      # padding: a document of its own, never trained
+        n = w - len(row)
+        row += [pad_id] * n
+        mask += [False] * n
+        doc += [doc[-1] + 1] * n
     dtype = np.int32 if max(max(r) for r in ids) < 2 ** 31 else np.int64
-    return ExampleRows(np.asarray(ids, dtype=dtype), np.asarray(trained, dtype=bool), cut, dropped)
+    return ExampleRows(np.asarray(ids, dtype=dtype), np.asarray(trained, dtype=bool), cut, dropped,
+                       np.asarray(docs, dtype=np.int32) if packing else None, used)
 
 
 def report(rows: ExampleRows, seq_len: int) -> None:
-    n = len(rows.ids) + rows.dropped
+    n = rows.examples + rows.dropped
     notes = []
     if rows.cut:
         notes.append(f"{rows.cut} cut to seq_len+1 = {seq_len + 1} tokens")
     if rows.dropped:
         notes.append(f"{rows.dropped} left out (no trained token within the row)")
     filled = rows.trained.sum() / rows.trained.size
-    print(f"bunsan train: {n:,} examples, {len(rows.ids):,} used{': ' + ', '.join(notes) if notes else ''}; "
+    packed = f" packed into {len(rows.ids):,} rows" if rows.documents is not None else ""
+    print(f"bunsan train: {n:,} examples, {rows.examples:,} used{packed}{': ' + ', '.join(notes) if notes else ''}; "
           f"{filled:.0%} of the row tokens are trained", file=sys.stderr, flush=True)
 
 
@@ -68,10 +87,15 @@ class ExampleBatches(TokenBatches):
         w = rows.ids.shape[1]
         super().__init__(rows.ids.reshape(-1), w - 1, global_batch, dp_rank, dp_size, seed, split, val_fraction)
         self.labels = np.where(rows.trained, rows.ids, IGNORE).astype(np.int64).reshape(-1)
+        self.documents = rows.documents.reshape(-1) if rows.documents is not None else None
 
     def batch_at(self, position: int) -> dict[str, torch.Tensor]:
         w = self.seq_len + 1
         picked = self.window_ids(position)
         ids = torch.from_numpy(np.asarray(self.tokens.reshape(-1, w)[picked], dtype=np.int64))
         labels = torch.from_numpy(self.labels.reshape(-1, w)[picked])
-        return {"input_ids": ids[:, :-1].contiguous(), "labels": labels[:, 1:].contiguous()}
+        batch = {"input_ids": ids[:, :-1].contiguous(), "labels": labels[:, 1:].contiguous()}
+        if self.documents is not None:
+            docs = torch.from_numpy(np.asarray(self.documents.reshape(-1, w)[picked], dtype=np.int64))
+            batch["document_ids"] = docs[:, :-1].contiguous()
+        return batch
