@@ -2,7 +2,7 @@
 `datasets.map` with the same tokenizer and chat template, one and two worker processes.
 
 The tokenizer is a byte-level BPE trained here on Python's standard library (no download); the records are
-two-turn conversations cut from the same source. bunsan renders each conversation through the template three
+two-turn conversations cut from the same source. bunsan (data.tokenize_workers 1 and 2) renders each conversation through the template three
 times per assistant turn (to find the turns' text) and tokenizes once with offsets; `datasets.map` runs
 `apply_chat_template(..., tokenize=True)` only, without masking, so it does less work per record.
 
@@ -46,12 +46,13 @@ def records(n: int) -> list[dict]:
     return out
 
 
-def bench_bunsan(folder: Path, recs: list[dict]) -> tuple[float, int]:
+def bench_bunsan(folder: Path, recs: list[dict], workers: int) -> tuple[float, int]:
+    from bunsan.training.example_batches import rendered
     from bunsan.training.examples import Renderer
     from bunsan.training.tokenizer import load_tokenizer
     r = Renderer("chat", load_tokenizer(folder), folder, {}, False)
     t0 = time.perf_counter()
-    n = sum(len(r.render(rec, "bench")[0]) for rec in recs)
+    n = sum(len(ids) for ids, _ in rendered([("bench", rec) for rec in recs], r, workers))
     return time.perf_counter() - t0, n
 
 
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as d:
         folder = Path(d)
         make_tokenizer(folder, [m["content"] for r in recs[:2000] for m in r["messages"]])
-        rows = [("bunsan (masked), 1 process", *bench_bunsan(folder, recs))]
+        rows = [(f"bunsan (masked), {w} process(es)", *bench_bunsan(folder, recs, w)) for w in (1, 2)]
         for w in (1, 2):
             rows.append((f"datasets.map (unmasked), {w} process(es)", *bench_datasets(folder, recs, w)))
     from bench_dp import machine

@@ -187,3 +187,12 @@ def test_packing_gives_the_loss_and_gradients_of_one_example_per_row(tok_dir, tm
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
     for k, v in results[0][1].items():
         torch.testing.assert_close(results[1][1][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_two_tokenize_workers_give_the_same_rows(tok_dir, tmp_path):
+    tok = load_tokenizer(tok_dir)
+    r = Renderer("chat", tok, tok_dir, {}, False)
+    records = [(str(i), c) for i, c in enumerate(CHATS)]
+    one = example_rows(records, r, 96, tok.eos_token_id)
+    two = example_rows(records, r, 96, tok.eos_token_id, workers=2)
+    assert (one.ids == two.ids).all() and (one.trained == two.trained).all()

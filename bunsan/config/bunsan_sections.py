@@ -121,6 +121,8 @@ class Data(Section):
         "text", description="text: plain files as one token stream; else records (JSONL/JSON/Parquet/datasets)")
     fields: dict[str, str] = Field(default_factory=dict, description="Record field names when they differ, e.g. "
                                    "{prompt: question, completion: answer} (training/examples.py)")
+    tokenize_workers: Int = Field(1, ge=1, description="Records: processes that render and tokenize them (1: in "
+                                                      "the training process)")
     train_on_prompt: bool = Field(False, description="Records: train on every token, not only the responses")
     packing: bool = Field(False, description="Records: several examples per row, each attending only to itself "
                                              "(false: one per row, padded)")

@@ -31,13 +31,33 @@ class ExampleRows:
     examples: int = 0      # examples in the rows (a packed row holds several)
 
 
-def example_rows(records, renderer, seq_len: int, pad_id: int, packing: bool = False) -> ExampleRows:
+def _render(job):
+    renderer, chunk = job
+    return [renderer.render(rec, where) for where, rec in chunk]
+
+
+def rendered(records, renderer, workers: int = 1):
+    """(ids, trained) of every record, in order; with workers > 1 rendered in that many processes."""
+    if workers <= 1:
+        for where, rec in records:
+            yield renderer.render(rec, where)
+        return
+    import multiprocessing
+    items = list(records)
+    size = max(1, min(256, len(items) // (4 * workers) or 1))
+    jobs = [(renderer, items[i:i + size]) for i in range(0, len(items), size)]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        for part in pool.imap(_render, jobs):
+            yield from part
+
+
+def example_rows(records, renderer, seq_len: int, pad_id: int, packing: bool = False,
+                 workers: int = 1) -> ExampleRows:
     """One example per row, padded; with `packing`, examples in file order fill each row while they fit
     (a document's first token is never a target: it would be predicted from the document before)."""
     w = seq_len + 1
     ids, trained, docs, cut, dropped, used = [], [], [], 0, 0, 0
-    for where, rec in records:
-        toks, mask = renderer.render(rec, where)
+    for toks, mask in rendered(records, renderer, workers):
         if len(toks) > w:
             toks, mask, cut = toks[:w], mask[:w], cut + 1
         if not any(mask[1:]):         # (the first token is never predicted)

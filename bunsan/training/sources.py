@@ -89,7 +89,7 @@ def load_source(cfg, rank: int):
                         cfg.data.train_on_prompt)
     pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     rows = example_rows(read_records(_record_paths(cfg.data.paths)), renderer, cfg.data.seq_len, pad,
-                        packing=cfg.data.packing)
+                        packing=cfg.data.packing, workers=cfg.data.tokenize_workers)
     if rank == 0:
         report(rows, cfg.data.seq_len)
     return tokenizer, rows
