@@ -179,3 +179,32 @@ def test_nan_weights_in_a_checkpoint_are_named_on_load(tmp_path):
     engine.save_checkpoint(tmp_path / "D")
     with pytest.raises(CheckpointError, match="NaN or infinite weights"):
         _load(tmp_path / "D")
+
+
+def _lora_tied_pp(rank, world, root):
+    from parity import rank_slice
+    lora = {"enabled": True, "r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    cfg = {"train_batch_size": 2, "gradient_accumulation_steps": 2, "pipeline": {"stages": 2}, "lora": lora,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    with torch.device("meta"):
+        model = tiny_model(0, tie_word_embeddings=True)
+    engine = bunsan.initialize(model, cfg)
+    engine.train_batch(batches(1, 2)[0])
+    engine.save_checkpoint(root)
+    with torch.device("meta"):
+        other = tiny_model(0, tie_word_embeddings=True)
+    again = bunsan.initialize(other, cfg)
+    return again.load_checkpoint(root)[0].name
+
+
+def test_frozen_weights_tied_across_stages_are_written_once(pools, tmp_path):
+    """LoRA freezes a tied embedding and head that live on different stages: one writer, so the index
+    covers it exactly once and the checkpoint loads."""
+    assert pools.run(2, _lora_tied_pp, 2, str(tmp_path / "D")) == ["global_step1"] * 2
+
+
+@pytest.mark.parametrize("tag", ["-1.5", "epoch:3", "my run"])
+def test_deepspeed_style_tags_save_and_load(tmp_path, tag):
+    engine = _engine()
+    engine.save_checkpoint(tmp_path / "D", tag=tag)
+    assert _load(tmp_path / "D", tag)[0] == tag

@@ -22,6 +22,7 @@ from bunsan.checkpoint import store
 from bunsan.checkpoint.assemble import read_local
 from bunsan.checkpoint.pieces import frozen_of, locals_of
 from bunsan.checkpoint.store import CheckpointError
+from bunsan.checkpoint.untrusted import UntrustedError, plain_name
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
 
@@ -75,8 +76,9 @@ def save_checkpoint(engine, save_dir, tag: str | float | None = None, client_sta
     """Every rank calls it. Returns the checkpoint directory (ROOT/tag)."""
     root = Path(save_dir)
     tag = _agreed_tag(engine, store.tag_for(engine.global_step) if tag is None else tag)
-    if not tag or "/" in tag or tag.startswith(".") or tag == "latest":
-        raise ValueError(f"checkpoint tag {tag!r} must be a plain directory name, not hidden and not 'latest'")
+    if tag == "latest":
+        raise ValueError("checkpoint tag 'latest' names the pointer file; use another tag")
+    plain_name(tag, "checkpoint tag")     # (every rank: the tag is agreed, so all refuse it or none)
     counters = engine.state_dict()   # (refuses a save in the middle of an optimizer step)
     rank, world = engine.mesh.rank, engine.mesh.world.size
     failed = None
@@ -100,7 +102,7 @@ def save_checkpoint(engine, save_dir, tag: str | float | None = None, client_sta
 def _attempt(write) -> BaseException | None:
     try:
         write()
-    except (OSError, SafetensorError, CheckpointError) as e:   # a full disk, a read-only or unshared directory
+    except (OSError, SafetensorError, CheckpointError, UntrustedError) as e:   # a full disk, an unshared directory
         return e
     return None
 
@@ -112,7 +114,10 @@ def _all_or_none(engine, failed: BaseException | None, root: Path, tag: str, wha
     if not votes[0]:
         return
     if engine.mesh.rank == 0:
-        store.abandon(root, tag)
+        try:
+            store.abandon(root, tag)
+        except OSError:
+            pass           # (what is left is a .tmp- directory, ignored by readers and removed by the next save)
     _barrier(engine)
     try:
         free = f"{shutil.disk_usage(root).free:,} bytes free there"
@@ -137,10 +142,17 @@ def check_shared(engine, save_dir) -> None:
     token = token.to(engine.comm.device)
     engine.comm.broadcast(token, 0, engine.mesh.world)
     want = str(int(token.item()))
+    written = None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        store.write_text_safely(probe, want)
-    _barrier(engine)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            store.write_text_safely(probe, want)
+        except OSError as e:
+            written = e
+    if not _everyone(engine, written is None):
+        raise CheckpointError(f"checkpoint directory {root} cannot be written by rank 0"
+                              f"{f' ({type(written).__name__}: {written})' if written else ''}; pass a writable "
+                              "checkpoint.dir")
     try:
         seen = probe.read_text() == want
     except OSError:
@@ -217,15 +229,25 @@ def _verified(engine, root: Path, tags: list[str]) -> tuple[str, dict, store.Rea
         if meta is not None and any(bad):
             k = next(k for k, b in enumerate(bad) if b)
             reason = store.check_file(root, tag, files[k], meta["files"][files[k]]) or f"{files[k]} is damaged"
-        if reason is None:     # the same meta on every rank: every rank reaches the same verdict
+        if reason is None:    # each rank checks the tensors it holds: the verdict is voted, so all act alike
             try:
-                return tag, meta, _reader_for(engine, root, tag, meta)
+                reader = _reader_for(engine, root, tag, meta)
             except CheckpointError as e:
-                reason = str(e)
+                reader, reason = None, str(e)
+            if _everyone(engine, reader is not None):
+                return tag, meta, reader
+            reason = reason or "another rank refused it (its message is on that rank)"
         problems.append(f"{tag}: {reason}")
         if rank == 0:
             print(f"bunsan: checkpoint {root / tag} refused: {reason}", file=sys.stderr)
     raise CheckpointError(f"no loadable checkpoint in {root}: " + ("; ".join(problems) or "none was saved"))
+
+
+def _everyone(engine, ok: bool) -> bool:
+    """Whether `ok` holds on every rank (a collective: every rank calls it)."""
+    if engine.mesh.world.size == 1:
+        return ok
+    return not engine.comm.all_reduce_scalars([0.0 if ok else 1.0], engine.mesh.world)[0]
 
 
 def _reader_for(engine, root: Path, tag: str, meta: dict) -> store.Reader:
@@ -251,10 +273,17 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
                               "save one with engine.save_checkpoint or check the path")
     tag, meta, reader = _verified(engine, root, tags)
     states = _StateLoader(engine, reader, meta, load_optimizer_states)
+    failed = None
     with torch.no_grad():
-        engine.strategy.visit_state(states.put, states.create if load_optimizer_states else None)
-        for local, lo, t, _ in frozen_of(engine):
-            t.copy_(read_local(reader, local, "frozen", lo, lo + t.numel()))
+        try:      # (a refusal on one rank, NaN weights in its shard, say, stops every rank: voted below)
+            engine.strategy.visit_state(states.put, states.create if load_optimizer_states else None)
+            for local, lo, t, _ in frozen_of(engine):
+                t.copy_(read_local(reader, local, "frozen", lo, lo + t.numel()))
+        except CheckpointError as e:
+            failed = e
+        if not _everyone(engine, failed is None):
+            raise failed or CheckpointError(f"checkpoint {root / tag} was refused by another rank (its message "
+                                            "is on that rank)")
         engine.strategy.sync_params_from_master()     # (also drops gathered copies of ZeRO-3 units, frozen parts too)
     _restore_engine(engine, meta, reader)
     _barrier(engine)

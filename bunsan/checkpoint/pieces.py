@@ -92,6 +92,7 @@ def frozen_of(engine) -> list[tuple[Local, int, torch.Tensor, bool]]:
     trained = {id(p) for p in engine.strategy.params}
     canonical = engine.pipe.canonical if engine.pipe is not None else {}
     sharded = engine.strategy.frozen_shards
+    duplicates = engine.pipe.duplicates if engine.pipe is not None else set()   # tied across stages: once
     out, seen = [], set()
 
     def local(name, p, shape):
@@ -102,14 +103,16 @@ def frozen_of(engine) -> list[tuple[Local, int, torch.Tensor, bool]]:
     if sharded is not None:
         for i, lo, part in sharded.fragments():
             t = local(sharded.names[i], sharded.params[i], sharded.shapes[i])
-            out.append((t, lo, part, t.tp_dim is not None or mesh.tp_rank == 0))
+            out.append((t, lo, part, (t.tp_dim is not None or mesh.tp_rank == 0)
+                        and sharded.names[i] not in duplicates))
         seen = {id(p) for p in sharded.params}
     for name, p in module.named_parameters(remove_duplicate=False):
         if id(p) in trained or id(p) in seen:
             continue
         seen.add(id(p))
         t = local(name, p, tuple(p.shape))
-        writes = mesh.grad_group.rank == 0 and (t.tp_dim is not None or mesh.tp_rank == 0)
+        writes = mesh.grad_group.rank == 0 and (t.tp_dim is not None or mesh.tp_rank == 0) \
+            and name not in duplicates
         out.append((t, 0, p.data.view(-1), writes))
     persistent = set(module.state_dict().keys())
     for name, b in module.named_buffers():

@@ -236,13 +236,16 @@ def check_file(root: Path, tag: str, name: str, expect: dict) -> str | None:
         path = inside(root / tag, name, "checkpoint file")
     except UntrustedError as e:
         return str(e)
-    if not path.is_file():
-        return f"{path} is missing"
-    size = path.stat().st_size
-    if size != expect["bytes"]:
-        return f"{path} has {size} bytes, {expect['bytes']} were written (truncated or altered)"
-    if sha256(path) != expect["sha256"]:
-        return f"{path} does not match its sha256 recorded in meta.json (altered or corrupted)"
+    try:
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != expect["bytes"]:
+            return f"{path} has {size} bytes, {expect['bytes']} were written (truncated or altered)"
+        if sha256(path) != expect["sha256"]:
+            return f"{path} does not match its sha256 recorded in meta.json (altered or corrupted)"
+    except OSError as e:      # (unreadable: this rank's verdict, voted with the others')
+        return f"{path} cannot be read: {type(e).__name__}: {e.strerror or e}"
     return None
 
 

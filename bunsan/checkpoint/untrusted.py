@@ -21,9 +21,12 @@ from pathlib import Path
 __all__ = ["UntrustedError", "plain_name", "inside", "read_small", "check_meta", "check_pieces",
            "PARAMETER_NAME"]
 
-PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,199}")
+# A name, not a path: no separator, no "..", not hidden; any other printable character (tags such as
+# "-1.5", "epoch:3" or "my run" are DeepSpeed-style and were always accepted).
+PLAIN = re.compile(r"[^/\\.\x00-\x1f\x7f][^/\\\x00-\x1f\x7f]{0,199}")
 PARAMETER_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")     # dotted module path, HF's and bunsan's
 SMALL = 1 << 16          # bytes: `latest`, a tag's checksum file
+DTYPES = ("float32", "float16", "bfloat16", "float64", "uint8", "int8", "int32", "int64")
 
 
 class UntrustedError(ValueError):
@@ -36,8 +39,9 @@ def plain_name(name, what: str) -> str:
     if not isinstance(name, str) or not PLAIN.fullmatch(name) or ".." in name:
         shown = repr(name) if isinstance(name, str) and len(name) <= 80 and name.isprintable() else \
             f"a {type(name).__name__} of length {len(name) if hasattr(name, '__len__') else '?'}"
-        raise UntrustedError(f"{what} {shown} is not a plain name (letters, digits, _ . + = -; no path, no "
-                             "'..', no leading dot); the checkpoint is damaged or was made to read other files")
+        raise UntrustedError(f"{what} {shown} is not a plain name (no / or \\, no '..', no leading dot, no "
+                             "control characters, at most 200 characters): the checkpoint is damaged or was made "
+                             "to read other files")
     return name
 
 
@@ -104,13 +108,29 @@ def _check_piece(p, files: dict, path: Path) -> None:
     if not isinstance(name, str) or not PARAMETER_NAME.fullmatch(name) or len(name) > 500:
         raise UntrustedError(f"{path}: a piece's name is not a parameter name (dotted letters, digits and _); "
                              "the checkpoint is damaged")
-    ints = [p.get("lo"), p.get("hi"), p.get("start", 0)] + list(p.get("shape") or []) + \
-        list(p.get("local_shape") or [])
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints) or p["lo"] > p["hi"]:
+    shape, local = p.get("shape"), p.get("local_shape")
+    if not isinstance(shape, list) or not isinstance(local, list) or len(shape) != len(local):
+        raise UntrustedError(f"{path}: piece {name!r} has no shape and local_shape lists of one length; the "
+                             "checkpoint is damaged")
+    ints = [p.get("lo"), p.get("hi"), p.get("start", 0)] + shape + local
+    if not all(_count(v) for v in ints) or p["lo"] > p["hi"]:
         raise UntrustedError(f"{path}: piece {name!r} has a range or shape that is not non-negative integers "
                              "with lo <= hi; the checkpoint is damaged")
+    dim = p.get("tp_dim")
+    if dim is not None and not (_count(dim) and dim < len(shape)):
+        raise UntrustedError(f"{path}: piece {name!r} has tp_dim {str(dim)[:20]!r}, not a dimension of its shape")
     if not isinstance(p.get("key"), str) or not isinstance(p.get("kind"), str):
         raise UntrustedError(f"{path}: piece {name!r} has no key or kind; the checkpoint is damaged")
+    if "opaque" in p and (p["kind"] in ("master", "frozen") or not isinstance(p["opaque"], list)
+                          or not all(_count(v) for v in p["opaque"])):
+        raise UntrustedError(f"{path}: piece {name!r} marks a {p['kind']} as opaque (only optimizer states whose "
+                             "shape is their own are); the checkpoint is damaged")
+    if "dtype" in p and p["dtype"] not in DTYPES:
+        raise UntrustedError(f"{path}: piece {name!r} has dtype {str(p['dtype'])[:20]!r}, not one of {DTYPES}")
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def check_pieces(by_key: dict, where: Path) -> None:
