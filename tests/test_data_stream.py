@@ -77,3 +77,21 @@ def test_a_named_pipe_in_the_data_is_refused(tmp_path):
         resolve_paths([str(tmp_path)])
     np.testing.assert_array_equal(TokenCache([tmp_path / "a.txt"], cache_dir=tmp_path / "c").load(),
                                   np.frombuffer(b"hello\n\n", np.uint8))
+
+
+def test_a_tokenizer_that_rewrites_text_is_never_cut(tmp_path, monkeypatch):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, normalizers, pre_tokenizers
+    from bunsan.training.tokenizer import load_tokenizer
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["▁"] = len(vocab)
+    t = tokenizers.Tokenizer(models.BPE(vocab, []))
+    t.normalizer = normalizers.Prepend("▁")           # SentencePiece-style: each piece would gain a prefix
+    t.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    assert tok.cuts == "never"
+    text = "".join(f"line {i}\nnext\n" for i in range(300))
+    (tmp_path / "big.txt").write_text(text)
+    monkeypatch.setattr(stream, "PIECE", 100)
+    tokens = TokenCache([tmp_path / "big.txt"], tok, cache_dir=tmp_path / "c").load().tolist()
+    assert tokens == tok.encode(text) + tok.separator_ids()

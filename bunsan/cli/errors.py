@@ -2,9 +2,9 @@
 
 Under `bunsan train --nproc N` (launch.relaunch) every failing rank writes its message into a folder the
 launcher made (BUNSAN_ERROR_DIR) and prints nothing; the launcher prints each distinct message once, with
-the ranks that hit it. Launched otherwise (torchrun by hand, several nodes), rank 0 prints its message and
-the other ranks print theirs only when it differs from what every rank would say (a layout or config
-error is the same on all of them, and is shown once, by rank 0).
+the ranks that hit it. Launched otherwise (torchrun by hand, several nodes) each failing rank prints its own
+one line (a rank's reason may be its own: a file missing on one node). BUNSAN_DEBUG=1 re-raises instead,
+with the traceback (a ValueError or OSError can also be a bug).
 """
 
 from __future__ import annotations
@@ -33,15 +33,16 @@ def _rank() -> int:
         return 0
 
 
-def report(cmd: str, e: BaseException, shared: bool) -> int:
-    """Print (or hand to the launcher) one message for `e`; the exit code. `shared`: raised where every rank
-    raises the same (config, layout), so only rank 0 speaks."""
+def report(cmd: str, e: BaseException) -> int:
+    """Print (or hand to the launcher) one message for `e`; the exit code. BUNSAN_DEBUG=1: raise it."""
+    if os.environ.get("BUNSAN_DEBUG") == "1":
+        raise e
     message = f"{type(e).__name__}: {e}" if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) \
         else str(e)
     rank, folder = _rank(), os.environ.get(ERROR_DIR)
     if folder:
         (Path(folder) / f"rank{rank:05d}.json").write_text(json.dumps({"rank": rank, "message": message}))
-    elif rank == 0 or not shared:
+    else:
         who = f" (rank {rank})" if rank else ""
         print(f"bunsan {cmd}{who}: {message}", file=sys.stderr)
     return 2

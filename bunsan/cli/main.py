@@ -46,11 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     from bunsan.cli.errors import USER_ERRORS, report
-    from bunsan.config.errors import ConfigError
     try:
         return COMMANDS[args.cmd](args)
     except USER_ERRORS as e:
-        return report(args.cmd, e, shared=isinstance(e, ConfigError))
+        return report(args.cmd, e)
 
 
 if __name__ == "__main__":

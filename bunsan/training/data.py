@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import socket
 import stat
 import sysconfig
 import time
@@ -105,7 +106,8 @@ class FileDigests:
             self.known = {}
 
     def digest(self, f: Path) -> str:
-        st, real = f.stat(), str(f.resolve())
+        # (keyed by host too: a cache directory shared by nodes must not vouch for another node's file)
+        st, real = f.stat(), f"{socket.gethostname()}:{f.resolve()}"
         hit = self.known.get(real)
         if isinstance(hit, list) and hit[:2] == [st.st_size, st.st_mtime_ns]:
             return hit[2]

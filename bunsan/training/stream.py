@@ -4,10 +4,12 @@ Files are read in pieces of about PIECE bytes and encoded a batch at a time, the
 temporary file; the `.npy` is then written from it in blocks. Memory holds one batch of text and its tokens,
 whatever the corpus' size (a corpus larger than RAM works); disk holds the tokens twice until the end.
 
-A piece is a whole file when it fits; a larger file is cut at line starts (after a newline followed by a
-character that is not whitespace). Byte tokens are the same however a file is cut. A Hugging Face
-tokenizer's are the same as the whole file's when its pre-tokenizer splits at whitespace (GPT-2's, Llama
-3's byte-level BPE): a word never spans such a cut. The tokenizers package encodes a batch on every core.
+A piece is a whole file when it fits. A larger file is cut anywhere for byte tokens (the same however it
+is cut); for a Hugging Face tokenizer at line starts (after a newline followed by a character that is not
+whitespace) when nothing rewrites the text and its pre-tokenizer splits at whitespace (GPT-2's, Llama 3's
+byte-level BPE: a word never spans such a cut), else never: the file is one piece (a SentencePiece-style
+normalizer would prepend to each piece, so its tokens would differ). The tokenizers package encodes a
+batch on every core.
 """
 
 from __future__ import annotations
@@ -26,24 +28,32 @@ PIECE = 4 << 20          # bytes of text per piece, and about that per encoded b
 BLOCK = 8 << 20          # bytes copied at a time into the .npy
 
 
-def _pieces(path: Path, limit: float) -> Iterator[bytes]:
-    """The file's bytes (at most `limit`) in pieces of about PIECE, cut at line starts."""
-    left, carry = limit, b""
+def _pieces(path: Path, limit: float, cuts: str) -> Iterator[bytes]:
+    """The file's bytes (at most `limit`) in pieces of about PIECE: cut anywhere (bytes), at line starts, or
+    never (the whole file: a tokenizer whose tokens would change at a cut)."""
+    left, parts, held = limit, [], 0
     with open(path, "rb") as f:
         while left > 0:
             block = f.read(int(min(PIECE, left)))
             if not block:
                 break
             left -= len(block)
-            data = carry + block
-            cut = _line_start_cut(data) if left > 0 else len(data)
-            if cut <= 0:                      # no line start in it: read on (one very long line)
-                carry = data
+            parts.append(block)
+            held += len(block)
+            if cuts == "never" or held < PIECE:
                 continue
-            yield data[:cut]
-            carry = data[cut:]
-    if carry:
-        yield carry
+            if cuts == "anywhere":
+                yield b"".join(parts)
+                parts, held = [], 0
+                continue
+            cut = _line_start_cut(block)     # the last line start in the newest block: no rescans of the rest
+            if cut > 0:
+                data = b"".join(parts)
+                end = len(data) - len(block) + cut
+                yield data[:end]
+                parts, held = [data[end:]], len(data) - end
+    if parts:
+        yield b"".join(parts)
 
 
 def _line_start_cut(data: bytes) -> int:
@@ -57,14 +67,14 @@ def _line_start_cut(data: bytes) -> int:
             return i + 1
 
 
-def _batches(files: list[Path], max_bytes: int | None) -> Iterator[list[tuple[bytes, bool]]]:
+def _batches(files: list[Path], max_bytes: int | None, cuts: str) -> Iterator[list[tuple[bytes, bool]]]:
     """[(piece, it ends its file)] of about PIECE bytes each, in corpus order."""
     batch, size = [], 0
     left = float("inf") if max_bytes is None else max_bytes
     for f in files:
         if left <= 0:
             break
-        pieces = _pieces(f, left)
+        pieces = _pieces(f, left, cuts)
         piece = next(pieces, b"")
         while piece is not None:         # one piece of look-ahead: the last one ends the file
             following = next(pieces, None)
@@ -90,7 +100,7 @@ def write_token_file(dest: Path, files: list[Path], tokenizer, max_bytes: int | 
     separator = np.asarray(tokenizer.separator_ids(), dtype=dtype)
     try:
         with open(raw, "wb") as out:
-            for batch in _batches(files, max_bytes):
+            for batch in _batches(files, max_bytes, getattr(tokenizer, "cuts", "never")):
                 for (piece, ends), ids in zip(batch, tokenizer.encode_pieces([p for p, _ in batch])):
                     np.asarray(ids, dtype=dtype).tofile(out)
                     count += len(ids)

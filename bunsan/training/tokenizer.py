@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -20,6 +21,8 @@ class ByteTokenizer:
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    cuts = "anywhere"      # where a file may be cut for streaming (stream.py): bytes are bytes
 
     def encode_pieces(self, pieces: list[bytes]) -> list[np.ndarray]:
         return [np.frombuffer(p, dtype=np.uint8) for p in pieces]   # no per-byte Python work
@@ -57,6 +60,19 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    @property
+    def cuts(self) -> str:
+        """Where stream.py may cut a file and get the whole file's tokens: at line starts when nothing
+        rewrites the text first and the pre-tokenizer splits at whitespace (byte-level BPE without a prefix
+        space: GPT-2's, Llama 3's), else nowhere (a SentencePiece-style normalizer prepends to each piece)."""
+        spec = json.loads(self.path.read_text())
+        pre = spec.get("pre_tokenizer") or {}
+        steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+        whitespace_split = any(st.get("type") in ("ByteLevel", "Split", "Whitespace", "WhitespaceSplit")
+                               for st in steps)
+        no_prefix = all(not st.get("add_prefix_space", False) and st.get("type") != "Metaspace" for st in steps)
+        return "lines" if spec.get("normalizer") is None and whitespace_split and no_prefix else "never"
 
     def encode_pieces(self, pieces: list[bytes]) -> list[list[int]]:
         """Each piece's ids; the batch is encoded on every core (tokenizers' encode_batch). Pieces are cut at

@@ -5,7 +5,9 @@ the optimizer step and the next forward run without them.
 One buffer rather than autograd's tensor per parameter: the per-parameter tensors, allocated and freed every
 step, fragment the allocator (a higher peak than ZeRO-1's flat buffer), and a flat buffer is what the
 reduce-scatter reads anyway. On the host its pages are dropped after the reduce (they read as zeros when the
-next schedule writes them); on a GPU the buffer is freed and made again.
+next schedule writes them); on a GPU the buffer is freed and made again. The sum over the schedule's
+micro-batches is in the model's dtype, as ZeRO-1's flat gradients are under a pipeline (without one, ZeRO-2/3
+add each micro-step into the fp32 shard): bf16 and fp16 sum their micro-batches at 16 bits here.
 """
 
 from __future__ import annotations
