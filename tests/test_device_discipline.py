@@ -34,7 +34,7 @@ STEP_MODULES = [
     "tensor_parallel/ops.py", "tensor_parallel/layers.py", "tensor_parallel/loss.py",
     "models/llama.py", "models/saving.py", "transforms/selective.py", "transforms/offload.py",
     "pipeline/partition.py", "deepspeed/engine.py", "comm/along.py", "context_parallel/attention.py",
-    "context_parallel/shard.py",
+    "context_parallel/shard.py", "zero/schedule_grads.py", "zero/stage3_pipeline.py", "models/packing.py",
 ]
 
 FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
