@@ -233,18 +233,22 @@ def machine() -> str:
             f"torch {torch.__version__}, Python {platform.python_version()}")
 
 
-def write_markdown(path: str, header: list[str], rows: list[list[str]], args: argparse.Namespace) -> None:
+def markdown_section(title: str, notes: list[str], header: list[str], rows: list[list[str]]) -> str:
+    """A RESULTS.md section: the title, date, machine and command, `notes` as more bullets, then the table."""
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"## Data parallelism: bunsan vs DDP vs single ({args.preset}, seq {args.seq}, "
-             f"micro-batch {args.micro_batch})", "",
-             f"- date: {now}", f"- machine: {machine()}",
-             f"- command: `python {shlex.join(sys.argv)}`",
-             f"- {args.steps} timed step(s) after {args.warmup} warm-up step(s); ceiling = 2 x single-process "
-             "1-thread tokens/s; comm theory = 2(N-1)/N x fp32 gradient bytes", "",
+    lines = [f"## {title}", "", f"- date: {now}", f"- machine: {machine()}",
+             f"- command: `python {shlex.join(sys.argv)}`", *(f"- {n}" for n in notes), "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n\n"
+
+
+def write_markdown(path: str, header: list[str], rows: list[list[str]], args: argparse.Namespace) -> None:
+    title = f"Data parallelism: bunsan vs DDP vs single ({args.preset}, seq {args.seq}, micro-batch {args.micro_batch})"
+    notes = [f"{args.steps} timed step(s) after {args.warmup} warm-up step(s); ceiling = 2 x single-process "
+             "1-thread tokens/s; comm theory = 2(N-1)/N x fp32 gradient bytes"]
     with open(path, "a") as f:
-        f.write("\n".join(lines) + "\n\n")
+        f.write(markdown_section(title, notes, header, rows))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,14 +21,13 @@ import datetime
 import json
 import os
 import resource
-import shlex
 import sys
 
 import torch
 import torch.distributed as dist
 
 import bunsan
-from bench_dp import GiB, contender_list, machine, make_batches, run_one_by_one, spawn_ranks, timed_steps
+from bench_dp import GiB, contender_list, make_batches, markdown_section, run_one_by_one, spawn_ranks, timed_steps
 from bench_zero import failure_reason
 
 WORLD, PP = 4, 2
@@ -87,14 +86,10 @@ def build_rows(results: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def write_markdown(path: str, header: list[str], rows: list[list[str]], args: argparse.Namespace) -> None:
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"## Pipeline x ZeRO: PP {PP} x DP {WORLD // PP} ({args.preset}, seq {args.seq}, micro-batch "
-             f"{args.micro_batch}, {args.micro} micro-batches)", "", f"- date: {now}", f"- machine: {machine()}",
-             f"- command: `python {shlex.join(sys.argv)}`", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    title = (f"Pipeline x ZeRO: PP {PP} x DP {WORLD // PP} ({args.preset}, seq {args.seq}, micro-batch "
+             f"{args.micro_batch}, {args.micro} micro-batches)")
     with open(path, "a") as f:
-        f.write("\n".join(lines) + "\n\n")
+        f.write(markdown_section(title, [], header, rows))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,8 +11,6 @@ times per assistant turn (to find the turns' text) and tokenizes once with offse
 from __future__ import annotations
 
 import argparse
-import datetime
-import shlex
 import sys
 import tempfile
 import time
@@ -83,16 +81,14 @@ def main(argv=None) -> int:
         rows = [(f"bunsan (masked), {w} process(es)", *bench_bunsan(folder, recs, w)) for w in (1, 2)]
         for w in (1, 2):
             rows.append((f"datasets.map (unmasked), {w} process(es)", *bench_datasets(folder, recs, w)))
-    from bench_dp import machine
-    lines = [f"## Fine-tuning data: chat rendering, {a.records} conversations", "",
-             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}", f"- machine: {machine()}",
-             f"- command: `python {shlex.join(sys.argv)}`", "",
-             "| contender | seconds | tokens | tokens/s |", "|---|---|---|---|"]
-    lines += [f"| {name} | {s:.2f} | {n:,} | {n / s:,.0f} |" for name, s, n in rows]
-    print("\n".join(lines))
+    from bench_dp import markdown_section
+    text = markdown_section(f"Fine-tuning data: chat rendering, {a.records} conversations", [],
+                            ["contender", "seconds", "tokens", "tokens/s"],
+                            [[name, f"{s:.2f}", f"{n:,}", f"{n / s:,.0f}"] for name, s, n in rows])
+    print(text)
     if a.markdown:
         with open(a.markdown, "a") as f:
-            f.write("\n".join(lines) + "\n\n")
+            f.write(text)
     return 0
 
 
