@@ -37,8 +37,8 @@ from bunsan.planner.space import Space
 # What the authors' software could run. Megatron-LM 2021: tensor, pipeline (1F1B, interleaved) and data
 # parallelism, full recompute in every Table 1 and 2 run, no sequence parallelism (Korthikanti et al. 2022),
 # no ZeRO. Megatron-DeepSpeed (BLOOM): the same plus ZeRO-1 (its pipeline engine runs no ZeRO-2/3).
-MEGATRON_2021 = Space(zero=(0,), recompute=("full",), sequence_parallel=(False,), offload=("none",))
-MEGATRON_DEEPSPEED = Space(zero=(0, 1), recompute=("full",), sequence_parallel=(False,), offload=("none",))
+MEGATRON_2021 = Space(zero=(0,), recompute=("full",), sequence_parallel=(False,), offload=("none",), cp=(1,))
+MEGATRON_DEEPSPEED = Space(zero=(0, 1), recompute=("full",), sequence_parallel=(False,), offload=("none",), cp=(1,))
 
 
 def gpt(hidden: int, layers: int, heads: int, vocab: int = 51200, tp: int = 8) -> LlamaConfig:

@@ -8,7 +8,9 @@ from bunsan.cli.main import main
 from bunsan.config.root import Config
 from bunsan.estimator import estimate_layout
 from bunsan.estimator.layout import Layout
+from bunsan.models.llama import LlamaConfig
 from bunsan.planner.search import layouts, plan
+from bunsan.planner.space import Space
 from bunsan.estimator import load_shape
 
 GiB = 1024 ** 3
@@ -126,3 +128,31 @@ def test_cli_plan_overrides_name_bad_values(argv, words, capsys):
     err = capsys.readouterr().err
     for word in words:
         assert word in err
+
+
+def test_the_search_walks_context_parallel_and_uneven_interleaved_chunks():
+    """Every layout bunsan runs: cp sizes that split the row into 2 x cp chunks, and interleaved schedules
+    whose chunks are uneven (6 layers over pp 2 x v 2: 2, 2, 1, 1 blocks), each accepted by the config."""
+    six = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, max_position_embeddings=256)
+    seen = list(layouts(load_shape(six), 8, 8, 256, 16, "bf16"))
+    cps = {lay.cp for lay in seen}
+    assert cps == {1, 2, 4, 8}
+    assert all(lay.seq_len % (2 * lay.cp) == 0 for lay in seen if lay.cp > 1)
+    assert all(lay.gpus == 8 for lay in seen)
+    uneven = [lay for lay in seen if lay.schedule == "interleaved" and 6 % (lay.pp * lay.virtual_stages)]
+    assert uneven, "interleaved layouts with uneven chunks are missing"
+    cfg = Config.load(uneven[0].to_config({"model": {"preset": "tiny", "num_hidden_layers": 6}}))
+    assert not cfg.unimplemented() and Layout.from_config(cfg, 8) == uneven[0]
+    # a row too short to split 2 x cp ways is not tried
+    assert {lay.cp for lay in layouts(load_shape(six), 8, 8, 4, 16, "bf16")} == {1, 2}
+
+
+def test_a_long_sequence_plans_context_parallelism_first():
+    """128k tokens per row of a 1B model on 8 H100s: splitting the row over 8 ranks beats tensor parallelism
+    (whose activations and all-reduces grow with the row), and the plan says so."""
+    p = plan("1b", 8, gpu="h100", seq_len=131072, global_batch=8)
+    assert p.best.layout.cp > 1, p.best.layout.describe()
+    without = plan("1b", 8, gpu="h100", seq_len=131072, global_batch=8, space=Space(cp=(1,)))
+    assert all(c.layout.cp == 1 for c in without.ranked)
+    assert p.best.step.total < without.best.step.total

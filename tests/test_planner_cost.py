@@ -367,3 +367,30 @@ def test_measured_links_and_gpus_override_the_table():
         hardware.parse_gpu_spec("custom,bf16=1T")
     with pytest.raises(ValueError, match="6.25GB/s"):
         hardware.parse_rate("-3")
+
+
+@pytest.mark.parametrize("layers, pp, v", [(4, 2, 1), (6, 4, 1), (6, 2, 2), (7, 2, 2), (9, 2, 4), (80, 16, 2)])
+def test_stage_blocks_is_the_engines_busiest_rank(layers, pp, v):
+    """The cost model's busiest pipeline rank holds what the engine's uniform partition gives rank 0."""
+    from bunsan.pipeline.partition import Layer, partition
+    net = [Layer(("embed",), 1, 0, False)] + [Layer((f"b{i}",), 1, 1, True) for i in range(layers)] + \
+        [Layer(("head",), 1, 1, False)]
+    chunks = partition(net, pp * v)
+    held = [sum(net[i].repeated for c in range(v) for i in chunks[c * pp + r]) for r in range(pp)]
+    model = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
+                        num_attention_heads=8)
+    lay = Layout(pp=pp, grad_accum=2 * pp, schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v)
+    assert cost.stage_blocks(model, lay) == max(held)
+
+
+def test_context_parallel_queries_attend_to_the_whole_row():
+    """A cp rank's s/cp queries attend to all s keys: its attention core costs 1/cp of the whole row's
+    (flash: FLOPs), not 1/cp^2 as attention over its own tokens alone would."""
+    s, cp = 4096, 4
+    whole = compute.block_time(MODEL, Layout(seq_len=s), WIDE, 0.8).attention_forward
+    rank = compute.block_time(MODEL, Layout(seq_len=s // cp), WIDE, 0.8, keys=s).attention_forward
+    alone = compute.block_time(MODEL, Layout(seq_len=s // cp), WIDE, 0.8).attention_forward
+    assert rank == pytest.approx(whole / cp)
+    assert alone == pytest.approx(whole / cp ** 2)
+    assert step_time(MODEL, Layout(dp=1, cp=cp, seq_len=s), WIDE, FAST, SLOW, 8).compute > \
+        step_time(MODEL, Layout(dp=cp, seq_len=s // cp, micro_batch=1), WIDE, FAST, SLOW, 8).compute

@@ -193,8 +193,8 @@ def _activation_items(c: LlamaConfig | None, rp: RankParams, rank: int, layout: 
     items = [Item("activations", device=act["kept"], phase="backward",
                   note=f"{what}, {flight} micro-batch(es) in flight" if layout.pp > 1 else what)]
     if layout.cp > 1:    # chunks r and 2cp-1-r of c = s/(2cp) queries, against (r+1)c and (2cp-r)c keys
-        c = layout.seq_len // (2 * layout.cp)
-        items.append(Item("context-parallel mask", device=layout.dtype_bytes * c * c * (2 * layout.cp + 1),
+        chunk = layout.seq_len // (2 * layout.cp)
+        items.append(Item("context-parallel mask", device=layout.dtype_bytes * chunk * chunk * (2 * layout.cp + 1),
                           note="the causal masks by global position of the rank's two chunks, shared by every "
                                "block"))
     if act["host"]:

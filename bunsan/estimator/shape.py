@@ -10,6 +10,7 @@ the same plan and partitioner training uses, so the estimate cannot drift from t
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import math
 import re
@@ -32,8 +33,8 @@ class ModelShape:
     llama: LlamaConfig | None = None  # the shape activations are computed from; None for other modules
     bare: bool = False                # known only by its parameter count: model states only, no activations
 
-    @property
-    def n_params(self) -> int:
+    @functools.cached_property
+    def n_params(self) -> int:     # (cached: the planner asks once per layout; the module is not changed)
         return sum(p.numel() for p in self.module.parameters())
 
 
@@ -129,7 +130,7 @@ def load_shape(model, overrides: dict | None = None) -> ModelShape:
 
 
 # -- what one rank holds ---------------------------------------------------------------------------
-@dataclass
+@dataclass(frozen=True)
 class RankParams:
     """The parameters of one pipeline rank after the tensor-parallel split (element counts)."""
     shapes: list[tuple[int, ...]]     # every trainable parameter this rank holds, after the TP split
@@ -140,11 +141,11 @@ class RankParams:
     has_head: bool
     tied_copies: int                  # elements held here that another pipeline rank also holds
 
-    @property
+    @functools.cached_property
     def numels(self) -> list[int]:
         return [math.prod(s) for s in self.shapes]
 
-    @property
+    @functools.cached_property
     def total(self) -> int:
         return sum(self.numels)
 

@@ -16,6 +16,7 @@ ZeRO-3's gathered units, the gradient buckets in flight, the NVMe swap-in.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -88,8 +89,14 @@ def bucket_sizes(numels: list[int], bucket_elems: int, stage: int, units: list[i
     backward order as the strategies do (ShardLayout.greedy_buckets)."""
     if stage == 3 and units is not None:
         return list(units)
-    back = list(reversed(numels))
-    return [sum(back[i] for i in group) for group in ShardLayout.greedy_buckets(back, bucket_elems)]
+    return list(_backward_buckets(tuple(numels), bucket_elems))
+
+
+@functools.lru_cache(maxsize=4096)
+def _backward_buckets(numels: tuple[int, ...], bucket_elems: int) -> tuple[int, ...]:
+    # (cached: the planner prices thousands of layouts over a few distinct ranks' parameter lists)
+    back = numels[::-1]
+    return tuple(sum(back[i] for i in group) for group in ShardLayout.greedy_buckets(list(back), bucket_elems))
 
 
 def padded(numels: list[int], n: int, bucket_elems: int, stage: int, units: list[int] | None = None) -> int:

@@ -43,8 +43,10 @@ def streamed(nbytes: float, gpu: GPU) -> float:
 
 
 def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
-               attention: str = "flash") -> BlockTime:
-    """Seconds for one block's forward and backward on one micro-batch on one tensor-parallel rank."""
+               attention: str = "flash", keys: int | None = None) -> BlockTime:
+    """Seconds for one block's forward and backward on one micro-batch on one tensor-parallel rank.
+    `keys`: the row length the queries attend to, when it is longer than the rank's `layout.seq_len`
+    tokens (context parallelism: each rank's queries against the whole row's keys)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}; 'flash' for a "
                          "fused kernel (bunsan's SDPA), 'materialized' when the scores are written out")
@@ -59,7 +61,7 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
     qkv = mm(tokens, h, (heads + 2 * kv) * d // t)
     o_proj = mm(tokens, h // t, h)
     mlp = mm(tokens, h, 2 * inter // t) + mm(tokens, inter // t, h)
-    core = _attention_core(b, s, heads // t, kv // t or 1, d, gpu, p, nb, efficiency, attention)
+    core = _attention_core(b, s, keys or s, heads // t, kv // t or 1, d, gpu, p, nb, efficiency, attention)
     hidden_tokens = tokens / (t if layout.sequence_parallel else 1)
     elementwise = streamed((K.HIDDEN_PASSES * hidden_tokens * h + K.MLP_ACT_PASSES * tokens * inter / t) * nb, gpu)
     forward = qkv + o_proj + mlp + core + elementwise
@@ -67,18 +69,19 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
                      o_proj_forward=o_proj)
 
 
-def _attention_core(b: int, s: int, heads: int, kv: int, d: int, gpu: GPU, precision: str, nb: int,
+def _attention_core(b: int, s: int, keys: int, heads: int, kv: int, d: int, gpu: GPU, precision: str, nb: int,
                     efficiency: float, attention: str) -> float:
-    """QK^T and AV over the full square, as the 12·L·h·s convention counts them (a causal flash kernel skips
-    half the square at about half the GEMM efficiency: the same seconds). Flash keeps the scores on chip and
-    moves only q, k, v and the output; a materialised kernel writes them and runs softmax over them."""
+    """QK^T and AV of `s` queries against `keys` keys over the full rectangle, as the 12·L·h·s convention
+    counts them (a causal flash kernel skips half the square at about half the GEMM efficiency: the same
+    seconds). Flash keeps the scores on chip and moves only q, k, v and the output; a materialised kernel
+    writes them and runs softmax over them."""
     if attention == "flash":
-        flops = 4.0 * b * heads * s * s * d
-        nbytes = b * s * (2 * heads + 2 * kv) * d * nb
+        flops = 4.0 * b * heads * s * keys * d
+        nbytes = (b * s * 2 * heads + b * keys * 2 * kv) * d * nb
         return max(flops / (gpu.flops(precision) * efficiency), streamed(nbytes, gpu))
-    core = gemm(s, d, s, gpu, precision, nb, efficiency, b * heads) + gemm(s, s, d, gpu, precision, nb, efficiency,
-                                                                            b * heads)
-    return core + streamed(K.SCORE_PASSES * b * heads * s * s * nb, gpu)
+    core = gemm(s, d, keys, gpu, precision, nb, efficiency, b * heads) + \
+        gemm(s, keys, d, gpu, precision, nb, efficiency, b * heads)
+    return core + streamed(K.SCORE_PASSES * b * heads * s * keys * nb, gpu)
 
 
 def head_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float) -> float:

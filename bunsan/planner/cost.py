@@ -115,10 +115,10 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
     n_flops, n_all = model.num_params(include_embedding=False), model.num_params()
     flops_per_token = 6 * n_flops + 12 * model.num_hidden_layers * model.hidden_size * layout.seq_len
     tokens, m = layout.global_batch * layout.seq_len, layout.grad_accum
-    # Under context parallelism a rank computes its seq_len/cp tokens of each row (its queries' attention
-    # against the whole row is priced as attention over its own tokens: an underestimate by up to cp x)
+    # Under context parallelism a rank computes its seq_len/cp tokens of each row, their queries attending
+    # to the whole row's keys (the balanced causal split gives every rank the same share of the square)
     local = dataclasses.replace(layout, seq_len=layout.rank_tokens, cp=1) if layout.cp > 1 else layout
-    blk = block_time(model, local, gpu, eff, attention)
+    blk = block_time(model, local, gpu, eff, attention, keys=layout.seq_len)
     blocks = stage_blocks(model, layout)
     head = head_time(model, local, gpu, eff)
     compute = m * (blocks * (blk.forward + blk.backward) + head)
@@ -177,9 +177,12 @@ def train_time(step: StepTime, layout: Layout, total_tokens: int) -> float:
 # ---------------------------------------------------------------- components
 
 def stage_blocks(model: LlamaConfig, layout: Layout) -> int:
-    """Blocks on the busiest pipeline rank: its chunks' share of the layers, rounded up."""
-    chunks = layout.pp * layout.virtual_stages
-    return -(-model.num_hidden_layers // chunks) * layout.virtual_stages
+    """Blocks on the busiest pipeline rank. The engine's uniform partition (pipeline/partition.py) gives
+    each of the p x v chunks L // (p v) blocks and the first L mod (p v) chunks one more; rank 0 holds
+    chunks 0, p, 2p, ..., so it is the busiest."""
+    p, v = layout.pp, layout.virtual_stages
+    base, extra = divmod(model.num_hidden_layers, p * v)
+    return sum(base + (1 if c * p < extra else 0) for c in range(v))
 
 
 def _activation_bytes(model: LlamaConfig, layout: Layout) -> int:
@@ -308,7 +311,7 @@ def _cp_note(layout: Layout) -> tuple:
         return ()
     return ("cp: per layer and micro-batch an all-gather of the row's K and V forward (again under recompute) "
             "and a reduce-scatter of their gradients backward; ZeRO and gradients over dp x cp; compute of "
-            "seq_len/cp tokens per rank (attention against the whole row underestimated)",)
+            "seq_len/cp tokens per rank, their attention against the whole row",)
 
 
 def _bubble(layout: Layout, ideal: float) -> float:

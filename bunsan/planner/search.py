@@ -1,6 +1,7 @@
 """`bunsan.plan`: every layout of a model on some GPUs, those that fit, ranked by estimated step time.
 
-The search walks tensor-parallel sizes inside a node, pipeline depths, ZeRO stages,
+The search walks tensor-parallel sizes inside a node, context-parallel sizes, pipeline depths
+(1F1B and interleaved, uneven chunks included), ZeRO stages (under pipeline stages too),
 micro-batches (the accumulation makes up the global batch), recompute (none, full, selective),
 sequence parallelism and offload; a layout that does not fit is tried again with the fewest
 blocks whose activations go to host memory that make it fit. Each candidate is priced in bytes
@@ -75,7 +76,8 @@ def _why(c: Candidate, best: Candidate) -> str:
         return "same estimated time; ranked by ZeRO stage, offload, micro-batch, memory"
     label = {"compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel traffic",
              "dp_comm": "exposed data-parallel traffic", "pp_comm": "pipeline sends", "bubble": "pipeline bubble",
-             "offload": "offload traffic", "optimizer": "optimizer step"}[worst]
+             "offload": "offload traffic", "optimizer": "optimizer step",
+             "cp_comm": "context-parallel K/V traffic"}[worst]
     return f"{slower:+.0%}: more {label} (+{deltas[worst]:.3g} s)"
 
 

@@ -4,9 +4,10 @@ A `Space` narrows the walk to what a given software stack could run (Megatron-LM
 parallelism and always recomputed; Megatron-DeepSpeed ran ZeRO-1 under pipeline stages), so the planner
 can be asked the question the authors of a published run faced, as well as the wider one bunsan offers.
 
-Context parallelism (branch h-cp) goes here as one more loop, over the cp sizes that divide the GPUs and
-the sequence, beside tp: Layout carries cp there, and planner/cost.py prices its ring of K/V sends with
-planner/collectives.py's p2p over the cp group (stride tp).
+The mesh is pp x dp x cp x tp (tp innermost): tensor-parallel sizes stay inside a node, context-parallel
+sizes split each row (seq_len a multiple of 2 x cp, bunsan's balanced causal split), pipeline depths take
+any number of stages up to the layer count, and interleaved schedules any virtual-stage count whose chunks
+hold a block each: uneven chunks get the extra blocks first, as the engine's uniform partition does.
 """
 
 from __future__ import annotations
@@ -32,12 +33,17 @@ class Space:
     offload: tuple = ("none", "cpu", "nvme")      # optimizer and parameter offload targets tried
     pipeline_gather: tuple = ("micro_batch", "schedule")   # ZeRO-3 under pipeline stages
     micro_batches: tuple = (1, 2, 4, 8, 16, 32)
+    cp: tuple = (1, 2, 4, 8)                      # context-parallel sizes tried (where they split seq_len)
 
     def __post_init__(self) -> None:
         checks = (("zero", self.zero, (0, 1, 2, 3)), ("recompute", self.recompute, RECOMPUTE),
                   ("sequence_parallel", self.sequence_parallel, (False, True)),
                   ("schedules", self.schedules, SCHEDULES), ("offload", self.offload, OFFLOADS),
                   ("pipeline_gather", self.pipeline_gather, ("micro_batch", "schedule")))
+        bad_cp = [c for c in self.cp if isinstance(c, bool) or not isinstance(c, int) or c < 1]
+        if bad_cp or not self.cp:
+            raise ValueError(f"Space.cp {self.cp!r} must be a non-empty tuple of positive ints (context-parallel "
+                             f"sizes); drop {bad_cp}" if bad_cp else "Space.cp is empty; allow at least (1,)")
         for name, chosen, allowed in checks:
             bad = [v for v in chosen if v not in allowed]
             if bad or not chosen:
@@ -75,8 +81,16 @@ def _schedules(pp: int, accum: int, layers: int, space: Space) -> list[tuple[str
         return [("1f1b", 1)]
     out = [(s, 1) for s in ("1f1b", "gpipe") if s in space.schedules]
     if "interleaved" in space.schedules and accum % pp == 0:
-        out += [("interleaved", v) for v in (2, 4) if layers % (v * pp) == 0]
+        out += [("interleaved", v) for v in (2, 4) if v * pp <= layers]   # uneven chunks allowed
     return out
+
+
+def cp_sizes(shape: ModelShape, gpus: int, tp: int, seq_len: int, space: Space) -> list[int]:
+    """Context-parallel sizes that divide the GPUs left after tp and cut each row into 2 x cp equal chunks
+    (bunsan's Llama attention only: other models run cp 1)."""
+    if shape.llama is None:
+        return [1]
+    return [c for c in space.cp if (gpus // tp) % c == 0 and (c == 1 or seq_len % (2 * c) == 0)]
 
 
 def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int,
@@ -84,9 +98,10 @@ def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, glob
     """Every layout worth pricing in `space` (bunsan can run each one)."""
     space = space or Space()
     layers = shape.llama.num_hidden_layers if shape.llama else 1
-    for tp in tp_sizes(shape, gpus_per_node, gpus):
-        for pp in (p for p in _divisors(gpus // tp) if p == 1 or (shape.llama is not None and p <= layers)):
-            dp = gpus // (tp * pp)
+    for tp, cp in ((t, c) for t in tp_sizes(shape, gpus_per_node, gpus)
+                   for c in cp_sizes(shape, gpus, t, seq_len, space)):
+        for pp in (p for p in _divisors(gpus // (tp * cp)) if p == 1 or (shape.llama is not None and p <= layers)):
+            dp = gpus // (tp * cp * pp)
             if global_batch % dp:
                 continue
             per_rank = global_batch // dp
@@ -94,12 +109,12 @@ def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, glob
                 accum = per_rank // mb
                 if pp > 1 and accum < pp:
                     continue          # fewer micro-batches than stages leaves stages idle
-                sps = [sp for sp in space.sequence_parallel if not sp or (tp > 1 and seq_len % tp == 0)]
+                sps = [sp for sp in space.sequence_parallel if not sp or (tp > 1 and seq_len // cp % tp == 0)]
                 for (sched, v), ckpt, zero, sp in itertools.product(
                         _schedules(pp, accum, layers, space), space.recompute, space.zero, sps):
                     gathers = space.pipeline_gather if zero == 3 and pp > 1 else ("micro_batch",)
-                    for (off_opt, off_par), gather in itertools.product(_offloads(zero, dp, space), gathers):
-                        yield Layout(dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, grad_accum=accum,
+                    for (off_opt, off_par), gather in itertools.product(_offloads(zero, dp * cp, space), gathers):
+                        yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch=mb, grad_accum=accum,
                                      seq_len=seq_len, precision=precision, optimizer=optimizer,
                                      checkpointing=ckpt, sequence_parallel=sp, schedule=sched,
                                      virtual_stages=v, offload_optimizer=off_opt, offload_param=off_par,
