@@ -8,7 +8,8 @@ paper's FLOP count over the planner's step time), its rank among the layouts the
 run (`--full`: among every layout bunsan runs, slower), and the planner's first choice. Then Table 2's
 ZeRO-3 decline (384 -> 768 -> 1536 GPUs) as measured and as predicted. Targets (issue #26): the published
 layout first or within 5% of the first choice; its predicted throughput within 15% of the measured; the
-ZeRO-3 decline within 20%. Runs on a CPU in about a minute (`--full`: several).
+ZeRO-3 decline within 20%. Runs on a CPU in about a minute (`--full`, which adds context parallelism,
+ZeRO under pipeline stages and the rest: about a quarter of an hour on 2 cores).
 """
 
 from __future__ import annotations
