@@ -136,7 +136,7 @@ def test_a_missing_node_is_one_message_naming_what_to_check(tmp_path):
     r = _run(["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
               f"127.0.0.1:{port}", "--rdzv-conf", "join_timeout=3", str(tmp_path / "one.py")], cwd=tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "not every node joined" in r.stderr and "GLOO_SOCKET_IFNAME" in r.stderr
+    assert "did not all join the rendezvous" in r.stderr and "GLOO_SOCKET_IFNAME" in r.stderr
 
 
 def test_generate_on_a_missing_checkpoint(tmp_path):
