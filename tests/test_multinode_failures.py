@@ -5,7 +5,7 @@ scheduler that sets RANK / WORLD_SIZE itself). Each ends within the job's timeou
 plus start-up slack, with a bunsan message naming what is missing, and no Python traceback.
 
 The simulated nodes are tests/node_harness.py's (PID, mount and UTS namespaces: skipped where not allowed);
-`bunsan train` under a scheduler needs none."""
+`bunsan train` under a scheduler, and a worker ending with its agent on one machine, need none."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -72,6 +73,45 @@ def test_an_agent_killed_alone_takes_its_worker_and_the_other_node_ends_within_t
     # node0's worker names its lost peer (the roll call), its agent the failed process: nothing else
     assert any("rank 0" in line and "rank 1 did not answer" in line for line in lines), log
     assert lines[-1].startswith("bunsan run: 1 process(es) on node0 failed: rank 0 (exit 2)"), log
+
+
+SLEEPER = """
+import os, sys, time
+from pathlib import Path
+import bunsan
+bunsan.init_distributed()          # under torchrun: where a worker binds itself to its agent
+Path(sys.argv[1]).write_text(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
+def test_a_worker_ends_with_its_agent_on_any_linux_machine(tmp_path):
+    """The same bond without namespaces: the orphan is re-parented to whatever reaps here."""
+    (tmp_path / "sleeper.py").write_text(SLEEPER)
+    pid_file = tmp_path / "worker.pid"
+    agent = subprocess.Popen(BUNSAN + ["run", "--nproc-per-node", "1", str(tmp_path / "sleeper.py"), str(pid_file)],
+                             env=ENV, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    worker = None
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            assert agent.poll() is None, agent.communicate()[0]
+            time.sleep(0.1)
+        worker = int(pid_file.read_text())
+        agent.kill()
+        agent.wait(30)
+        deadline = time.monotonic() + 15
+        while not gone([worker]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone([worker]), "the worker outlived its SIGKILLed agent"
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+        if worker is not None and not gone([worker]):
+            os.kill(worker, signal.SIGKILL)
 
 
 def test_the_node_hosting_the_stores_killed_is_named_by_the_other_within_the_timeout(tmp_path, corpus):
