@@ -114,6 +114,17 @@ def test_a_worker_ends_with_its_agent_on_any_linux_machine(tmp_path):
             os.kill(worker, signal.SIGKILL)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux's")
+def test_a_worker_whose_agent_died_before_the_bond_ends_at_once():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    env = {**ENV, "TORCHELASTIC_RUN_ID": "test", "BUNSAN_AGENT_PID": str(dead.pid)}
+    r = subprocess.run([sys.executable, "-c", "from bunsan.comm.launched import die_with_agent\n"
+                        "die_with_agent()\nprint('survived')"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGKILL and "survived" not in r.stdout, r.stdout + r.stderr
+    assert f"the agent (pid {dead.pid}) that started this rank is gone" in r.stderr, r.stderr
+
+
 def test_the_node_hosting_the_stores_killed_is_named_by_the_other_within_the_timeout(tmp_path, corpus):
     timeout = 20
     with Cluster(tmp_path) as cluster:

@@ -47,12 +47,23 @@ def die_with_agent() -> bool:
         print(f"bunsan: prctl(PR_SET_PDEATHSIG) failed ({os.strerror(ctypes.get_errno())}): this rank will "
               "outlive its agent if the agent is killed", file=sys.stderr, flush=True)
         return False
-    agent = os.environ.get(AGENT_PID)
-    if agent and os.getppid() != int(agent):       # the agent died before the bond was made
+    # The agent may have died before the bond was made. (Alive, not "our parent": a wrapper the agent ran,
+    # `bunsan run --no-python sh -c ...`, is the parent then, and the bond is to it.)
+    agent = os.environ.get(AGENT_PID, "")
+    if agent.isdigit() and not _alive(int(agent)):
         print(f"bunsan: the agent (pid {agent}) that started this rank is gone; ending this rank",
               file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     return True
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie has died: its parent has not read its status yet). Linux: /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _first_line(e: BaseException) -> str:
