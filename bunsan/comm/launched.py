@@ -28,7 +28,7 @@ from bunsan.comm.work import CommError
 
 __all__ = ["AGENT_PID", "REACH", "die_with_agent", "join_store"]
 
-AGENT_PID = "BUNSAN_AGENT_PID"     # set by bunsan's launchers: the worker's expected parent
+AGENT_PID = "BUNSAN_AGENT_PID"     # set by bunsan's launchers (cli/run.py, cli/launch.py): the agent's pid
 PR_SET_PDEATHSIG = 1
 REACH = ("resolves on every node to an address the others can reach (a hostname resolving to 127.0.1.1, "
          "Debian's default /etc/hosts, breaks gloo), that the port is open between the nodes, and that "
@@ -39,7 +39,9 @@ def die_with_agent() -> bool:
     """Under torchrun's agent on Linux: be SIGKILLed when the agent dies. True when the bond is made.
 
     SIGKILL, not SIGTERM: a handler would run only once the main thread is back in Python, maybe after a
-    collective's timeout. The worker's own children (data loader workers) watch their parent themselves."""
+    collective's timeout. The signal comes when the *thread* that started the worker ends: torch's agent
+    starts (and restarts) workers from its main thread. The worker's own children (data loader workers) watch
+    their parent themselves."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(None, use_errno=True)
