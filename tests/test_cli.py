@@ -136,7 +136,26 @@ def test_a_missing_node_is_one_message_naming_what_to_check(tmp_path):
     r = _run(["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
               f"127.0.0.1:{port}", "--rdzv-conf", "join_timeout=3", str(tmp_path / "one.py")], cwd=tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "not every node joined" in r.stderr and "GLOO_SOCKET_IFNAME" in r.stderr
+    assert "did not all join the rendezvous" in r.stderr and "GLOO_SOCKET_IFNAME" in r.stderr
+
+
+def test_bunsan_run_bounds_the_rendezvous_by_the_jobs_timeout(tmp_path):
+    """`bunsan run -m bunsan.cli train` reads the job's train.timeout_s for the rendezvous; keys the user gave to
+    --rdzv-conf stay theirs; another script gets what train.timeout_s unset means."""
+    from bunsan.cli.run import bounded_conf, setup_timeout
+    from bunsan.comm.process_group import DEFAULT_TIMEOUT_S
+    assert setup_timeout("bunsan.cli", True, ["train", "--preset", "tiny", "--timeout", "7.5"]) == (7.5, "train.timeout_s")
+    seconds, source = setup_timeout("train.py", False, ["--timeout", "7.5"])
+    assert seconds == DEFAULT_TIMEOUT_S["gloo"] and "cannot read" in source
+    conf, settings, added = bounded_conf("join_timeout=3,is_host=0", 7.5)
+    assert settings == {"join_timeout": "3", "is_host": "0", "last_call_timeout": "8", "read_timeout": "8",
+                        "timeout": "8"}
+    assert added == {"last_call_timeout", "read_timeout", "timeout"}
+    assert conf == "join_timeout=3,is_host=0,last_call_timeout=8,read_timeout=8,timeout=8"
+    r = _run(["run", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", "-m", "bunsan.cli", "train", "--zero", "9"],
+             cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr     # refused before waiting for any node
+    assert r.stderr.strip().splitlines()[-1].startswith("bunsan train: "), r.stderr
 
 
 def test_generate_on_a_missing_checkpoint(tmp_path):

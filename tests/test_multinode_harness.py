@@ -1,88 +1,118 @@
-"""Two machines simulated on one: each "node" is a `bunsan run` agent in its own PID, mount and UTS
-namespaces (its own hostname, resolving to loopback through its own /etc/hosts, and a private tmpfs where
-its caches live), meeting over loopback through c10d. Skipped where the machine does not allow namespaces
-(they need root)."""
+"""Two machines simulated on one (tests/node_harness.py: PID, mount and UTS namespaces, node-local tmpfs caches,
+c10d over loopback): each layout across two nodes ends bit-equal to the same run on one node, a worker killed on
+one node is restarted on both and the run still ends bit-equal, and a node-local checkpoint directory is named
+at start-up. Skipped where the machine does not allow namespaces (they need root).
+
+Bit-equal across placements: every reduction of these layouts runs over a group of two ranks (data-parallel
+gradients and token counts, tensor-parallel partial sums, the norm's pieces), and a sum of two numbers is the
+same bits whichever transport adds them (shared memory inside a node, gloo's TCP between nodes) in whichever
+order."""
 
 from __future__ import annotations
 
-import os
-import socket
+import json
 import subprocess
-import sys
+import textwrap
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-BUNSAN = [sys.executable, "-m", "bunsan.cli"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "GLOO_SOCKET_IFNAME": "lo"}
-
-
-def _namespaces_work() -> str | None:
-    probe = subprocess.run(["unshare", "--pid", "--mount", "--uts", "--fork", "true"], capture_output=True)
-    return None if probe.returncode == 0 else (probe.stderr.decode()[:200] or "unshare failed")
+from node_harness import BUNSAN, ENV, Cluster
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     import argparse
     import inspect
-    import json
     d = tmp_path_factory.mktemp("corpus")
     (d / "code.py").write_text("\n".join(inspect.getsource(m) for m in (json, argparse)))
     return d
 
 
-def _train_args(corpus, out, local, extra=()):
-    return ["train", "--preset", "tiny", "--steps", "3", "--micro-batch", "2", "--seq-len", "64",
-            "--data", str(corpus / "*.py"), "--output", str(out), "--set", f"data.cache_dir={local}/cache",
+def _train_args(corpus, out, cache, extra=(), steps=3):
+    return ["train", "--preset", "tiny", "--steps", str(steps), "--micro-batch", "2", "--seq-len", "64",
+            "--data", str(corpus / "*.py"), "--output", str(out), "--set", f"data.cache_dir={cache}",
             "--set", "data.val_fraction=0", "--timeout", "60", *extra]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _on_two_nodes(tmp_path, corpus, extra=(), nproc=1, restarts=0, script=("-m", "bunsan.cli"), steps=3):
+    """Run `bunsan train` on two simulated nodes: (exit codes, logs, output directory)."""
+    out = tmp_path / "out"
+    with Cluster(tmp_path) as cluster:
+        argv = BUNSAN + cluster.run_args(nproc, restarts) + list(script) + \
+            _train_args(corpus, out, cluster.local / "cache", extra, steps)
+        for node in range(2):
+            cluster.start(node, argv)
+        codes = cluster.wait_all(300)
+        return codes, cluster.logs(), out
 
 
-def _two_nodes(tmp_path, corpus, extra=()):
-    why = _namespaces_work()
-    if why:
-        pytest.skip(f"no PID/mount/UTS namespaces here: {why}")
-    local = tmp_path / "node-local"        # each node mounts its own tmpfs here
-    local.mkdir()
-    # each node's name resolves to its own loopback address (mounted over /etc/hosts): one address for both
-    # would make them one node to the rendezvous (same name, and the same pid in their namespaces)
-    hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1 localhost\n127.0.0.2 node0\n127.0.0.3 node1\n")
-    port, out = _free_port(), tmp_path / "out"
-    train = " ".join(_train_args(corpus, out, local, extra))
-    procs = []
-    for node in range(2):
-        script = (f"hostname node{node} && mount --bind {hosts} /etc/hosts && mount -t tmpfs tmpfs {local} && "
-                  f"exec {' '.join(BUNSAN)} run "
-                  f"--nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:{port} "
-                  f"--rdzv-conf join_timeout=60 -m bunsan.cli {train}")
-        procs.append(subprocess.Popen(["unshare", "--pid", "--mount", "--uts", "--fork", "--mount-proc", "sh",
-                                       "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=ENV, cwd=tmp_path))
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    return [p.returncode for p in procs], logs, out
+def _on_one_node(tmp_path, corpus, nproc, extra=(), steps=3):
+    one = tmp_path / "one"
+    r = subprocess.run(BUNSAN + _train_args(corpus, one, tmp_path / "one-cache", extra, steps) + ["--nproc", str(nproc)],
+                       capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return load_file(str(one / "final" / "model.safetensors"))
 
 
-def test_two_nodes_with_node_local_caches_match_one_node(tmp_path, corpus):
-    codes, logs, out = _two_nodes(tmp_path, corpus)
-    assert codes == [0, 0], "\n".join(logs)
-    one = subprocess.run(BUNSAN + _train_args(corpus, tmp_path / "one", tmp_path / "one-cache") + ["--nproc", "2"],
-                         capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
-    assert one.returncode == 0, one.stdout + one.stderr
-    a = load_file(str(out / "final" / "model.safetensors"))
-    b = load_file(str(tmp_path / "one" / "final" / "model.safetensors"))
+def _assert_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
 
 
+# name: (processes per node, flags): with 2 per node, TP 2 inside each node and DP 2 across the two
+LAYOUTS = {"dp": (1, ()), "zero3": (1, ("--zero", "3")), "tp-across": (1, ("--tp", "2")),
+           "pp": (1, ("--pp", "2", "--grad-accum", "2")), "tp-inside-dp-across": (2, ("--tp", "2"))}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_nodes_with_node_local_caches_match_one_node(tmp_path, corpus, layout):
+    nproc, extra = LAYOUTS[layout]
+    codes, logs, out = _on_two_nodes(tmp_path, corpus, extra, nproc)
+    assert codes == [0, 0], logs
+    _assert_equal(load_file(str(out / "final" / "model.safetensors")), _on_one_node(tmp_path, corpus, 2 * nproc, extra))
+
+
 def test_a_node_local_checkpoint_directory_is_named_at_start_up(tmp_path, corpus):
-    codes, logs, _ = _two_nodes(tmp_path, corpus, ("--checkpoint-dir", str(tmp_path / "node-local" / "ckpt")))
+    codes, logs, _ = _on_two_nodes(tmp_path, corpus, ("--checkpoint-dir", str(tmp_path / "node-local" / "ckpt")))
     assert codes != [0, 0]
-    assert any("is not shared" in log for log in logs), "\n".join(logs)
+    assert "is not shared" in logs, logs
+
+
+# node1's worker SIGKILLs itself after step 3, before that step's checkpoint, once (the marker file on the
+# shared filesystem): what an OOM kill or a crash looks like to the agents, at a step known in advance
+FAULTY = textwrap.dedent("""
+    import os, signal, socket, sys
+    from pathlib import Path
+    import bunsan.engine.engine as engine
+    train_batch = engine.Engine.train_batch
+    marker = Path(__file__).with_name("killed")
+    def dying(self, batch):
+        out = train_batch(self, batch)
+        if self.global_step == 3 and socket.gethostname() == "node1" and not marker.exists():
+            marker.write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+    engine.Engine.train_batch = dying
+    from bunsan.cli.main import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_a_worker_killed_on_one_node_restarts_on_both_and_ends_bit_equal(tmp_path, corpus):
+    """--max-restarts 1: node1's agent restarts its worker, node0's agent its own (the rendezvous' new round);
+    both resume from the newest whole checkpoint (step 2) and end bit-equal to an uninterrupted run."""
+    script = tmp_path / "faulty.py"
+    script.write_text(FAULTY)
+    ckpt = ("--checkpoint-dir", str(tmp_path / "ckpt"), "--save-interval", "1", "--set", "steps_per_print=1")
+    codes, logs, out = _on_two_nodes(tmp_path, corpus, ckpt, restarts=1, script=(str(script),), steps=6)
+    assert codes == [0, 0], logs
+    assert (tmp_path / "killed").exists(), logs
+    assert "resumed from" in logs and "global_step2" in logs, logs
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == sorted(set(steps)) and steps[0] == 1 and steps[-1] == 6, steps   # one history, nothing twice
+    one_ckpt = ("--checkpoint-dir", str(tmp_path / "one-ckpt"), "--save-interval", "1", "--set", "steps_per_print=1")
+    _assert_equal(load_file(str(out / "final" / "model.safetensors")), _on_one_node(tmp_path, corpus, 2, one_ckpt, 6))

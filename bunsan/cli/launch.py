@@ -1,6 +1,6 @@
 """Starting processes: torchrun (`torch.distributed.run`) does it all.
 
-`bunsan run` hands torchrun the user's script; `bunsan train --nproc N` (and
+`bunsan run` hands torchrun the user's script (cli/run.py); `bunsan train --nproc N` (and
 `generate` / `serve --tp N`) re-run the same command on N processes under torchrun,
 the arguments travelling in the environment (torchrun's own parser would read
 options such as --nproc that follow the module name).
@@ -13,6 +13,8 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+
+from bunsan.comm.launched import AGENT_PID
 
 WORKER_ARGV = "BUNSAN_WORKER_ARGV"
 
@@ -30,33 +32,6 @@ def under_torchrun() -> bool:
 # workers find the dead ones' gloo addresses in it ("connectFullMesh failed ... Connection refused"). A
 # store per round (this switch) makes restarts come up clean.
 FRESH_STORE_PER_ROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-CHECK = ("check that every node runs the same command with the same --nnodes and --rdzv-endpoint, that the "
-         "endpoint's host resolves to an address every node can reach (a hostname resolving to 127.0.1.1 "
-         "breaks gloo), and that GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name the interface between the nodes")
-
-
-def run_script(rest: list[str]) -> int:
-    """`bunsan run ...`: everything after `run` is torchrun's (a single node is --standalone)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.run import main as torchrun
-    if not rest:
-        raise SystemExit("bunsan run: give the script to launch, e.g. bunsan run --nproc-per-node 2 train.py")
-    multi_node = any(a.startswith(("--nnodes", "--rdzv-endpoint", "--rdzv_endpoint")) for a in rest)
-    for k, v in FRESH_STORE_PER_ROUND.items():
-        os.environ.setdefault(k, v)
-    try:
-        torchrun((["--standalone"] if not multi_node else []) + rest)
-    except ChildFailedError as e:
-        failed = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in sorted(e.failures.items())[:8])
-        print(f"bunsan run: {len(e.failures)} process(es) failed: {failed}; their errors are above", file=sys.stderr)
-        return 1
-    except RendezvousError as e:     # (timeouts included: a node missing or late, a lost store host)
-        detail = f": {str(e)[:200]}" if str(e) else ""
-        print(f"bunsan run: not every node joined within the rendezvous timeout (--rdzv-conf join_timeout=S, "
-              f"torch's default 600 s; {type(e).__name__}{detail}); {CHECK}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def relaunch(args, nproc: int) -> int:
@@ -68,6 +43,7 @@ def relaunch(args, nproc: int) -> int:
     os.environ[WORKER_ARGV] = json.dumps(args.argv)
     for k, v in FRESH_STORE_PER_ROUND.items():
         os.environ.setdefault(k, v)
+    os.environ[AGENT_PID] = str(os.getpid())        # the workers end with this process (comm/launched.py)
     with tempfile.TemporaryDirectory(prefix="bunsan-errors-") as folder:
         os.environ[ERROR_DIR] = folder      # each failing rank leaves its message here (cli/errors.py)
         try:
@@ -83,7 +59,3 @@ def relaunch(args, nproc: int) -> int:
         if print_collected(args.cmd, Path(folder)):    # (a rank that reported and still exited 0)
             return 2
     return 0
-
-
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ

@@ -1,7 +1,8 @@
 """The `bunsan` command: run | train | generate | estimate | plan | convert | serve | doctor | config.
 
 One module per command (train.py, generate.py, plan.py, convert.py, serve.py,
-doctor.py, config.py), each with add_parser(s) and cmd_*; process start-up is launch.py's.
+doctor.py, config.py), each with add_parser(s) and cmd_*; process start-up is launch.py's, `bunsan run`
+run.py's.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import argparse
 import sys
 
 from bunsan.cli import config, convert, doctor, generate, plan, serve, train
-from bunsan.cli.launch import run_script, worker_argv
+from bunsan.cli.launch import worker_argv
+from bunsan.cli.run import run_script
 
 
 def build_parser() -> argparse.ArgumentParser:

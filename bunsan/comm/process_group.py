@@ -14,6 +14,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from bunsan.comm.launched import REACH, die_with_agent, join_store
+from bunsan.comm.work import CommError
 
 
 DEFAULT_TIMEOUT_S = {"nccl": 600.0, "gloo": 120.0}   # train.timeout_s unset (see collective_timeout)
@@ -88,16 +90,30 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         # events and streams (timings, offload copies) use the current device: make it this rank's
         torch.cuda.set_device(device)
         return device
+    die_with_agent()       # (under torchrun: before any wait, so a killed agent leaves no orphan behind)
     device = pick_device(backend)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    timeout = datetime.timedelta(seconds=collective_timeout(timeout_s, backend))
+    seconds = collective_timeout(timeout_s, backend)
+    timeout = datetime.timedelta(seconds=seconds)
     extra = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
         if backend == "nccl":
             extra["device_id"] = device   # communicators made at once, bound to this GPU
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        dist.init_process_group(backend=backend, timeout=timeout, **extra)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = join_store(rank, world, seconds)       # every rank came, or the missing ones are named
+        try:
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout,
+                                    **extra)
+        except RuntimeError as e:      # every rank is in the store, but the transport cannot connect them
+            if not any(w in str(e).lower() for w in ("connect", "timed out", "timeout", "refused", "reset",
+                                                         "address", "closed", "unreachable")):
+                raise
+            detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise CommError(f"rank {rank} of {world}: every rank joined, but {backend} could not connect them "
+                            f"within {seconds:g}s (train.timeout_s; {detail}): check that each host's name "
+                            f"{REACH}") from None
     else:
         # A world of one: no launcher, no ports, same code paths.
         store = dist.HashStore()

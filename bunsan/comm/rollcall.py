@@ -50,7 +50,9 @@ def roll_call(rank: int, op: str, group, seq: int, window_s: float) -> str:
             time.sleep(0.1)
         steps = {r: _read(store, f"bunsan/step/{r}") for r in ranks}
     except Exception as e:
-        return f" Roll call impossible ({type(e).__name__}: {e}): the launcher's store (on rank 0) is gone."
+        first = (str(e).strip().splitlines() or [""])[0]      # (torch's store errors append a C++ backtrace)
+        return (f" Roll call impossible ({type(e).__name__}: {first}): the store on rank 0's node (rank 0's, or its "
+                "agent's) is gone, so rank 0's node probably died or was killed: check it and its log.")
     here = {"op": op, "group": group.name, "seq": seq}
     missing = [r for r in others if seen.get(r) != here]
     parts = []

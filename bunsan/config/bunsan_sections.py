@@ -159,8 +159,9 @@ class Train(Section):
     eval_batches: Int = Field(4, ge=1, description="Validation batches per validation loss")
     # Unset: 600 s on NCCL (also its watchdog's: a first compiled step or a slow checkpoint barrier must not
     # abort the job), 120 s on gloo (distributed.collective_timeout)
-    timeout_s: Optional[float] = Field(None, gt=0, description="Seconds a collective may wait before it fails; "
-                                                               "None = 600 on NCCL, 120 on gloo")
+    # It also bounds every set-up wait: the rendezvous under bunsan run, the ranks joining, the token caches
+    timeout_s: Optional[float] = Field(None, gt=0, description="Seconds a collective or a set-up wait may take "
+                                                               "before it fails; None = 600 on NCCL, 120 on gloo")
     # gloo on GPUs lets ranks share one GPU (collectives through host copies)
     backend: Backend = Field("auto", description="Process-group backend: auto (NCCL on GPUs, gloo on CPUs), nccl "
                                                  "or gloo")
