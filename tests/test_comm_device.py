@@ -65,9 +65,13 @@ def test_init_process_group_gets_the_device_on_nccl(gpus, monkeypatch):
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.setdefault("set", d))
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kw: seen.update(kw))
+    store = object()        # the roll call's store (comm/launched.py), joined with the same bound
+    monkeypatch.setattr(distributed, "join_store", lambda rank, world, s: seen.update(joined=(rank, world, s))
+                        or store)
     assert distributed.init_distributed() == torch.device("cuda", 1)
     assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 1)
     assert seen["timeout"].total_seconds() == 600 and seen["set"] == torch.device("cuda", 1)
+    assert seen["store"] is store and (seen["rank"], seen["world_size"]) == (1, 2) and seen["joined"] == (1, 2, 600)
 
 
 ONE = Group("dp", None, 1, 0, (0,))

@@ -81,38 +81,47 @@ def test_a_node_local_checkpoint_directory_is_named_at_start_up(tmp_path, corpus
     assert "is not shared" in logs, logs
 
 
-# node1's worker SIGKILLs itself after step 3, before that step's checkpoint, once (the marker file on the
-# shared filesystem): what an OOM kill or a crash looks like to the agents, at a step known in advance
+# A worker SIGKILLs itself after the steps below, before that step's checkpoint, once each (a marker file per
+# kill on the shared filesystem): what an OOM kill or a crash looks like to the agents, at steps known in
+# advance, on either node (node0's agent hosts the rendezvous store; its worker is as mortal as node1's)
+KILLS = {2: "node1", 4: "node0", 6: "node1", 8: "node0", 10: "node1"}
 FAULTY = textwrap.dedent("""
     import os, signal, socket, sys
     from pathlib import Path
     import bunsan.engine.engine as engine
     train_batch = engine.Engine.train_batch
-    marker = Path(__file__).with_name("killed")
+    KILLS = %r
     def dying(self, batch):
         out = train_batch(self, batch)
-        if self.global_step == 3 and socket.gethostname() == "node1" and not marker.exists():
+        marker = Path(__file__).with_name(f"killed-{self.global_step}")
+        if KILLS.get(self.global_step) == socket.gethostname() and not marker.exists():
             marker.write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
         return out
     engine.Engine.train_batch = dying
     from bunsan.cli.main import main
     sys.exit(main(sys.argv[1:]))
-""")
+""") % (KILLS,)
 
 
-def test_a_worker_killed_on_one_node_restarts_on_both_and_ends_bit_equal(tmp_path, corpus):
-    """--max-restarts 1: node1's agent restarts its worker, node0's agent its own (the rendezvous' new round);
-    both resume from the newest whole checkpoint (step 2) and end bit-equal to an uninterrupted run."""
+def test_workers_killed_five_times_on_either_node_restart_on_both_and_end_bit_equal(tmp_path, corpus):
+    """--max-restarts 5: five kills in a row, alternating nodes; each time the node's agent restarts its worker
+    and the other agent its own (the rendezvous' new round), both resume from the newest whole checkpoint
+    (the step before the kill), and the run ends bit-equal to an uninterrupted one."""
     script = tmp_path / "faulty.py"
     script.write_text(FAULTY)
+    steps = max(KILLS) + 1
     ckpt = ("--checkpoint-dir", str(tmp_path / "ckpt"), "--save-interval", "1", "--set", "steps_per_print=1")
-    codes, logs, out = _on_two_nodes(tmp_path, corpus, ckpt, restarts=1, script=(str(script),), steps=6)
+    codes, logs, out = _on_two_nodes(tmp_path, corpus, ckpt, restarts=len(KILLS), script=(str(script),),
+                                     steps=steps)
     assert codes == [0, 0], logs
-    assert (tmp_path / "killed").exists(), logs
-    assert "resumed from" in logs and "global_step2" in logs, logs
+    assert all((tmp_path / f"killed-{k}").exists() for k in KILLS), logs
+    for k in KILLS:
+        assert f"global_step{k - 1}" in logs, (k, logs)
+    assert logs.count("resumed from") >= len(KILLS), logs
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in records if "loss" in r]
-    assert steps == sorted(set(steps)) and steps[0] == 1 and steps[-1] == 6, steps   # one history, nothing twice
+    seen = [r["step"] for r in records if "loss" in r]
+    assert seen == sorted(set(seen)) and seen[0] == 1 and seen[-1] == steps, seen   # one history, nothing twice
     one_ckpt = ("--checkpoint-dir", str(tmp_path / "one-ckpt"), "--save-interval", "1", "--set", "steps_per_print=1")
-    _assert_equal(load_file(str(out / "final" / "model.safetensors")), _on_one_node(tmp_path, corpus, 2, one_ckpt, 6))
+    _assert_equal(load_file(str(out / "final" / "model.safetensors")),
+                  _on_one_node(tmp_path, corpus, 2, one_ckpt, steps))
