@@ -167,7 +167,12 @@ class Cluster:
                 except ProcessLookupError:
                     pass
             p.wait(30)
-        left = [pid for n in self.procs for pids in self.processes(n).values() for pid in pids]
+        deadline = time.monotonic() + 10     # (the kernel reaps a dying namespace's processes in its own time)
+        while True:
+            left = [pid for n in self.procs for pids in self.processes(n).values() for pid in pids]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         for pid in left:             # (none should be: the namespaces died with their PID 1)
             os.kill(pid, signal.SIGKILL)
         assert not left, f"processes outlived their node: {left}"

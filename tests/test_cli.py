@@ -146,7 +146,8 @@ def test_bunsan_run_bounds_the_rendezvous_by_the_jobs_timeout(tmp_path):
     from bunsan.comm.process_group import DEFAULT_TIMEOUT_S
     assert setup_timeout("bunsan.cli", True, ["train", "--preset", "tiny", "--timeout", "7.5"]) == (7.5, "train.timeout_s")
     seconds, source = setup_timeout("train.py", False, ["--timeout", "7.5"])
-    assert seconds == DEFAULT_TIMEOUT_S["gloo"] and "cannot read" in source
+    import torch
+    assert seconds == DEFAULT_TIMEOUT_S["nccl" if torch.cuda.is_available() else "gloo"] and "cannot read" in source
     conf, settings, added = bounded_conf("join_timeout=3,is_host=0", 7.5)
     assert settings == {"join_timeout": "3", "is_host": "0", "last_call_timeout": "8", "read_timeout": "8",
                         "timeout": "8"}

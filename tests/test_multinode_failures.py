@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -118,11 +119,17 @@ def test_a_worker_ends_with_its_agent_on_any_linux_machine(tmp_path):
 def test_a_worker_whose_agent_died_before_the_bond_ends_at_once():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    env = {**ENV, "TORCHELASTIC_RUN_ID": "test", "BUNSAN_AGENT_PID": str(dead.pid)}
-    r = subprocess.run([sys.executable, "-c", "from bunsan.comm.launched import die_with_agent\n"
-                        "die_with_agent()\nprint('survived')"], env=env, capture_output=True, text=True, timeout=60)
+    here = os.readlink("/proc/self/ns/pid")
+    survive = "from bunsan.comm.launched import die_with_agent\ndie_with_agent()\nprint('survived')"
+    env = {**ENV, "TORCHELASTIC_RUN_ID": "test", "BUNSAN_AGENT_PID": f"{dead.pid}@{here}"}
+    r = subprocess.run([sys.executable, "-c", survive], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == -signal.SIGKILL and "survived" not in r.stdout, r.stdout + r.stderr
     assert f"the agent (pid {dead.pid}) that started this rank is gone" in r.stderr, r.stderr
+    # an agent's pid from another PID namespace (a container wrapper between agent and worker) says nothing
+    # about this one: no check, the worker lives
+    env["BUNSAN_AGENT_PID"] = f"{dead.pid}@pid:[1]"
+    r = subprocess.run([sys.executable, "-c", survive], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "survived" in r.stdout, r.stdout + r.stderr
 
 
 def test_the_node_hosting_the_stores_killed_is_named_by_the_other_within_the_timeout(tmp_path, corpus):
@@ -189,3 +196,19 @@ def test_bunsan_train_under_a_scheduler_names_the_rank_that_never_came(tmp_path,
     assert "joined: ranks 0 on " in zero and "MASTER_ADDR" in zero, zero
     assert f"rank 1 of 2 on " in one and f"could not reach rank 0's store at 127.0.0.1:{ports[1]}" in one, one
     assert "within 8s (train.timeout_s" in one and "GLOO_SOCKET_IFNAME" in one, one
+
+
+def test_rank_0_that_cannot_host_the_store_says_whether_the_port_or_the_address_is_wrong(monkeypatch):
+    from bunsan.comm.launched import join_store
+    from bunsan.comm.work import CommError
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
+        with pytest.raises(CommError, match="another process holds the port; pick another MASTER_PORT"):
+            join_store(0, 2, 3)
+    monkeypatch.setenv("MASTER_ADDR", "nosuchhost.invalid")
+    with pytest.raises(CommError, match=r"cannot reach it at nosuchhost\.invalid:\d+ .*MASTER_ADDR must name this "
+                                        r"host"):
+        join_store(0, 2, 3)

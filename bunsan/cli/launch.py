@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bunsan.comm.launched import AGENT_PID
+from bunsan.comm.launched import AGENT_PID, agent_mark
 
 WORKER_ARGV = "BUNSAN_WORKER_ARGV"
 
@@ -43,7 +43,7 @@ def relaunch(args, nproc: int) -> int:
     os.environ[WORKER_ARGV] = json.dumps(args.argv)
     for k, v in FRESH_STORE_PER_ROUND.items():
         os.environ.setdefault(k, v)
-    os.environ[AGENT_PID] = str(os.getpid())        # the workers end with this process (comm/launched.py)
+    os.environ[AGENT_PID] = agent_mark()        # the workers end with this process (comm/launched.py)
     with tempfile.TemporaryDirectory(prefix="bunsan-errors-") as folder:
         os.environ[ERROR_DIR] = folder      # each failing rank leaves its message here (cli/errors.py)
         try:

@@ -20,7 +20,7 @@ import socket
 import sys
 
 from bunsan.cli.launch import FRESH_STORE_PER_ROUND
-from bunsan.comm.launched import AGENT_PID, REACH
+from bunsan.comm.launched import AGENT_PID, REACH, agent_mark
 
 CHECK = ("check that every node runs the same command with the same --nnodes and --rdzv-endpoint, and that the "
          f"endpoint's host {REACH}")
@@ -79,7 +79,7 @@ def run_script(rest: list[str]) -> int:
 
     for k, v in FRESH_STORE_PER_ROUND.items():
         os.environ.setdefault(k, v)
-    os.environ[AGENT_PID] = str(os.getpid())
+    os.environ[AGENT_PID] = agent_mark()
     here = socket.gethostname()
     endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port or 29500}"
     try:

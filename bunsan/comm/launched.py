@@ -26,13 +26,26 @@ import torch.distributed as dist
 
 from bunsan.comm.work import CommError
 
-__all__ = ["AGENT_PID", "REACH", "die_with_agent", "join_store"]
+__all__ = ["AGENT_PID", "REACH", "agent_mark", "die_with_agent", "join_store"]
 
-AGENT_PID = "BUNSAN_AGENT_PID"     # set by bunsan's launchers (cli/run.py, cli/launch.py): the agent's pid
+AGENT_PID = "BUNSAN_AGENT_PID"     # set by bunsan's launchers (cli/run.py, cli/launch.py): agent_mark()
 PR_SET_PDEATHSIG = 1
 REACH = ("resolves on every node to an address the others can reach (a hostname resolving to 127.0.1.1, "
          "Debian's default /etc/hosts, breaks gloo), that the port is open between the nodes, and that "
          "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name the interface between them")
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def agent_mark() -> str:
+    """What an agent puts in AGENT_PID for its workers: its pid, and the PID namespace that pid means
+    something in (a wrapper such as `apptainer exec --pid` gives the worker another one)."""
+    return f"{os.getpid()}@{_pid_namespace()}"
 
 
 def die_with_agent() -> bool:
@@ -51,8 +64,8 @@ def die_with_agent() -> bool:
         return False
     # The agent may have died before the bond was made. (Alive, not "our parent": a wrapper the agent ran,
     # `bunsan run --no-python sh -c ...`, is the parent then, and the bond is to it.)
-    agent = os.environ.get(AGENT_PID, "")
-    if agent.isdigit() and not _alive(int(agent)):
+    agent, _, namespace = os.environ.get(AGENT_PID, "").partition("@")
+    if agent.isdigit() and namespace == _pid_namespace() and not _alive(int(agent)):
         print(f"bunsan: the agent (pid {agent}) that started this rank is gone; ending this rank",
               file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -91,9 +104,13 @@ def join_store(rank: int, world: int, timeout_s: float) -> dist.Store:
         store = dist.TCPStore(addr, port, world, is_master=hosting, timeout=timeout, wait_for_workers=False,
                               multi_tenant=True)
     except RuntimeError as e:      # torch's DistError: the port is taken, or nobody answers there
-        if hosting:
+        if hosting and any(w in str(e).lower() for w in ("address already in use", "eaddrinuse")):
             raise CommError(f"rank 0 cannot host the store on port {port} ({_first_line(e)}): another process "
                             "holds the port; pick another MASTER_PORT (--master-port)") from None
+        if hosting:      # (rank 0's own client connects through MASTER_ADDR too)
+            raise CommError(f"rank 0 on {socket.gethostname()} hosts the store but cannot reach it at {where} "
+                            f"({_first_line(e)}): MASTER_ADDR must name this host; check that {addr} "
+                            f"{REACH}") from None
         raise CommError(f"rank {rank} of {world} on {socket.gethostname()} could not reach "
                         f"{'the agent' if shared else 'rank 0'}'s store at {where} within {timeout_s:g}s "
                         f"(train.timeout_s; {_first_line(e)}): check that rank 0's node is up and started the "
@@ -119,8 +136,9 @@ def _roll_call(store, rank: int, world: int, timeout_s: float, addr: str, hostin
             store.compare_set(verdict, "", "ok")
         try:
             store.wait([verdict], datetime.timedelta(seconds=timeout_s + grace))
-        except RuntimeError:         # timed out: say who is missing (rank 0's sentence, if it wrote first)
-            store.compare_set(verdict, "", _missing(store, prefix, rank, world, timeout_s, addr))
+        except RuntimeError:         # timed out: say who is missing (rank 0's sentence, if it wrote first);
+            # the last rank may have come between its count and its "ok"
+            store.compare_set(verdict, "", _missing(store, prefix, rank, world, timeout_s, addr) or "ok")
         said = store.get(verdict).decode()
     except RuntimeError as e:        # the store itself is gone: its host gave up first, or died
         raise CommError(f"rank {rank} of {world}: the store at {addr} (rank 0's, or its agent's) went away while "
@@ -136,6 +154,8 @@ def _roll_call(store, rank: int, world: int, timeout_s: float, addr: str, hostin
 def _missing(store, prefix: str, rank: int, world: int, timeout_s: float, addr: str) -> str:
     hosts = {r: store.get(f"{prefix}/{r}").decode() for r in range(world) if store.check([f"{prefix}/{r}"])}
     missing = [r for r in range(world) if r not in hosts]
+    if not missing:
+        return ""
     by_host: dict[str, list[int]] = {}
     for r, h in sorted(hosts.items()):
         by_host.setdefault(h, []).append(r)

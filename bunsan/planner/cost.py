@@ -29,7 +29,6 @@ Every constant is in planner/constants.py (and hardware.py) with its source. Eve
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from dataclasses import dataclass
 

@@ -6,8 +6,8 @@ can be asked the question the authors of a published run faced, as well as the w
 
 The mesh is pp x dp x cp x tp (tp innermost): tensor-parallel sizes stay inside a node, context-parallel
 sizes split each row (seq_len a multiple of 2 x cp, bunsan's balanced causal split), pipeline depths take
-any number of stages up to the layer count, and interleaved schedules any virtual-stage count whose chunks
-hold a block each: uneven chunks get the extra blocks first, as the engine's uniform partition does.
+any number of stages up to the layer count, and interleaved schedules 2 or 4 virtual stages wherever the
+chunks hold a block each: uneven chunks get the extra blocks first, as the engine's uniform partition does.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ class Space:
                   ("sequence_parallel", self.sequence_parallel, (False, True)),
                   ("schedules", self.schedules, SCHEDULES), ("offload", self.offload, OFFLOADS),
                   ("pipeline_gather", self.pipeline_gather, ("micro_batch", "schedule")))
+        if not isinstance(self.cp, tuple):
+            raise ValueError(f"Space.cp {self.cp!r} must be a tuple of context-parallel sizes, e.g. (1, 2, 4)")
         bad_cp = [c for c in self.cp if isinstance(c, bool) or not isinstance(c, int) or c < 1]
         if bad_cp or not self.cp:
             raise ValueError(f"Space.cp {self.cp!r} must be a non-empty tuple of positive ints (context-parallel "
