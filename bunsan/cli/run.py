@@ -21,6 +21,7 @@ import sys
 
 from bunsan.cli.launch import FRESH_STORE_PER_ROUND
 from bunsan.comm.launched import AGENT_PID, REACH, agent_mark
+from bunsan.comm.work import first_line
 
 CHECK = ("check that every node runs the same command with the same --nnodes and --rdzv-endpoint, and that the "
          f"endpoint's host {REACH}")
@@ -95,7 +96,7 @@ def run_script(rest: list[str]) -> int:
               f"did, so the missing ones are those that print no such line: {CHECK}", file=sys.stderr)
         return 1
     except RendezvousConnectionError as e:   # the store's host (the endpoint's node) is gone or unreachable
-        cause = _first_line(e.__cause__) if e.__cause__ else str(e)
+        cause = first_line(e.__cause__) if e.__cause__ else str(e)
         print(f"bunsan run: {here} lost the rendezvous store at {endpoint}, or could not reach it within "
               f"{bound('read_timeout')} ({cause}); the agent on the endpoint's host holds it (the node of rank 0): "
               f"that node is down, was killed, or is not reachable from here. Check it and its log; {CHECK}",
@@ -107,13 +108,9 @@ def run_script(rest: list[str]) -> int:
         return 1
     except (RendezvousError, DistError) as e:   # (a static rendezvous: the agents' own store)
         print(f"bunsan run: the nodes did not come together at {endpoint} within {bound('timeout')} "
-              f"({type(e).__name__}: {_first_line(e)}); {CHECK}", file=sys.stderr)
+              f"({type(e).__name__}: {first_line(e)}); {CHECK}", file=sys.stderr)
         return 1
     return 0
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def _exit(code: int) -> str:

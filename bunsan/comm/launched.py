@@ -24,7 +24,7 @@ import time
 
 import torch.distributed as dist
 
-from bunsan.comm.work import CommError
+from bunsan.comm.work import CommError, first_line
 
 __all__ = ["AGENT_PID", "REACH", "agent_mark", "die_with_agent", "join_store"]
 
@@ -81,11 +81,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _first_line(e: BaseException) -> str:
-    """torch's store errors carry a C++ backtrace after their first line."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
 def join_store(rank: int, world: int, timeout_s: float) -> dist.Store:
     """The store the default process group is made from (torch's env:// rules: the agent's own when it shares
     it, TORCHELASTIC_USE_AGENT_STORE, else one rank 0 hosts at MASTER_ADDR:MASTER_PORT), once all `world`
@@ -105,15 +100,15 @@ def join_store(rank: int, world: int, timeout_s: float) -> dist.Store:
                               multi_tenant=True)
     except RuntimeError as e:      # torch's DistError: the port is taken, or nobody answers there
         if hosting and any(w in str(e).lower() for w in ("address already in use", "eaddrinuse")):
-            raise CommError(f"rank 0 cannot host the store on port {port} ({_first_line(e)}): another process "
+            raise CommError(f"rank 0 cannot host the store on port {port} ({first_line(e)}): another process "
                             "holds the port; pick another MASTER_PORT (--master-port)") from None
         if hosting:      # (rank 0's own client connects through MASTER_ADDR too)
             raise CommError(f"rank 0 on {socket.gethostname()} hosts the store but cannot reach it at {where} "
-                            f"({_first_line(e)}): MASTER_ADDR must name this host; check that {addr} "
+                            f"({first_line(e)}): MASTER_ADDR must name this host; check that {addr} "
                             f"{REACH}") from None
         raise CommError(f"rank {rank} of {world} on {socket.gethostname()} could not reach "
                         f"{'the agent' if shared else 'rank 0'}'s store at {where} within {timeout_s:g}s "
-                        f"(train.timeout_s; {_first_line(e)}): check that rank 0's node is up and started the "
+                        f"(train.timeout_s; {first_line(e)}): check that rank 0's node is up and started the "
                         f"same job, and that {addr} {REACH}") from None
     # The agent's shared store outlives a round (keys of the last would mislead), and its agents have met in
     # its rendezvous: no roll call there. bunsan run and relaunch make a store per round (cli/launch.py).
@@ -142,7 +137,7 @@ def _roll_call(store, rank: int, world: int, timeout_s: float, addr: str, hostin
         said = store.get(verdict).decode()
     except RuntimeError as e:        # the store itself is gone: its host gave up first, or died
         raise CommError(f"rank {rank} of {world}: the store at {addr} (rank 0's, or its agent's) went away while "
-                        f"the ranks were joining ({_first_line(e)}): rank 0 gave up waiting (its message names "
+                        f"the ranks were joining ({first_line(e)}): rank 0 gave up waiting (its message names "
                         "who is missing) or its node died") from None
     if said == "ok":
         return

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from bunsan.comm.launched import REACH, die_with_agent, join_store
-from bunsan.comm.work import CommError
+from bunsan.comm.work import CommError, first_line
 
 
 DEFAULT_TIMEOUT_S = {"nccl": 600.0, "gloo": 120.0}   # train.timeout_s unset (see collective_timeout)
@@ -110,7 +110,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
             if not any(w in str(e).lower() for w in ("connect", "timed out", "timeout", "refused", "reset",
                                                          "address", "closed", "unreachable")):
                 raise
-            detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            detail = first_line(e)
             raise CommError(f"rank {rank} of {world}: every rank joined, but {backend} could not connect them "
                             f"within {seconds:g}s (train.timeout_s; {detail}): check that each host's name "
                             f"{REACH}") from None

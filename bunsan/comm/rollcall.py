@@ -14,6 +14,8 @@ import time
 
 import torch.distributed as dist
 
+from bunsan.comm.work import first_line
+
 
 def _store():
     return dist.distributed_c10d._get_default_store()
@@ -50,7 +52,7 @@ def roll_call(rank: int, op: str, group, seq: int, window_s: float) -> str:
             time.sleep(0.1)
         steps = {r: _read(store, f"bunsan/step/{r}") for r in ranks}
     except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0]      # (torch's store errors append a C++ backtrace)
+        first = first_line(e)      # (torch's store errors append a C++ backtrace)
         return (f" Roll call impossible ({type(e).__name__}: {first}): the store on rank 0's node (rank 0's, or its "
                 "agent's) is gone, so rank 0's node probably died or was killed: check it and its log.")
     here = {"op": op, "group": group.name, "seq": seq}

@@ -17,6 +17,11 @@ class DeviceError(ValueError):
     """A tensor handed to a collective is not on this rank's device: the caller's bug."""
 
 
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """An error's first line: torch's store and gloo errors carry a C++ backtrace after it."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
+
+
 @dataclass
 class Group:
     """A process group with a name (for accounting) and its size and our rank in it."""

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from bunsan.comm import functional as world
-from bunsan.comm.work import CommError
+from bunsan.comm.work import CommError, first_line
 from bunsan.training.data import TokenBatches, TokenCache, default_corpus_files, load_tokenizer, resolve_paths
 from bunsan.training.example_batches import ExampleBatches, example_rows, report
 from bunsan.training.examples import Renderer, is_dataset_dir, read_records
@@ -45,7 +45,7 @@ def corpus_tokens(cache: TokenCache) -> np.ndarray:
             same_everywhere(cache.key, "corpus and tokenizer (data.paths' content, data.tokenizer)")
         except RuntimeError as e:     # gloo's timeout (the process group's: train.timeout_s) or a lost peer
             raise CommError(f"rank {world.get_rank()} on {socket.gethostname()}: waiting for every node's token "
-                            f"cache failed ({(str(e).strip().splitlines() or [type(e).__name__])[0]}): each "
+                            f"cache failed ({first_line(e)}): each "
                             "node's local rank 0 tokenises the corpus while the other ranks wait, at most "
                             "train.timeout_s: a node died here, or its corpus takes longer to tokenise (raise "
                             "train.timeout_s for the first run; later runs find the cache)") from None
