@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import resource
 import sys
 import time
@@ -28,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import bunsan
-from bench_dp import GiB, machine, make_batches, spawn_ranks, timed_steps
+from bench_dp import GiB, leave_result, machine, make_batches, spawn_ranks, timed_steps
 
 WORLD = {"single": 1, "cp2": 2}
 
@@ -62,11 +60,7 @@ def _worker(rank: int, contender: str, seq: int, port: int, a: dict, outdir: str
     act = sum(i.device for i in est.items if i.name in ("activations", "context-parallel mask"))
     res = {"rank": rank, "tokens_per_s": a["rows"] * seq * a["steps"] / elapsed, "loss": loss, "cpu_s": cpu,
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "activations": act}
-    with open(os.path.join(outdir, f"{contender}-{rank}.json"), "w") as f:
-        json.dump(res, f)
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_result(outdir, contender, rank, res, world)
 
 
 def main(argv: list[str] | None = None) -> int:

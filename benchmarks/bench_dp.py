@@ -90,7 +90,13 @@ def _worker(rank: int, contender: str, world: int, port: int, a: dict, outdir: s
     res = {"rank": rank, "tokens_per_s": a["micro_batch"] * a["seq"] * a["steps"] / elapsed,
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
            "loss": loss, "n_params": n_params, "grad_bytes": n_params * 4, **extra}
-    with open(os.path.join(outdir, f"{contender}-{rank}.json"), "w") as f:
+    leave_result(outdir, contender, rank, res, world)
+
+
+def leave_result(outdir: str, name: str, rank: int, res: dict, world: int) -> None:
+    """A worker's last act: its figures as OUTDIR/NAME-RANK.json (spawn_ranks reads them), then, with peers,
+    a barrier (no rank tears down while another still writes) and the process group's end."""
+    with open(os.path.join(outdir, f"{name}-{rank}.json"), "w") as f:
         json.dump(res, f)
     if world > 1:
         dist.barrier()

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import resource
 import shlex
@@ -39,7 +38,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import bunsan
-from bench_dp import GiB, contender_list, machine, make_batches, run_one_by_one, spawn_ranks  # shared with bench_dp
+from bench_dp import (GiB, contender_list, leave_result, machine, make_batches, run_one_by_one,  # shared with bench_dp
+                      spawn_ranks)
 from bench_tp import model_config
 from bench_zero import LR, failure_reason, lm_loss
 from bunsan.models.llama import rope_tables
@@ -166,11 +166,7 @@ def _worker(rank: int, key: str, port: int, a: dict, outdir: str) -> None:
            "bubble": sum(b[0] for b in bubbles) / len(bubbles) if bubbles else None,
            "bubble_sim": sum(b[1] for b in bubbles) / len(bubbles) if bubbles else None,
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
-    with open(os.path.join(outdir, f"{key}-{rank}.json"), "w") as f:
-        json.dump(res, f)
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_result(outdir, key, rank, res, world)
 
 
 def run_contender(key: str, args: argparse.Namespace) -> list[dict]:

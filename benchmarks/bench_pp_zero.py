@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import resource
 import sys
@@ -27,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 import bunsan
-from bench_dp import GiB, contender_list, make_batches, markdown_section, run_one_by_one, spawn_ranks, timed_steps
+from bench_dp import (GiB, contender_list, leave_result, make_batches, markdown_section, run_one_by_one, spawn_ranks,
+                      timed_steps)
 from bench_zero import failure_reason
 
 WORLD, PP = 4, 2
@@ -60,10 +60,7 @@ def _worker(rank: int, contender: str, port: int, a: dict, outdir: str) -> None:
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "loss": loss,
            "states": mem["model_states"], "theory": mem["theory_model_states"],
            "dp_bytes": sum(v["bytes"] for k, v in engine.comm_stats()["step"].items() if k.endswith("/dp"))}
-    with open(os.path.join(outdir, f"{contender}-{rank}.json"), "w") as f:
-        json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_result(outdir, contender, rank, res, WORLD)
 
 
 def run_contender(contender: str, args: argparse.Namespace) -> list[dict]:

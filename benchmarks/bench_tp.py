@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import resource
 import shlex
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import bunsan
-from bench_dp import GiB, contender_list, machine, make_batches, run_one_by_one, spawn_ranks, timed_steps
+from bench_dp import contender_list, GiB, leave_result, machine, make_batches, run_one_by_one, spawn_ranks, timed_steps
 from bench_zero import LR, failure_reason, lm_loss
 
 CONTENDERS = {"single": 1, "ddp": 2, "dtensor_tp": 2, "bunsan_tp": 2, "bunsan_tp_sp": 2, "bunsan_dp": 2,
@@ -123,11 +122,7 @@ def _worker(rank: int, c: str, port: int, a: dict, outdir: str) -> None:
     loss, elapsed = timed_steps(step, batches, a["warmup"], world, average_loss=c == "ddp")
     res = {"rank": rank, "elapsed": elapsed, "loss": loss, "n_params": n_params,
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **extras()}  # Linux: KiB
-    with open(os.path.join(outdir, f"{c}-{rank}.json"), "w") as f:
-        json.dump(res, f)
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    leave_result(outdir, c, rank, res, world)
 
 
 def run_contender(c: str, args: argparse.Namespace) -> list[dict]:

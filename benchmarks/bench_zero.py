@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import json
 import os
 import resource
 import shlex
@@ -35,7 +34,7 @@ import torch.nn.functional as F
 
 import bunsan
 from bunsan.memory.theory import model_state_bytes
-from bench_dp import GiB, contender_list, machine, make_batches, run_one_by_one, spawn_ranks, timed_steps
+from bench_dp import contender_list, GiB, leave_result, machine, make_batches, run_one_by_one, spawn_ranks, timed_steps
 
 WORLD = 2
 # contender -> (framework, ZeRO stage of its memory layout, offload to cpu)
@@ -123,10 +122,7 @@ def _worker(rank: int, contender: str, port: int, a: dict, outdir: str) -> None:
     res = {"rank": rank, "tokens_per_s": a["micro_batch"] * a["seq"] * a["steps"] / elapsed,
            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
            "loss": loss, "n_params": n_params, **extras()}
-    with open(os.path.join(outdir, f"{contender}-{rank}.json"), "w") as f:
-        json.dump(res, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_result(outdir, contender, rank, res, WORLD)
 
 
 def run_contender(contender: str, args: argparse.Namespace) -> list[dict]:
