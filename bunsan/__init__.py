@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bunsan import models, pipeline, zero
+from bunsan import models, optim, pipeline, zero
 from bunsan.comm import Comm, CommError, Mesh
 from bunsan.comm.process_group import backend_name, collective_timeout, init_distributed
 from bunsan.config import Config, ConfigError

@@ -27,6 +27,8 @@ from bunsan.context_parallel import CPContext, apply_context_parallel
 from bunsan.engine.engine import Engine
 from bunsan.engine.precision import model_dtype
 from bunsan.models.llama import Llama
+from bunsan.optim.optimizers import optimizer_class
+from bunsan.optim.stepping import check_where, refuse_stepped
 from bunsan.tensor_parallel import TPContext, apply_tensor_parallel, replicated_parameter_names
 from bunsan.tensor_parallel.hf_plan import is_hf_model
 from bunsan.tensor_parallel.plan import check_plan_matches, resolve_plan
@@ -114,6 +116,7 @@ def optimizer_groups_by_name(optimizer, model: nn.Module, cfg: Config) -> list[l
     and drop parameters, and names are what survive them."""
     if optimizer is None:
         return None
+    refuse_stepped(optimizer)
     if cfg.lora.enabled:
         raise ValueError("lora.enabled with an optimizer passed in: the adapters are made after it, so let "
                          "bunsan build the optimizer from the config's optimizer section")
@@ -132,6 +135,9 @@ def follow_user_optimizer(optimizer, groups_by_name, model: nn.Module):
     for g, names in zip(optimizer.param_groups, groups_by_name):
         params = [next(held[n] for n in alias if n in held) for alias in names if any(n in held for n in alias)]
         g["params"] = list({id(p): p for p in params}.values())
+    # a fresh optimizer's only state is what its constructor made (Adagrad's step 0 and initial sums), for
+    # tensors the transforms may have replaced: its step makes it again for the tensors it now holds
+    optimizer.state.clear()
     return optimizer
 
 
@@ -240,6 +246,8 @@ def data_parallel(model: nn.Module, at: Placement, optimizer, tp, pipe):
     """The model in its training dtype on the device, and the ZeRO strategy that owns its gradients, master
     weights and optimizer states."""
     cfg, mesh = at.cfg, at.mesh
+    check_where(type(optimizer) if optimizer is not None else optimizer_class(cfg.optimizer.type),
+                cfg.zero_optimization.stage, tp is not None)
     dtype = model_dtype(cfg)
     if dtype != torch.float32 and optimizer is not None and \
             any(p.dtype != torch.float32 for g in optimizer.param_groups for p in g["params"]):

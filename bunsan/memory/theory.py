@@ -20,6 +20,7 @@ import functools
 import math
 from typing import TYPE_CHECKING
 
+from bunsan.optim.stepping import state_bytes_per_param
 from bunsan.zero.layout import ALIGN, ShardLayout
 from bunsan.zero.reduce import IN_FLIGHT
 
@@ -28,16 +29,9 @@ if TYPE_CHECKING:   # the estimator builds it; theory only reads its fields
 
 
 def optimizer_state_bytes_per_param(opt_type: str, params: dict | None = None) -> float:
-    """K without master weights: fp32 state bytes per parameter of torch's optimizers (dense estimate)."""
-    t = opt_type.lower()
-    params = params or {}
-    if t in ("adamw", "adam"):
-        return 12.0 if params.get("amsgrad") else 8.0
-    if t == "sgd":
-        return 4.0 if params.get("momentum", 0) else 0.0
-    if t == "adamw8bit":   # two 1-byte moments plus an fp32 absmax per block of 256 each
-        return 2.0 + 8.0 / 256
-    return 0.0  # Adafactor: factored, depends on shapes -> see adafactor_state_bytes
+    """K without master weights: fp32 state bytes per parameter (dense estimate; optim/stepping.py's table).
+    Adafactor's are factored and depend on shapes: adafactor_state_bytes."""
+    return state_bytes_per_param(opt_type, params)
 
 
 def adafactor_state_bytes(shapes) -> int:

@@ -1,8 +1,7 @@
 """The optimizers bunsan builds: one table, and the factory over it.
 
-Optimizers are torch's own (AdamW, Adam, SGD, Adafactor) and bitsandbytes' AdamW8bit;
-the config's `optimizer.params` go to the constructor unchanged, so DeepSpeed's JSON
-works. The config validates names against this table and the planner prices them
+Optimizers are torch's own (AdamW, Adam, SGD, Adafactor and its other elementwise ones) and bitsandbytes'
+AdamW8bit; the config's `optimizer.params` go to the constructor unchanged, so DeepSpeed's JSON works. The config validates names against this table and the planner prices them
 from it, so an optimizer added here is known everywhere.
 """
 
@@ -12,6 +11,8 @@ import importlib
 from dataclasses import dataclass
 
 import torch
+
+from bunsan.optim.stepping import group_hyperparameters, rebuild, refuse_stepped
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ OPTIMIZERS = {k.name.lower(): k for k in (
     OptimizerKind("Adam", "torch.optim.Adam", True),
     OptimizerKind("SGD", "torch.optim.SGD", True),
     OptimizerKind("Adafactor", "torch.optim.Adafactor", False),
+    # torch's other elementwise optimizers (optim/stepping.py): DeepSpeed builds any torch.optim class by name
+    *(OptimizerKind(n, f"torch.optim.{n}", False)
+      for n in ("RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop")),
     # blockwise 8-bit moments; its CPU kernels make it testable without a GPU
     OptimizerKind("AdamW8bit", "bitsandbytes.optim.AdamW8bit", False, "pip install 'bitsandbytes>=0.50'"),
 )}
@@ -67,19 +71,23 @@ def build_optimizer(params_or_groups, opt_cfg, device: torch.device) -> torch.op
 
 
 def optimizer_spec(user_optimizer, opt_cfg, params: list, device: torch.device):
-    """(class, constructor defaults, [(parameter indices, group hyperparameters)]) for a sharded optimizer.
+    """(class, constructor defaults, [(parameters, group hyperparameters)]) for a sharded optimizer, the groups
+    by parameter, since each strategy orders parameters its own way (ZeRO-3 by unit).
 
     A user-built optimizer keeps its class, defaults and per-group hyperparameters.
     """
     if user_optimizer is None:
         cls, kwargs = _configured(opt_cfg, device)
-        return cls, kwargs, [(list(range(len(params))), {})]
-    if any(user_optimizer.state.values()):
-        raise ValueError("the optimizer passed to bunsan.initialize already has state; pass a fresh optimizer")
-    index = {p: i for i, p in enumerate(params)}
-    groups = [([index[p] for p in g["params"]], {k: v for k, v in g.items() if k != "params"})
-              for g in user_optimizer.param_groups]
-    return type(user_optimizer), dict(user_optimizer.defaults), groups
+        return cls, kwargs, [(list(params), {})]
+    refuse_stepped(user_optimizer)
+    return type(user_optimizer), dict(user_optimizer.defaults), \
+        [(list(g["params"]), group_hyperparameters(g)) for g in user_optimizer.param_groups]
+
+
+def group_indices(groups: list, params: list) -> list[tuple[list[int], dict]]:
+    """optimizer_spec's groups as indices into `params` (a strategy's order)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    return [([index[id(p)] for p in members], hyper) for members, hyper in groups]
 
 
 def rebuild_over(optimizer: torch.optim.Optimizer, mapping: dict) -> torch.optim.Optimizer:
@@ -88,11 +96,6 @@ def rebuild_over(optimizer: torch.optim.Optimizer, mapping: dict) -> torch.optim
     `mapping` maps each model parameter to the tensor that replaces it. A user-built optimizer is
     honoured this way when bunsan keeps fp32 master weights for a 16-bit model.
     """
-    groups = []
-    for g in optimizer.param_groups:
-        hyper = {k: v for k, v in g.items() if k != "params"}
-        groups.append({"params": [mapping[p] for p in g["params"]], **hyper})
-    if any(optimizer.state.values()):
-        raise ValueError("the optimizer passed to bunsan.initialize already has state; pass a fresh optimizer "
-                         "(bunsan moves it onto its fp32 master weights) or load state after initialize")
-    return type(optimizer)(groups, **optimizer.defaults)
+    refuse_stepped(optimizer)
+    groups = [{"params": [mapping[p] for p in g["params"]], **group_hyperparameters(g)} for g in optimizer.param_groups]
+    return rebuild(type(optimizer), groups, optimizer.defaults)

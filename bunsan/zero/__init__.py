@@ -56,8 +56,7 @@ def make_strategy(trainable, comm, group, cfg, device, user_optimizer, module, d
     if stage == 0:
         return Replicated(trainable, comm, group, zero, dims, module, lambda ps: build_optimizer(ps, cfg.optimizer, device),
                           user_optimizer)
-    spec_params = list(reversed(trainable))  # the strategies order parameters for backward
-    spec = optimizer_spec(user_optimizer, cfg.optimizer, spec_params, device)
+    spec = optimizer_spec(user_optimizer, cfg.optimizer, trainable, device)
     if stage in (1, 2):
         from bunsan.zero.stage12 import Stage1, Stage2
         return (Stage1 if stage == 1 else Stage2)(trainable, comm, group, zero, dims, module, spec, device)

@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from bunsan.optim.stepping import check_where, rebuild, stepping_of
 from bunsan.zero.host_buffer import HostBuffer
 from bunsan.zero.layout import ShardLayout
 from bunsan.zero.swap import SwapFile
 
-ELEMENTWISE = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
-# Elementwise updates with blockwise-quantised states: each fragment is quantised in blocks of its own
-# (bitsandbytes, blocks of 256), so a shard's states differ from the whole tensor's only in block scales.
-BLOCKWISE = ("AdamW8bit",)
 
 
 class SubGroup:
@@ -56,12 +53,8 @@ class ShardedOptimizer:
             whose statistics span whole rows and columns (adafactor.py).
         cuts: shard offsets where a sub-group must end (see step's `after`).
         """
-        self.factored = opt_class is torch.optim.Adafactor
-        if opt_class not in ELEMENTWISE and opt_class.__name__ not in BLOCKWISE and not self.factored:
-            raise ValueError(f"{opt_class.__name__} cannot step parameter fragments: ZeRO stages 1-3 cut parameters "
-                             "across ranks, and only elementwise optimizers (AdamW, Adam, SGD, AdamW8bit) and "
-                             "Adafactor are made to give the same result on a fragment as on the whole tensor; "
-                             "use zero_optimization.stage 0 with it")
+        check_where(opt_class, zero_stage=1, tensor_parallel=False)   # (initialize checked the whole layout)
+        self.factored = stepping_of(opt_class).kind == "factored"
         if self.factored:
             if offload == "nvme":
                 raise ValueError("Adafactor with offload_optimizer.device=nvme: its row and column moments are not "
@@ -129,7 +122,7 @@ class ShardedOptimizer:
             frags = self.layout.fragments
             where = {id(self.frag_tensors[i]): (frags[i].param, frags[i].param_offset) for i in sg.frags}
             return ShardedAdafactor(pgroups, where, self._shapes, self._all_reduce, **self.defaults)
-        return self.opt_class(pgroups, **self.defaults)
+        return rebuild(self.opt_class, pgroups, self.defaults)
 
     @property
     def param_groups(self) -> list[dict]:

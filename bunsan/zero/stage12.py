@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from bunsan.comm.collectives import all_reduce_on
+from bunsan.optim.optimizers import group_indices
 from bunsan.zero.strategy import Sharded
 from bunsan.zero.buckets import BucketHooks, FlatParams
 from bunsan.zero.host_buffer import TRIM_EVERY
@@ -48,6 +49,7 @@ class ShardedGrads(Sharded):
         self.slices = self.layout.shard_slices()
         off = zero_cfg.offload_optimizer
         cls, defaults, groups = opt_spec
+        groups = group_indices(groups, self.params)
         self.opt = self.optimizer = ShardedOptimizer(
             self.layout, cls, defaults, groups, device, self.dtype,
             master_alias=None if self.mixed else self.flat.data,

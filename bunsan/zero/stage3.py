@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from bunsan.comm.collectives import all_reduce_on
+from bunsan.optim.optimizers import group_indices
 from bunsan.zero.strategy import Sharded
 from bunsan.zero.buckets import BucketHooks
 from bunsan.zero.layout import ShardLayout
@@ -101,6 +102,7 @@ class FullyShardedDP(PipelineSchedule, Sharded):
         names = {p: name for name, p in module.named_parameters(remove_duplicate=True)}
         self.names = [names[p] for p in self.params]
         self._param_shapes = [tuple(p.shape) for p in self.params]
+        self._built_params = list(self.params)    # the user's optimizer groups name these (meta ones are replaced)
 
         return order
 
@@ -159,6 +161,8 @@ class FullyShardedDP(PipelineSchedule, Sharded):
         zero, comm, group, device = self.zero, self.comm, self.group, self.device
         off_o = zero.offload_optimizer
         cls, defaults, groups = opt_spec
+        groups = group_indices(groups, self._built_params)
+        self._built_params = None
         alias = not self.mixed and self.param_swap is None
         self.opt = self.optimizer = ShardedOptimizer(
             self.layout, cls, defaults, groups, device, self.dtype,
