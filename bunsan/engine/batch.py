@@ -156,8 +156,9 @@ class Objective:
         return mb[0]
 
     def seq_len(self, mb) -> int:
-        """Tokens per row (the pipeline's activation shape); 0 when the batch is not a language-model one."""
-        return mb["input_ids"].shape[1] if self.lm else 0
+        """Tokens per row (a Llama stage's rope tables): the first input's second dimension, 0 without one."""
+        first = self.first_input(mb)
+        return first.shape[1] if first.dim() >= 2 else 0
 
     def summed(self, output, mb) -> torch.Tensor:
         """Evaluation: the loss summed over what it averages (tokens, or rows for a loss_fn's mean)."""

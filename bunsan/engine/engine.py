@@ -50,6 +50,10 @@ class Engine:
         self.cfg, self.mesh, self.device, self.comm = cfg, mesh, device, comm
         self.cp = cp                # context parallelism's CPContext: this rank holds a share of each row
         self.tp_ctx, self.tp_head = tp if tp is not None else (None, None)
+        if self.tp_head is not None:
+            # What reaches the user (engine(inputs), a loss_fn, a Hugging Face model's own loss) is the whole
+            # vocabulary's logits; only the engine's own loss reads each rank's slice (_logits_for)
+            self.tp_head.gather_output = True
         self.module = model
         self.loss_fn = loss_fn
         bs = cfg.batch_sizes(mesh.dp)
@@ -258,7 +262,8 @@ class Engine:
             objective.div = tokens[0].clamp(min=1.0).float()
         else:
             objective.div, objective.post_scale = self.grad_accum, 1.0 / self.mesh.dp
-        total = self._forward_backward(micro, objective)
+        with self._logits_for(objective):
+            total = self._forward_backward(micro, objective)
         self.comm.all_reduce(total, self.mesh.grad_group)
         if objective.lm:
             summed, n = self._optimizer_step(objective.post_scale, (total, tokens), _refuse_empty_batch)
@@ -306,6 +311,12 @@ class Engine:
             total += reported.detach().double()
         return total
 
+    def _logits_for(self, objective: Objective):
+        """The vocabulary-parallel head gives slices to the engine's loss, whole logits to anything else."""
+        if self.tp_head is not None and objective.lm:
+            return self.tp_head.slices()
+        return contextlib.nullcontext()
+
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
 
@@ -321,11 +332,12 @@ class Engine:
             # a pipeline needs micro-batches to fill its stages; up to grad_accum of them, as in training
             micro = self._cut(split(batch, max(1, min(rows, self.grad_accum)) if self.pipe is not None else 1,
                                     self.device))
-            if self.pipe is not None:
-                with self.strategy.pipeline_evaluation():
-                    total = pipeline.forward(self.pipe, micro, objective)
-            else:
-                total = objective.summed(objective.forward(self.module, micro[0]), micro[0]).double().reshape(1)
+            with self._logits_for(objective):
+                if self.pipe is not None:
+                    with self.strategy.pipeline_evaluation():
+                        total = pipeline.forward(self.pipe, micro, objective)
+                else:
+                    total = objective.summed(objective.forward(self.module, micro[0]), micro[0]).double().reshape(1)
             sums = torch.cat([total, objective.count(micro)])
             self.comm.all_reduce(sums, self.mesh.grad_group)
             summed, n = sums.tolist()   # host: evaluation returns a number

@@ -21,6 +21,8 @@ ranks' results are summed.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -146,7 +148,8 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelHead(nn.Module):
     """LM head split over the vocabulary: each rank computes its [b, s, V/tp] slice of the logits.
 
-    The loss (loss.py) works on the slices; `gather_output` (generation) all-gathers them.
+    With `gather_output` every rank gets the whole logits (all-gathered, differentiably: generation, a user's
+    loss); the vocabulary-parallel loss (loss.py) works on the slices, within `slices()`.
     """
 
     def __init__(self, head: nn.Linear, ctx: TPContext, tied: VocabParallelEmbedding | None = None):
@@ -172,11 +175,18 @@ class VocabParallelHead(nn.Module):
         logits = region_linear(into_parallel_region(self.ctx, x), self.weight)
         if not self.gather_output:
             return logits
-        shard = logits.movedim(-1, 0).contiguous()
-        full = torch.empty((shard.shape[0] * self.ctx.size, *shard.shape[1:]), dtype=shard.dtype,
-                           device=shard.device)
-        self.ctx.comm.all_gather(full, shard, self.ctx.group)
-        return full[:self.vocab_size].movedim(0, -1)
+        # whole logits on every rank, differentiably (backward: this rank's slice of the gradient), the
+        # padding of the table cut off
+        return GatherLast.apply(self.ctx, logits)[..., :self.vocab_size]
+
+    @contextlib.contextmanager
+    def slices(self):
+        """Within: the forward returns this rank's vocabulary slice, for the vocabulary-parallel loss."""
+        gather, self.gather_output = self.gather_output, False
+        try:
+            yield
+        finally:
+            self.gather_output = gather
 
 
 def parallel_input_hook(ctx: TPContext):
