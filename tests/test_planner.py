@@ -156,3 +156,16 @@ def test_a_long_sequence_plans_context_parallelism_first():
     without = plan("1b", 8, gpu="h100", seq_len=131072, global_batch=8, space=Space(cp=(1,)))
     assert all(c.layout.cp == 1 for c in without.ranked)
     assert p.best.step.total < without.best.step.total
+
+
+def test_gpus_without_nodes_are_priced_at_8_per_node_and_an_impossible_node_is_refused(capsys):
+    assert main(["estimate", "--model", "7b", "--gpus", "8192", "--zero", "3", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "8192 GPUs priced as 1024 nodes of 8" in captured.err
+    one_node = json.loads(captured.out)["host_bytes_per_node"]
+    assert main(["estimate", "--model", "7b", "--gpus", "8", "--zero", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["host_bytes_per_node"] == one_node   # a node of 8 either way
+    assert main(["estimate", "--model", "7b", "--gpus", "8192", "--nodes", "1"]) == 2
+    assert "8192 GPUs per node; no server holds more than 16: pass --nodes 1024" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny", "--gpus", "12"]) == 2
+    assert "12 is not a multiple of 8; pass --nodes" in capsys.readouterr().err

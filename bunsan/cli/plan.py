@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 GiB = 1024 ** 3
@@ -21,13 +22,43 @@ ESTIMATE_SWITCHES = {"bf16": "bf16.enabled", "fp16": "fp16.enabled", "checkpoint
                      "sp": "tensor_parallel.sequence_parallel"}
 
 
+GPUS_PER_NODE = 8          # what --nodes defaults to: a DGX/HGX server
+MOST_GPUS_PER_NODE = 16    # no server holds more (DGX-2, HGX-2); more per node is a typo or a missing --nodes
+
+
+def nodes_for(gpus: int | None, nodes: int | None) -> int:
+    """--nodes, checked against --gpus; unset, the nodes that hold `gpus` at 8 per node (said on stderr)."""
+    if gpus is None:
+        return nodes or 1
+    if nodes is None:
+        if gpus <= GPUS_PER_NODE:
+            return 1
+        if gpus % GPUS_PER_NODE:
+            raise ValueError(f"--gpus {gpus} without --nodes: bunsan assumes {GPUS_PER_NODE} GPUs per node, and "
+                             f"{gpus} is not a multiple of {GPUS_PER_NODE}; pass --nodes (the GPUs must split "
+                             "evenly over them)")
+        nodes = gpus // GPUS_PER_NODE
+        print(f"bunsan: {gpus} GPUs priced as {nodes} nodes of {GPUS_PER_NODE} (pass --nodes to say otherwise)",
+              file=sys.stderr)
+        return nodes
+    if nodes < 1:
+        raise ValueError(f"--nodes {nodes}: must be at least 1")
+    if gpus % nodes:
+        raise ValueError(f"--gpus {gpus} do not split evenly over --nodes {nodes}; use a multiple of {nodes}")
+    if gpus // nodes > MOST_GPUS_PER_NODE:
+        raise ValueError(f"--gpus {gpus} on --nodes {nodes} is {gpus // nodes} GPUs per node; no server holds "
+                         f"more than {MOST_GPUS_PER_NODE}: pass --nodes {-(-gpus // GPUS_PER_NODE)} for "
+                         f"{GPUS_PER_NODE} per node")
+    return nodes
+
+
 def add_parsers(sub) -> None:
     e = sub.add_parser("estimate", help="memory per GPU and per host of a model under a layout")
     e.add_argument("--model", required=True, help="preset (tiny, small, 135m, 1b, 7b, 13b, 70b), a Hugging Face "
                    "config.json or model directory, or a parameter count (7.5B: model states only)")
     e.add_argument("--config", help="bunsan/DeepSpeed config file for the layout (default: bunsan's defaults)")
     e.add_argument("--gpus", type=int, help="GPUs in all (default: tp x pp x cp of the config)")
-    e.add_argument("--nodes", type=int, default=1)
+    e.add_argument("--nodes", type=int, help=f"nodes the GPUs are on (default: {GPUS_PER_NODE} GPUs per node)")
     e.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GB or 24GiB (default: the --gpu's)")
     e.add_argument("--gpu", default=None, help="GPU model for its memory (h100, a100, l40s, ...)")
     e.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: price a CPU run (gloo)")
@@ -40,7 +71,7 @@ def add_parsers(sub) -> None:
     p = sub.add_parser("plan", help="layouts that fit a model on given GPUs, ranked by estimated step time")
     p.add_argument("--model", required=True, help="preset, Hugging Face config.json or model directory")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--nodes", type=int, help=f"nodes the GPUs are on (default: {GPUS_PER_NODE} GPUs per node)")
     p.add_argument("--gpu", default="h100", help="GPU model (h100, h200, a100, a100-40gb, l40s, a10, v100, rtx4090)")
     p.add_argument("--gpu-spec", help="measured or custom GPU figures: NAME[,bf16=312T][,fp16=..][,fp32=..]"
                    "[,memory=80GiB][,hbm=2TB] (a known NAME or custom; replaces --gpu)")
@@ -102,7 +133,8 @@ def cmd_estimate(args) -> int:
     memory = _bytes(args.gpu_memory)
     if memory is None and args.gpu:
         memory = float(gpu_spec(args.gpu).memory_bytes)
-    est = estimate(args.model, cfg, gpus=args.gpus, nodes=args.nodes, gpu_memory=memory, device_type=args.device)
+    est = estimate(args.model, cfg, gpus=args.gpus, nodes=nodes_for(args.gpus, args.nodes), gpu_memory=memory,
+                   device_type=args.device)
     if args.json:
         print(json.dumps({"model": est.model, "params": est.n_params, "layout": est.layout.describe(),
                           "peak_bytes": est.peak, "stage_peaks": est.stage_peaks,
@@ -212,7 +244,8 @@ def cmd_plan(args) -> int:
 
     tokens = int(args.tokens) if args.tokens else None
     intra, inter = _links(args)
-    result = plan(args.model, args.gpus, _bytes(args.gpu_memory), gpu=_gpu(args), nodes=args.nodes,
+    result = plan(args.model, args.gpus, _bytes(args.gpu_memory), gpu=_gpu(args),
+                  nodes=nodes_for(args.gpus, args.nodes),
                   seq_len=args.seq_len, global_batch=args.global_batch, interconnect_name=intra,
                   inter_node=inter, precision=args.precision, margin=args.margin, total_tokens=tokens,
                   efficiency=args.efficiency, host_memory=_bytes(args.host_memory), keep=max(args.top, 1),
