@@ -18,6 +18,6 @@ from bunsan.transforms.selective import apply_selective_recompute
 
 __version__ = "0.1.0"
 __all__ = ["initialize", "init_distributed", "Config", "ConfigError", "Engine", "Mesh", "Comm", "CommError",
-           "models", "pipeline", "zero", "estimate", "plan", "backend_name", "collective_timeout", "TPContext",
+           "models", "optim", "pipeline", "zero", "estimate", "plan", "backend_name", "collective_timeout", "TPContext",
            "apply_tensor_parallel", "apply_activation_checkpointing", "apply_selective_recompute",
            "apply_activation_offload", "apply_compile"]

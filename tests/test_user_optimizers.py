@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import bunsan
-from parity import ADAM_EPS, Setup, assert_parity, batches, build_model, rank_slice, reference_train, to_numpy, \
+from parity import Setup, assert_parity, batches, build_model, rank_slice, reference_train, to_numpy, \
     tiny_model
 from test_parity_sgd import layout
 

@@ -8,13 +8,15 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from bunsan.models.hf import save_hf_named, save_llama
 from bunsan.transforms.lora import merge_lora as merge_lora_into
-from bunsan.models.llama import LlamaConfig
+from bunsan.models.llama import Llama, LlamaConfig
 from bunsan.checkpoint import store
 from bunsan.checkpoint.assemble import read_local
+from bunsan.checkpoint.final import final_dir, read_final
 from bunsan.checkpoint.pieces import Local
 from bunsan.checkpoint.store import CheckpointError
 
@@ -49,33 +51,103 @@ def consolidate(root, tag: str | None = None) -> tuple[dict[str, torch.Tensor], 
     raise CheckpointError(f"no loadable checkpoint in {root}: " + ("; ".join(problems) or "none was saved"))
 
 
+def source_weights(src, tag: str | None) -> tuple[dict[str, torch.Tensor], dict, str]:
+    """(weights, {"model": the model's config, "step", "config"?}, what they are) of a checkpoint directory
+    (the newest whole one, or `tag`) or of a `bunsan train` output (its final/ weights, LoRA already merged)."""
+    root = Path(src)
+    final = final_dir(root)
+    saved = (root / "latest").exists() or bool(store.complete_tags(root))
+    if tag is None and final is not None and not saved:
+        meta, state = read_final(final)
+        return state, {"model": meta["model"], "step": meta.get("steps", 0), "final": True}, str(final)
+    if tag is not None and final is not None and not saved:
+        raise CheckpointError(f"{root} is the output of `bunsan train`: its final/ weights have no tags, and it "
+                              "holds no checkpoint; convert it without --tag, or point at the checkpoint.dir the "
+                              "run saved into")
+    state, meta, tag = consolidate(root, tag)
+    return state, meta, f"{root}/{tag}"
+
+
+def check_against_config(state: dict[str, torch.Tensor], hf_config: dict, where: str) -> None:
+    """The weights are exactly those of the model `hf_config` describes (names and shapes), so the directory
+    written is one transformers and bunsan can load: a config of 2 layers beside 4 layers' weights is refused."""
+    try:
+        with torch.device("meta"):
+            if any(k.startswith("model.") for k in state):     # a transformers model's own names
+                import transformers
+                config = transformers.AutoConfig.for_model(**hf_config)
+                model = transformers.AutoModelForCausalLM.from_config(config)
+            else:
+                model = Llama(LlamaConfig.from_hf(hf_config))
+    except Exception as e:   # noqa: BLE001  (any model class's refusal of the recorded config)
+        raise CheckpointError(f"{where}: the model config it records cannot be built ({type(e).__name__}: "
+                              f"{str(e)[:200]}); the checkpoint's metadata is damaged") from None
+    own = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+    if hf_config.get("tie_word_embeddings"):
+        own.pop("lm_head.weight", None)
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    shapes = [f"{k} {list(state[k].shape)} (the config says {list(own[k])})" for k in own
+              if k in state and tuple(state[k].shape) != own[k]]
+    if missing or extra or shapes:
+        raise CheckpointError(f"{where}: the weights do not match the model config it records "
+                              f"({hf_config.get('num_hidden_layers')} layers, vocabulary {hf_config.get('vocab_size')}): "
+                              f"missing {missing[:3]}, unexpected {extra[:3]}, other shapes {shapes[:2]}; the "
+                              "checkpoint's metadata was altered or mixed with another's")
+
+
 def convert(src, out, to: str = "safetensors", tag: str | None = None, dtype: str = "fp32",
             merge_lora: bool = False) -> Path:
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    state, meta, tag = consolidate(src, tag)
+    state, meta, where = source_weights(src, tag)
     has_lora = any(".lora_A." in k for k in state)
     if merge_lora or (to == "hf" and has_lora):
         if not has_lora:
-            raise CheckpointError(f"{src}/{tag} has no LoRA adapters to merge")
+            raise CheckpointError(f"{where} has no LoRA adapters to merge"
+                                  + (" (a training output's final/ weights have them merged already)"
+                                     if meta.get("final") else ""))
         lora = meta["config"]["lora"]
         state = merge_lora_into(state, lora["alpha"], lora["r"])
+    bad = [k for k, v in state.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise CheckpointError(f"{where} holds NaN or infinite weights in {bad[:3]}; it was saved after training "
+                              "diverged: convert an earlier checkpoint (--tag)")
     state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in state.items()}
     out = Path(out)
     if to == "safetensors":
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        save_file(state, str(tmp), metadata={"format": "pt", "source": f"{src}/{tag}", "step": str(meta["step"])})
-        tmp.replace(out)
-        return out
+        return write_atomically(out, lambda tmp: save_file(state, str(tmp), metadata={
+            "format": "pt", "source": where, "step": str(meta.get("step", 0))}))
     if to == "hf":
         if not meta.get("model"):
-            raise CheckpointError(f"{src}/{tag} records no model config, so it cannot become a Hugging Face "
+            raise CheckpointError(f"{where} records no model config, so it cannot become a Hugging Face "
                                   "directory; convert it to one safetensors file instead")
-        if any(k.startswith("model.") for k in state):     # a transformers model's names: written as they are
-            return save_hf_named(state, meta["model"], out)
-        config = LlamaConfig.from_hf(meta["model"])
-        if config.tie_word_embeddings:
-            state.setdefault("lm_head.weight", state["embed_tokens.weight"])
-        return save_llama(state, config, out)
+        check_against_config(state, meta["model"], where)
+        try:
+            if any(k.startswith("model.") for k in state):     # a transformers model's names: written as they are
+                return save_hf_named(state, meta["model"], out)
+            config = LlamaConfig.from_hf(meta["model"])
+            if config.tie_word_embeddings:
+                state.setdefault("lm_head.weight", state["embed_tokens.weight"])
+            return save_llama(state, config, out)
+        except (OSError, SafetensorError) as e:
+            need = sum(v.numel() * v.element_size() for v in state.values())
+            raise CheckpointError(f"writing {out} failed ({type(e).__name__}: {e}); it needs {need:,} bytes: "
+                                  "free space or choose another output (what was written there is incomplete)") \
+                from None
     raise ValueError(f"--to {to!r}: use 'safetensors' (one file) or 'hf' (a Hugging Face directory)")
+
+
+def write_atomically(out: Path, write) -> Path:
+    """`write(tmp)` beside `out`, then renamed over it; a failure (a full disk) leaves nothing behind and says
+    how many bytes it needed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        write(tmp)
+        tmp.replace(out)
+    except (OSError, SafetensorError) as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"writing {out} failed ({type(e).__name__}: {e}); nothing partial was left: free "
+                              "space or choose another output") from None
+    return out

@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from bunsan.checkpoint.tensor_file import FLOAT, TORCH_NAME, TensorFileError, checked_header
 from bunsan.checkpoint.untrusted import UntrustedError, check_meta, check_pieces, inside, plain_name, read_small
 
 FORMAT, VERSION = "bunsan-checkpoint", 2     # 2: meta.sha256 beside meta.json
@@ -259,10 +260,30 @@ class Reader:
             self.by_key.setdefault((p["name"], p["kind"]), []).append(p)
         try:
             check_pieces(self.by_key, self.dir)
-        except UntrustedError as e:
+            self._check_headers(meta)
+        except (UntrustedError, TensorFileError) as e:
             raise CheckpointError(str(e)) from None
         self._files: dict[str, object] = {}
         self.cache: dict = {}
+
+    def _check_headers(self, meta: dict) -> None:
+        """Every piece is a tensor of its file, of the dtype meta.json recorded (weights floating point): a
+        header altered with its checksum updated reads nothing wrong."""
+        headers = {}
+        for p in meta["pieces"]:
+            if p["file"] not in headers:
+                headers[p["file"]] = checked_header(inside(self.dir, p["file"], "checkpoint file"))
+            entry = headers[p["file"]].get(p["key"])
+            where = self.dir / p["file"]
+            if entry is None:
+                raise TensorFileError(f"{where} has no tensor {p['key']!r}, which meta.json lists; the checkpoint "
+                                      "is damaged")
+            got = TORCH_NAME.get(entry["dtype"], entry["dtype"].lower())
+            weight = p["kind"] in ("master", "frozen")
+            if ("dtype" in p and got != p["dtype"]) or (weight and entry["dtype"] not in FLOAT):
+                raise TensorFileError(f"{where}: {p['kind']} of {p['name']!r} is stored as {got}, but was saved as "
+                                      f"{p.get('dtype', 'floating point')}; the file was altered (refusing to "
+                                      "reinterpret its bytes)")
 
     def alias_for(self, names: list[str]) -> None:
         """Read a checkpoint of the other naming of the same Llama weights: bunsan's Llama names

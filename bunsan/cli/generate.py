@@ -96,27 +96,41 @@ def _generate_placed(args) -> int:
 
 
 def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=None):
-    """(model, tokenizer) of `bunsan train`'s output directory (or its final/ folder), on the CPU, its weights
-    in `dtype` (default fp32)."""
-    from safetensors.torch import load_file
-
+    """(model, tokenizer) of `bunsan train`'s output directory (or its final/ folder, or a Hugging Face Llama
+    directory), on the CPU, its weights in `dtype` (default fp32), every one checked (checkpoint/final.py)."""
+    from bunsan.checkpoint.final import final_dir, read_final
     from bunsan.config.root import Config
-    from bunsan.training.data import load_tokenizer
     from bunsan.models import Llama, LlamaConfig
-    ckpt = Path(path)
-    if (ckpt / "final").is_dir():
-        ckpt = ckpt / "final"
-    weights, meta_path = ckpt / "model.safetensors", ckpt / "config.json"
-    if not weights.is_file() or not meta_path.is_file():
-        raise SystemExit(f"bunsan {command}: {ckpt} has no model.safetensors + config.json; point --checkpoint at "
+    from bunsan.models.hf import load_llama
+    from bunsan.training.data import load_tokenizer
+    ckpt = final_dir(path)
+    if ckpt is None:
+        raise SystemExit(f"bunsan {command}: {path} has no model.safetensors + config.json; point --checkpoint at "
                          "the output directory of `bunsan train` (or its final/ folder)")
-    meta = json.loads(meta_path.read_text())
-    cfg = Config.load(meta.get("bunsan_config", {}))
-    model = Llama(LlamaConfig.from_hf(meta["model"]))
-    load_exactly(model, load_file(str(weights)), ckpt)
+    if hf_model_dir(ckpt):
+        model = load_llama(ckpt)
+        recorded = None
+        if tokenizer_path is None and not (ckpt / "tokenizer.json").is_file():
+            raise SystemExit(f"bunsan {command}: {ckpt} is a Hugging Face directory without tokenizer.json; pass "
+                             f"--tokenizer PATH/tokenizer.json")
+    else:
+        meta, state = read_final(ckpt)
+        model = Llama(LlamaConfig.from_hf(meta["model"]))
+        load_exactly(model, state, ckpt)
+        recorded = Config.load(meta.get("bunsan_config", {})).data.tokenizer
     if dtype is not None:
         model.to(dtype)
-    return model.eval(), load_tokenizer(tokenizer_path or recorded_tokenizer(ckpt, cfg.data.tokenizer, command))
+    return model.eval(), load_tokenizer(tokenizer_path or recorded_tokenizer(ckpt, recorded, command))
+
+
+def hf_model_dir(folder: Path) -> bool:
+    """A Hugging Face model directory (config.json is the model's config) rather than bunsan's final/."""
+    from bunsan.checkpoint.untrusted import read_small
+    try:
+        meta = json.loads(read_small(folder / "config.json", 1 << 22) or "null")
+    except ValueError:
+        return False
+    return isinstance(meta, dict) and "model" not in meta and "model_type" in meta
 
 
 def load_exactly(model, state: dict, where: Path) -> None:

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from bunsan.checkpoint.tensor_file import check_dtypes, checked_header
 from bunsan.models.llama import Llama, LlamaConfig
 
 CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
@@ -57,21 +58,38 @@ class HFWeights:
     def __init__(self, path):
         self.dir = Path(path)
         if (self.dir / INDEX).is_file():
-            self.where = json.loads((self.dir / INDEX).read_text())["weight_map"]
+            index = json.loads((self.dir / INDEX).read_text())
+            self.where = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(self.where, dict):
+                raise ValueError(f"{self.dir / INDEX} has no weight_map object; the directory is damaged")
             for file in set(self.where.values()):    # shards inside the directory: never a path elsewhere
                 if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", "..") \
                         or (self.dir / file).is_symlink():
                     raise ValueError(f"{self.dir / INDEX}: weight_map names a shard that is not a plain file in "
                                      "the directory (a path, '..' or a symlink); the directory is damaged")
         elif (self.dir / SINGLE).is_file():
-            with safe_open(str(self.dir / SINGLE), framework="pt") as f:
-                self.where = {k: SINGLE for k in f.keys()}
+            self.where = {k: SINGLE for k in checked_header(self.dir / SINGLE)}
         else:
             raise FileNotFoundError(f"{self.dir} has neither {SINGLE} nor {INDEX}; bunsan reads safetensors "
                                     "weights only (convert .bin files with transformers' save_pretrained first)")
+        self._check_files()
         self._open: dict[str, object] = {}
         config = json.loads((self.dir / CONFIG).read_text()) if (self.dir / CONFIG).is_file() else {}
         self.tied = bool(config.get("tie_word_embeddings", False))
+
+    def _check_files(self) -> None:
+        """Each file's header consistent with its size, every weight floating point, and every tensor the
+        index names in the file it names (checkpoint/tensor_file.py): nothing is reinterpreted or read past."""
+        for file in sorted(set(self.where.values())):
+            path = self.dir / file
+            if not path.is_file():
+                raise FileNotFoundError(f"{self.dir / INDEX} names the shard {file!r}, which is not in {self.dir}")
+            header = checked_header(path)
+            check_dtypes(path, {k: v for k, v in header.items() if not k.endswith("rotary_emb.inv_freq")})
+            missing = sorted(k for k, f in self.where.items() if f == file and k not in header)
+            if missing:
+                raise ValueError(f"{self.dir / INDEX} puts {missing[:3]} in {file}, which does not hold them; the "
+                                 "directory is damaged")
 
     def _key(self, name: str) -> str:
         """The file's key of a parameter: its own name (a transformers model's), else bunsan's Llama name in
@@ -113,7 +131,12 @@ def check_llama_dir(path, cfg: LlamaConfig, weights: HFWeights | None = None) ->
     have = {k for k in weights.where if not k.endswith("rotary_emb.inv_freq")}   # (old HF files keep rope)
     if cfg.tie_word_embeddings:
         want.pop("lm_head.weight", None)
-        have.discard("lm_head.weight")
+        if "lm_head.weight" in have:     # some savers write the tied head too: it must be the embedding
+            if not torch.equal(weights.read("lm_head.weight"), weights.read("embed_tokens.weight")):
+                raise ValueError(f"{path}: config.json says tie_word_embeddings true, but the weights hold an "
+                                 "lm_head.weight that differs from the embedding (tying would drop it); set "
+                                 "tie_word_embeddings to false in config.json, or remove lm_head.weight")
+            have.discard("lm_head.weight")
     missing, extra = sorted(set(want) - have), sorted(have - set(want))
     if missing or extra:
         raise ValueError(f"{path}: its weights do not match its config.json ({cfg.num_hidden_layers} layers, "

@@ -6,7 +6,6 @@ Runs on every rank that torchrun started; only rank 0 prints and writes.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -18,11 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 from bunsan import initialize
 from bunsan.checkpoint import check_shared, store
 from bunsan.checkpoint.store import CheckpointError
+from bunsan.checkpoint.final import write_final
 from bunsan.checkpoint.hf import load_hf_into_engine
 from bunsan.config.deepspeed_keys import IgnoredKeyWarning
 from bunsan.config.root import Config
@@ -77,26 +76,6 @@ def gather_memory(engine) -> list[dict]:
     return [{k: int(v) for k, v in zip(MEMORY_KEYS, row) if k in rep} for row in rows]
 
 
-def _write_final(tmp: Path, final: Path, state: dict, meta: dict, tokenizer) -> None:
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
-              metadata={"format": "pt", "producer": "bunsan"})
-    (tmp / "config.json").write_text(json.dumps(meta, indent=2))
-    if tokenizer is not None and str(tokenizer) != "byte":   # generate/serve read it from here, nowhere else
-        source = Path(tokenizer)
-        shutil.copyfile(source / "tokenizer.json" if source.is_dir() else source, tmp / "tokenizer.json")
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if final.exists():
-        old = final.with_name(f".final.old{os.getpid()}")
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
-
-
 def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
     """Rank 0 writes model.safetensors + config.json into out_dir/final, atomically (tmp dir + rename)."""
     state = engine.consolidated_state_dict()
@@ -106,7 +85,7 @@ def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
     if engine.mesh.rank == 0:
         tmp = out_dir / f".final.tmp{os.getpid()}"
         try:
-            _write_final(tmp, final, state, {"model": mcfg.to_hf(), "bunsan_config": cfg.to_dict(), **extra},
+            write_final(tmp, final, state, {"model": mcfg.to_hf(), "bunsan_config": cfg.to_dict(), **extra},
                          tokenizer_folder(cfg))
         except (OSError, SafetensorError) as e:
             shutil.rmtree(tmp, ignore_errors=True)

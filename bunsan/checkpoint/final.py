@@ -1,0 +1,97 @@
+"""The consolidated weights `bunsan train` leaves in RUN/final: written atomically with their digest, read back
+checked (`generate`, `serve` and `convert` take them).
+
+    RUN/final/model.safetensors   every weight, whole, under the plain model's names
+    RUN/final/config.json         {"model": the HF config, "bunsan_config": ..., "weights": {sha256, bytes}, ...}
+    RUN/final/tokenizer.json      the tokenizer trained with, unless it was bytes
+
+The directory is untrusted when read (it may come from anyone): config.json is a small JSON object, the weights
+match the digest it records, their header is consistent (tensor_file.py) and every weight is floating point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from bunsan.checkpoint.store import CheckpointError, sha256
+from bunsan.checkpoint.tensor_file import TensorFileError, check_dtypes, checked_header
+from bunsan.checkpoint.untrusted import read_small
+
+WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.json"
+CONFIG_BYTES = 1 << 22
+
+
+def final_dir(path) -> Path | None:
+    """RUN/final for a training output RUN, or the folder itself when it is one; None when neither."""
+    path = Path(path)
+    for d in (path / "final", path):
+        if (d / WEIGHTS).is_file() and (d / CONFIG).is_file():
+            return d
+    return None
+
+
+def write_final(tmp: Path, final: Path, state: dict, meta: dict, tokenizer) -> None:
+    """Weights, config.json (with the weights' digest) and the tokenizer into `tmp`, fsynced, then renamed to
+    `final` (an older final is replaced whole)."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS),
+              metadata={"format": "pt", "producer": "bunsan"})
+    weights = {"sha256": sha256(tmp / WEIGHTS), "bytes": (tmp / WEIGHTS).stat().st_size}
+    (tmp / CONFIG).write_text(json.dumps({**meta, "weights": weights}, indent=2))
+    if tokenizer is not None and str(tokenizer) != "byte":   # generate/serve read it from here, nowhere else
+        source = Path(tokenizer)
+        shutil.copyfile(source / TOKENIZER if source.is_dir() else source, tmp / TOKENIZER)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():
+        old = final.with_name(f".final.old{os.getpid()}")
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+
+
+def read_meta(folder: Path) -> dict:
+    """final/config.json: a JSON object with the model's config under "model"."""
+    path = folder / CONFIG
+    text = read_small(path, CONFIG_BYTES)
+    if text is None:
+        raise CheckpointError(f"{path} is not a readable UTF-8 file under {CONFIG_BYTES:,} bytes")
+    try:
+        meta = json.loads(text)
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not JSON ({e}); the run's output is damaged") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+        raise CheckpointError(f"{path} has no \"model\" object (the model's config): it is not the final/ folder "
+                              "of `bunsan train` (a Hugging Face directory's config.json is the model's config "
+                              "itself)")
+    return meta
+
+
+def read_final(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, the weights) of a final/ folder, checked: the digest, the header, floating point."""
+    meta = read_meta(folder)
+    path = folder / WEIGHTS
+    recorded = meta.get("weights")
+    if isinstance(recorded, dict):
+        size = path.stat().st_size
+        if size != recorded.get("bytes") or sha256(path) != recorded.get("sha256"):
+            raise CheckpointError(f"{path} does not match the digest in {folder / CONFIG} ({size:,} bytes, "
+                                  f"{recorded.get('bytes')} recorded): it was altered or damaged after training")
+    else:
+        print(f"bunsan: {folder / CONFIG} records no digest of {WEIGHTS} (written by an older bunsan); its header "
+              "and dtypes are checked, its values cannot be", file=sys.stderr)
+    try:
+        check_dtypes(path, checked_header(path))
+    except TensorFileError as e:
+        raise CheckpointError(str(e)) from None
+    return meta, load_file(str(path))
