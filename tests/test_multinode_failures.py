@@ -212,3 +212,44 @@ def test_rank_0_that_cannot_host_the_store_says_whether_the_port_or_the_address_
     with pytest.raises(CommError, match=r"cannot reach it at nosuchhost\.invalid:\d+ .*MASTER_ADDR must name this "
                                         r"host"):
         join_store(0, 2, 3)
+
+
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_a_rank_that_stops_answering_is_named_and_every_node_ends_within_the_timeout(tmp_path, corpus, stopped):
+    """SIGSTOP: a hung GPU rank, the commonest multi-node failure. Rank 0 hosts the store the roll call reads:
+    stopped, the roll call must not wait on it."""
+    timeout = 20
+    with Cluster(tmp_path) as cluster:
+        procs = _training(cluster, corpus, tmp_path / "out", timeout)
+        os.kill(procs[stopped]["workers"][0], signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        codes = cluster.wait_all(timeout + 2 * SLACK)
+        took = time.monotonic() - stopped_at
+        logs = [cluster.log(n) for n in range(2)]
+    assert all(c != 0 for c in codes) and took < timeout + 2 * SLACK, (codes, took, logs)
+    assert all("Traceback" not in log for log in logs), logs
+    said = " ".join(_bunsan_lines(logs[1 - stopped]))
+    # its peer names it (the roll call; rank 0 hosts the store, so stopped it cannot answer that either), its
+    # own agent kills it once the peer has had its say
+    assert f"rank {stopped} did not answer" in said if stopped else "rank 0 is stopped or hung" in said, logs
+    assert f"rank {stopped} (pid" in logs[stopped] and "has been stopped (SIGSTOP" in logs[stopped], logs
+
+
+def test_the_agent_kills_a_worker_stopped_past_the_timeout_and_only_that():
+    from bunsan.cli.stopped_workers import StoppedWorkerWatch
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                               env={**os.environ, "RANK": "3"})
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        watch = StoppedWorkerWatch(10.0, "train.timeout_s")     # killed after 10 s + the roll call's 5 + 10
+        watch.check(now=0.0)
+        watch.check(now=20.0)
+        assert stopped.poll() is None                           # peers still naming it
+        watch.check(now=26.0)
+        assert stopped.wait(5) == -signal.SIGKILL and running.poll() is None
+    finally:
+        for p in (stopped, running):
+            p.kill()
+            p.wait()

@@ -7,6 +7,8 @@ Everything after `run` is torchrun's (a single node is --standalone). Added to i
   `timeout`) unless --rdzv-conf names them. What torch keeps: its exit barrier (300 s, not settable from
   torchrun), entered only once this node's workers all succeeded.
 - workers bound to this agent (BUNSAN_AGENT_PID: comm/launched.py), so a SIGKILLed agent leaves none behind;
+- a worker stopped (SIGSTOP, a debugger) longer than the job's timeout killed (cli/stopped_workers.py), so
+  that the job ends instead of waiting on it for ever;
 - a fresh rendezvous store per round (launch.FRESH_STORE_PER_ROUND: restarts that work);
 - a failed process, a node that never came, a lost store host: one bunsan line each, saying what to check.
 """
@@ -20,6 +22,7 @@ import socket
 import sys
 
 from bunsan.cli.launch import FRESH_STORE_PER_ROUND
+from bunsan.cli.stopped_workers import StoppedWorkerWatch
 from bunsan.comm.launched import AGENT_PID, REACH, agent_mark
 from bunsan.comm.work import first_line
 
@@ -81,6 +84,7 @@ def run_script(rest: list[str]) -> int:
     for k, v in FRESH_STORE_PER_ROUND.items():
         os.environ.setdefault(k, v)
     os.environ[AGENT_PID] = agent_mark()
+    StoppedWorkerWatch(seconds, source).start()       # a stopped worker would hold every node for ever
     here = socket.gethostname()
     endpoint = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port or 29500}"
     try:

@@ -4,12 +4,15 @@ Every rank posts the last step it finished (one store write per step). A rank wh
 posts where it is waiting (op, group, the collective's number on that group), then reads the others' posts
 for a short while: ranks of the group waiting in the same collective arrived; the others did not (and, if
 they are waiting in another collective, that one is named). The store lives outside the process group, so
-it still answers when the group is stuck; when it does not (rank 0 died), the roll call says so.
+it still answers when the group is stuck; when it does not (rank 0 died), the roll call says so. Every store
+call runs on a thread of its own with a deadline: a store whose host is stopped (SIGSTOP, a debugger) keeps
+its connections open and never answers, and a rank must not wait on it for ever.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import torch.distributed as dist
@@ -21,11 +24,57 @@ def _store():
     return dist.distributed_c10d._get_default_store()
 
 
+class _StepPoster:
+    """Posts the newest finished step from a thread: the training loop never waits on the store."""
+
+    def __init__(self):
+        self.latest: tuple[int, int] | None = None
+        self.ready = threading.Event()
+        threading.Thread(target=self._run, name="bunsan-step-poster", daemon=True).start()
+
+    def post(self, rank: int, step: int) -> None:
+        self.latest = (rank, step)
+        self.ready.set()
+
+    def _run(self) -> None:
+        while True:
+            self.ready.wait()
+            self.ready.clear()
+            rank, step = self.latest
+            try:
+                _store().set(f"bunsan/step/{rank}", str(step))
+            except Exception:        # no store (a world of one) or it is gone: the step is still done
+                pass
+
+
+_poster: _StepPoster | None = None
+
+
 def post_step(rank: int, step: int) -> None:
-    try:
-        _store().set(f"bunsan/step/{rank}", str(step))
-    except Exception:        # no store (a world of one) or it is gone: the step is still done
-        pass
+    global _poster
+    if _poster is None:
+        _poster = _StepPoster()
+    _poster.post(rank, step)
+
+
+def bounded(fn, seconds: float, what: str):
+    """fn() on a thread of its own; its result, its exception, or TimeoutError after `seconds` (the thread is
+    left behind, daemonic, blocked in the store)."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:      # noqa: BLE001  (handed to the caller)
+            box["error"] = e
+    worker = threading.Thread(target=run, name=f"bunsan-{what}", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise TimeoutError(f"{what} got no answer within {seconds:g}s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def _read(store, key: str):
@@ -38,10 +87,11 @@ def roll_call(rank: int, op: str, group, seq: int, window_s: float) -> str:
     ranks = list(group.ranks)
     if len(ranks) < 2:
         return ""
-    try:
+    others, seen = [r for r in ranks if r != rank], {}
+
+    def call():
         store = _store()
         store.set(f"bunsan/at/{rank}", json.dumps({"op": op, "group": group.name, "seq": seq}))
-        others, seen = [r for r in ranks if r != rank], {}
         deadline = time.monotonic() + window_s
         while True:
             for r in others:
@@ -50,7 +100,13 @@ def roll_call(rank: int, op: str, group, seq: int, window_s: float) -> str:
             if len(seen) == len(others) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        steps = {r: _read(store, f"bunsan/step/{r}") for r in ranks}
+        return {r: _read(store, f"bunsan/step/{r}") for r in ranks}
+    try:
+        steps = bounded(call, window_s + 5.0, "roll call")
+    except TimeoutError:
+        return (f" Roll call impossible: the store on rank 0's node (rank 0's, or its agent's) did not answer "
+                f"within {window_s + 5.0:g}s, with its connection still open: rank 0 is stopped or hung (SIGSTOP, "
+                "a debugger, a frozen machine) rather than dead; check rank 0 and its node.")
     except Exception as e:
         first = first_line(e)      # (torch's store errors append a C++ backtrace)
         return (f" Roll call impossible ({type(e).__name__}: {first}): the store on rank 0's node (rank 0's, or its "
