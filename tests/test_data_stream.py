@@ -73,7 +73,7 @@ def test_a_named_pipe_in_the_data_is_refused(tmp_path):
     import os
     (tmp_path / "a.txt").write_text("hello\n")
     os.mkfifo(tmp_path / "b.txt")
-    with pytest.raises(ValueError, match="not a regular file"):
+    with pytest.raises(ValueError, match=r"is a named pipe \(FIFO\), not a file"):
         resolve_paths([str(tmp_path)])
     np.testing.assert_array_equal(TokenCache([tmp_path / "a.txt"], cache_dir=tmp_path / "c").load(),
                                   np.frombuffer(b"hello\n\n", np.uint8))

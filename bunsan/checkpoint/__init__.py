@@ -92,7 +92,7 @@ def save_checkpoint(engine, save_dir, tag: str | float | None = None, client_sta
         meta = {"step": engine.global_step, "config": engine.cfg.to_dict(),
                 "layout": {"dp": engine.mesh.dp, "tp": engine.mesh.tp, "pp": engine.mesh.pp,
                            "zero": engine.strategy.stage, "dtype": str(engine.dtype).removeprefix("torch.")},
-                "engine": counters,
+                "engine": counters, "optimizer": engine.strategy.opt_class.__name__,
                 "model": _model_config(engine), "client_state": client_state or {}}
         failed = _attempt(lambda: store.commit(root, tag, world, meta, keep_last or engine.cfg.checkpoint.keep_last))
     _all_or_none(engine, failed, root, tag, "committing")
@@ -272,6 +272,12 @@ def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_sta
         raise CheckpointError(f"no checkpoint in {root} (no `latest` and no tag directory with a meta.json); "
                               "save one with engine.save_checkpoint or check the path")
     tag, meta, reader = _verified(engine, root, tags)
+    saved_with, steps_with = meta.get("optimizer"), engine.strategy.opt_class.__name__
+    if load_optimizer_states and isinstance(saved_with, str) and saved_with != steps_with:
+        raise CheckpointError(f"checkpoint {root / tag} holds the states of a {saved_with} optimizer, and this "
+                              f"engine steps {steps_with}: load the weights alone (load_optimizer_states=False; "
+                              f"`bunsan train`: --set checkpoint.load_optimizer_states=false) or train with "
+                              f"{saved_with}")
     states = _StateLoader(engine, reader, meta, load_optimizer_states)
     failed = None
     with torch.no_grad():

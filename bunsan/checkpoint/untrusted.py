@@ -95,7 +95,36 @@ def check_meta(meta, path: Path) -> dict:
         raise UntrustedError(f"{path}: 'step' must be a non-negative integer; the checkpoint is damaged")
     for p in pieces:
         _check_piece(p, files, path)
+    _check_engine(meta.get("engine"), path)
     return meta
+
+
+def _check_engine(engine, path: Path) -> None:
+    """The step counters and loss scaler a resume restores: numbers of the right kind (a string step would
+    fail later inside the learning-rate schedule, a string scale inside the step)."""
+    if engine is None:
+        return
+    if not isinstance(engine, dict):
+        raise UntrustedError(f"{path}: 'engine' is a {type(engine).__name__}, not an object; the checkpoint is "
+                             "damaged")
+    for key in ("global_step", "skipped_steps"):
+        if key in engine and not _count(engine[key]):
+            raise UntrustedError(f"{path}: engine.{key} is {str(engine[key])[:30]!r}, not a non-negative integer; "
+                                 "the checkpoint is damaged")
+    scaler = engine.get("scaler")
+    if scaler is None:
+        return
+    if not isinstance(scaler, dict):
+        raise UntrustedError(f"{path}: engine.scaler is not an object; the checkpoint is damaged")
+    scale = scaler.get("scale")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
+        raise UntrustedError(f"{path}: engine.scaler.scale is {str(scale)[:30]!r}, not a positive finite number; "
+                             "the checkpoint is damaged")
+    for key, low in (("cur_hysteresis", 0), ("iter", 0), ("skipped_steps", 0), ("last_overflow_iter", -1)):
+        v = scaler.get(key)
+        if v is not None and not (isinstance(v, int) and not isinstance(v, bool) and v >= low):
+            raise UntrustedError(f"{path}: engine.scaler.{key} is {str(v)[:30]!r}, not an integer >= {low}; the "
+                                 "checkpoint is damaged")
 
 
 def _check_piece(p, files: dict, path: Path) -> None:

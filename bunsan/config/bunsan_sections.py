@@ -22,6 +22,13 @@ class Lora(Section):
                                       description="Names of the linear layers that get adapters (peft's "
                                                   "target_modules)")
 
+    @model_validator(mode="after")
+    def _targets(self) -> Lora:
+        if self.enabled and not self.target_modules:
+            raise Rule(("target_modules", "is empty, so no layer would get an adapter and nothing would train; "
+                                          "name the linear layers, e.g. [\"q_proj\", \"v_proj\"]"))
+        return self
+
 
 class TensorParallel(Section):
     """bunsan: Megatron-style tensor parallelism inside each transformer block."""
@@ -136,6 +143,8 @@ class Checkpoint(Section):
                                                     "set)")
     keep_last: Int = Field(3, ge=1, description="Whole checkpoints kept in dir; older ones are deleted")
     resume: bool = Field(True, description="`bunsan train` continues from the newest whole checkpoint in dir")
+    load_optimizer_states: bool = Field(True, description="Resume the optimizer's states too; false: the weights "
+                                                          "and counters alone (another optimizer, a fresh start)")
 
     @model_validator(mode="after")
     def _dir(self) -> Checkpoint:

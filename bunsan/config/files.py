@@ -64,7 +64,12 @@ def _text(p: Path) -> str:
     if st.st_size > MAX_BYTES:
         raise ConfigError(f"config file '{p}' has {st.st_size:,} bytes, more than a config's {MAX_BYTES:,}; "
                           "check the path")
-    return p.read_text(encoding="utf-8")
+    raw = p.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{p}' is not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}: "
+                          f"{e.reason}); save it as UTF-8 (iconv -f latin1 -t utf-8)") from None
 
 
 def read_config_file(path: str | os.PathLike) -> dict:

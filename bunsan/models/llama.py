@@ -108,9 +108,12 @@ class LlamaConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in names}
         cfg = cls(**kwargs)
+        heads, hidden = cfg.num_attention_heads, cfg.hidden_size
         if d.get("head_dim") not in (None, cfg.head_dim):
-            raise ValueError(f"head_dim {d['head_dim']} != hidden_size/num_attention_heads = {cfg.head_dim}; "
-                             "decoupled head_dim is not supported")
+            raise ValueError(f"head_dim {d['head_dim']} != hidden_size / num_attention_heads = {hidden} / {heads} "
+                             f"= {cfg.head_dim}: either config.json's hidden_size or num_attention_heads is wrong, "
+                             "or the model decouples head_dim from them (Gemma-style), which bunsan's Llama does "
+                             "not; its weights' shapes tell which")
         return cfg
 
     def to_hf(self) -> dict[str, Any]:

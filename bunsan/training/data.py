@@ -7,6 +7,7 @@ different data-parallel size and still read the same samples in the same order.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import glob
 import hashlib
@@ -24,7 +25,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from bunsan.training.stream import write_token_file
+from bunsan.training.stream import check_text_start, write_token_file
 from bunsan.training.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: F401  (re-exported)
 
 _CACHE_VERSION = 1  # bump when the on-disk format or document separation changes
@@ -62,8 +63,9 @@ def _dir_files(d: Path) -> list[Path]:
     return out
 
 
-def resolve_paths(paths: list[str] | str) -> list[Path]:
-    """Expand files, directories (recursive) and globs into a de-duplicated file list."""
+def resolve_paths(paths: list[str] | str, text: bool = True) -> list[Path]:
+    """Expand files, directories (recursive) and globs into a de-duplicated file list; `text`: each file's
+    start must be UTF-8 text (a corpus; records files are checked by their reader)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     out: list[Path] = []
@@ -77,17 +79,42 @@ def resolve_paths(paths: list[str] | str) -> list[Path]:
         elif Path(pat_x).is_file():
             found = [Path(pat_x)]
         else:
-            raise FileNotFoundError(f"data path {pat!r} does not exist")
+            raise not_a_data_path(pat, pat_x)
         if not found:
             raise FileNotFoundError(f"data path {pat!r} matched no files")
         out.extend(found)
     first = {}
     for f in out:  # de-duplicate by real path, keeping first-seen order
-        if not stat.S_ISREG(os.stat(f).st_mode):    # a pipe or device would block the read, or never end
-            raise ValueError(f"data file {f} is not a regular file (a named pipe, socket or device); remove it "
-                             "from the data paths")
+        try:
+            mode = os.stat(f).st_mode
+        except OSError:
+            raise not_a_data_path(str(f), str(f)) from None
+        if not stat.S_ISREG(mode):    # a pipe or device would block the read, or never end
+            raise not_a_data_path(str(f), str(f))
+        if text:                     # a binary or sparse file is refused before its digest reads it whole
+            check_text_start(f)
         first.setdefault(f.resolve(), f)
     return list(first.values())
+
+
+def not_a_data_path(given: str, path: str) -> Exception:
+    """What is at `path` that is not a data file or directory: nothing, a broken or looping link, a pipe, a
+    device or a socket (each would block a read, never end, or is not there)."""
+    try:
+        link = os.lstat(path)
+    except OSError:
+        return FileNotFoundError(f"data path {given!r} does not exist (working directory {os.getcwd()})")
+    if stat.S_ISLNK(link.st_mode):
+        try:
+            os.stat(path)
+        except OSError as e:
+            what = "a loop of symbolic links" if e.errno == errno.ELOOP else "a symbolic link to nothing"
+            return FileNotFoundError(f"data path {given!r} is {what} ({os.readlink(path)!r}); point at the file")
+    kind = next((name for test, name in ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character "
+                 "device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+                 if test(os.stat(path).st_mode)), "not a regular file")
+    return ValueError(f"data path {given!r} is {kind}, not a file: reading it would block or never end; give "
+                      "regular text files or directories of them")
 
 
 def default_cache_dir() -> Path:
@@ -148,6 +175,9 @@ class TokenCache:
             raise ValueError("TokenCache needs at least one file")
         self.tokenizer = tokenizer or ByteTokenizer()
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+        if self.cache_dir.exists() and not self.cache_dir.is_dir():
+            raise ValueError(f"data.cache_dir {str(self.cache_dir)!r} is a file, not a directory: the token cache "
+                             "lives in a directory; set data.cache_dir to one (it is made if missing)")
         self.max_bytes = max_bytes
         self.builds = 0  # how many times this object tokenised (tests check reuse)
 

@@ -47,26 +47,48 @@ def read_records(paths: list[Path]) -> Iterator[tuple[str, dict]]:
         if is_dataset_dir(path):
             yield from _dataset_rows(path)
         elif path.suffix.lower() == ".jsonl":
-            with open(path, encoding="utf-8") as f:
-                for n, line in enumerate(f, 1):
+            with open(path, "rb") as f:
+                for n, raw in enumerate(f, 1):
+                    line = _utf8(raw, f"{path}:{n}")
                     if line.strip():
                         yield f"{path}:{n}", _object(line, f"{path}:{n}")
         elif path.suffix.lower() == ".json":
-            data = json.loads(path.read_text(encoding="utf-8"))
+            try:
+                data = json.loads(_utf8(path.read_bytes(), str(path)))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno} column {e.colno}); fix the file, "
+                                 "or write one record per line as .jsonl") from None
             if not isinstance(data, list):
                 raise ValueError(f"{path}: a JSON data file holds a list of records, got {type(data).__name__}")
             for n, rec in enumerate(data):
                 yield f"{path}[{n}]", _checked(rec, f"{path}[{n}]")
         elif path.suffix.lower() == ".parquet":
-            import pyarrow.parquet as pq
-            n = 0
-            for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-                for rec in batch.to_pylist():
-                    yield f"{path} row {n}", rec
-                    n += 1
+            yield from _parquet_rows(path)
         else:
             raise ValueError(f"data file {path} is not .jsonl, .json or .parquet (nor a saved datasets directory); "
                              "a data.format other than text reads records")
+
+
+def _utf8(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}: {e.reason}); "
+                         "re-encode the file as UTF-8 (iconv -f latin1 -t utf-8)") from None
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    try:
+        rows = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable Parquet file ({type(e).__name__}: {str(e)[:200]})") from None
+    n = 0
+    for batch in rows.iter_batches(batch_size=1024):
+        for rec in batch.to_pylist():
+            yield f"{path} row {n}", rec
+            n += 1
 
 
 def _object(line: str, where: str) -> dict:

@@ -300,7 +300,7 @@ def resume(engine, cfg: Config, loader) -> tuple[int, float | None]:
     ck = cfg.checkpoint
     if not (ck.dir and ck.resume and store.candidates(Path(ck.dir), None)):
         return 0, None
-    path, client = engine.load_checkpoint(ck.dir)
+    path, client = engine.load_checkpoint(ck.dir, load_optimizer_states=ck.load_optimizer_states)
     loader.load_state_dict(client["data"])
     if engine.mesh.rank == 0:
         print(f"bunsan train: resumed from {path} at step {engine.global_step}", flush=True)

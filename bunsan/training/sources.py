@@ -79,7 +79,7 @@ def _record_paths(paths: list[str]) -> list[Path]:
     """Saved datasets directories as they are; every other path expanded to its files."""
     out: list[Path] = []
     for p in paths:
-        out.extend([Path(p)] if is_dataset_dir(Path(p)) else resolve_paths([p]))
+        out.extend([Path(p)] if is_dataset_dir(Path(p)) else resolve_paths([p], text=False))
     return out
 
 

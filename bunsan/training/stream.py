@@ -14,6 +14,7 @@ batch on every core.
 
 from __future__ import annotations
 
+import codecs
 import os
 import shutil
 import sys
@@ -32,11 +33,14 @@ def _pieces(path: Path, limit: float, cuts: str) -> Iterator[bytes]:
     """The file's bytes (at most `limit`) in pieces of about PIECE: cut anywhere (bytes), at line starts, or
     never (the whole file: a tokenizer whose tokens would change at a cut)."""
     left, parts, held = limit, [], 0
+    text = TextCheck(path)
     with open(path, "rb") as f:
         while left > 0:
             block = f.read(int(min(PIECE, left)))
             if not block:
+                text.end()
                 break
+            text.feed(block)
             left -= len(block)
             parts.append(block)
             held += len(block)
@@ -54,6 +58,43 @@ def _pieces(path: Path, limit: float, cuts: str) -> Iterator[bytes]:
                 parts, held = [data[end:]], len(data) - end
     if parts:
         yield b"".join(parts)
+
+
+class TextCheck:
+    """A corpus file is UTF-8 text: a NUL byte (a binary or sparse file) or a byte sequence that is not UTF-8
+    (latin-1 text) is an error naming the file, the offset and the fix, never trained on as bytes."""
+
+    def __init__(self, path: Path):
+        self.path, self.seen = path, 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")()
+
+    def feed(self, block: bytes, final: bool = False) -> None:
+        nul = block.find(b"\0")
+        if nul >= 0:
+            raise ValueError(f"data file {self.path} is not text: a NUL byte at offset {self.seen + nul:,} (a "
+                             "binary or sparse file); bunsan trains on UTF-8 text: remove it from the data paths, "
+                             "or give records with --format")
+        try:
+            self.decoder.decode(block, final)
+        except UnicodeDecodeError as e:
+            at = self.seen + max(0, e.start - len(self.decoder.getstate()[0]))
+            raise ValueError(f"data file {self.path} is not UTF-8: byte 0x{e.object[e.start]:02x} near offset "
+                             f"{at:,} ({e.reason}); convert it (iconv -f latin1 -t utf-8 {self.path.name} > "
+                             "new) or remove it from the data paths") from None
+        self.seen += len(block)
+
+    def end(self) -> None:
+        self.feed(b"", final=True)
+
+
+def check_text_start(path: Path, nbytes: int = 1 << 16) -> None:
+    """The first `nbytes` of a file pass TextCheck: a binary file is refused before it is read whole."""
+    with open(path, "rb") as f:
+        head = f.read(nbytes)
+    check = TextCheck(path)
+    check.feed(head)
+    if len(head) < nbytes:
+        check.end()
 
 
 def _line_start_cut(data: bytes) -> int:

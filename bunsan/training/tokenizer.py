@@ -49,7 +49,11 @@ class HFTokenizer:
             raise ImportError(f"loading tokenizer {p} needs the 'tokenizers' package: "
                               "pip install tokenizers  (or pip install 'bunsan[hf]')") from e
         self.path = p
-        self._tok = Tokenizer.from_file(str(p))
+        try:
+            self._tok = Tokenizer.from_file(str(p))
+        except Exception as e:     # noqa: BLE001  (tokenizers raises a bare Exception for a bad file)
+            raise ValueError(f"tokenizer {p} is not a Hugging Face tokenizer.json ({str(e)[:160]}); point at the "
+                             "tokenizer.json a model directory holds (tokenizer.save() writes one)") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         ids = (self._tok.token_to_id(t) for t in self._EOS_CANDIDATES)
         self.eos_token_id = next((i for i in ids if i is not None), None)
