@@ -238,14 +238,20 @@ def test_cpu_offload_conflicts_and_a_lone_pin_switch(fresh_log):
 # -- optimizer and scheduler types DeepSpeed builds and bunsan does not -------------------------
 @pytest.mark.parametrize("name,text", [
     ("OneBitAdam", "1-bit Adam"), ("OnebitAdam", "1-bit Adam"), ("ZeroOneAdam", "0/1 Adam"),
-    ("OneBitLamb", "1-bit LAMB"), ("Lamb", "not 1-bit"), ("Lion", "Lion is not built"), ("Adagrad", "Adagrad"),
-    ("Muon", "Muon"), ("MuAdamW", "muP"), ("RMSprop", "DeepSpeed builds torch.optim.RMSprop"),
+    ("OneBitLamb", "1-bit LAMB"), ("Lamb", "not 1-bit"), ("Lion", "Lion is not built"),
+    ("Muon", "Muon"), ("MuAdamW", "muP"), ("SparseAdam", "DeepSpeed builds torch.optim.SparseAdam"),
 ])
 def test_optimizers_bunsan_lacks_say_what_to_use(name, text):
     with pytest.raises(ConfigError) as info:
         Config.load({"optimizer": {"type": name, "params": {"lr": 1e-3}}})
     msg = str(info.value)
     assert msg.startswith("optimizer.type: ") and text in msg and "AdamW" in msg
+
+
+@pytest.mark.parametrize("name", ["RMSprop", "adagrad", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop"])
+def test_torchs_elementwise_optimizers_build_from_the_config(name):
+    cfg = Config.load({"optimizer": {"type": name, "params": {"lr": 1e-3}}})
+    assert cfg.optimizer.type.lower() == name.lower()
 
 
 @pytest.mark.parametrize("name,text", [("OneCycle", "OneCycle"), ("LRRangeTest", "LRRangeTest"),

@@ -6,7 +6,7 @@ checked (`generate`, `serve` and `convert` take them).
     RUN/final/tokenizer.json      the tokenizer trained with, unless it was bytes
 
 The directory is untrusted when read (it may come from anyone): config.json is a small JSON object, the weights
-match the digest it records, their header is consistent (tensor_file.py) and every weight is floating point.
+match the digest it records, their header is consistent (models/tensor_file.py) and every weight is floating point.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bunsan.checkpoint.store import CheckpointError, sha256
-from bunsan.checkpoint.tensor_file import TensorFileError, check_dtypes, checked_header
+from bunsan.models.tensor_file import TensorFileError, check_dtypes, checked_header
 from bunsan.checkpoint.untrusted import read_small
 
 WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.json"

@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from bunsan.checkpoint.tensor_file import FLOAT, TORCH_NAME, TensorFileError, checked_header
+from bunsan.models.tensor_file import FLOAT, TORCH_NAME, TensorFileError, checked_header
 from bunsan.checkpoint.untrusted import UntrustedError, check_meta, check_pieces, inside, plain_name, read_small
 
 FORMAT, VERSION = "bunsan-checkpoint", 2     # 2: meta.sha256 beside meta.json

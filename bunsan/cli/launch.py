@@ -35,22 +35,19 @@ def under_torchrun() -> bool:
 FRESH_STORE_PER_ROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def _job_timeout(args) -> tuple[float, str]:
+def _job_timeout(timeout_s: float | None) -> tuple[float, str]:
     """(seconds, what they are) a worker may stay stopped: the job's collective timeout."""
     import torch
     from bunsan.comm.process_group import collective_timeout
+    if timeout_s is not None:
+        return float(timeout_s), "train.timeout_s"
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if args.cmd == "train":
-        from bunsan.cli.train import train_config
-        timeout = train_config(args).train.timeout_s
-        if timeout is not None:
-            return float(timeout), "train.timeout_s"
     return collective_timeout(None, backend), f"the collective timeout on {backend}"
 
 
-def relaunch(args, nproc: int) -> int:
+def relaunch(args, nproc: int, timeout_s: float | None = None) -> int:
     """Run this same command on `nproc` processes under torchrun; the exit code of the doctor's OOM advice
-    survives when any process ran out of memory."""
+    survives when any process ran out of memory. `timeout_s`: the job's train.timeout_s, if it has one."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
     from bunsan.cli.errors import ERROR_DIR, print_collected
@@ -58,7 +55,7 @@ def relaunch(args, nproc: int) -> int:
     for k, v in FRESH_STORE_PER_ROUND.items():
         os.environ.setdefault(k, v)
     os.environ[AGENT_PID] = agent_mark()        # the workers end with this process (comm/launched.py)
-    StoppedWorkerWatch(*_job_timeout(args)).start()   # and one stopped for good is killed (stopped_workers.py)
+    StoppedWorkerWatch(*_job_timeout(timeout_s)).start()   # and one stopped for good is killed (stopped_workers.py)
     with tempfile.TemporaryDirectory(prefix="bunsan-errors-") as folder:
         os.environ[ERROR_DIR] = folder      # each failing rank leaves its message here (cli/errors.py)
         try:

@@ -77,8 +77,8 @@ def cmd_train(args) -> int:
     if args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc}: the number of processes must be at least 1 (default 2)")
     if args.nproc > 1 and not under_torchrun():
-        train_config(args)  # fail fast on a bad config, before starting processes
-        return relaunch(args, args.nproc)
+        cfg = train_config(args)  # fail fast on a bad config, before starting processes
+        return relaunch(args, args.nproc, cfg.train.timeout_s)
     from bunsan.doctor.oom import EXIT_CODE, OutOfMemory
     from bunsan.training.loop import run_training
     try:

@@ -324,7 +324,6 @@ OPTIMIZERS_NOT_BUILT: dict[str, str] = {
     "lamb": "LAMB (DeepSpeed's FusedLamb: Adam with a per-layer trust ratio, not 1-bit) is not built; use AdamW "
             "(and retune lr: LAMB's large-batch lrs are too high for it)",
     "lion": "Lion is not built; use AdamW (Lion's lr is typically 3-10x lower than AdamW's)",
-    "adagrad": "Adagrad is not built; use AdamW or SGD",
     "muon": "Muon is not built; use AdamW",
     **{k.lower(): f"{k} (the mup package's muP optimizer) is not built; use AdamW or SGD"
        for k in ("MuAdam", "MuAdamW", "MuSGD")},

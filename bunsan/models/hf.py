@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from bunsan.checkpoint.tensor_file import check_dtypes, checked_header
+from bunsan.models.tensor_file import check_dtypes, checked_header
 from bunsan.models.llama import Llama, LlamaConfig
 
 CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
@@ -79,7 +79,7 @@ class HFWeights:
 
     def _check_files(self) -> None:
         """Each file's header consistent with its size, every weight floating point, and every tensor the
-        index names in the file it names (checkpoint/tensor_file.py): nothing is reinterpreted or read past."""
+        index names in the file it names (models/tensor_file.py): nothing is reinterpreted or read past."""
         for file in sorted(set(self.where.values())):
             path = self.dir / file
             if not path.is_file():
