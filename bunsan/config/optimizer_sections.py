@@ -108,9 +108,8 @@ def _adam_switches(canon: str, params: dict) -> tuple[str, list[tuple[str, str]]
 
 class Optimizer(Section):
     """The optimizer bunsan builds when initialize() gets none; DeepSpeed's section."""
-    type: str = Field("AdamW", description="AdamW, Adam, SGD, Adafactor, AdamW8bit, or torch's RMSprop, "
-                                           "Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop (any case); Adam "
-                                           "is AdamW unless params.adam_w_mode is false, as in DeepSpeed")
+    type: str = Field("AdamW", description="AdamW, Adam, SGD, Adafactor, AdamW8bit or another torch "
+                                           "elementwise one (RMSprop, NAdam, ...); Adam means AdamW, as in DeepSpeed")
     # torch defaults are merged in by bunsan.optim
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the optimizer's "
                                    "constructor (lr, betas, weight_decay, ...); torch's defaults fill the rest")
