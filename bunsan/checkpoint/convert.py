@@ -90,10 +90,10 @@ def check_against_config(state: dict[str, torch.Tensor], hf_config: dict, where:
     shapes = [f"{k} {list(state[k].shape)} (the config says {list(own[k])})" for k in own
               if k in state and tuple(state[k].shape) != own[k]]
     if missing or extra or shapes:
-        raise CheckpointError(f"{where}: the weights do not match the model config it records "
-                              f"({hf_config.get('num_hidden_layers')} layers, vocabulary {hf_config.get('vocab_size')}): "
-                              f"missing {missing[:3]}, unexpected {extra[:3]}, other shapes {shapes[:2]}; the "
-                              "checkpoint's metadata was altered or mixed with another's")
+        layers, vocab = hf_config.get("num_hidden_layers"), hf_config.get("vocab_size")
+        raise CheckpointError(f"{where}: the weights do not match the model config it records ({layers} layers, "
+                              f"vocabulary {vocab}): missing {missing[:3]}, unexpected {extra[:3]}, other shapes "
+                              f"{shapes[:2]}; the checkpoint's metadata was altered or mixed with another's")
 
 
 def convert(src, out, to: str = "safetensors", tag: str | None = None, dtype: str = "fp32",

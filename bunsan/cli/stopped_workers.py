@@ -19,7 +19,10 @@ import sys
 import threading
 import time
 
+from bunsan.comm.rollcall import roll_call_bound
+
 POLL_S = 1.0
+GRACE_S = 5.0       # past the peers' roll call, for their message to be written
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -56,8 +59,8 @@ def _rank_of(pid: int) -> str:
 
 class StoppedWorkerWatch:
     def __init__(self, timeout_s: float, source: str, root: int | None = None):
-        # the peers' collective times out, their roll call (window + 5 s) names the stopped rank: then kill it
-        self.timeout_s = timeout_s + max(2.0, min(10.0, timeout_s / 2)) + 10.0
+        # the peers' collective times out, their roll call names the stopped rank: then kill it
+        self.timeout_s = timeout_s + roll_call_bound(timeout_s) + GRACE_S
         self.source = f"{source} {timeout_s:g}s, and the peers' roll call"
         self.root = root if root is not None else os.getpid()
         self.since: dict[int, float] = {}

@@ -130,7 +130,7 @@ class Comm:
 
     # -- errors and running ------------------------------------------------------------------------
     def error(self, op: str, group: Group, cause) -> CommError:
-        from bunsan.comm.rollcall import roll_call
+        from bunsan.comm.rollcall import roll_call, window_for
         seq = self._seq[group.name]
         text = str(cause).lower()
         head = (f"rank {self.global_rank}: {op} #{seq} on group '{group.name}' (ranks {list(group.ranks)}) "
@@ -140,7 +140,7 @@ class Comm:
                                        "remote", "watchdog")):
             return CommError(f"{head} The error is this rank's own (no peer was lost); this rank last finished "
                              f"step {self.finished_step}.")
-        who = roll_call(self.global_rank, op, group, seq, window_s=max(2.0, min(10.0, self.timeout_s / 2)))
+        who = roll_call(self.global_rank, op, group, seq, window_s=window_for(self.timeout_s))
         return CommError(
             f"{head} Another rank probably died, hung or skipped this {op}; the collective timeout is "
             f"{self.timeout_s:g}s (train.timeout_s); this rank last finished step {self.finished_step}.{who}")

@@ -77,6 +77,19 @@ def bounded(fn, seconds: float, what: str):
     return box["value"]
 
 
+STORE_SLACK_S = 5.0      # beyond the window, for the store calls themselves
+
+
+def window_for(timeout_s: float) -> float:
+    """How long a rank whose collective timed out waits for its peers' posts: a bounded share of the timeout."""
+    return max(2.0, min(10.0, timeout_s / 2))
+
+
+def roll_call_bound(timeout_s: float) -> float:
+    """The longest a roll call runs: its window and the store calls' slack."""
+    return window_for(timeout_s) + STORE_SLACK_S
+
+
 def _read(store, key: str):
     return store.get(key).decode() if store.check([key]) else None
 
@@ -102,11 +115,11 @@ def roll_call(rank: int, op: str, group, seq: int, window_s: float) -> str:
             time.sleep(0.1)
         return {r: _read(store, f"bunsan/step/{r}") for r in ranks}
     try:
-        steps = bounded(call, window_s + 5.0, "roll call")
+        steps = bounded(call, window_s + STORE_SLACK_S, "roll call")
     except TimeoutError:
         return (f" Roll call impossible: the store on rank 0's node (rank 0's, or its agent's) did not answer "
-                f"within {window_s + 5.0:g}s, with its connection still open: rank 0 is stopped or hung (SIGSTOP, "
-                "a debugger, a frozen machine) rather than dead; check rank 0 and its node.")
+                f"within {window_s + STORE_SLACK_S:g}s, with its connection still open: rank 0 is stopped or hung "
+                "(SIGSTOP, a debugger, a frozen machine) rather than dead; check rank 0 and its node.")
     except Exception as e:
         first = first_line(e)      # (torch's store errors append a C++ backtrace)
         return (f" Roll call impossible ({type(e).__name__}: {first}): the store on rank 0's node (rank 0's, or its "

@@ -1,8 +1,9 @@
 """The optimizers bunsan builds: one table, and the factory over it.
 
 Optimizers are torch's own (AdamW, Adam, SGD, Adafactor and its other elementwise ones) and bitsandbytes'
-AdamW8bit; the config's `optimizer.params` go to the constructor unchanged, so DeepSpeed's JSON works. The config validates names against this table and the planner prices them
-from it, so an optimizer added here is known everywhere.
+AdamW8bit; the config's `optimizer.params` go to the constructor unchanged, so DeepSpeed's JSON works. The
+config validates names against this table and the planner prices them from it, so an optimizer added here is
+known everywhere; how each one steps, and so where it may, is optim/stepping.py's table.
 """
 
 from __future__ import annotations
@@ -97,5 +98,6 @@ def rebuild_over(optimizer: torch.optim.Optimizer, mapping: dict) -> torch.optim
     honoured this way when bunsan keeps fp32 master weights for a 16-bit model.
     """
     refuse_stepped(optimizer)
-    groups = [{"params": [mapping[p] for p in g["params"]], **group_hyperparameters(g)} for g in optimizer.param_groups]
+    groups = [{"params": [mapping[p] for p in g["params"]], **group_hyperparameters(g)}
+              for g in optimizer.param_groups]
     return rebuild(type(optimizer), groups, optimizer.defaults)

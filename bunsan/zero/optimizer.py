@@ -27,7 +27,6 @@ from bunsan.zero.layout import ShardLayout
 from bunsan.zero.swap import SwapFile
 
 
-
 class SubGroup:
     def __init__(self, frags: list[int], lo: int, hi: int):
         self.frags, self.lo, self.hi = frags, lo, hi   # fragment indices; shard range [lo, hi)
