@@ -103,28 +103,16 @@ def test_tiny_changes_only_sizes():
 
 
 # -- the user's files the blocks name ------------------------------------------------------------------------
-CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
 def _instruct_model(d: Path) -> None:
     import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from bunsan.models import Llama, LlamaConfig
     from bunsan.models.hf import save_llama
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    t = Tokenizer(models.BPE(vocab, []))
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|im_end|>",
-                                                additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = CHATML
+    from chat_tokenizer import save_chat_tokenizer
     cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
     save_llama(Llama(cfg).state_dict(), cfg, d)
-    fast.save_pretrained(d)
+    save_chat_tokenizer(d)
 
 
 @pytest.fixture(scope="module")

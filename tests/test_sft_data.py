@@ -18,9 +18,8 @@ transformers = pytest.importorskip("transformers")
 from bunsan.training.example_batches import ExampleBatches, example_rows  # noqa: E402
 from bunsan.training.examples import Renderer, read_records  # noqa: E402
 from bunsan.training.tokenizer import ByteTokenizer, load_tokenizer  # noqa: E402
+from chat_tokenizer import save_chat_tokenizer  # noqa: E402
 
-CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 CHATS = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Add {i} and 1"},
                        {"role": "assistant", "content": f"It is {i + 1}."},
                        {"role": "user", "content": "Thanks"}, {"role": "assistant", "content": "Welcome!"}]}
@@ -29,16 +28,8 @@ CHATS = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "use
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
     d = tmp_path_factory.mktemp("tok")
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    t = Tokenizer(models.BPE(vocab, []))
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|im_end|>",
-                                                additional_special_tokens=["<|im_start|>"])
-    fast.chat_template = CHATML
-    fast.save_pretrained(d)
+    save_chat_tokenizer(d)
     return d
 
 
