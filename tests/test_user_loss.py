@@ -148,3 +148,17 @@ def test_a_loss_fn_on_bunsans_llama_sees_whole_logits(pools, name):
         opt.step()
         ref.append(loss.item())
     assert_parity(pools.run(2, _llama_train, 2, cfg), (ref, model.state_dict()), what=name)
+
+
+def test_a_loss_fns_whole_logits_are_priced():
+    from bunsan.estimator import estimate
+    cfg = {"train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"size": 2}, "bf16": {"enabled": True},
+           "data": {"seq_len": 512}}
+    plain = estimate("1b", cfg, gpus=2)
+    with_loss = estimate("1b", cfg, gpus=2, loss_fn=True)
+    item = next(i for i in with_loss.items if i.name == "loss_fn's whole logits")
+    vocab = with_loss.shape.llama.vocab_size
+    assert item.device == 2 * 512 * vocab * 2                      # b x s x V in bf16, whole on each TP rank
+    assert with_loss.peak == pytest.approx(plain.peak + item.device)
+    assert not any(i.name == "loss_fn's whole logits" for i in estimate("1b", {**cfg, "tensor_parallel": {
+        "size": 1}}, gpus=1, loss_fn=True).items)                   # no tensor parallelism: nothing gathered

@@ -84,7 +84,7 @@ def explain(engine, phase: str, seq_len: int | None, exc: BaseException) -> str:
         from bunsan.estimator.layout import Layout
         from bunsan.planner.search import plan
         cfg = engine.cfg
-        current = Layout.from_config(cfg, world)
+        current = Layout.from_config(cfg, world).replace(loss_fn=engine.loss_fn is not None)
         if seq_len:                       # what the failing batch had, whatever the config says
             current = current.replace(seq_len=seq_len)
         est = estimate_layout(config, current, device_type=engine.device.type,

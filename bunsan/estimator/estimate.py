@@ -197,6 +197,12 @@ def _activation_items(c: LlamaConfig | None, rp: RankParams, rank: int, layout: 
         items.append(Item("context-parallel mask", device=layout.dtype_bytes * chunk * chunk * (2 * layout.cp + 1),
                           note="the causal masks by global position of the rank's two chunks, shared by every "
                                "block"))
+    if layout.loss_fn and layout.tp > 1 and rp.has_head:
+        # the vocabulary-parallel head all-gathers the logits for a loss_fn (tensor_parallel/layers.py), which
+        # keeps them until its backward; what the loss itself saves besides is the user's code
+        items.append(Item("loss_fn's whole logits", device=micro.b * micro.s * c.vocab_size * micro.d,
+                          phase="backward", note="gathered over tp for the loss_fn, kept until its backward; "
+                                                 "what the loss saves besides is not counted"))
     if act["host"]:
         items.append(Item("offloaded activations", host=act["host"], phase="backward",
                           note=f"{layout.offload_blocks} blocks' saved activations, pinned host memory"))
@@ -294,13 +300,14 @@ def estimate_layout(model, layout: Layout, *, nodes: int = 1, gpu_memory: float 
 
 
 def estimate(model, config=None, *, gpus: int | None = None, nodes: int = 1, gpu_memory: float | None = None,
-             device_type: str | None = None, runtime_bytes: float | None = None) -> Estimate:
+             device_type: str | None = None, runtime_bytes: float | None = None, loss_fn: bool = False) -> Estimate:
     """Memory per GPU for `model` (preset name, config.json, LlamaConfig or meta nn.Module) under `config`
-    (dict, path or bunsan.Config) on `gpus` processes (default: the config's tp x pp x cp)."""
+    (dict, path or bunsan.Config) on `gpus` processes (default: the config's tp x pp x cp). `loss_fn`: the
+    engine is given one (bunsan.initialize(..., loss_fn=...)), which gets whole logits under tensor parallelism."""
     from bunsan.config.root import Config
     cfg = Config.load(config)
     world = gpus or cfg.tensor_parallel.size * cfg.pipeline.stages * cfg.context_parallel.size
-    layout = Layout.from_config(cfg, world)
+    layout = Layout.from_config(cfg, world).replace(loss_fn=loss_fn)
     if device_type is None:
         device_type = "cuda"
     return estimate_layout(model, layout, nodes=nodes, gpu_memory=gpu_memory, device_type=device_type,
