@@ -27,7 +27,7 @@ from bunsan.context_parallel import CPContext, apply_context_parallel
 from bunsan.engine.engine import Engine
 from bunsan.engine.precision import model_dtype
 from bunsan.models.llama import Llama
-from bunsan.optim.optimizers import optimizer_class
+from bunsan.optim.optimizers import optimizer_class, rebuild_over
 from bunsan.optim.stepping import check_where, refuse_stepped
 from bunsan.tensor_parallel import TPContext, apply_tensor_parallel, replicated_parameter_names
 from bunsan.tensor_parallel.hf_plan import is_hf_model
@@ -134,10 +134,12 @@ def follow_user_optimizer(optimizer, groups_by_name, model: nn.Module):
     held = dict(model.named_parameters(remove_duplicate=False))
     for g, names in zip(optimizer.param_groups, groups_by_name):
         params = [next(held[n] for n in alias if n in held) for alias in names if any(n in held for n in alias)]
-        g["params"] = list({id(p): p for p in params}.values())
-    # a fresh optimizer's only state is what its constructor made (Adagrad's step 0 and initial sums), for
-    # tensors the transforms may have replaced: its step makes it again for the tensors it now holds
-    optimizer.state.clear()
+        # a frozen parameter gets no gradient, so torch's step skips it: it leaves the group
+        g["params"] = list({id(p): p for p in params if p.requires_grad}.values())
+    if any(optimizer.state.values()):
+        # a fresh optimizer's only state is what its constructor made (Adagrad's step 0 and initial sums), for
+        # tensors the transforms may have replaced: built again, it makes that state for the tensors it now holds
+        return rebuild_over(optimizer, {p: p for g in optimizer.param_groups for p in g["params"]})
     return optimizer
 
 

@@ -196,13 +196,47 @@ def test_generate_takes_a_hugging_face_directory(run, tmp_path):
         trained_model(hf)
 
 
-def test_convert_into_a_full_disk_leaves_nothing(run, tmp_path, monkeypatch):
+@pytest.mark.parametrize("to", ["safetensors", "hf"])
+def test_convert_into_a_full_disk_leaves_nothing(run, tmp_path, monkeypatch, to):
     out, _, _ = run
     import bunsan.checkpoint.convert as conv
+    import bunsan.models.hf as hf
 
-    def full(*a, **k):
+    def full(tensors, path, metadata=None):      # some bytes reach the disk, then it is full
+        with open(path, "wb") as f:
+            f.write(b"\0" * 1000)
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(conv, "save_file", full)
+    monkeypatch.setattr(hf, "save_file", full)
+    target = tmp_path / "conv" / ("one.safetensors" if to == "safetensors" else "hf")
     with pytest.raises(CheckpointError, match="No space left on device.*nothing partial was left"):
-        convert(out, tmp_path / "one.safetensors")
-    assert list(tmp_path.glob("one.safetensors*")) == []
+        convert(out, target, to)
+    assert [p.name for p in (tmp_path / "conv").iterdir()] == []
+
+
+def test_an_integer_buffer_saves_and_resumes(tmp_path):
+    """Buffers are saved as they are (an int64 counter, a bool mask): their dtype is recorded and checked, not
+    required to be floating point."""
+    def model():
+        m = tiny_model(0)
+        m.register_buffer("seen", torch.tensor([7, 8], dtype=torch.int64))
+        m.register_buffer("keep", torch.tensor([True, False]))
+        return m
+    engine = bunsan.initialize(model(), CFG)
+    engine.train_batch(batches(1, 2)[0])
+    engine.save_checkpoint(tmp_path / "D")
+    fresh = model()
+    fresh.seen.zero_()
+    other = bunsan.initialize(fresh, CFG)
+    other.load_checkpoint(tmp_path / "D")
+    assert other.module.seen.tolist() == [7, 8] and other.module.keep.tolist() == [True, False]
+
+
+def test_generate_takes_a_sharded_hugging_face_directory(run, tmp_path):
+    _, _, state = run
+    hf = save_llama(state, tiny_model(0).config, tmp_path / "hf", max_shard_bytes=200_000)
+    assert (hf / "model.safetensors.index.json").is_file() and not (hf / "model.safetensors").exists()
+    model, _ = trained_model(hf, tokenizer_path="byte")
+    for k, v in model.state_dict().items():
+        if k in state:
+            assert torch.equal(v, state[k]), k

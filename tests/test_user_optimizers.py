@@ -321,3 +321,68 @@ def test_factored_and_whole_tensor_optimizers_are_refused_under_tensor_paralleli
     for msg in pools.run(2, _error_of, 2, adafactor, None):
         assert msg and "Adafactor cannot step here: its row and column moments span whole rows and columns" in msg \
             and "tensor parallelism gives each rank a slice of each weight" in msg and "tensor_parallel.size 1" in msg
+
+
+def test_bitsandbytes_settings_outside_defaults_follow_the_optimizer():
+    """bitsandbytes keeps optim_bits, min_8bit_size, ... in `args` and paging in `is_paged`, not in `defaults`:
+    they must reach the optimizers bunsan builds over shards; a bitsandbytes class that only shares a torch
+    name is not torch's; per-parameter overrides cannot follow parameters and are refused."""
+    bnb = pytest.importorskip("bitsandbytes")
+    engine = _build({"zero_optimization": {"stage": 2}},
+                    lambda m: bnb.optim.AdamW8bit(m.parameters(), lr=1e-3, min_8bit_size=16))
+    assert {o.args.min_8bit_size for o in _torch_optimizers(engine)} == {16}
+    engine.train_batch(batches(1, 2, 16)[0])
+    with pytest.raises(ValueError, match=r"AdamW \(bitsandbytes.*\) is not an optimizer bunsan knows"):
+        _build({"zero_optimization": {"stage": 1}}, lambda m: bnb.optim.AdamW(m.parameters(), optim_bits=8))
+    model = tiny_model()
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    manager.register_parameters(model.parameters())
+    manager.override_config(model.embed_tokens.weight, "optim_bits", 32)
+    try:
+        with pytest.raises(ValueError, match="per-parameter overrides"):
+            bunsan.initialize(model, {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}},
+                              optimizer=bnb.optim.AdamW8bit(model.parameters()))
+    finally:
+        manager.pid2config.clear()
+        manager.index2config.clear()
+
+
+def _zero_init_runs(rank, world, cfg, setup):
+    """bunsan.zero.Init (meta parameters, replaced by shards) with the user's two-group optimizer built on them."""
+    model = build_model(setup, cfg)
+    engine = bunsan.initialize(model, cfg, optimizer=USER_OPTIMIZERS["AdamW-two-groups"](model))
+    losses = [engine.train_batch(rank_slice(b, engine.dp_rank, engine.dp_size)) for b in setup.data()]
+    return losses, to_numpy(engine.consolidated_state_dict())
+
+
+def test_a_users_groups_over_zero_init_meta_parameters(pools):
+    from parity import reference_model
+    _, cfg, setup = layout(dp=2, stage=3, build="zero_init")
+    model = reference_model(setup)
+    ref = reference_train(model, setup.data(), lambda _: USER_OPTIMIZERS["AdamW-two-groups"](model))
+    assert_parity(pools.run(2, _zero_init_runs, 2, cfg, setup), ref, what="zero.Init + two groups")
+
+
+def _partial_groups_runs(rank, world, cfg, setup):
+    """The user's optimizer leaves lm_head out of every group and names a frozen norm: torch steps neither."""
+    model = build_model(setup, cfg)
+    model.norm.weight.requires_grad_(False)
+    engine = bunsan.initialize(model, cfg, optimizer=_partial_sgd(model))
+    losses = [engine.train_batch(rank_slice(b, engine.dp_rank, engine.dp_size)) for b in setup.data()]
+    return losses, to_numpy(engine.consolidated_state_dict())
+
+
+def _partial_sgd(model):
+    return torch.optim.SGD([p for n, p in model.named_parameters() if n != "lm_head.weight"], lr=0.05,
+                           momentum=0.9)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_parameters_a_users_optimizer_does_not_step_stay_put(pools, stage):
+    _, cfg, setup = layout(dp=2, stage=stage)
+    model = tiny_model()
+    model.norm.weight.requires_grad_(False)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = reference_train(model, setup.data(), lambda _: _partial_sgd(model))
+    assert torch.equal(ref[1]["lm_head.weight"], init["lm_head.weight"])
+    assert_parity(pools.run(2, _partial_groups_runs, 2, cfg, setup), ref, what=f"zero{stage}, partial groups")

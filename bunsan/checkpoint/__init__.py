@@ -64,7 +64,8 @@ def _rank_state(engine) -> tuple[dict, dict]:
         if w:
             key = f"frozen/{local.name}" + (f".{lo}" if lo else "")
             tensors[key] = t.detach().to("cpu", copy=True)
-            pieces.append({"key": key, "kind": "frozen", "lo": lo, "hi": lo + t.numel(), **local.to_json()})
+            pieces.append({"key": key, "kind": "frozen", "lo": lo, "hi": lo + t.numel(),
+                           "dtype": str(t.dtype).removeprefix("torch."), **local.to_json()})
     tensors["rng/torch"] = torch.get_rng_state()
     if engine.device.type == "cuda":
         tensors["rng/cuda"] = torch.cuda.get_rng_state(engine.device)
@@ -220,15 +221,17 @@ def _verified(engine, root: Path, tags: list[str]) -> tuple[str, dict, store.Rea
             meta = store.read_meta(root, tag)
             files = sorted(meta["files"])
             bad = [0.0] * len(files)
+            in_file = store.pieces_by_file(meta)
             for k in range(rank, len(files), world):   # each rank checks its share of the files
-                if store.check_file(root, tag, files[k], meta["files"][files[k]]) is not None:
+                if store.check_file(root, tag, files[k], meta["files"][files[k]], in_file.get(files[k])):
                     bad[k] = 1.0
             bad = engine.comm.all_reduce_scalars(bad, engine.mesh.world) if bad else bad
         except CheckpointError as e:
             meta, files, bad, reason = None, [], [1.0], str(e)
         if meta is not None and any(bad):
             k = next(k for k, b in enumerate(bad) if b)
-            reason = store.check_file(root, tag, files[k], meta["files"][files[k]]) or f"{files[k]} is damaged"
+            reason = store.check_file(root, tag, files[k], meta["files"][files[k]], in_file.get(files[k])) or \
+                f"{files[k]} is damaged"
         if reason is None:    # each rank checks the tensors it holds: the verdict is voted, so all act alike
             try:
                 reader = _reader_for(engine, root, tag, meta)

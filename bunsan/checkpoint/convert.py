@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -30,7 +32,8 @@ def consolidate(root, tag: str | None = None) -> tuple[dict[str, torch.Tensor], 
     for t in store.candidates(root, tag):
         try:
             meta = store.read_meta(root, t)
-            bad = [p for f, info in meta["files"].items() if (p := store.check_file(root, t, f, info))]
+            in_file = store.pieces_by_file(meta)
+            bad = [p for f, info in meta["files"].items() if (p := store.check_file(root, t, f, info, in_file.get(f)))]
             if bad:
                 raise CheckpointError(bad[0])
             reader = store.Reader(root, t, meta)
@@ -68,20 +71,30 @@ def source_weights(src, tag: str | None) -> tuple[dict[str, torch.Tensor], dict,
     return state, meta, f"{root}/{tag}"
 
 
+def transformers_named(state: dict, hf_config: dict) -> bool:
+    """Weights of a transformers model (its own names: `model.layers...`, GPT-2's `transformer.h...`) rather
+    than of bunsan's Llama (`layers...`, written as a Hugging Face Llama by save_llama)."""
+    return hf_config.get("model_type", "llama") != "llama" or any(k.startswith("model.") for k in state)
+
+
 def check_against_config(state: dict[str, torch.Tensor], hf_config: dict, where: str) -> None:
     """The weights are exactly those of the model `hf_config` describes (names and shapes), so the directory
     written is one transformers and bunsan can load: a config of 2 layers beside 4 layers' weights is refused."""
     try:
         with torch.device("meta"):
-            if any(k.startswith("model.") for k in state):     # a transformers model's own names
+            if transformers_named(state, hf_config):
                 import transformers
                 config = transformers.AutoConfig.for_model(**hf_config)
-                model = transformers.AutoModelForCausalLM.from_config(config)
+                named = (hf_config.get("architectures") or [None])[0]
+                cls = getattr(transformers, named, None) if isinstance(named, str) else None
+                model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
             else:
                 model = Llama(LlamaConfig.from_hf(hf_config))
     except Exception as e:   # noqa: BLE001  (any model class's refusal of the recorded config)
-        raise CheckpointError(f"{where}: the model config it records cannot be built ({type(e).__name__}: "
-                              f"{str(e)[:200]}); the checkpoint's metadata is damaged") from None
+        raise CheckpointError(f"{where}: the model config it records cannot be built to check the weights against "
+                              f"({type(e).__name__}: {str(e)[:200]}): its metadata is damaged, or the model's class "
+                              "is not in this transformers; convert --to safetensors writes the weights alone") \
+            from None
     own = {k: tuple(v.shape) for k, v in model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
     if hf_config.get("tie_word_embeddings"):
         own.pop("lm_head.weight", None)
@@ -123,19 +136,31 @@ def convert(src, out, to: str = "safetensors", tag: str | None = None, dtype: st
             raise CheckpointError(f"{where} records no model config, so it cannot become a Hugging Face "
                                   "directory; convert it to one safetensors file instead")
         check_against_config(state, meta["model"], where)
-        try:
-            if any(k.startswith("model.") for k in state):     # a transformers model's names: written as they are
-                return save_hf_named(state, meta["model"], out)
-            config = LlamaConfig.from_hf(meta["model"])
-            if config.tie_word_embeddings:
-                state.setdefault("lm_head.weight", state["embed_tokens.weight"])
-            return save_llama(state, config, out)
-        except (OSError, SafetensorError) as e:
-            need = sum(v.numel() * v.element_size() for v in state.values())
-            raise CheckpointError(f"writing {out} failed ({type(e).__name__}: {e}); it needs {need:,} bytes: "
-                                  "free space or choose another output (what was written there is incomplete)") \
-                from None
+        if transformers_named(state, meta["model"]):     # a transformers model's names: written as they are
+            return write_directory(out, lambda tmp: save_hf_named(state, meta["model"], tmp))
+        config = LlamaConfig.from_hf(meta["model"])
+        if config.tie_word_embeddings:
+            state.setdefault("lm_head.weight", state["embed_tokens.weight"])
+        return write_directory(out, lambda tmp: save_llama(state, config, tmp))
     raise ValueError(f"--to {to!r}: use 'safetensors' (one file) or 'hf' (a Hugging Face directory)")
+
+
+def write_directory(out: Path, write) -> Path:
+    """`write(tmp)` into a directory beside `out`, then its files moved into `out` (made if missing): a failure
+    (a full disk) leaves `out` as it was and nothing else behind."""
+    tmp = out.parent / f".{out.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+    except (OSError, SafetensorError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"writing {out} failed ({type(e).__name__}: {e}); nothing partial was left: free "
+                              "space or choose another output") from None
+    out.mkdir(parents=True, exist_ok=True)
+    for f in sorted(tmp.iterdir()):
+        os.replace(f, out / f.name)
+    tmp.rmdir()
+    return out
 
 
 def write_atomically(out: Path, write) -> Path:

@@ -29,10 +29,12 @@ CONFIG_BYTES = 1 << 22
 
 
 def final_dir(path) -> Path | None:
-    """RUN/final for a training output RUN, or the folder itself when it is one; None when neither."""
+    """RUN/final for a training output RUN, or the folder itself when it holds weights and a config.json (a
+    final/ folder, or a Hugging Face directory, its weights in one file or in shards with an index); None when
+    neither."""
     path = Path(path)
     for d in (path / "final", path):
-        if (d / WEIGHTS).is_file() and (d / CONFIG).is_file():
+        if ((d / WEIGHTS).is_file() or (d / "model.safetensors.index.json").is_file()) and (d / CONFIG).is_file():
             return d
     return None
 

@@ -231,8 +231,34 @@ def read_meta(root: Path, tag: str) -> dict:
     return meta
 
 
-def check_file(root: Path, tag: str, name: str, expect: dict) -> str | None:
-    """None if the file is whole, else what is wrong with it."""
+def _header_problem(path: Path, pieces: list[dict]) -> str | None:
+    """None if every piece is a tensor of the file, of the dtype meta.json recorded (master weights floating
+    point), else what is wrong: a header altered with its checksums updated reads nothing wrong."""
+    try:
+        header = checked_header(path)
+    except TensorFileError as e:
+        return str(e)
+    for p in pieces:
+        entry = header.get(p["key"])
+        if entry is None:
+            return f"{path} has no tensor {p['key']!r}, which meta.json lists; the checkpoint is damaged"
+        got = TORCH_NAME.get(entry["dtype"], entry["dtype"].lower())
+        if ("dtype" in p and got != p["dtype"]) or (p["kind"] == "master" and entry["dtype"] not in FLOAT):
+            return (f"{path}: {p['kind']} of {p['name']!r} is stored as {got}, but was saved as "
+                    f"{p.get('dtype', 'floating point')}; the file was altered (refusing to reinterpret its bytes)")
+    return None
+
+
+def pieces_by_file(meta: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for p in meta["pieces"]:
+        out.setdefault(p["file"], []).append(p)
+    return out
+
+
+def check_file(root: Path, tag: str, name: str, expect: dict, pieces: list[dict] | None = None) -> str | None:
+    """None if the file is whole (its size and sha256, and with `pieces`, the pieces meta.json puts in it, each
+    checked against the file's header), else what is wrong with it."""
     try:
         path = inside(root / tag, name, "checkpoint file")
     except UntrustedError as e:
@@ -245,6 +271,8 @@ def check_file(root: Path, tag: str, name: str, expect: dict) -> str | None:
             return f"{path} has {size} bytes, {expect['bytes']} were written (truncated or altered)"
         if sha256(path) != expect["sha256"]:
             return f"{path} does not match its sha256 recorded in meta.json (altered or corrupted)"
+        if pieces:
+            return _header_problem(path, pieces)
     except OSError as e:      # (unreadable: this rank's verdict, voted with the others')
         return f"{path} cannot be read: {type(e).__name__}: {e.strerror or e}"
     return None
@@ -260,30 +288,10 @@ class Reader:
             self.by_key.setdefault((p["name"], p["kind"]), []).append(p)
         try:
             check_pieces(self.by_key, self.dir)
-            self._check_headers(meta)
-        except (UntrustedError, TensorFileError) as e:
+        except UntrustedError as e:
             raise CheckpointError(str(e)) from None
         self._files: dict[str, object] = {}
         self.cache: dict = {}
-
-    def _check_headers(self, meta: dict) -> None:
-        """Every piece is a tensor of its file, of the dtype meta.json recorded (weights floating point): a
-        header altered with its checksum updated reads nothing wrong."""
-        headers = {}
-        for p in meta["pieces"]:
-            if p["file"] not in headers:
-                headers[p["file"]] = checked_header(inside(self.dir, p["file"], "checkpoint file"))
-            entry = headers[p["file"]].get(p["key"])
-            where = self.dir / p["file"]
-            if entry is None:
-                raise TensorFileError(f"{where} has no tensor {p['key']!r}, which meta.json lists; the checkpoint "
-                                      "is damaged")
-            got = TORCH_NAME.get(entry["dtype"], entry["dtype"].lower())
-            weight = p["kind"] in ("master", "frozen")
-            if ("dtype" in p and got != p["dtype"]) or (weight and entry["dtype"] not in FLOAT):
-                raise TensorFileError(f"{where}: {p['kind']} of {p['name']!r} is stored as {got}, but was saved as "
-                                      f"{p.get('dtype', 'floating point')}; the file was altered (refusing to "
-                                      "reinterpret its bytes)")
 
     def alias_for(self, names: list[str]) -> None:
         """Read a checkpoint of the other naming of the same Llama weights: bunsan's Llama names

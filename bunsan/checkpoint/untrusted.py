@@ -26,7 +26,7 @@ __all__ = ["UntrustedError", "plain_name", "inside", "read_small", "check_meta",
 PLAIN = re.compile(r"[^/\\.\x00-\x1f\x7f][^/\\\x00-\x1f\x7f]{0,199}")
 PARAMETER_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")     # dotted module path, HF's and bunsan's
 SMALL = 1 << 16          # bytes: `latest`, a tag's checksum file
-DTYPES = ("float32", "float16", "bfloat16", "float64", "uint8", "int8", "int32", "int64")
+DTYPES = ("float32", "float16", "bfloat16", "float64", "uint8", "int8", "int16", "int32", "int64", "bool")
 
 
 class UntrustedError(ValueError):

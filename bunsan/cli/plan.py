@@ -46,9 +46,11 @@ def nodes_for(gpus: int | None, nodes: int | None) -> int:
     if gpus % nodes:
         raise ValueError(f"--gpus {gpus} do not split evenly over --nodes {nodes}; use a multiple of {nodes}")
     if gpus // nodes > MOST_GPUS_PER_NODE:
+        fits = next(n for n in range(-(-gpus // MOST_GPUS_PER_NODE), gpus + 1) if gpus % n == 0)
+        even = f"--nodes {gpus // GPUS_PER_NODE} for {GPUS_PER_NODE} per node" if gpus % GPUS_PER_NODE == 0 else \
+            f"at least --nodes {fits} ({gpus // fits} per node)"
         raise ValueError(f"--gpus {gpus} on --nodes {nodes} is {gpus // nodes} GPUs per node; no server holds "
-                         f"more than {MOST_GPUS_PER_NODE}: pass --nodes {-(-gpus // GPUS_PER_NODE)} for "
-                         f"{GPUS_PER_NODE} per node")
+                         f"more than {MOST_GPUS_PER_NODE}: pass {even}")
     return nodes
 
 

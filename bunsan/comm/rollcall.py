@@ -114,27 +114,31 @@ def roll_call(rank: int, op: str, group, seq: int, window_s: float) -> str:
                 break
             time.sleep(0.1)
         return {r: _read(store, f"bunsan/step/{r}") for r in ranks}
-    try:
-        steps = bounded(call, window_s + STORE_SLACK_S, "roll call")
+    try:   # (a large world reads many keys: a little more time per rank)
+        steps = bounded(call, window_s + STORE_SLACK_S + 0.01 * len(ranks), "roll call")
     except TimeoutError:
-        return (f" Roll call impossible: the store on rank 0's node (rank 0's, or its agent's) did not answer "
-                f"within {window_s + STORE_SLACK_S:g}s, with its connection still open: rank 0 is stopped or hung "
-                "(SIGSTOP, a debugger, a frozen machine) rather than dead; check rank 0 and its node.")
+        if seen:      # the store answered, only too slowly for every key: say what it did answer
+            steps = {r: None for r in ranks}
+        else:
+            return (f" Roll call impossible: the store on rank 0's node (rank 0's, or its agent's) did not answer "
+                    f"within {window_s + STORE_SLACK_S:g}s, with its connection still open: rank 0 is stopped or "
+                    "hung (SIGSTOP, a debugger, a frozen machine) rather than dead; check rank 0 and its node.")
     except Exception as e:
         first = first_line(e)      # (torch's store errors append a C++ backtrace)
         return (f" Roll call impossible ({type(e).__name__}: {first}): the store on rank 0's node (rank 0's, or its "
                 "agent's) is gone, so rank 0's node probably died or was killed: check it and its log.")
+    answered = dict(seen)     # (a copy: a roll call past its time may still be adding to `seen`)
     here = {"op": op, "group": group.name, "seq": seq}
-    missing = [r for r in others if seen.get(r) != here]
+    missing = [r for r in others if answered.get(r) != here]
     parts = []
     if op in ("send", "recv"):      # no common number: say where the peers are
-        parts += [f"rank {r} is waiting in {w['op']} on group '{w['group']}'" for r, w in seen.items()]
-        parts += [f"rank {r} did not answer within {window_s:g}s" for r in others if r not in seen]
+        parts += [f"rank {r} is waiting in {w['op']} on group '{w['group']}'" for r, w in answered.items()]
+        parts += [f"rank {r} did not answer within {window_s:g}s" for r in others if r not in answered]
     elif missing:
         parts.append(f"ranks {missing} did not arrive at {op} #{seq} on group '{group.name}'")
         for r in missing:
-            if r in seen:
-                w = seen[r]
+            if r in answered:
+                w = answered[r]
                 parts.append(f"rank {r} is waiting in {w['op']} #{w['seq']} on group '{w['group']}' instead")
             else:
                 parts.append(f"rank {r} did not answer within {window_s:g}s (busy outside bunsan's collectives, "

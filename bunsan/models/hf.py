@@ -78,18 +78,24 @@ class HFWeights:
         self.tied = bool(config.get("tie_word_embeddings", False))
 
     def _check_files(self) -> None:
-        """Each file's header consistent with its size, every weight floating point, and every tensor the
-        index names in the file it names (models/tensor_file.py): nothing is reinterpreted or read past."""
+        """Each file's header consistent with its size, and every tensor the index names in the file it names
+        (models/tensor_file.py): nothing is read past; read() checks each weight it reads is floating point."""
+        self.headers = {}
         for file in sorted(set(self.where.values())):
             path = self.dir / file
             if not path.is_file():
                 raise FileNotFoundError(f"{self.dir / INDEX} names the shard {file!r}, which is not in {self.dir}")
-            header = checked_header(path)
-            check_dtypes(path, {k: v for k, v in header.items() if not k.endswith("rotary_emb.inv_freq")})
+            header = self.headers[file] = checked_header(path)
             missing = sorted(k for k, f in self.where.items() if f == file and k not in header)
             if missing:
                 raise ValueError(f"{self.dir / INDEX} puts {missing[:3]} in {file}, which does not hold them; the "
                                  "directory is damaged")
+
+    def check_float(self, keys) -> None:
+        """These tensors (the file's keys) are floating point: weights, never integers reinterpreted."""
+        for key in keys:
+            file = self.where[key]
+            check_dtypes(self.dir / file, {key: self.headers[file][key]})
 
     def _key(self, name: str) -> str:
         """The file's key of a parameter: its own name (a transformers model's), else bunsan's Llama name in
@@ -112,8 +118,10 @@ class HFWeights:
         return list(self._file(key).get_slice(key).get_shape())
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """The tensor, or its [start, stop) along `dim` (read from disk alone)."""
+        """The weight, or its [start, stop) along `dim` (read from disk alone); floating point, never an integer
+        or quantised tensor reinterpreted."""
         key = self._key(name)
+        self.check_float([key])
         if dim is None:
             return self._file(key).get_tensor(key)
         sl = self._file(key).get_slice(key)
@@ -142,6 +150,7 @@ def check_llama_dir(path, cfg: LlamaConfig, weights: HFWeights | None = None) ->
         raise ValueError(f"{path}: its weights do not match its config.json ({cfg.num_hidden_layers} layers, "
                          f"hidden {cfg.hidden_size}): missing {missing[:3]}, unexpected {extra[:3]}"
                          f"{' ...' if len(missing) > 3 or len(extra) > 3 else ''}; fix config.json or the weights")
+    weights.check_float(want)
     for key, shape in want.items():
         got = tuple(weights._file(key).get_slice(key).get_shape())
         if got != shape:

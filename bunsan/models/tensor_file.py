@@ -25,7 +25,7 @@ from pathlib import Path
 ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
               "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 FLOAT = ("F16", "BF16", "F32", "F64")
-TORCH_NAME = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "U8": "uint8",
+TORCH_NAME = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "U8": "uint8", "I16": "int16",
               "I8": "int8", "I32": "int32", "I64": "int64", "BOOL": "bool"}
 MAX_HEADER = 100 * 1024 * 1024        # the safetensors library's own bound
 
@@ -112,4 +112,5 @@ def check_dtypes(path, header: dict, expect: dict | None = None, what: str = "we
                                   "file was altered or mixed with another (refusing to reinterpret its bytes)")
         if want is None and info["dtype"] not in FLOAT:
             raise TensorFileError(f"{path}: {what} {name!r} is stored as {got}; weights are floating point "
-                                  "(float32, bfloat16, float16): the file is damaged or altered")
+                                  "(float32, bfloat16, float16): a quantised checkpoint (dequantise it first), or "
+                                  "a file damaged or altered")

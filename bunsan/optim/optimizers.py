@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bunsan.optim.stepping import group_hyperparameters, rebuild, refuse_stepped
+from bunsan.optim.stepping import carried_keywords, group_hyperparameters, rebuild, refuse_stepped
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def optimizer_spec(user_optimizer, opt_cfg, params: list, device: torch.device):
         cls, kwargs = _configured(opt_cfg, device)
         return cls, kwargs, [(list(params), {})]
     refuse_stepped(user_optimizer)
-    return type(user_optimizer), dict(user_optimizer.defaults), \
+    return type(user_optimizer), {**user_optimizer.defaults, **carried_keywords(user_optimizer)}, \
         [(list(g["params"]), group_hyperparameters(g)) for g in user_optimizer.param_groups]
 
 
@@ -100,4 +100,4 @@ def rebuild_over(optimizer: torch.optim.Optimizer, mapping: dict) -> torch.optim
     refuse_stepped(optimizer)
     groups = [{"params": [mapping[p] for p in g["params"]], **group_hyperparameters(g)}
               for g in optimizer.param_groups]
-    return rebuild(type(optimizer), groups, optimizer.defaults)
+    return rebuild(type(optimizer), groups, {**optimizer.defaults, **carried_keywords(optimizer)})

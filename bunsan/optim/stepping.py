@@ -63,7 +63,9 @@ _BY_NAME: dict[str, Stepping] = {
     "SparseAdam": Stepping("refused", lambda h: 8.0, "it needs sparse gradients (nn.Embedding(sparse=True)) and "
                            "bunsan reduces dense gradient buckets"),
 }
-_HOMES = ("torch.optim", "bitsandbytes.optim")
+# where each known name lives: a torch name matches torch's class only (bitsandbytes' AdamW with optim_bits=8
+# is not torch's AdamW), bitsandbytes' names its classes only
+_HOME = {name: ("bitsandbytes.optim" if name == "AdamW8bit" else "torch.optim") for name in _BY_NAME}
 _declared: dict[type, Stepping] = {}
 
 
@@ -86,7 +88,7 @@ def stepping_of(cls: type) -> Stepping | None:
         return _declared[cls]
     for base in cls.__mro__:
         known = _BY_NAME.get(base.__name__)
-        if known is not None and base.__module__.startswith(_HOMES):
+        if known is not None and base.__module__.startswith(_HOME[base.__name__]):
             # a subclass that writes its own step() could update anything any way
             return known if getattr(cls, "step", None) is getattr(base, "step", None) else None
     return None
@@ -159,11 +161,34 @@ def constructor_keywords(cls: type, defaults: dict) -> dict:
     return {k: v for k, v in defaults.items() if k in params and k not in ("self", "params")}
 
 
+CARRIED = ("args", "is_paged")      # bitsandbytes' settings outside `defaults` (carried_keywords)
+
+
+def carried_keywords(optimizer: torch.optim.Optimizer) -> dict:
+    """What a class keeps outside `defaults` that its constructor takes back: bitsandbytes' `args` (optim_bits,
+    min_8bit_size, max_unorm, skip_zeros) and `is_paged`. Its per-parameter overrides (GlobalOptimManager,
+    keyed by the parameter's id) cannot follow a parameter onto shards or masters: refused, naming them."""
+    cls = type(optimizer)
+    if not cls.__module__.startswith("bitsandbytes"):
+        return {}
+    import bitsandbytes as bnb
+    ours = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if any(pid in ours for pid in bnb.optim.GlobalOptimManager.get_instance().pid2config):
+        raise ValueError(f"{cls.__name__} has per-parameter overrides (bitsandbytes' GlobalOptimManager."
+                         "override_config), keyed by the parameters' ids, which bunsan cannot carry onto the "
+                         "tensors it steps (fp32 masters, shards); give those parameters a param group of "
+                         "their own with the settings instead, or use a torch optimizer")
+    params = inspect.signature(cls.__init__).parameters
+    return {k: getattr(optimizer, k) for k in CARRIED if k in params and hasattr(optimizer, k)}
+
+
 def rebuild(cls: type, param_groups: list[dict], defaults: dict) -> torch.optim.Optimizer:
     """A `cls` optimizer over `param_groups` (each with its full hyperparameters), with `defaults` as the
-    original's: the same class, groups and hyperparameters over other tensors (fp32 masters, shards)."""
+    original's (plus carried_keywords'): the same class, groups and settings over other tensors (fp32 masters,
+    shards)."""
     opt = cls(param_groups, **constructor_keywords(cls, defaults))
-    opt.defaults = {**opt.defaults, **defaults}   # a later add_param_group fills in what the original would
+    # a later add_param_group fills in what the original would
+    opt.defaults = {**opt.defaults, **{k: v for k, v in defaults.items() if k not in CARRIED}}
     return opt
 
 

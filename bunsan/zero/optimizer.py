@@ -82,7 +82,8 @@ class ShardedOptimizer:
         for gi, (members, _) in enumerate(groups):
             for i in members:
                 group_of[i] = gi
-        self.group_of_frag = [group_of[f.param] for f in layout.fragments]
+        # a parameter in no group is never stepped (as torch's optimizer would leave it): None
+        self.group_of_frag = [group_of.get(f.param) for f in layout.fragments]
         self.groups = groups
         self._shapes, self._all_reduce = shapes, all_reduce
         self.subgroups = self._subgroups(sub_group_size, set(cuts))
@@ -110,7 +111,8 @@ class ShardedOptimizer:
     def _build(self, sg: SubGroup) -> torch.optim.Optimizer:
         by_group: dict[int, list[torch.Tensor]] = {}
         for i in sg.frags:
-            by_group.setdefault(self.group_of_frag[i], []).append(self.frag_tensors[i])
+            if self.group_of_frag[i] is not None:
+                by_group.setdefault(self.group_of_frag[i], []).append(self.frag_tensors[i])
         pgroups = [{"params": ts, **self.groups[g][1]} for g, ts in sorted(by_group.items())]
         sg.sources = sorted(by_group)
         if not pgroups:  # a rank whose shard is all padding still needs an optimizer object
