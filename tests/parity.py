@@ -184,6 +184,46 @@ def reference_for(cfg: dict, setup: Setup | None = None, grad_scale: float = 1.0
                            grad_scale=grad_scale)
 
 
+def bf16_replay(make_optimizer, data: list, world: int, clip: float = 0.0):
+    """The casts of a bf16 run by hand: a bf16 model (bunsan's masters are its values in fp32), bf16 gradients
+    of each rank's slice summed over the ranks, `make_optimizer(fp32 model)` stepping the masters, global-norm
+    clipping to `clip` (over the parameters in the engine's flat order, reversed: the same rounding of the
+    norm), the masters cast back. One thread, as the workers: bf16 kernels round by how the work is split.
+    Returns (losses, final state)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = tiny_model().to(torch.bfloat16)
+        params = list(model.parameters())
+        fp32 = tiny_model().to(torch.bfloat16).float()
+        master = list(fp32.parameters())
+        opt = make_optimizer(fp32)
+        losses = []
+        for b in data:
+            n = (b["labels"] != -100).sum().item()
+            grads, total = None, 0.0
+            for r in range(world):
+                mb = rank_slice(b, r, world)
+                logits = model(mb["input_ids"])
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), mb["labels"].reshape(-1),
+                                       reduction="sum")
+                g = torch.autograd.grad(loss / n, params)
+                grads = list(g) if grads is None else [a + c for a, c in zip(grads, g)]
+                total += loss.item()
+            g32 = [g.float() for g in grads]
+            norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in reversed(g32)])).item() if clip else 0.0
+            for m, g in zip(master, g32):
+                m.grad = g * (clip / (norm + 1e-6)) if clip and norm > clip else g
+            opt.step()
+            with torch.no_grad():
+                for p, m in zip(params, master):
+                    p.copy_(m)
+            losses.append(total / n)
+        return losses, to_numpy(model.state_dict())
+    finally:
+        torch.set_num_threads(threads)
+
+
 # -- the worker ------------------------------------------------------------------------------------
 @dataclass
 class Run:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import bunsan
 from bunsan.engine.precision import LossScaleError, LossScaler
-from parity import ADAM_EPS, assert_parity, batches, rank_slice, tiny_model, to_numpy
+from parity import ADAM_EPS, assert_parity, batches, bf16_replay, rank_slice, tiny_model, to_numpy
 
 
 # -- the loss scaler ---------------------------------------------------------------------------------
@@ -80,50 +80,10 @@ def _bf16_engine(rank, world):
     return losses, to_numpy(engine.consolidated_state_dict()), mem
 
 
-def _bf16_replay(world: int):
-    """The same casts by hand: bf16 model, bf16 grads summed across the rank slices, fp32 master + AdamW.
-
-    One thread, as the workers: bf16 kernels round differently when the work is split differently."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _bf16_replay_steps(world)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _bf16_replay_steps(world: int):
-    model = tiny_model().to(torch.bfloat16)
-    params = list(model.parameters())
-    master = [p.detach().float().clone() for p in params]
-    opt = torch.optim.AdamW(master, lr=1e-3, eps=ADAM_EPS)
-    losses = []
-    for b in batches(3, 8):
-        n = (b["labels"] != -100).sum().item()
-        grads, total = None, 0.0
-        for r in range(world):
-            mb = rank_slice(b, r, world)
-            logits = model(mb["input_ids"])
-            loss = F.cross_entropy(logits.float().reshape(-1, 256), mb["labels"].reshape(-1), reduction="sum")
-            g = torch.autograd.grad(loss / n, params)
-            grads = list(g) if grads is None else [a + c for a, c in zip(grads, g)]
-            total += loss.item()
-        g32 = [g.float() for g in grads]
-        # The engine's flat buffer holds parameters in reverse order: same order, same rounding of the norm.
-        norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1) for g in reversed(g32)])).item()
-        for m, g in zip(master, g32):
-            m.grad = g * (1.0 / (norm + 1e-6)) if norm > 1.0 else g
-        opt.step()
-        with torch.no_grad():
-            for p, m in zip(params, master):
-                p.copy_(m)
-        losses.append(total / n)
-    return losses, to_numpy(model.state_dict())
-
-
 @pytest.mark.parametrize("world", [1, 2])
 def test_bf16_matches_the_replayed_casts(pools, world):
-    ref_losses, ref_state = _bf16_replay(world)
+    ref_losses, ref_state = bf16_replay(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, eps=ADAM_EPS),
+                                        batches(3, 8), world, clip=1.0)
     runs = pools.run(world, _bf16_engine, world)
     assert_parity(runs, (ref_losses, ref_state))
     for _, _, mem in runs:

@@ -13,17 +13,15 @@ import torch.nn.functional as F
 
 import bunsan
 from parity import assert_parity, batches, tiny_model, to_numpy
+from test_hf_models import LR, VOCAB, reference_from, tiny
 
 transformers = pytest.importorskip("transformers")
 
-ROWS, SEQ, VOCAB, LR = 4, 12, 64, 0.5
+ROWS, SEQ = 4, 12
 
 
 def hf_llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(cfg)
+    return tiny("llama")       # test_hf_models' tiny transformers Llama (vocabulary 64), seeded
 
 
 def hf_data(low_half: bool, steps: int = 3) -> list[dict]:
@@ -87,16 +85,7 @@ def test_a_users_loss_under_tp_on_a_hf_model_matches_the_plain_loop(pools, mode,
 def test_the_engines_own_loss_keeps_the_slices(pools):
     """Without a loss_fn the engine's vocabulary-parallel loss runs on each rank's slice, as before."""
     data = hf_data(False)
-    model = hf_llama()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    ref = []
-    for b in data:
-        loss = model(**b).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ref.append(loss.item())
-    assert_parity(pools.run(2, _engine_loss, 2, data), (ref, model.state_dict()))
+    assert_parity(pools.run(2, _engine_loss, 2, data), reference_from(hf_llama(), data))
 
 
 def _engine_loss(rank, world, data):

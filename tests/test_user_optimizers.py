@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import bunsan
-from parity import Setup, assert_parity, batches, build_model, rank_slice, reference_train, to_numpy, \
+from parity import Setup, assert_parity, batches, bf16_replay, build_model, rank_slice, reference_train, to_numpy, \
     tiny_model
 from test_parity_sgd import layout
 
@@ -135,39 +135,6 @@ def test_user_optimizers_under_context_parallelism(pools):
 
 
 # -- 16-bit: the user's class steps bunsan's fp32 masters; the same casts replayed by hand ----------------------
-def _bf16_replay(name: str, world: int, setup=SETUP):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)     # as the workers: bf16 kernels round by how the work is split
-    try:
-        model = tiny_model().to(torch.bfloat16)
-        params = list(model.parameters())
-        fp32 = tiny_model().to(torch.bfloat16).float()    # bunsan's masters: the 16-bit model's values, in fp32
-        master = list(fp32.parameters())
-        opt = USER_OPTIMIZERS[name](fp32)
-        losses = []
-        for b in setup.data():
-            n = (b["labels"] != -100).sum().item()
-            grads, total = None, 0.0
-            for r in range(world):
-                mb = rank_slice(b, r, world)
-                logits = model(mb["input_ids"])
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), mb["labels"].reshape(-1),
-                                       reduction="sum")
-                g = torch.autograd.grad(loss / n, params)
-                grads = list(g) if grads is None else [a + c for a, c in zip(grads, g)]
-                total += loss.item()
-            for m, g in zip(master, grads):
-                m.grad = g.float()
-            opt.step()
-            with torch.no_grad():
-                for p, m in zip(params, master):
-                    p.copy_(m)
-            losses.append(total / n)
-        return losses, to_numpy(model.state_dict())
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("world,stage", [(1, 0), (2, 0), (2, 1), (1, 2), (1, 3)])
 def test_user_optimizers_in_bf16_match_the_replayed_casts(pools, world, stage):
     _, cfg, setup = layout(dp=world, stage=stage)
@@ -175,7 +142,7 @@ def test_user_optimizers_in_bf16_match_the_replayed_casts(pools, world, stage):
     names = ["SGD", "AdamW", "AdamW-two-groups", "RMSprop", "Adagrad"]
     runs = pools.run(world, _runs, world, cfg, names, setup)
     for name in names:
-        assert_parity([r[name][:2] for r in runs], _bf16_replay(name, world, setup), what=f"bf16 zero{stage} {name}")
+        assert_parity([r[name][:2] for r in runs], bf16_replay(USER_OPTIMIZERS[name], setup.data(), world), what=f"bf16 zero{stage} {name}")
 
 
 def test_a_users_8bit_adamw_shards_under_zero(pools):
