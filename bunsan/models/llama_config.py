@@ -1,0 +1,127 @@
+"""The shape of bunsan's Llama: its config (Hugging Face's `config.json` fields, read and written), parameter
+counts and training FLOPs per token. models/llama.py builds the model from it."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def rope_type(scaling: dict | None) -> str:
+    """The rotary scaling a config's rope_scaling names ("default" when none)."""
+    if not scaling:
+        return "default"
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+_POSITIVE_INTS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+)
+
+
+@dataclass
+class LlamaConfig:
+    """Llama shape. Field names match HF ``config.json`` so it maps 1:1."""
+
+    vocab_size: int = 256
+    hidden_size: int = 256
+    intermediate_size: int = 688
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 8
+    num_key_value_heads: int | None = None  # None -> num_attention_heads (plain MHA)
+    max_position_embeddings: int = 1024
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    # HF rope_scaling: None/"default" or {"rope_type": "llama3", ...} (Llama 3.1/3.2).
+    rope_scaling: dict | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        for name in _POSITIVE_INTS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {v!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive number, got {v!r}")
+        if not isinstance(self.initializer_range, (int, float)) or self.initializer_range < 0:
+            raise ValueError(f"LlamaConfig.initializer_range must be >= 0, got {self.initializer_range!r}")
+        h, nh, kv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
+        if h % nh:
+            raise ValueError(
+                f"LlamaConfig.hidden_size {h} is not divisible by num_attention_heads {nh}; "
+                f"pick hidden_size a multiple of {nh} (e.g. {nh * max(1, round(h / nh))}) or change the head count")
+        if nh % kv:
+            raise ValueError(
+                f"LlamaConfig.num_attention_heads {nh} is not divisible by num_key_value_heads {kv}; "
+                f"set num_key_value_heads to a divisor of {nh} (e.g. {math.gcd(nh, kv)})")
+        if (h // nh) % 2:
+            raise ValueError(
+                f"LlamaConfig head_dim = hidden_size {h} / num_attention_heads {nh} = {h // nh} is odd; "
+                f"rotary embeddings rotate pairs, so choose hidden_size/heads even")
+        rtype = rope_type(self.rope_scaling)
+        if rtype not in ("default", "llama3"):
+            raise ValueError(f"LlamaConfig.rope_scaling type {rtype!r} is not supported; use None or 'llama3'")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Exact parameter count (equals ``sum(p.numel())`` of ``Llama(self)``).
+
+        ``include_embedding=False`` drops the input embedding table only. A tied
+        table is still counted once as the LM head, since its matmul does work
+        (nanoGPT's convention for MFU).
+        """
+        h, kv_dim = self.hidden_size, self.num_key_value_heads * self.head_dim
+        attn = 2 * h * h + 2 * h * kv_dim
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h
+        total = self.num_hidden_layers * per_layer + h + emb  # + final norm + lm_head (or tied table)
+        if not self.tie_word_embeddings:
+            total += emb  # the separate input embedding
+        return total if include_embedding or self.tie_word_embeddings else total - emb
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "LlamaConfig":
+        """Build from a HF ``config.json`` dict; unrelated keys are ignored."""
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (Llama uses 'silu')")
+        for key in ("attention_bias", "mlp_bias"):
+            if d.get(key):
+                raise ValueError(f"{key}=true is not supported: this Llama has no biases")
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        cfg = cls(**kwargs)
+        heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+        if d.get("head_dim") not in (None, cfg.head_dim):
+            raise ValueError(f"head_dim {d['head_dim']} != hidden_size / num_attention_heads = {hidden} / {heads} "
+                             f"= {cfg.head_dim}: either config.json's hidden_size or num_attention_heads is wrong, "
+                             "or the model decouples head_dim from them (Gemma-style), which bunsan's Llama does "
+                             "not; its weights' shapes tell which")
+        return cfg
+
+    def to_hf(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
+                 attention_bias=False, mlp_bias=False, head_dim=self.head_dim)
+        return d
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward): 6N + 12*L*h*s.
+
+    N = ``config.num_params(include_embedding=False)``: every parameter except the
+    input embedding lookup (which does no matmul); the LM head counts, tied or not
+    (nanoGPT/PaLM convention). 12*L*h*s is the attention score/value matmuls.
+    """
+    n = config.num_params(include_embedding=False)
+    return 6 * n + 12 * config.num_hidden_layers * config.hidden_size * seq_len
