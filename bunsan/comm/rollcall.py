@@ -11,6 +11,7 @@ its connections open and never answers, and a rank must not wait on it for ever.
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
@@ -30,16 +31,28 @@ class _StepPoster:
     def __init__(self):
         self.latest: tuple[int, int] | None = None
         self.ready = threading.Event()
-        threading.Thread(target=self._run, name="bunsan-step-poster", daemon=True).start()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="bunsan-step-poster", daemon=True)
+        self.thread.start()
+        # a daemon thread still inside a store call when the interpreter exits aborts the process from C++
+        # ("terminate called without an active exception", SIGABRT) after a run that went well: stop it first
+        atexit.register(self.stop)
 
     def post(self, rank: int, step: int) -> None:
         self.latest = (rank, step)
         self.ready.set()
 
+    def stop(self) -> None:
+        self.stopping = True
+        self.ready.set()
+        self.thread.join(STORE_SLACK_S)
+
     def _run(self) -> None:
         while True:
             self.ready.wait()
             self.ready.clear()
+            if self.stopping:
+                return
             rank, step = self.latest
             try:
                 _store().set(f"bunsan/step/{rank}", str(step))

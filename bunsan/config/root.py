@@ -52,6 +52,9 @@ UNIMPLEMENTED: list[tuple[str, typing.Callable[[Config], bool], str]] = [
 ]
 
 
+NEVER = 2 ** 62   # steps_per_print that no run reaches
+
+
 class Config(Section):
     """The whole config. Build it with Config.load(dict | path | Config | None); derive
     variants with override({"dotted.key": value}); every problem raises ConfigError."""
@@ -96,7 +99,11 @@ class Config(Section):
     @model_validator(mode="before")
     @classmethod
     def _deepspeed_forms(cls, data: Any) -> Any:
-        return prepare(data)   # DeepSpeed's old forms and spellings, and its keys bunsan has no field for
+        data = prepare(data)   # DeepSpeed's old forms and spellings, and its keys bunsan has no field for
+        if isinstance(data, dict) and data.get("steps_per_print") == float("inf"):
+            # accelerate writes inf for "never" (DeepSpeed compares step % inf): the same, as a whole number
+            data = {**data, "steps_per_print": NEVER}
+        return data
 
     @model_validator(mode="after")
     def _precision(self) -> Config:

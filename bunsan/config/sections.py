@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from bunsan.config.deepspeed_keys import warn_ignored
 from bunsan.config.errors import Rule, show, suggest
 from bunsan.models.blocks import SELECTIVE_OPS
 
@@ -163,16 +164,18 @@ class Zero(Section):
 
     @model_validator(mode="after")
     def _offload_stage(self) -> Zero:
-        problems = []
+        # DeepSpeed reads offload_param at stage 3 only and offload_optimizer at stages 1-3, and ignores them
+        # below (DeepSpeed-Chat's --offload sets both at every stage): the same config means the same run here
         if offloads(self.offload_param) and self.stage < 3:
-            problems.append(("offload_param", f"offload_param needs stage 3 (parameters are only sharded in "
-                                              f"ZeRO-3), got stage {self.stage}; set zero_optimization.stage to 3 "
-                                              f"or remove offload_param"))
+            warn_ignored("zero_optimization.offload_param", self.offload_param.device,
+                         f"parameters are sharded (and so offloaded) only at stage 3, this config has stage "
+                         f"{self.stage}; DeepSpeed ignores it there too")
+            self.offload_param = None
         if offloads(self.offload_optimizer) and self.stage < 1:
-            problems.append(("offload_optimizer", "offload_optimizer needs ZeRO stage 1, 2 or 3, got stage 0; "
-                                                  "set zero_optimization.stage to 1 or more or remove offload_optimizer"))
-        if problems:
-            raise Rule(*problems)
+            warn_ignored("zero_optimization.offload_optimizer", self.offload_optimizer.device,
+                         "ZeRO-Offload moves the sharded optimizer of stages 1-3, this config has stage 0; "
+                         "DeepSpeed ignores it there too")
+            self.offload_optimizer = None
         return self
 
 

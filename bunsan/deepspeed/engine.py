@@ -3,7 +3,8 @@ train/eval/parameters/state_dict behave as DeepSpeed's, whose engine is one too)
 `train_batch(data_iter)`.
 
 Everything that trains is bunsan's Engine (`engine.bunsan`); this file only translates names and calling
-conventions. An attribute this class does not define is looked up on the bunsan engine.
+conventions. An attribute this class does not define is looked up on the bunsan engine, then on the model (as
+DeepSpeed's engine does: `engine.config`, `engine.gradient_checkpointing_enable()` reach a transformers model).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn as nn
 
 from bunsan.checkpoint.store import candidates
 from bunsan.deepspeed.schedulers import ClientScheduler
+from bunsan.deepspeed.timer import ThroughputTimer
 from bunsan.engine.engine import Engine
 
 log = logging.getLogger("bunsan.deepspeed")
@@ -46,17 +48,24 @@ class DeepSpeedEngine(nn.Module):
         self.module = engine.module
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
+        self.tput_timer = ThroughputTimer(engine.train_batch_size)
         _LIVE.add(self)
         self._follow_scheduler()
+        if engine.strategy.stage == 3:
+            from bunsan.deepspeed.zero import tag_parameters
+            tag_parameters(engine.module)
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            engine = self.__dict__.get("bunsan")
-            if engine is None or name.startswith("_") or not hasattr(engine, name):
+            if name.startswith("_"):
                 raise
-            return getattr(engine, name)
+            engine = self.__dict__.get("bunsan")
+            for owner in (engine, getattr(engine, "module", None)):
+                if owner is not None and hasattr(owner, name):
+                    return getattr(owner, name)
+            raise
 
     # -- ranks, sizes and switches ---------------------------------------------------------------
     local_rank = property(lambda self: int(os.environ.get("LOCAL_RANK", 0)))   # host: an environment variable
@@ -120,6 +129,16 @@ class DeepSpeedEngine(nn.Module):
             raise ValueError(f"step(lr_kwargs={lr_kwargs}): bunsan's schedules take no per-step arguments")
         self._after(self.bunsan.step)
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """accelerate says before each backward whether it ends a step. bunsan counts the micro-batches of a
+        step itself (gradient_accumulation_steps), so a boundary elsewhere is an error, not a second count."""
+        ends = self.bunsan.micro_steps + 1 == self.bunsan.grad_accum
+        if bool(is_boundary) != ends:
+            raise ValueError(f"set_gradient_accumulation_boundary({is_boundary}) at micro-batch "
+                             f"{self.bunsan.micro_steps + 1} of {self.bunsan.grad_accum}: bunsan ends a step every "
+                             "gradient_accumulation_steps micro-batches; set the same accumulation on both sides "
+                             "(TrainingArguments.gradient_accumulation_steps and the config's)")
+
     def no_sync(self):
         return self.bunsan.no_sync()
 
@@ -133,8 +152,10 @@ class DeepSpeedEngine(nn.Module):
     def _after(self, run):
         """Run a step (or a micro-batch of one); when an optimizer step was applied, step the scheduler."""
         step, skipped = self.bunsan.global_step, self.bunsan.skipped_steps
+        self.tput_timer.start()
         out = run()
         stepped = self.bunsan.global_step > step
+        self.tput_timer.stop(global_step=stepped)
         self._applied = stepped and self.bunsan.skipped_steps == skipped
         if self._applied and isinstance(self.lr_scheduler, ClientScheduler):
             self.lr_scheduler.step()
@@ -147,6 +168,26 @@ class DeepSpeedEngine(nn.Module):
         """A client scheduler sets lrs in its own optimizer's groups; the step uses the engine's."""
         if isinstance(self.lr_scheduler, ClientScheduler):
             self.lr_scheduler.copy_lrs(self.bunsan.optimizer)
+
+    # -- device memory ---------------------------------------------------------------------------
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
+        """DeepSpeed's: move the optimizer states, master weights and gradients to host memory until
+        reload_states(). On the CPU they are in host memory already, so nothing moves."""
+        device = getattr(device, "value", device)
+        if device != "cpu":
+            raise ValueError(f"offload_states(device={device!r}): DeepSpeed offloads to 'cpu' only; pass "
+                             "OffloadDeviceEnum.cpu")
+        if self.bunsan.device.type != "cpu":
+            raise NotImplementedError("offload_states() on a GPU is not built in bunsan: set "
+                                      "zero_optimization.offload_optimizer {device: cpu} to keep the optimizer "
+                                      "in host memory for the whole run instead")
+        self._offloaded = True
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Undo offload_states() (on the CPU, nothing moved)."""
+        self._offloaded = False
+
+    _offloaded = False
 
     # -- saving ----------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True,

@@ -58,6 +58,9 @@ class ClientScheduler:
                 mine["lr"] = self.source.param_groups[gi]["lr"]
 
     def step(self, *args, **kwargs):
+        # the engine's optimizer stepped in place of the script's: tell torch's scheduler, which otherwise
+        # warns that its optimizer was never stepped
+        self.source._opt_called = True
         return self.scheduler.step(*args, **kwargs)
 
     def get_lr(self) -> list[float]:

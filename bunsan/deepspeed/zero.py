@@ -16,6 +16,7 @@ As DeepSpeed, rank 0's values are what every rank keeps (each rank may have draw
 from __future__ import annotations
 
 import contextlib
+from enum import Enum
 
 import torch
 import torch.nn as nn
@@ -27,7 +28,35 @@ from bunsan.deepspeed.engine import engine_holding
 from bunsan.zero.slices import (agree, attach_rebuilders, gather, gather_device, keep_slice, parameter_slots,
                                 slice_of, swap_slots)
 
-__all__ = ["Init", "GatheredParameters"]
+__all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "tag_parameters"]
+
+
+class ZeroParamStatus(Enum):
+    """DeepSpeed's `param.ds_status` (deepspeed.runtime.zero.partition_parameters re-exports it)."""
+    AVAILABLE = 1        # whole on this rank (inside GatheredParameters)
+    NOT_AVAILABLE = 2    # only this rank's shard is held
+    INFLIGHT = 3         # being gathered
+
+
+def tag_parameters(module: nn.Module) -> None:
+    """DeepSpeed's ZeRO-3 attributes on every parameter of an engine's model: scripts test `hasattr(p, "ds_id")`
+    and `p.ds_status` to pick what to gather, and read `ds_shape` / `ds_numel` for the whole size. Without
+    them such a script would read a released parameter's empty storage as its value."""
+    for i, p in enumerate(module.parameters()):
+        p.ds_id, p.ds_shape, p.ds_numel = i, tuple(p.shape), p.numel()
+        p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+
+
+@contextlib.contextmanager
+def _available(params: list[torch.Tensor]):
+    tagged = [p for p in params if hasattr(p, "ds_status")]
+    for p in tagged:
+        p.ds_status = ZeroParamStatus.AVAILABLE
+    try:
+        yield
+    finally:
+        for p in tagged:
+            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
 
 
 def _slice_module(root: nn.Module) -> None:
@@ -119,13 +148,15 @@ def _whole(sliced: list[nn.Parameter], modifier_rank: int | None):
             count = torch.tensor([float(changed)], device=gather_device())
             world.all_reduce(count, op=world.ReduceOp.MAX)
             changed = int(count.item())
-        for s, w, b in zip(slices, whole, before):
+        for p, s, w, b in zip(sliced, slices, whole, before):
             full = b if modifier_rank is None else w.data.clone()
             if modifier_rank is not None and world.get_world_size() > 1:
                 moved = full.to(gather_device())
                 world.broadcast(moved, modifier_rank)
                 full = moved.to(full.device)
-            keep_slice(s.owners, full)
+            for key, value in w.__dict__.items():   # attributes set on the whole parameter in the block stay
+                setattr(p, key, value)
+            keep_slice(s.owners, full, reuse=p)
         if modifier_rank is None and changed:
             raise RuntimeError(f"{changed} parameter(s) built under zero.Init were changed inside "
                                "GatheredParameters without a modifier_rank, and would be lost: pass "
@@ -142,11 +173,15 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
         raise ValueError("GatheredParameters(fwd_module=...) registers external parameters for a forward "
                          "pass; bunsan gathers a ZeRO-3 unit's parameters itself: drop the argument")
     params = _as_list(params) if enabled else []
-    sliced = [p for p in params if slice_of(p) is not None]
+    # callers may pass a set turned into a list (transformers does): each rank's own order; gather in the
+    # slices' creation order, which every rank shares
+    sliced = sorted((p for p in params if slice_of(p) is not None), key=lambda p: slice_of(p).seq)
     engine = next((e for e in (engine_holding(p) for p in params) if e is not None), None)
     with contextlib.ExitStack() as stack:
         if sliced:
             stack.enter_context(_whole(sliced, modifier_rank))
         if engine is not None:
             stack.enter_context(engine.gathered_parameters(modifier_rank=modifier_rank))
+            if engine.strategy.stage == 3:
+                stack.enter_context(_available(list(engine.module.parameters())))
         yield

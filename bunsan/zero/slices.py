@@ -8,6 +8,7 @@ layout, after `to_empty()`).
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from dataclasses import dataclass
@@ -29,8 +30,10 @@ class Slice:
     shape: torch.Size
     chunk: int
     owners: list
+    seq: int = 0              # creation order, the same on every rank: the order collectives gather slices in
 
 
+_SEQ = itertools.count()
 SLICED: dict[int, tuple[weakref.ref, Slice]] = {}   # id(parameter) -> (the parameter, its slice)
 # (id(module), name) -> its slot's slice: to_empty() gives a meta parameter a new object, the slot stays
 SLOTS: dict[tuple[int, str], Slice] = {}
@@ -66,14 +69,17 @@ def swap_slots(owners: list, new: nn.Parameter) -> nn.Parameter:
     return new
 
 
-def keep_slice(owners: list, full: torch.Tensor) -> nn.Parameter:
-    """Put a meta parameter in `owners`' slots, remembering this rank's slice of `full`."""
+def keep_slice(owners: list, full: torch.Tensor, reuse: nn.Parameter | None = None) -> nn.Parameter:
+    """Put a meta parameter in `owners`' slots, remembering this rank's slice of `full`. `reuse`: the meta
+    parameter that held the slice before (after a gather): the same object goes back, with the attributes code
+    set on it (transformers marks loaded weights `_is_hf_initialized` and tests the mark afterwards)."""
     size, rank = world.get_world_size(), world.get_rank()
     flat = full.detach().reshape(-1)
     chunk = math.ceil(flat.numel() / size)
     piece = flat[rank * chunk:(rank + 1) * chunk].to("cpu", copy=True)
-    new = nn.Parameter(torch.empty(full.shape, dtype=full.dtype, device="meta"))
-    kept = Slice(piece, full.shape, chunk, owners)
+    new = reuse if reuse is not None and reuse.is_meta and reuse.shape == full.shape and reuse.dtype == full.dtype \
+        else nn.Parameter(torch.empty(full.shape, dtype=full.dtype, device="meta"))
+    kept = Slice(piece, full.shape, chunk, owners, next(_SEQ))
     SLICED[id(new)] = (weakref.ref(new), kept)
     for module, name in owners:
         SLOTS[(id(module), name)] = kept

@@ -1,1 +1,1 @@
-"""`deepspeed.runtime`: what user scripts import from it (utils)."""
+"""`deepspeed.runtime`: what user scripts import from it (utils, zero, data_pipeline)."""

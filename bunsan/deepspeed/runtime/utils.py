@@ -7,7 +7,7 @@ import random
 import numpy as np
 import torch
 
-from bunsan.deepspeed.utils import log_dist
+from bunsan.deepspeed.utils.logging import log_dist
 
 __all__ = ["set_random_seed", "see_memory_usage"]
 

@@ -1,14 +1,11 @@
-"""`deepspeed.utils`: RepeatingLoader, logger and log_dist."""
+"""`deepspeed.utils`: RepeatingLoader, logger and log_dist (`deepspeed.utils.logging` holds the last two, as in
+DeepSpeed)."""
 
 from __future__ import annotations
 
-import logging
-
-from bunsan.comm import functional as world
+from bunsan.deepspeed.utils.logging import log_dist, logger
 
 __all__ = ["RepeatingLoader", "logger", "log_dist"]
-
-logger = logging.getLogger("bunsan.deepspeed")
 
 
 class RepeatingLoader:
@@ -29,10 +26,3 @@ class RepeatingLoader:
         except StopIteration:
             self.data_iter = iter(self.loader)
             return next(self.data_iter)
-
-
-def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
-    """Log on the listed ranks only (all with -1 in the list; rank 0 when ranks is None, as DeepSpeed)."""
-    ranks = [0] if ranks is None else ranks
-    if -1 in ranks or world.get_rank() in ranks:
-        logger.log(level, f"[Rank {world.get_rank()}] {message}")

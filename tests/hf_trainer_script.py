@@ -1,0 +1,57 @@
+"""transformers' Trainer as its users write it, with or without `deepspeed=`; run by test_hf_trainer.py.
+
+    python hf_trainer_script.py OUT.json none|STAGE hf|config adamw|sgd [CONFIG.json]
+
+With a stage, `bunsan.deepspeed.install()` comes first: the one line that makes the Trainer's DeepSpeed bunsan.
+`hf`: the Trainer builds the optimizer and its linear schedule; `config`: the DeepSpeed config's optimizer with
+"auto" values (the Trainer fills them), and the Trainer's schedule over it. Writes the logged losses to OUT.
+"""
+
+import json
+import sys
+
+out_path, stage, source, optim = sys.argv[1:5]
+if stage != "none":
+    import bunsan.deepspeed
+    bunsan.deepspeed.install()
+
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 128, (48, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+ds_config = None
+if stage != "none":
+    ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                 "gradient_clipping": "auto", "zero_optimization": {"stage": int(stage)}}
+    if source == "config":
+        ds_config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                              "weight_decay": "auto"}}
+    if len(sys.argv) > 5:          # the usual form: a path to the JSON file
+        with open(sys.argv[5], "w") as f:
+            json.dump(ds_config, f)
+        ds_config = sys.argv[5]
+args = TrainingArguments(
+    output_dir=out_path + ".run", per_device_train_batch_size=4, max_steps=5, learning_rate=5e-2 if optim == "sgd"
+    else 1e-2, weight_decay=0.01, logging_steps=1, save_strategy="no", report_to=[], deepspeed=ds_config,
+    use_cpu=ds_config is None, seed=0, lr_scheduler_type="linear", max_grad_norm=0.0 if optim == "sgd" else 1.0,
+    optim="sgd" if optim == "sgd" else "adamw_torch", dataloader_drop_last=True)
+trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+trainer.train()
+if args.process_index == 0:
+    with open(out_path, "w") as f:
+        json.dump({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+                   "processes": trainer.accelerator.num_processes}, f)
