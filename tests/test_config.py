@@ -53,8 +53,6 @@ MALFORMED = [
      ["scheduler.params.warmup_steps", "whole number", "set it to"]),
     ({"zero_optimization": {"stage": 4}}, ["zero_optimization.stage", "<= 3", "set it to"]),
     ({"zero_optimization": {"reduce_bucket_size": 5.5e8 + 0.5}}, ["zero_optimization.reduce_bucket_size", "whole number"]),
-    ({"zero_optimization": {"offload_param": {"device": "cpu"}}},
-     ["zero_optimization.offload_param", "needs stage 3", "set zero_optimization.stage to 3"]),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "gpu"}}},
      ["zero_optimization.offload_optimizer.device", "'none', 'cpu', 'nvme'", "did you mean 'cpu'?"]),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
@@ -98,6 +96,25 @@ def test_several_problems_reported_together():
     assert msg.startswith("3 problems")
     assert "fp16.enabled" in msg and "fp16.hysteresis" in msg and "train.stepz" in msg
     assert len(msg.splitlines()) == 4
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_offload_below_the_stage_that_offloads_is_ignored_as_deepspeed_does(stage):
+    """DeepSpeed-Chat's --offload sets offload_param (and offload_optimizer) at every stage; DeepSpeed reads
+    offload_param at stage 3 only and offload_optimizer from stage 1: the same config, the same run."""
+    import warnings
+    from bunsan.config.deepspeed_keys import IgnoredKeyWarning, _logged
+    _logged.clear()
+    raw = {"zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"},
+                                 "offload_optimizer": {"device": "cpu"}}}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cfg = Config.load(raw)
+    assert cfg.zero_optimization.offload_param is None
+    said = " ".join(str(w.message) for w in seen if issubclass(w.category, IgnoredKeyWarning))
+    assert "zero_optimization.offload_param" in said and "DeepSpeed ignores it there too" in said
+    assert (cfg.zero_optimization.offload_optimizer is None) == (stage == 0)
+    assert ("zero_optimization.offload_optimizer" in said) == (stage == 0)
 
 
 def test_defaults_and_config_error_is_value_error():

@@ -39,12 +39,12 @@ import bunsan.deepspeed.utils.logging  # noqa: E402,F401
 from bunsan.deepspeed import (accelerator, checkpointing, comm, compression, moe, ops, pipe, runtime,  # noqa: E402
                               utils, zero)
 from bunsan.deepspeed.accelerator import get_accelerator  # noqa: E402
-from bunsan.deepspeed.alias import install  # noqa: E402
+from bunsan.deepspeed.alias import VERSION, install  # noqa: E402
 from bunsan.deepspeed.engine import DeepSpeedEngine, PipelineEngine  # noqa: E402
 from bunsan.deepspeed.inference import InferenceEngine, init_inference  # noqa: E402
 from bunsan.deepspeed.initialize import add_config_arguments, init_distributed, initialize  # noqa: E402
 
-__version__ = "0.19.8"   # the DeepSpeed release whose API and meaning this mirrors
+__version__ = VERSION   # the DeepSpeed release whose API and meaning this mirrors
 __all__ = ["initialize", "init_distributed", "init_inference", "add_config_arguments", "get_accelerator", "install",
            "DeepSpeedEngine", "InferenceEngine", "PipelineEngine", "accelerator", "checkpointing", "comm",
            "compression", "moe", "ops", "pipe", "runtime", "utils", "zero"]

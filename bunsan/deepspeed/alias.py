@@ -27,6 +27,7 @@ from pathlib import Path
 __all__ = ["install", "installed"]
 
 NAME = "deepspeed"
+VERSION = "0.19.8"   # the DeepSpeed release whose API and meaning bunsan.deepspeed mirrors
 
 
 class _Distribution(importlib.metadata.Distribution):
@@ -34,8 +35,7 @@ class _Distribution(importlib.metadata.Distribution):
 
     def read_text(self, filename: str) -> str | None:
         if filename == "METADATA":
-            import bunsan.deepspeed as namespace
-            return (f"Metadata-Version: 2.1\nName: {NAME}\nVersion: {namespace.__version__}\n"
+            return (f"Metadata-Version: 2.1\nName: {NAME}\nVersion: {VERSION}\n"
                     "Summary: bunsan.deepspeed, installed as deepspeed by bunsan.deepspeed.install()\n")
         return None
 

@@ -21,6 +21,7 @@ import torch.nn as nn
 from bunsan.checkpoint.store import candidates
 from bunsan.deepspeed.schedulers import ClientScheduler
 from bunsan.deepspeed.timer import ThroughputTimer
+from bunsan.deepspeed.zero_status import tag_parameters
 from bunsan.engine.engine import Engine
 
 log = logging.getLogger("bunsan.deepspeed")
@@ -52,7 +53,6 @@ class DeepSpeedEngine(nn.Module):
         _LIVE.add(self)
         self._follow_scheduler()
         if engine.strategy.stage == 3:
-            from bunsan.deepspeed.zero import tag_parameters
             tag_parameters(engine.module)
 
     def __getattr__(self, name: str):

@@ -16,7 +16,6 @@ As DeepSpeed, rank 0's values are what every rank keeps (each rank may have draw
 from __future__ import annotations
 
 import contextlib
-from enum import Enum
 
 import torch
 import torch.nn as nn
@@ -25,38 +24,11 @@ from torch.nn.modules import module as module_hooks
 from bunsan.comm import functional as world
 from bunsan.comm.process_group import init_distributed
 from bunsan.deepspeed.engine import engine_holding
+from bunsan.deepspeed.zero_status import ZeroParamStatus, available
 from bunsan.zero.slices import (agree, attach_rebuilders, gather, gather_device, keep_slice, parameter_slots,
                                 slice_of, swap_slots)
 
-__all__ = ["Init", "GatheredParameters", "ZeroParamStatus", "tag_parameters"]
-
-
-class ZeroParamStatus(Enum):
-    """DeepSpeed's `param.ds_status` (deepspeed.runtime.zero.partition_parameters re-exports it)."""
-    AVAILABLE = 1        # whole on this rank (inside GatheredParameters)
-    NOT_AVAILABLE = 2    # only this rank's shard is held
-    INFLIGHT = 3         # being gathered
-
-
-def tag_parameters(module: nn.Module) -> None:
-    """DeepSpeed's ZeRO-3 attributes on every parameter of an engine's model: scripts test `hasattr(p, "ds_id")`
-    and `p.ds_status` to pick what to gather, and read `ds_shape` / `ds_numel` for the whole size. Without
-    them such a script would read a released parameter's empty storage as its value."""
-    for i, p in enumerate(module.parameters()):
-        p.ds_id, p.ds_shape, p.ds_numel = i, tuple(p.shape), p.numel()
-        p.ds_status = ZeroParamStatus.NOT_AVAILABLE
-
-
-@contextlib.contextmanager
-def _available(params: list[torch.Tensor]):
-    tagged = [p for p in params if hasattr(p, "ds_status")]
-    for p in tagged:
-        p.ds_status = ZeroParamStatus.AVAILABLE
-    try:
-        yield
-    finally:
-        for p in tagged:
-            p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+__all__ = ["Init", "GatheredParameters", "ZeroParamStatus"]
 
 
 def _slice_module(root: nn.Module) -> None:
@@ -183,5 +155,5 @@ def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None
         if engine is not None:
             stack.enter_context(engine.gathered_parameters(modifier_rank=modifier_rank))
             if engine.strategy.stage == 3:
-                stack.enter_context(_available(list(engine.module.parameters())))
+                stack.enter_context(available(list(engine.module.parameters())))
         yield

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from bunsan.deepspeed.zero import GatheredParameters, Init, ZeroParamStatus
+from bunsan.deepspeed.zero import GatheredParameters, Init
+from bunsan.deepspeed.zero_status import ZeroParamStatus
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "zero_wrapper_for_fp_tensor_constructor"]
 
