@@ -32,7 +32,6 @@ MALFORMED = [
     ({"gradient_accumulation_steps": "4"}, ["gradient_accumulation_steps", "got '4'", "set it to an integer"]),
     ({"steps_per_print": True}, ["steps_per_print", "got true", "set it to an integer"]),
     ({"optimizer": {"type": "AdanW"}}, ["optimizer.type", "did you mean 'AdamW'?", "set it to one of"]),
-    ({"optimizer": {"type": "Lamb"}}, ["optimizer.type", "'Lamb'", "set it to one of AdamW"]),
     ({"optimizer": {"params": {"betaz": [0.9, 0.95]}}}, ["optimizer.params.betaz", "did you mean 'betas'?"]),
     ({"optimizer": {"params": {"lr": -1e-3}}}, ["optimizer.params.lr", "must be > 0", "set it to"]),
     ({"optimizer": {"params": {"lr": float("nan")}}}, ["optimizer.params.lr", "finite", "set it to"]),
@@ -99,12 +98,14 @@ def test_several_problems_reported_together():
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_offload_below_the_stage_that_offloads_is_ignored_as_deepspeed_does(stage):
+def test_offload_below_the_stage_that_offloads_is_ignored_as_deepspeed_does(stage, monkeypatch):
     """DeepSpeed-Chat's --offload sets offload_param (and offload_optimizer) at every stage; DeepSpeed reads
     offload_param at stage 3 only and offload_optimizer from stage 1: the same config, the same run."""
     import warnings
-    from bunsan.config.deepspeed_keys import IgnoredKeyWarning, _logged
-    _logged.clear()
+    from bunsan.config import deepspeed_keys
+    from bunsan.config.deepspeed_keys import IgnoredKeyWarning
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(deepspeed_keys, "_logged", set())     # warned once per process: afresh here
     raw = {"zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"},
                                  "offload_optimizer": {"device": "cpu"}}}
     with warnings.catch_warnings(record=True) as seen:
@@ -154,8 +155,8 @@ def test_deepspeed_style_values():
     # DeepSpeed's default: Adam is decoupled, with no weight decay unless asked
     decoupled = Config.load({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "bias_correction": True}}}).optimizer
     assert decoupled.type == "AdamW" and decoupled.params == {"lr": 1e-3, "weight_decay": 0.0}
-    with pytest.raises(ConfigError, match="bias_correction.*not built"):
-        Config.load({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}})
+    uncorrected = Config.load({"optimizer": {"type": "Adam", "params": {"bias_correction": False}}}).optimizer
+    assert uncorrected.type == "UncorrectedAdam" and uncorrected.params["decoupled_weight_decay"] is True
     own = Config.load({"scheduler": {"type": "Warmup_Cosine"}}).scheduler
     assert own.type == "warmup_cosine" and own.params == {"warmup_steps": 0, "total_steps": None, "min_lr_ratio": 0.1}
     assert Config.load({"optimizer": {"type": "adafactor", "params": {"eps": [None, 1e-3]}}}).optimizer.type == "Adafactor"

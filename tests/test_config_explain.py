@@ -40,7 +40,8 @@ CONSUMED = {
         "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings")},
 }
 # A leaf name an ignored key shares with a key that acts: every read must name that other section.
-SHARED_LEAF = {"zero_optimization.offload_optimizer.buffer_count": "off_p.buffer_count"}
+SHARED_LEAF = {"zero_optimization.offload_optimizer.buffer_count": "off_p.buffer_count",
+               "hybrid_engine.max_out_tokens": "SPEED_ONLY"}   # (init_inference's own keyword of that name)
 # (config that sets a not-built key, the key): one per UNIMPLEMENTED row
 NOT_BUILT = [
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),

@@ -139,8 +139,9 @@ def test_fused_adam_is_torch_adamw_or_adam():
     assert type(FusedAdam(params, lr=1e-3, weight_decay=0.1)) is torch.optim.AdamW
     assert type(FusedAdam(params, adam_w_mode=False)) is torch.optim.Adam
     assert type(DeepSpeedCPUAdam(params)) is torch.optim.AdamW
-    with pytest.raises(ValueError, match="bias"):
-        FusedAdam(params, bias_correction=False)
+    from bunsan.optim.deepspeed_optimizers import UncorrectedAdam
+    uncorrected = FusedAdam(params, bias_correction=False, adam_w_mode=False)
+    assert type(uncorrected) is UncorrectedAdam and not uncorrected.defaults["decoupled_weight_decay"]
 
 
 def test_activation_checkpointing_gives_the_same_gradients():

@@ -18,6 +18,14 @@ from bunsan.config.errors import Rule, show
 
 # dotted key -> why bunsan does not act on it (one line each; `bunsan config --explain KEY` prints it)
 IGNORED: dict[str, str] = {
+    "hybrid_engine.max_out_tokens": "the size of DeepSpeed's inference-kernel KV cache; the hybrid engine here "
+                                    "generates with the model's own generate and cache",
+    "hybrid_engine.inference_tp_size": "1 is the only size built (each rank generates with the whole weights); "
+                                       "larger is an error",
+    "hybrid_engine.release_inference_cache": "bunsan keeps no inference workspace between generate calls",
+    "hybrid_engine.pin_parameters": "bunsan gathers ZeRO-3 weights for generation into its own unit buffers",
+    "hybrid_engine.tp_gather_partition_size": "layers per gather for inference TP, which is not built "
+                                              "(inference_tp_size 1)",
     "prescale_gradients":
         "bunsan's LM loss is divided by the global batch's token count before backward, so gradients enter the "
         "all-reduce already scaled; with a loss_fn they are divided by the data-parallel size after it",

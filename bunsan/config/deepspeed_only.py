@@ -127,8 +127,6 @@ FEATURES = {
     "amp": refuse(disabled, "NVIDIA Apex AMP is not built" + _REMOVED + "; use bf16.enabled or fp16.enabled"),
     "torch_autocast": refuse(disabled, "torch.autocast mixed precision is not built; bf16.enabled or fp16.enabled "
                              "casts the model and keeps fp32 master weights; set enabled false"),
-    "hybrid_engine": refuse(disabled, "DeepSpeed-Chat's hybrid engine (training and generation in one engine) is "
-                            "not built; generate with bunsan.inference or `bunsan generate`; set enabled false"),
     "sparse_attention": refuse(never, "DeepSpeed's block-sparse attention is not built" + _REMOVED +
                                "; remove the section"),
     "sparse_gradients": refuse(is_(False), "sparse embedding-gradient reduction is not built" + _REMOVED +
@@ -176,6 +174,8 @@ _WHY_TOP = {   # accepted and ignored: (DeepSpeed's default, the reason)
     "zero_force_ds_cpu_optimizer": (True, "bunsan steps offloaded optimizer states on the CPU with the "
                                           "configured torch optimizer; there is no DeepSpeed CPU optimizer to force"),
     "use_data_before_expert_parallelism": (False, "orders expert-parallel groups; bunsan has no experts"),
+    "cuda_visible_devices": (None, "DeepSpeed's config reads it nowhere (devices come from the launcher's "
+                                   "CUDA_VISIBLE_DEVICES and LOCAL_RANK)"),
     "seq_parallel_communication_data_type": ("fp32", "the dtype of DeepSpeed-Ulysses' all-to-alls; bunsan "
                                                      "refuses sequence_parallel_size > 1"),
 }
@@ -321,8 +321,6 @@ OPTIMIZERS_NOT_BUILT: dict[str, str] = {
     "onebitadam": "1-bit Adam " + _ONE_BIT,
     "zerooneadam": "0/1 Adam " + _ONE_BIT,
     "onebitlamb": "1-bit LAMB " + _ONE_BIT,
-    "lamb": "LAMB (DeepSpeed's FusedLamb: Adam with a per-layer trust ratio, not 1-bit) is not built; use AdamW "
-            "(and retune lr: LAMB's large-batch lrs are too high for it)",
     "lion": "Lion is not built; use AdamW (Lion's lr is typically 3-10x lower than AdamW's)",
     "muon": "Muon is not built; use AdamW",
     **{k.lower(): f"{k} (the mup package's muP optimizer) is not built; use AdamW or SGD"

@@ -91,16 +91,20 @@ def _adam_switches(canon: str, params: dict) -> tuple[str, list[tuple[str, str]]
     problems = [(f"params.{k}", f"expected true/false, got {show(params.pop(k))}; set it to true or false")
                 for k in ("adam_w_mode", "torch_adam", "bias_correction", "fp32_optimizer_states")
                 if not isinstance(params.get(k, False), bool)]
-    if not params.pop("bias_correction", True):
-        problems.append(("params.bias_correction", "false (Adam without bias correction) is not built: torch's "
-                                                   "Adam and AdamW always correct; remove the key"))
+    uncorrected = params.pop("bias_correction", True) is False
     if not params.pop("fp32_optimizer_states", True):
         problems.append(("params.fp32_optimizer_states", "false (16-bit CPU Adam moments) is not built: bunsan "
                                                          "keeps optimizer states in fp32; remove the key"))
     params.pop("torch_adam", None)  # bunsan always uses torch's optimizers
     # DeepSpeed's "Adam" is decoupled weight decay (AdamW) unless adam_w_mode is false, and its weight
     # decay defaults to 0 (as torch's Adam's): the same config means the same update here
-    if params.pop("adam_w_mode", True) and canon == "Adam":
+    decoupled = canon == "AdamW" or params.pop("adam_w_mode", True)
+    params.pop("adam_w_mode", None)
+    if uncorrected:   # DeepSpeed's FusedAdam with bias_correction false: its own update, built as it is
+        params.setdefault("weight_decay", 0.0)
+        params["decoupled_weight_decay"] = decoupled
+        return "UncorrectedAdam", problems
+    if decoupled and canon == "Adam":
         params.setdefault("weight_decay", 0.0)
         return "AdamW", problems
     return canon, problems
@@ -108,8 +112,8 @@ def _adam_switches(canon: str, params: dict) -> tuple[str, list[tuple[str, str]]
 
 class Optimizer(Section):
     """The optimizer bunsan builds when initialize() gets none; DeepSpeed's section."""
-    type: str = Field("AdamW", description="AdamW, Adam, SGD, Adafactor, AdamW8bit or another torch "
-                                           "elementwise one (RMSprop, NAdam, ...); Adam means AdamW, as in DeepSpeed")
+    type: str = Field("AdamW", description="AdamW, Adam, SGD, Adafactor, AdamW8bit, Lamb or a torch elementwise "
+                                           "one (RMSprop, ...); Adam means AdamW, as in DeepSpeed")
     # torch defaults are merged in by bunsan.optim
     params: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the optimizer's "
                                    "constructor (lr, betas, weight_decay, ...); torch's defaults fill the rest")

@@ -19,7 +19,8 @@ from bunsan.config.deepspeed_keys import IgnoredKeyWarning, canonical, log_ignor
 from bunsan.config.errors import ConfigError, Rule, convert, lookup, unwrap
 from bunsan.config.files import YamlLoader, read_config_file
 from bunsan.config.optimizer_sections import OPTIMIZERS, SCHEDULERS, Optimizer, Scheduler, optimizer_signature
-from bunsan.config.sections import BF16, FP16, ActivationCheckpointing, Int, OptInt, Section, Tensorboard, Zero
+from bunsan.config.sections import (BF16, FP16, ActivationCheckpointing, HybridEngine, Int, OptInt, Section,
+                                     Tensorboard, Zero)
 
 __all__ = ["BatchSizes", "Config", "ConfigError"]
 
@@ -95,6 +96,7 @@ class Config(Section):
     data: Data = Field(default_factory=Data, description=Data.__doc__)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint, description=Checkpoint.__doc__)
     train: Train = Field(default_factory=Train, description=Train.__doc__)
+    hybrid_engine: HybridEngine = Field(default_factory=HybridEngine, description=HybridEngine.__doc__)
 
     @model_validator(mode="before")
     @classmethod

@@ -247,3 +247,26 @@ class Tensorboard(Section):
     output_path: str = Field("", description="Directory of the event files; '' = train.output_dir/tensorboard "
                                              "(DeepSpeed's meaning)")
     job_name: str = Field("bunsan", description="Subdirectory of output_path for this run (DeepSpeed's meaning)")
+
+
+class HybridEngine(Section):
+    """DeepSpeed-Chat's hybrid engine: the trained model also generates (RLHF's actor); DeepSpeed's section."""
+    enabled: bool = Field(False, description="The engine's model.generate runs on the training weights, gathered "
+                                             "once per call under ZeRO-3 (bunsan.deepspeed engines)")
+    max_out_tokens: Int = Field(512, ge=1, description="DeepSpeed: its inference kernels' KV-cache size; accepted "
+                                "and ignored (generation uses the model's own cache)")
+    inference_tp_size: Int = Field(1, ge=1, description="DeepSpeed: tensor-parallel degree while generating; only "
+                                   "1 is built (each rank generates with the whole weights)")
+    release_inference_cache: bool = Field(False, description="DeepSpeed: free the kernels' workspace after "
+                                          "generating; accepted and ignored (nothing is kept between calls)")
+    pin_parameters: bool = Field(True, description="DeepSpeed: pin the gathered weights; accepted and ignored")
+    tp_gather_partition_size: Int = Field(8, ge=1, description="DeepSpeed: layers gathered at a time for "
+                                          "inference TP; accepted and ignored (inference_tp_size is 1)")
+
+    @model_validator(mode="after")
+    def _built(self) -> HybridEngine:
+        if self.enabled and self.inference_tp_size > 1:
+            raise Rule(("inference_tp_size", f"{self.inference_tp_size}: tensor-parallel generation inside the "
+                                             "hybrid engine is not built; set it to 1 (every rank generates with "
+                                             "the whole weights), or use bunsan.deepspeed.init_inference"))
+        return self

@@ -9,6 +9,7 @@ DeepSpeed's engine does: `engine.config`, `engine.gradient_checkpointing_enable(
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -54,6 +55,11 @@ class DeepSpeedEngine(nn.Module):
         self._follow_scheduler()
         if engine.strategy.stage == 3:
             tag_parameters(engine.module)
+        if engine.cfg.hybrid_engine.enabled and hasattr(engine.module, "generate"):
+            # DeepSpeed's hybrid engine answers the model's own generate (DeepSpeed-Chat calls
+            # actor.module.generate): the same call, on the training weights, gathered once per call
+            self._model_generate = engine.module.generate
+            engine.module.generate = self.generate
 
     def __getattr__(self, name: str):
         try:
@@ -168,6 +174,15 @@ class DeepSpeedEngine(nn.Module):
         """A client scheduler sets lrs in its own optimizer's groups; the step uses the engine's."""
         if isinstance(self.lr_scheduler, ClientScheduler):
             self.lr_scheduler.copy_lrs(self.bunsan.optimizer)
+
+    # -- the hybrid engine: generation on the training weights --------------------------------------
+    def generate(self, *args, **kwargs):
+        """The model's generate on the weights being trained: under ZeRO-3 every parameter is gathered once
+        for the whole call (not one block per token) and released after; the model's mode is kept."""
+        model_generate = self.__dict__.get("_model_generate") or type(self.module).generate.__get__(self.module)
+        whole = self.bunsan.gathered_parameters() if self.bunsan.strategy.stage == 3 else contextlib.nullcontext()
+        with torch.no_grad(), whole:
+            return model_generate(*args, **kwargs)
 
     # -- device memory ---------------------------------------------------------------------------
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):

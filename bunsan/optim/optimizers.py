@@ -34,6 +34,9 @@ OPTIMIZERS = {k.name.lower(): k for k in (
       for n in ("RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop")),
     # blockwise 8-bit moments; its CPU kernels make it testable without a GPU
     OptimizerKind("AdamW8bit", "bitsandbytes.optim.AdamW8bit", False, "pip install 'bitsandbytes>=0.50'"),
+    # DeepSpeed's FusedLamb, and its FusedAdam with bias_correction false (optim/deepspeed_optimizers.py)
+    OptimizerKind("Lamb", "bunsan.optim.deepspeed_optimizers.Lamb", False),
+    OptimizerKind("UncorrectedAdam", "bunsan.optim.deepspeed_optimizers.UncorrectedAdam", False),
 )}
 
 

@@ -58,6 +58,10 @@ _BY_NAME: dict[str, Stepping] = {
     "Adafactor": Stepping("factored", lambda h: 0.0, "its row and column moments span whole rows and columns "
                           "of each matrix"),   # shape-dependent: memory/theory.adafactor_state_bytes
     "Muon": Stepping("whole", _n(base=4.0), "it orthogonalises each weight matrix as a whole (Newton-Schulz)"),
+    # DeepSpeed's (optim/deepspeed_optimizers.py)
+    "UncorrectedAdam": Stepping("elementwise", _n(base=8.0)),
+    "Lamb": Stepping("whole", _n(base=8.0), "its trust ratio is the norm of each whole weight and of its whole "
+                     "update"),
     "LBFGS": Stepping("refused", lambda h: 0.0, "it re-evaluates the loss several times inside step(closure) and "
                       "keeps a history over all parameters as one vector; bunsan's engine steps once per batch"),
     "SparseAdam": Stepping("refused", lambda h: 8.0, "it needs sparse gradients (nn.Embedding(sparse=True)) and "
@@ -66,6 +70,7 @@ _BY_NAME: dict[str, Stepping] = {
 # where each known name lives: a torch name matches torch's class only (bitsandbytes' AdamW with optim_bits=8
 # is not torch's AdamW), bitsandbytes' names its classes only
 _HOME = {name: ("bitsandbytes.optim" if name == "AdamW8bit" else "torch.optim") for name in _BY_NAME}
+_HOME |= {"UncorrectedAdam": "bunsan.optim.deepspeed_optimizers", "Lamb": "bunsan.optim.deepspeed_optimizers"}
 _declared: dict[type, Stepping] = {}
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from bunsan.zero.slices import gather, slice_of
+
 
 def unit_full_weights(module: nn.Module, layout, k: int, params: list, names: list[str], dtype: torch.dtype,
                       device: torch.device, seed: int, meta: bool) -> torch.Tensor:
@@ -19,23 +21,26 @@ def unit_full_weights(module: nn.Module, layout, k: int, params: list, names: li
     b = layout.buckets[k]
     full = torch.zeros(b.size, dtype=dtype, device=device)
     init = getattr(module, "init_parameter", None)
-    if meta and init is None:
-        raise ValueError(f"{type(module).__name__} was built on the meta device (bunsan.zero.Init) but has no "
-                         "init_parameter(name, tensor, seed) method to initialise it shard by shard; add one, "
-                         "or build it under bunsan.deepspeed.zero.Init() (any module: built once in host memory by its own "
-                         "init, then each rank keeps its slice); a transformers model under bunsan.zero.Init is "
-                         "initialised by its own _init_weights when transformers is imported before the block")
     with torch.no_grad():
         for i in b.params:
             p = params[i]
             off = layout.offsets[i] - b.start
             view = full[off:off + p.numel()].view(p.shape)
-            if meta:
+            if not (meta and p.is_meta):
+                view.copy_(p.data)
+            elif (piece := slice_of(p)) is not None:   # sliced by deepspeed.zero.Init, wherever it sits in the model
+                view.copy_(gather(piece, device))
+            elif init is not None:
                 tmp = torch.empty(p.shape, dtype=torch.float32, device=device)
                 init(names[i], tmp, seed)
                 view.copy_(tmp)
             else:
-                view.copy_(p.data)
+                raise ValueError(f"{names[i]} of {type(module).__name__} is on the meta device (bunsan.zero.Init) "
+                                 "but the model has no init_parameter(name, tensor, seed) method to initialise it "
+                                 "shard by shard; add one, or build it under bunsan.deepspeed.zero.Init() (any "
+                                 "module: built once in host memory by its own init, then each rank keeps its "
+                                 "slice); a transformers model under bunsan.zero.Init is initialised by its own "
+                                 "_init_weights when transformers is imported before the block")
     return full
 
 

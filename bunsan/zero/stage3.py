@@ -246,9 +246,11 @@ class FullyShardedDP(PipelineSchedule, Sharded):
         """All parameters gathered (to read, save or inspect them outside forward); released after."""
         for k in range(len(self.units)):
             self.gather(k)
+        held, self.holding = self.holding, True   # forward passes inside (generation) keep them gathered
         try:
             yield
         finally:
+            self.holding = held
             for k in range(len(self.units)):
                 self.release(k)
 
