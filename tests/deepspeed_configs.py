@@ -339,3 +339,38 @@ CONFIGS: dict[str, dict] = {
         "fp16": {"enabled": True}, "gradient_clipping": 1.0, "prescale_gradients": False,
         "wall_clock_breakdown": False},
 }
+
+
+def deepspeed_chat_configs() -> dict[str, dict]:
+    """The configs DeepSpeed-Chat builds in Python (dschat/utils/ds_utils.py), one per case it can build: training
+    (ZeRO stage x --offload x fp16/bf16 x hybrid engine: 32) and evaluation (stage x offload x dtype: 16), with the
+    keys and values it writes (transcribed; batch sizes as its defaults)."""
+    out = {}
+    for stage in range(4):
+        for offload in (False, True):
+            device = "cpu" if offload else "none"
+            for dtype in ("fp16", "bf16"):
+                precision = {"fp16": {"enabled": True, "loss_scale_window": 100}} if dtype == "fp16" \
+                    else {"bfloat16": {"enabled": True}}
+                for hybrid in (False, True):
+                    out[f"dschat_train_z{stage}_{'offload_' if offload else ''}{dtype}{'_hybrid' if hybrid else ''}"] = {
+                        "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10,
+                        "zero_optimization": {
+                            "stage": stage, "overlap_comm": True, "offload_param": {"device": device},
+                            "offload_optimizer": {"device": device}, "stage3_param_persistence_threshold": 1e4,
+                            "stage3_max_live_parameters": 3e7, "stage3_prefetch_bucket_size": 3e7,
+                            "memory_efficient_linear": False},
+                        **precision, "gradient_clipping": 1.0, "prescale_gradients": False,
+                        "wall_clock_breakdown": False,
+                        "hybrid_engine": {"enabled": hybrid, "max_out_tokens": 512, "inference_tp_size": 1,
+                                          "release_inference_cache": False, "pin_parameters": True,
+                                          "tp_gather_partition_size": 8},
+                        "tensorboard": {"enabled": False, "output_path": "/ds_tensorboard_logs/",
+                                        "job_name": "step3_actor_tensorboard"}}
+                out[f"dschat_eval_z{stage}_{'offload_' if offload else ''}{dtype}"] = {
+                    "train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "steps_per_print": 10,
+                    "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 1e4,
+                                          "offload_param": {"device": device}, "memory_efficient_linear": False},
+                    **({"fp16": {"enabled": True}} if dtype == "fp16" else {"bfloat16": {"enabled": True}}),
+                    "gradient_clipping": 1.0, "prescale_gradients": False, "wall_clock_breakdown": False}
+    return out

@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 from bunsan.config.root import Config, ConfigError
-from deepspeed_configs import CONFIGS
+from deepspeed_configs import CONFIGS, deepspeed_chat_configs
 
 # name -> (why it fails, {key of each error line: text the line must hold}); every other config loads
 EXPECTED_FAILURES: dict[str, tuple[str, dict[str, str]]] = {
@@ -104,3 +104,25 @@ def test_configs_that_load_use_deepspeeds_forms_as_read():
     assert chat.bf16.enabled and chat.zero_optimization.stage3_max_live_parameters == 30_000_000
     qanet = _load(CONFIGS["qanet_warmup"]).scheduler
     assert qanet.type == "WarmupLR" and qanet.params["warmup_max_lr"] == 0.001
+
+
+@pytest.mark.parametrize("name,raw", sorted(deepspeed_chat_configs().items()))
+def test_every_config_deepspeed_chat_builds_loads_with_deepspeeds_meaning(name, raw):
+    """DeepSpeed-Chat's --offload writes offload_param at every stage (DeepSpeed reads it at stage 3 only, and
+    offload_optimizer from stage 1): below those stages the sections are dropped with a warning, as DeepSpeed
+    ignores them; the hybrid engine is on where the config asks."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = Config.load(raw)
+    stage, offload = raw["zero_optimization"]["stage"], raw["zero_optimization"]["offload_param"]["device"]
+    zero = cfg.zero_optimization
+    assert getattr(zero.offload_param, "device", "none") == ("cpu" if stage == 3 and offload == "cpu" else "none")
+    if "offload_optimizer" in raw["zero_optimization"]:
+        assert getattr(zero.offload_optimizer, "device", "none") == ("cpu" if stage >= 1 and offload == "cpu"
+                                                                       else "none")
+    assert cfg.hybrid_engine.enabled == raw.get("hybrid_engine", {}).get("enabled", False)
+    assert cfg.bf16.enabled == ("bfloat16" in raw) and cfg.fp16.enabled == ("fp16" in raw)
+
+
+def test_deepspeed_chat_builds_48_configs():
+    assert len(deepspeed_chat_configs()) == 48

@@ -50,9 +50,13 @@ class UncorrectedAdam(torch.optim.Optimizer):
 
 
 class Lamb(torch.optim.Optimizer):
-    """LAMB (You et al., 2019) as DeepSpeed's FusedLamb: Adam's update u = m_hat / (sqrt(v_hat) + eps) + wd * p,
-    scaled per tensor by the trust ratio ||p|| / ||u|| (1 when either is 0), clamped to [min_coeff, max_coeff]:
-    p -= lr * ratio * u. `bias_correction` false leaves m and v undivided; `eps_inside_sqrt` takes sqrt(v + eps)."""
+    """LAMB (You et al., 2019) as DeepSpeed's FusedLamb computes it, per tensor:
+
+        m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+        u = m / (sqrt(v) + eps) + weight_decay * p          (eps_inside_sqrt: m / sqrt(v + eps))
+        ratio = ||p|| / ||u||, clamped to [min_coeff, max_coeff] (1 when either norm is 0)
+        p -= step_size * ratio * u,  step_size = lr * sqrt(1 - b2^t) / (1 - b1^t)  (lr without bias_correction)
+    """
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
                  eps_inside_sqrt: bool = False, weight_decay: float = 0.0, max_coeff: float = 10.0,
@@ -82,13 +86,13 @@ class Lamb(torch.optim.Optimizer):
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.mul_(b1).add_(p.grad, alpha=1 - b1)
                 v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                m_hat, v_hat = (m / (1 - b1 ** t), v / (1 - b2 ** t)) if group["bias_correction"] else (m, v)
-                denom = (v_hat + group["eps"]).sqrt() if group["eps_inside_sqrt"] else v_hat.sqrt() + group["eps"]
-                update = m_hat / denom
-                if group["weight_decay"]:
-                    update.add_(p, alpha=group["weight_decay"])
+                denom = (v + group["eps"]).sqrt() if group["eps_inside_sqrt"] else v.sqrt().add_(group["eps"])
+                update = (m / denom).add_(p, alpha=group["weight_decay"])
                 w_norm, u_norm = p.norm().item(), update.norm().item()
-                ratio = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
-                ratio = min(max(ratio, group["min_coeff"]), group["max_coeff"])
-                p.add_(update, alpha=-group["lr"] * ratio)
+                ratio = 1.0
+                if w_norm != 0 and u_norm != 0:
+                    ratio = min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"])
+                step_size = group["lr"] * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t) if group["bias_correction"] \
+                    else group["lr"]
+                p.add_(update, alpha=-step_size * ratio)
         return loss
