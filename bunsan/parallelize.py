@@ -63,6 +63,11 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
     if model is None:
         raise TypeError("bunsan.initialize needs a model: initialize(model, config)")
     at = place(load_config(config, deepspeed_kwargs))
+    if at.cfg.data_efficiency.curriculum():
+        raise ValueError("data_efficiency's curriculum learning acts on the training loader that "
+                         "bunsan.deepspeed.initialize(training_data=...) makes (DeepSpeed's meaning); bunsan.initialize "
+                         "and `bunsan train` have no such loader: set data_efficiency.enabled false, or call "
+                         "bunsan.deepspeed.initialize with training_data")
     user_groups = optimizer_groups_by_name(optimizer, model, at.cfg)
     tp_plan = whole_model_plan(model, at, tp_plan)
     check_context_parallel(model, at)

@@ -143,7 +143,10 @@ def _setting(key: str) -> dict:
         cls = unwrap(cls.model_fields[part].annotation)
         node = node.setdefault(part, {"device": "cpu"} if part.startswith("offload_") else {})
     default = cls.model_fields[leaf].get_default(call_default_factory=True)
-    node[leaf] = (not default) if isinstance(default, bool) else (default or 0) + 1
+    if unwrap(cls.model_fields[leaf].annotation) is str:
+        node[leaf] = "set"
+    else:
+        node[leaf] = (not default) if isinstance(default, bool) else (default or 0) + 1
     return cfg
 
 

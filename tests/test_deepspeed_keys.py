@@ -112,7 +112,6 @@ def test_a_config_of_every_section_at_deepspeeds_off_values_loads():
     cfg = Config.load({"wandb": {"enabled": False, "project": "p"}, "csv_monitor": {"enabled": False},
                        "comet": {"enabled": False}, "flops_profiler": {"enabled": False, "profile_step": 3},
                        "comms_logger": {"enabled": False}, "tensorboard": {"enabled": False},
-                       "data_efficiency": {"enabled": False, "data_routing": {"enabled": True}},
                        "curriculum_learning": {"enabled": False},
                        "fp16": {"enabled": True, "fp16_master_weights_and_grads": False},
                        "zero_optimization": {"stage": 2, "zero_quantized_gradients": False}})

@@ -18,6 +18,8 @@ from bunsan.config.errors import Rule, show
 
 # dotted key -> why bunsan does not act on it (one line each; `bunsan config --explain KEY` prints it)
 IGNORED: dict[str, str] = {
+    "data_efficiency.data_sampling.curriculum_learning.data_cluster_path":
+        "where DeepSpeed's sampler writes its data clusters; the single-cluster metrics bunsan builds make none",
     "hybrid_engine.max_out_tokens": "the size of DeepSpeed's inference-kernel KV cache; the hybrid engine here "
                                     "generates with the model's own generate and cache",
     "hybrid_engine.inference_tp_size": "1 is the only size built (each rank generates with the whole weights); "

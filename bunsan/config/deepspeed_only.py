@@ -115,8 +115,6 @@ _REMOVED = " (DeepSpeed 0.19 removed it too)"
 FEATURES = {
     "autotuning": refuse(disabled, "DeepSpeed's autotuner (trial launches over batch sizes and ZeRO stages) is "
                          "not built; `bunsan plan` ranks layouts by estimate; set enabled false"),
-    "data_efficiency": refuse(disabled, "curriculum learning and random layer-token drop (data_efficiency) are "
-                              "not built; set data_efficiency.enabled false"),
     "curriculum_learning": refuse(disabled, "curriculum learning is not built" + _REMOVED + "; set enabled false"),
     "compression_training": refuse(nothing_enabled, "DeepSpeed's compression library (quantization, pruning, "
                                    "layer reduction) is not built" + _REMOVED + "; remove the section"),

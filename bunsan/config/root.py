@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from bunsan.config.bunsan_sections import (Checkpoint, ContextParallel, Data, Lora, ModelOverrides, Pipeline,
                                           TensorParallel, Train)
+from bunsan.config.data_efficiency import DataEfficiency
 from bunsan.config.deepspeed_intake import prepare, row_for
 from bunsan.config.deepspeed_keys import IgnoredKeyWarning, canonical, log_ignored, say_once
 from bunsan.config.errors import ConfigError, Rule, convert, lookup, unwrap
@@ -97,6 +98,7 @@ class Config(Section):
     checkpoint: Checkpoint = Field(default_factory=Checkpoint, description=Checkpoint.__doc__)
     train: Train = Field(default_factory=Train, description=Train.__doc__)
     hybrid_engine: HybridEngine = Field(default_factory=HybridEngine, description=HybridEngine.__doc__)
+    data_efficiency: DataEfficiency = Field(default_factory=DataEfficiency, description=DataEfficiency.__doc__)
 
     @model_validator(mode="before")
     @classmethod

@@ -29,6 +29,7 @@ log = logging.getLogger("bunsan.deepspeed")
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 SCHEDULER_KEY = "bunsan.deepspeed.lr_scheduler"   # where a client scheduler's state rides in client_state
+CURRICULUM_KEY = "bunsan.deepspeed.curriculum"     # and the data_efficiency curriculum's (DeepSpeed saves it too)
 
 
 def engine_holding(p: torch.Tensor) -> Engine | None:
@@ -175,6 +176,23 @@ class DeepSpeedEngine(nn.Module):
         if isinstance(self.lr_scheduler, ClientScheduler):
             self.lr_scheduler.copy_lrs(self.bunsan.optimizer)
 
+    # -- data_efficiency's curriculum (curriculum.py) ---------------------------------------------------
+    def _curriculum(self):
+        loader = self.training_dataloader
+        if not hasattr(loader, "curriculum"):
+            raise RuntimeError("no curriculum: data_efficiency.data_sampling.curriculum_learning acts on the loader "
+                               "deepspeed.initialize makes from training_data; enable it in the config and pass "
+                               "training_data")
+        return loader
+
+    def set_data_post_process_func(self, post_process_func) -> None:
+        """fn(batch, sampler_state) applied to every batch of the training loader (DeepSpeed's call)."""
+        self._curriculum().post_process_func = post_process_func
+
+    def set_custom_curriculum_learning_schedule(self, schedule_func_dict: dict) -> None:
+        """{metric: fn(curriculum_step) -> difficulty} for metrics whose schedule_type is custom."""
+        self._curriculum().curriculum.custom.update(schedule_func_dict)
+
     # -- the hybrid engine: generation on the training weights --------------------------------------
     def generate(self, *args, **kwargs):
         """The model's generate on the weights being trained: under ZeRO-3 every parameter is gathered once
@@ -216,6 +234,8 @@ class DeepSpeedEngine(nn.Module):
         state = dict(client_state or {})
         if isinstance(self.lr_scheduler, ClientScheduler):
             state[SCHEDULER_KEY] = self.lr_scheduler.state_dict()
+        if hasattr(self.training_dataloader, "curriculum"):
+            state[CURRICULUM_KEY] = self.training_dataloader.curriculum.state_dict()
         self.bunsan.save_checkpoint(save_dir, tag, state)
         return True
 
@@ -235,6 +255,9 @@ class DeepSpeedEngine(nn.Module):
         if sched is not None and load_lr_scheduler_states and isinstance(self.lr_scheduler, ClientScheduler):
             self.lr_scheduler.load_state_dict(sched)
             self._follow_scheduler()
+        curriculum = client_state.pop(CURRICULUM_KEY, None)
+        if curriculum is not None and hasattr(self.training_dataloader, "curriculum"):
+            self.training_dataloader.curriculum.load_state_dict(curriculum)
         return str(path), client_state
 
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",

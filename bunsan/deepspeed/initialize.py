@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import bunsan
 from bunsan.comm import functional as world
 from bunsan.config.root import Config
+from bunsan.deepspeed.curriculum import Curriculum, CurriculumLoader
 from bunsan.deepspeed.engine import DeepSpeedEngine, PipelineEngine
 from bunsan.deepspeed.pipe import PipelineModule
 from bunsan.deepspeed.schedulers import ClientScheduler, ConfiguredScheduler
@@ -101,12 +102,15 @@ def _client_optimizer(optimizer, model_parameters, model: nn.Module, cfg: Config
     return build_optimizer(params, cfg.optimizer, torch.device("cpu"))
 
 
-def _loader(dataset, collate_fn, engine, cfg: Config) -> DataLoader:
+def _loader(dataset, collate_fn, engine, cfg: Config, curriculum: dict):
     """DeepSpeed's training loader: micro-batches of this data-parallel rank's share (DistributedSampler,
-    shuffled with its seed 0, the same order every epoch unless the script calls set_epoch)."""
+    shuffled with its seed 0, the same order every epoch unless the script calls set_epoch); with
+    data_efficiency's curriculum, each batch also carries the curriculum's difficulties (curriculum.py)."""
     sampler = DistributedSampler(dataset, num_replicas=engine.mesh.dp, rank=engine.mesh.dp_rank)
-    return DataLoader(dataset, batch_size=engine.micro_batch, sampler=sampler, collate_fn=collate_fn,
-                      drop_last=cfg.dataloader_drop_last)
+    loader = DataLoader(dataset, batch_size=engine.micro_batch, sampler=sampler, collate_fn=collate_fn,
+                        drop_last=cfg.dataloader_drop_last,
+                        num_workers=cfg.data_efficiency.data_sampling.num_workers if curriculum else 0)
+    return CurriculumLoader(loader, Curriculum(curriculum), engine.grad_accum) if curriculum else loader
 
 
 def _scheduler(lr_scheduler, engine, cfg: Config, user_optimizer):
@@ -146,9 +150,17 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         if any(slice_of(p) is not None for p in model.parameters()):
             raise ValueError("a PipelineModule built under zero.Init: a pipeline builds only its own stage's "
                              "layers already (LayerSpec); build it without zero.Init")
+    curriculum = cfg.data_efficiency.data_sampling.curriculum_learning.curriculum_metrics \
+        if cfg.data_efficiency.curriculum() else {}
+    if curriculum and training_data is None:
+        raise ValueError(f"data_efficiency's curriculum ({', '.join(curriculum)}) acts on the loader initialize "
+                         "makes from training_data, as in DeepSpeed; pass training_data=, or set "
+                         "data_efficiency.enabled false")
+    if curriculum:   # it acts here, on the loader; the engine has nothing to do with it
+        cfg = cfg.override({"data_efficiency.enabled": False})
     client = _client_optimizer(optimizer, model_parameters, model, cfg)
     engine = bunsan.initialize(model, cfg, optimizer=client, loss_fn=model.loss_fn if pipe else None)
-    loader = _loader(training_data, collate_fn, engine, cfg) if training_data is not None else None
+    loader = _loader(training_data, collate_fn, engine, cfg, curriculum) if training_data is not None else None
     scheduler = _scheduler(lr_scheduler, engine, cfg, client)
     facade = (PipelineEngine if pipe else DeepSpeedEngine)(engine, scheduler, loader)
     return facade, engine.optimizer, loader, scheduler
