@@ -8,6 +8,7 @@ once: CUDA + NCCL when a GPU is present, else CPU + gloo.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -118,7 +119,17 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         # A world of one: no launcher, no ports, same code paths.
         store = dist.HashStore()
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout, **extra)
+    atexit.register(_destroy_at_exit)
     return device
+
+
+def _destroy_at_exit() -> None:
+    """A process that exits with its process group alive can abort in the backend's teardown (torch 2.13 +
+    gloo: "terminate called without an active exception", SIGABRT, about half the time) after a run that
+    finished: scripts rarely destroy the group themselves, so bunsan does, for the group it made. No barrier
+    here: a peer that failed would make it wait for the whole timeout."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def shutdown_distributed() -> None:

@@ -312,13 +312,7 @@ TABLE: dict[str, DeepSpeedOnly] = {**MONITORS, **FEATURES, **TOP, **PRECISION, *
                                    **PARALLEL, **OPTIMIZER}
 
 # optimizer.type values DeepSpeed builds and bunsan does not (lower-case -> why, and what to use instead)
-_ONE_BIT = ("compresses the gradient all-reduce to 1 bit after a warm-up (error-compensated); bunsan's "
-            "all-reduce is full precision, and DeepSpeed 0.19 dropped it too; use AdamW (Adam) and remove its "
-            "freeze_step / cuda_aware / comm_backend_name params")
 OPTIMIZERS_NOT_BUILT: dict[str, str] = {
-    "onebitadam": "1-bit Adam " + _ONE_BIT,
-    "zerooneadam": "0/1 Adam " + _ONE_BIT,
-    "onebitlamb": "1-bit LAMB " + _ONE_BIT,
     "lion": "Lion is not built; use AdamW (Lion's lr is typically 3-10x lower than AdamW's)",
     "muon": "Muon is not built; use AdamW",
     **{k.lower(): f"{k} (the mup package's muP optimizer) is not built; use AdamW or SGD"

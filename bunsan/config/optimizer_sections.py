@@ -49,6 +49,8 @@ def _param_problem(k: str, v: Any, d: Any) -> str | None:
         want = f"a list of {len(d)} finite numbers"
     elif d is None:  # foreach / fused: Optional[bool]
         ok, want = v is None or isinstance(v, bool), "true, false or null"
+    elif isinstance(d, str):  # the 1-bit optimizers' comm_backend_name
+        ok, want = isinstance(v, str), "a string"
     else:
         ok, want = _finite(v), "a finite number"
     if not ok:

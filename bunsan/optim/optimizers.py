@@ -37,6 +37,8 @@ OPTIMIZERS = {k.name.lower(): k for k in (
     # DeepSpeed's FusedLamb, and its FusedAdam with bias_correction false (optim/deepspeed_optimizers.py)
     OptimizerKind("Lamb", "bunsan.optim.deepspeed_optimizers.Lamb", False),
     OptimizerKind("UncorrectedAdam", "bunsan.optim.deepspeed_optimizers.UncorrectedAdam", False),
+    # their own compressed communication in place of the gradient all-reduce (optim/onebit.py)
+    *(OptimizerKind(n, f"bunsan.optim.onebit.{n}", False) for n in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")),
 )}
 
 

@@ -62,6 +62,9 @@ _BY_NAME: dict[str, Stepping] = {
     "UncorrectedAdam": Stepping("elementwise", _n(base=8.0)),
     "Lamb": Stepping("whole", _n(base=8.0), "its trust ratio is the norm of each whole weight and of its whole "
                      "update"),
+    **{name: Stepping("whole", _n(base=8.0 + extra), "it averages its own 1-bit compressed momentum over the "
+                      "data-parallel ranks in place of the gradient all-reduce, which ZeRO stage 0 lets it do")
+       for name, extra in (("OneBitAdam", 0.0), ("ZeroOneAdam", 4.0), ("OneBitLamb", 4.0))},
     "LBFGS": Stepping("refused", lambda h: 0.0, "it re-evaluates the loss several times inside step(closure) and "
                       "keeps a history over all parameters as one vector; bunsan's engine steps once per batch"),
     "SparseAdam": Stepping("refused", lambda h: 8.0, "it needs sparse gradients (nn.Embedding(sparse=True)) and "
@@ -70,7 +73,8 @@ _BY_NAME: dict[str, Stepping] = {
 # where each known name lives: a torch name matches torch's class only (bitsandbytes' AdamW with optim_bits=8
 # is not torch's AdamW), bitsandbytes' names its classes only
 _HOME = {name: ("bitsandbytes.optim" if name == "AdamW8bit" else "torch.optim") for name in _BY_NAME}
-_HOME |= {"UncorrectedAdam": "bunsan.optim.deepspeed_optimizers", "Lamb": "bunsan.optim.deepspeed_optimizers"}
+_HOME |= {"UncorrectedAdam": "bunsan.optim.deepspeed_optimizers", "Lamb": "bunsan.optim.deepspeed_optimizers",
+          **{name: "bunsan.optim.onebit" for name in ("OneBitAdam", "ZeroOneAdam", "OneBitLamb")}}
 _declared: dict[type, Stepping] = {}
 
 

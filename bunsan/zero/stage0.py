@@ -2,12 +2,18 @@
 
 Every rank keeps full parameters and gradients in flat buffers (buckets.py) and
 all-reduces the gradient buckets from backward hooks, overlapped with backward.
+
+An optimizer that averages its own compressed state (optim/onebit.py: 1-bit Adam, 0/1 Adam, 1-bit LAMB) says
+before each step whether it wants the gradients all-reduced (`reduce_next_gradients`); when not, each rank
+keeps its own, scaled as its local mean, and the norm the step clips against is the root mean square of the
+ranks' norms: the same on every rank, so clipping and fp16's overflow skip agree everywhere.
 """
 
 from __future__ import annotations
 
 import torch
 
+from bunsan.comm.onebit import OneBitAllReduce
 from bunsan.optim.optimizers import rebuild_over
 from bunsan.zero.buckets import BucketHooks, FlatParams
 from bunsan.zero.layout import ShardLayout
@@ -48,6 +54,10 @@ class Replicated(Strategy):
         self._pieces = [b.params for b in self.layout.buckets] if module.startswith(("torch.optim", "bitsandbytes")) \
             else [tuple(range(len(self.params)))]
         self._inv = self._coef = 1.0
+        self._local = False        # this step's gradients were not all-reduced (the optimizer averages its own)
+        if hasattr(self.optimizer, "reduce_next_gradients") and hasattr(self.optimizer, "bind"):
+            device = self.master.device if self.mixed else self.flat.data.device
+            self.optimizer.bind(lambda numel: OneBitAllReduce(comm, group, numel, device), group.size)
 
     def _launch(self, k: int) -> None:
         b = self.layout.buckets[k]
@@ -57,11 +67,13 @@ class Replicated(Strategy):
     def begin_backward(self, sync: bool) -> None:
         if not self.flat.grads_attached():  # someone called zero_grad(set_to_none=True) on the model
             self.flat.attach()
-        if sync and self.hooks:
+        if sync:
+            self._local = self.hooks is not None and not getattr(self.optimizer, "reduce_next_gradients", True)
+        if sync and self.hooks and not self._local:
             self.hooks.begin()
 
     def end_backward(self, sync: bool) -> None:
-        if sync and self.hooks:
+        if sync and self.hooks and not self._local:
             self.hooks.finish()
             for h in self._handles:
                 h.wait()
@@ -69,14 +81,17 @@ class Replicated(Strategy):
 
     def unscale(self, inv: float) -> torch.Tensor:
         pieces = ((i, self.flat.view(self.flat.grad, i)) for i in range(len(self.params)))
+        ranks = self.group.size if self._local else 1
+        inv *= ranks        # local gradients: each rank's own mean (the reduced sum would have been x 1/dp)
         if self.mixed:      # the fp32 gradients are made piece by piece in step(), x inv then
             self._inv = inv
             sq = self.squared_norm(self.flat.grad, pieces)   # in fp32 from the 16-bit gradients
-            return self.global_norm(sq * (inv * inv) if inv != 1.0 else sq, sharded=False)
+            return self.global_norm(sq * (inv * inv / ranks), sharded=self._local)
         if inv != 1.0:
             self.flat.grad.mul_(inv)
         self._g32 = self.flat.grad
-        return self.global_norm(self.squared_norm(self._g32, pieces), sharded=False)   # equal on every dp rank
+        # reduced: equal on every dp rank; local: the root mean square of the ranks' norms
+        return self.global_norm(self.squared_norm(self._g32, pieces) / ranks, sharded=self._local)
 
     def clip(self, coef: float) -> None:
         if self.mixed:
