@@ -112,13 +112,18 @@ def run(root: Path, step: int, args: list[str], logs: Path, port: int, timeout: 
                           text=True, timeout=timeout)
     wall = time.perf_counter() - start
     texts = [(logs / f"rank{r}.log").read_text() if (logs / f"rank{r}.log").exists() else "" for r in range(2)]
-    rss = [int((logs / f"rss{r}").read_text().split()[-1]) * 1024 if (logs / f"rss{r}").exists() else None
-           for r in range(2)]
+    rss = [_peak_rss(logs / f"rss{r}") for r in range(2)]
     out = {"rc": proc.returncode, "wall_s": round(wall, 1), "peak_rss_bytes": rss, "curve": curve(step, texts)}
     if proc.returncode:
         out["error"] = next((line for t in texts for line in reversed(t.splitlines())
                              if re.search(r"Error|error:", line)), proc.stderr.strip().splitlines()[-1:])
     return out
+
+
+def _peak_rss(path: Path) -> int | None:
+    """/usr/bin/time's maximum resident set (KiB) in bytes; None when the rank left none (it was killed)."""
+    words = path.read_text().split() if path.exists() else []
+    return int(words[-1]) * 1024 if words and words[-1].isdigit() else None
 
 
 def curve(step: int, texts: list[str]) -> dict[str, list[float]]:
@@ -194,8 +199,8 @@ def markdown(meta: dict, results: dict) -> str:
             return "-", "-", "-"
         if r["rc"]:
             return f"fails: {str(r.get('error'))[:60]}", "-", "-"
-        rss = max(x for x in r["peak_rss_bytes"] if x) / 2**20
-        return "runs", f"{r['tokens_per_s']:.0f}", f"{rss:.0f}"
+        rss = [x for x in r["peak_rss_bytes"] if x]
+        return "runs", f"{r['tokens_per_s']:.0f}", f"{max(rss) / 2**20:.0f}" if rss else "-"
     rows = ["| case | DeepSpeed | tok/s | peak RSS MiB | bunsan | tok/s | peak RSS MiB | largest gap |",
             "|---|---|---|---|---|---|---|---|"]
     for name, sides in results.items():

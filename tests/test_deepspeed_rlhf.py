@@ -1,0 +1,160 @@
+"""What DeepSpeed-Chat's RLHF steps lean on, in their forms: DeepSpeed's FusedLamb and FusedAdam(bias_correction
+False) updates, the hybrid engine (the actor's model.generate on the training weights, ZeRO-3 included), a
+reward model that wraps a transformers model built under zero.Init, and transformers' from_pretrained under
+HfDeepSpeedConfig at ZeRO-3 loading the checkpoint's weights (bunsan.deepspeed.install())."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+import bunsan.deepspeed as deepspeed
+from bunsan.optim.deepspeed_optimizers import Lamb, UncorrectedAdam
+
+pytest.importorskip("transformers")
+
+
+def test_lamb_is_deepspeeds_fusedlamb_update():
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(6, 4))
+    g1, g2 = torch.randn(6, 4), torch.randn(6, 4)
+    opt = Lamb([p], lr=0.1, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01, max_coeff=0.3, min_coeff=0.01)
+    w, m, v = p.detach().clone(), torch.zeros(6, 4), torch.zeros(6, 4)
+    for t, g in enumerate((g1, g2), start=1):
+        p.grad = g.clone()
+        opt.step()
+        m, v = 0.9 * m + 0.1 * g, 0.99 * v + 0.01 * g * g          # the kernel's moments (never divided)
+        u = m / (v.sqrt() + 1e-6) + 0.01 * w
+        ratio = min(max((w.norm() / u.norm()).item(), 0.01), 0.3)
+        w = w - 0.1 * (1 - 0.99 ** t) ** 0.5 / (1 - 0.9 ** t) * ratio * u
+        torch.testing.assert_close(p.detach(), w)
+
+
+def test_adam_without_bias_correction_is_deepspeeds():
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(5))
+    g = torch.randn(5)
+    w = p.detach().clone()
+    for decoupled in (True, False):
+        q = nn.Parameter(w.clone())
+        opt = UncorrectedAdam([q], lr=0.1, weight_decay=0.1, decoupled_weight_decay=decoupled)
+        q.grad = g.clone()
+        opt.step()
+        grad = g if decoupled else g + 0.1 * w
+        m, v = 0.1 * grad, 0.001 * grad * grad
+        want = (w * (1 - 0.01) if decoupled else w) - 0.1 * m / (v.sqrt() + 1e-8)
+        torch.testing.assert_close(q.detach(), want)
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+PROMPT = torch.tensor([[1, 5, 9, 3]])
+
+
+def _hybrid_rank(rank, stage):
+    import bunsan.deepspeed as ds
+    from bunsan.deepspeed.zero_status import ZeroParamStatus
+    engine, *_ = ds.initialize(model=_llama(), config={
+        "train_batch_size": 2, "steps_per_print": 100, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "hybrid_engine": {"enabled": True, "max_out_tokens": 64}})
+    engine.eval()
+    tokens = engine.module.generate(PROMPT, max_new_tokens=5, do_sample=False)   # DeepSpeed-Chat's call
+    released = stage < 3 or all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE for p in engine.module.parameters())
+    engine.train()
+    out = engine(input_ids=PROMPT, labels=PROMPT)                                 # and training goes on
+    engine.backward(out.loss)
+    engine.step()
+    return tokens.tolist(), released, engine.global_steps
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_hybrid_engine_generates_on_the_training_weights_then_trains(pools, stage):
+    want = _llama().eval().generate(PROMPT, max_new_tokens=5, do_sample=False).tolist()
+    for tokens, released, steps in pools.run(2, _hybrid_rank, stage):
+        assert tokens == want and released and steps == 1
+
+
+def _reward_rank(rank):
+    import bunsan.deepspeed as ds
+    from transformers import LlamaConfig, LlamaModel
+    torch.manual_seed(0)
+    with ds.zero.Init():                                 # the base model under Init, its head outside
+        base = LlamaModel(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2))
+
+    class RewardModel(nn.Module):                        # DeepSpeed-Chat's shape: a transformer and a value head
+        def __init__(self, base):
+            super().__init__()
+            self.rwtransformer, self.v_head = base, nn.Linear(32, 1, bias=False)
+
+        def forward(self, input_ids):
+            return self.v_head(self.rwtransformer(input_ids=input_ids).last_hidden_state).squeeze(-1)
+
+    torch.manual_seed(1)
+    model = RewardModel(base)
+    engine, *_ = ds.initialize(model=model, config={"train_batch_size": 2, "steps_per_print": 100,
+                                                    "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                                    "zero_optimization": {"stage": 3}})
+    with ds.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def test_zero3_takes_a_wrapper_around_a_model_built_under_init(pools):
+    from transformers import LlamaConfig, LlamaModel
+    torch.manual_seed(0)
+    plain = LlamaModel(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2))
+    for got in pools.run(2, _reward_rank):
+        for name, value in plain.named_parameters():
+            torch.testing.assert_close(got[f"rwtransformer.{name}"], value)
+        assert got["v_head.weight"].shape == (1, 32)
+
+
+FROM_PRETRAINED = textwrap.dedent("""
+    import sys, torch
+    import bunsan.deepspeed
+    bunsan.deepspeed.install()
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig
+    deepspeed.init_distributed()
+    path = sys.argv[1]
+    plain = AutoModelForCausalLM.from_pretrained(path)
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
+    keep = HfDeepSpeedConfig(config)                    # as DeepSpeed-Chat's create_hf_model does
+    model = AutoModelForCausalLM.from_pretrained(path)
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        for (name, got), (_, want) in zip(engine.module.named_parameters(), plain.named_parameters()):
+            assert torch.equal(got.float(), want.to(torch.bfloat16).float()), name
+    print("ok")
+""")
+
+
+def test_from_pretrained_under_hf_deepspeed_config_loads_the_checkpoint_at_zero3(tmp_path):
+    """transformers marks each loaded weight and re-initialises the unmarked ones afterwards (with every rank's
+    own set order): zero.Init keeps the parameter objects and gathers in an order every rank shares."""
+    model = _llama()
+    model.save_pretrained(tmp_path / "model")
+    script = tmp_path / "load.py"
+    script.write_text(FROM_PRETRAINED)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(port), str(script), str(tmp_path / "model")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"})
+    assert proc.returncode == 0 and proc.stdout.count("ok") == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
