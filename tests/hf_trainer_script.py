@@ -1,10 +1,11 @@
 """transformers' Trainer as its users write it, with or without `deepspeed=`; run by test_hf_trainer.py.
 
-    python hf_trainer_script.py OUT.json none|STAGE hf|config adamw|sgd [CONFIG.json]
+    python hf_trainer_script.py OUT.json none|STAGE hf|config adamw|sgd [CONFIG.json | save RUN | resume RUN]
 
 With a stage, `bunsan.deepspeed.install()` comes first: the one line that makes the Trainer's DeepSpeed bunsan.
 `hf`: the Trainer builds the optimizer and its linear schedule; `config`: the DeepSpeed config's optimizer with
-"auto" values (the Trainer fills them), and the Trainer's schedule over it. Writes the logged losses to OUT.
+"auto" values (the Trainer fills them), and the Trainer's schedule over it. `save RUN`: 3 steps, saved in RUN; `resume RUN`: another
+process resumes from RUN/checkpoint-3 (weights, optimizer, schedule) into a model of other weights, steps 4-5. Writes the logged losses to OUT.
 """
 
 import json
@@ -16,7 +17,7 @@ if stage != "none":
     bunsan.deepspeed.install()
 
 import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -40,7 +41,7 @@ if stage != "none":
     if source == "config":
         ds_config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
                                                               "weight_decay": "auto"}}
-    if len(sys.argv) > 5:          # the usual form: a path to the JSON file
+    if len(sys.argv) > 5 and sys.argv[5] not in ("save", "resume"):   # the usual form: a path to the JSON file
         with open(sys.argv[5], "w") as f:
             json.dump(ds_config, f)
         ds_config = sys.argv[5]
@@ -49,9 +50,23 @@ args = TrainingArguments(
     else 1e-2, weight_decay=0.01, logging_steps=1, save_strategy="no", report_to=[], deepspeed=ds_config,
     use_cpu=ds_config is None, seed=0, lr_scheduler_type="linear", max_grad_norm=0.0 if optim == "sgd" else 1.0,
     optim="sgd" if optim == "sgd" else "adamw_torch", dataloader_drop_last=True)
-trainer = Trainer(model=model, args=args, train_dataset=Tokens())
-trainer.train()
+phase = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] in ("save", "resume") else None
+if phase is not None:
+    args.output_dir, args.save_strategy, args.save_steps = sys.argv[6], "steps", 3
+
+class StopAfterThree(TrainerCallback):   # the run is stopped, as a preempted job is; the schedule is 5 steps'
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step == 3
+
+
+if phase == "resume":
+    torch.manual_seed(123)                  # other weights: every weight must come from the checkpoint
+    model = LlamaForCausalLM(model.config)
+trainer = Trainer(model=model, args=args, train_dataset=Tokens(),
+                  callbacks=[StopAfterThree()] if phase == "save" else None)
+trainer.train(resume_from_checkpoint=f"{sys.argv[6]}/checkpoint-3" if phase == "resume" else None)
 if args.process_index == 0:
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     with open(out_path, "w") as f:
-        json.dump({"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        json.dump({"losses": logged, "lrs": [h["learning_rate"] for h in trainer.state.log_history if "loss" in h],
                    "processes": trainer.accelerator.num_processes}, f)

@@ -148,9 +148,11 @@ def test_engine_reaches_the_models_attributes_as_deepspeeds_does():
     from transformers import LlamaConfig, LlamaForCausalLM
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
-    engine, *_ = deepspeed.initialize(model=model, config={"train_batch_size": 2, "steps_per_print": 100})
-    assert engine.config is model.config                   # DeepSpeed-Chat reads engine.config, engine.model
-    assert engine.model is model.model
+    ds_config = {"train_batch_size": 2, "steps_per_print": 100, "zero_optimization": {"stage": 0}}
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    assert engine.config == ds_config                      # DeepSpeed's engine.config: the config (transformers reads it)
+    assert engine.model is model.model                     # what the engine lacks comes from the model
+    assert engine.module.config is model.config
     engine.gradient_checkpointing_enable()
     assert model.is_gradient_checkpointing
     with pytest.raises(AttributeError):

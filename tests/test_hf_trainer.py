@@ -55,6 +55,19 @@ def test_trainer_with_deepspeed_trains_as_without(tmp_path, reference, stage, so
     assert losses[-1] != losses[0]
 
 
+@pytest.mark.xfail(strict=True, reason="known defect, open: after the Trainer resumes, step 4 (weights, lr) "
+                   "matches and step 5 does not: the optimizer's state does not come back through the Trainer's "
+                   "deepspeed_load_checkpoint")
+@pytest.mark.parametrize("stage", ["2", "3"])
+def test_trainer_resumes_from_its_deepspeed_checkpoint_exactly(tmp_path, reference, stage):
+    """Saved at step 3 (the model's weights and DeepSpeed's checkpoint), resumed into a model of other weights."""
+    run = str(tmp_path / "run")
+    first = _run(tmp_path, stage, "hf", "adamw", "save", run)
+    (tmp_path / f"{stage}-hf-adamw.json").unlink()
+    rest = _run(tmp_path, stage, "hf", "adamw", "resume", run)
+    assert first + rest[-2:] == pytest.approx(reference["adamw"], rel=1e-5)
+
+
 def test_trainer_takes_the_config_as_a_file(tmp_path, reference):
     losses = _run(tmp_path, "3", "config", "adamw", str(tmp_path / "ds_config.json"))
     assert losses == pytest.approx(reference["adamw"], rel=1e-5)

@@ -28,7 +28,8 @@ from bunsan.deepspeed.absent import install_finder as _install_absent
 
 _install_absent()
 
-import bunsan.deepspeed.moe.layer  # noqa: E402,F401  (deepspeed.moe.utils etc. reachable as attributes)
+import bunsan.deepspeed.checkpoint.utils  # noqa: E402,F401  (deepspeed.X.Y reachable as attributes)
+import bunsan.deepspeed.moe.layer  # noqa: E402,F401
 import bunsan.deepspeed.moe.utils  # noqa: E402,F401
 import bunsan.deepspeed.ops.adam  # noqa: E402,F401
 import bunsan.deepspeed.runtime.data_pipeline  # noqa: E402,F401

@@ -260,6 +260,21 @@ class DeepSpeedEngine(nn.Module):
             self.training_dataloader.curriculum.load_state_dict(curriculum)
         return str(path), client_state
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """True: bunsan gathers the whole weights whenever it saves a model, at every stage (the config's
+        stage3_gather_16bit_weights_on_model_save is accepted and ignored), so transformers' Trainer saves
+        them under ZeRO-3 too."""
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The whole model's state dict in its training dtype, on every rank (a collective under ZeRO-3)."""
+        with self.bunsan.gathered_parameters():
+            state = {n: t.detach().clone() for n, t in self.module.state_dict().items()}
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = {n: t for n, t in state.items() if n not in frozen}
+        return state
+
     def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """The whole model, gathered, in its training dtype, written by rank 0 as safetensors (bunsan never

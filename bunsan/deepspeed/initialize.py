@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import bunsan
 from bunsan.comm import functional as world
+from bunsan.config.files import read_config_file
 from bunsan.config.root import Config
 from bunsan.deepspeed.curriculum import Curriculum, CurriculumLoader
 from bunsan.deepspeed.engine import DeepSpeedEngine, PipelineEngine
@@ -66,6 +67,14 @@ def _config_source(args, config, config_params):
     if given is None and from_args is None:
         raise ValueError("deepspeed.initialize needs a config: config=dict-or-path, or args.deepspeed_config")
     return given if given is not None else from_args
+
+
+def _as_dict(source) -> dict:
+    """The DeepSpeed config as the script gave it (a dict, or the file read): what DeepSpeed's engine.config
+    holds, and transformers reads (engine.config["zero_optimization"])."""
+    if isinstance(source, Config):
+        return source.to_dict()
+    return dict(source) if isinstance(source, dict) else read_config_file(source)
 
 
 def _check_local_rank(args) -> None:
@@ -163,4 +172,5 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     loader = _loader(training_data, collate_fn, engine, cfg, curriculum) if training_data is not None else None
     scheduler = _scheduler(lr_scheduler, engine, cfg, client)
     facade = (PipelineEngine if pipe else DeepSpeedEngine)(engine, scheduler, loader)
+    facade.config = _as_dict(_config_source(args, config, config_params))   # DeepSpeed's engine.config
     return facade, engine.optimizer, loader, scheduler
