@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["UncorrectedAdam", "Lamb"]
+__all__ = ["UncorrectedAdam", "Lamb", "moments"]
+
+
+def moments(state: dict, p: torch.Tensor) -> dict:
+    """Adam's two moments and a step count in an optimizer's `state` for `p`, made at its first step."""
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p)
+        state["exp_avg_sq"] = torch.zeros_like(p)
+    return state
 
 
 class UncorrectedAdam(torch.optim.Optimizer):
@@ -34,11 +43,7 @@ class UncorrectedAdam(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 g = p.grad if group["decoupled_weight_decay"] or not wd else p.grad.add(p, alpha=wd)
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state = moments(self.state[p], p)
                 state["step"] += 1
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 m.mul_(b1).add_(g, alpha=1 - b1)
@@ -76,11 +81,7 @@ class Lamb(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state = moments(self.state[p], p)
                 state["step"] += 1
                 t = state["step"].item()
                 m, v = state["exp_avg"], state["exp_avg_sq"]

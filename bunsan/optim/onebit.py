@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from bunsan.optim.deepspeed_optimizers import moments
+
 __all__ = ["OneBitAdam", "ZeroOneAdam", "OneBitLamb"]
 
 
@@ -47,12 +49,7 @@ class _Compressed(torch.optim.Optimizer):
         return self._averages[key](x)
 
     def _moments(self, p):
-        state = self.state[p]
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = torch.zeros_like(p)
-        return state
+        return moments(self.state[p], p)
 
 
 class OneBitAdam(_Compressed):
@@ -92,7 +89,7 @@ class OneBitAdam(_Compressed):
         return loss
 
     def _steps(self) -> int:
-        return max((s["step"] for s in self.state.values() if "step" in s), default=0)
+        return max((int(s["step"]) for s in self.state.values() if "step" in s), default=0)
 
 
 class ZeroOneAdam(_Compressed):
@@ -128,7 +125,7 @@ class ZeroOneAdam(_Compressed):
                 if p.grad is None:
                     continue
                 state = self._moments(p)
-                state["step"] = t
+                state["step"].fill_(t)
                 m, v = state["exp_avg"], state["exp_avg_sq"]
                 if self.frozen:
                     m.mul_(b1).add_(p.grad, alpha=1 - b1)
