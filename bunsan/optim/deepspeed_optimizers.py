@@ -89,11 +89,12 @@ class Lamb(torch.optim.Optimizer):
                 v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
                 denom = (v + group["eps"]).sqrt() if group["eps_inside_sqrt"] else v.sqrt().add_(group["eps"])
                 update = (m / denom).add_(p, alpha=group["weight_decay"])
-                w_norm, u_norm = p.norm().item(), update.norm().item()
-                ratio = 1.0
-                if w_norm != 0 and u_norm != 0:
-                    ratio = min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"])
+                # the trust ratio stays on the device: no host read per tensor inside the step
+                w_norm, u_norm = p.norm(), update.norm()
+                ratio = torch.where((w_norm != 0) & (u_norm != 0),
+                                    (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"]),
+                                    torch.ones_like(w_norm))
                 step_size = group["lr"] * (1 - b2 ** t) ** 0.5 / (1 - b1 ** t) if group["bias_correction"] \
                     else group["lr"]
-                p.add_(update, alpha=-step_size * ratio)
+                p.sub_(update * (ratio * step_size))
         return loss
