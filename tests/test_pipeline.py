@@ -54,6 +54,22 @@ def test_meta_model_materialises_only_its_stage(pools):
     assert sum(held) == total and max(held) < 0.7 * total
 
 
+def _user_model_after_setup(rank, world):
+    model = tiny_model(tie_word_embeddings=True)
+    engine = bunsan.initialize(model, _cfg(2, "1f1b", 2))
+    return engine.pp_rank, {name: prm.is_meta for name, prm in model.named_parameters(remove_duplicate=False)}
+
+
+def test_the_callers_model_releases_the_other_stages_weights(pools):
+    # A script keeps its model; the layers another rank runs must not stay allocated beside this rank's stage.
+    # The tied head's weight is the first stage's embedding: both ends keep it.
+    for pp_rank, meta in pools.run(2, _user_model_after_setup, 2):
+        own, other = ("layers.0.", "layers.3.") if pp_rank == 0 else ("layers.3.", "layers.0.")   # 4 blocks
+        assert not meta["embed_tokens.weight"] and not meta["lm_head.weight"]
+        assert all(is_meta for name, is_meta in meta.items() if name.startswith(other)), (pp_rank, meta)
+        assert not any(is_meta for name, is_meta in meta.items() if name.startswith(own)), (pp_rank, meta)
+
+
 @pytest.mark.parametrize("name,pp,dp,tp,stage,sp", [
     ("pp2_dp2_zero1", 2, 2, 1, 1, False), ("pp2_dp2_zero0", 2, 2, 1, 0, False), ("pp2_tp2", 2, 1, 2, 0, False),
     ("pp2_tp2_sp", 2, 1, 2, 0, True), ("pp2_dp2_tp2_zero1", 2, 2, 2, 1, False)])

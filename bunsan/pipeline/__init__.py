@@ -90,8 +90,26 @@ def setup(model: nn.Module, mesh, cfg, device: torch.device, seed: int) -> Pipe:
 
     if any(prm.is_meta for prm in stage.parameters()):
         _materialize(stage, canonical, device, seed)
+    _release_other_stages(model, stage, [layers[i] for c, idx in enumerate(chunks) if c % p != r for i in idx])
     return Pipe(stage, pcfg.schedule, p, v, m, schedule[r], tied=tied, duplicates=duplicates,
                 recorder=Recorder.for_device(device), canonical=canonical)
+
+
+@torch.no_grad()
+def _release_other_stages(model: nn.Module, stage: StageModule, others: list) -> None:
+    """Leave the layers of the other ranks' stages on the meta device in the caller's model: a caller that
+    keeps its model (as every script does) would otherwise keep weights this rank never runs alive beside
+    the stage, memory no layout accounts for. A weight tied into this rank's stage stays."""
+    kept = {id(t) for t in (*stage.parameters(), *stage.buffers())}
+    for layer in others:
+        for path in layer.paths:
+            for module in model.get_submodule(path).modules():
+                for name, prm in list(module._parameters.items()):
+                    if prm is not None and id(prm) not in kept and not prm.is_meta:
+                        module._parameters[name] = nn.Parameter(prm.detach().to("meta"), prm.requires_grad)
+                for name, buf in list(module._buffers.items()):
+                    if buf is not None and id(buf) not in kept and not buf.is_meta:
+                        module._buffers[name] = buf.to("meta")
 
 
 @torch.no_grad()
