@@ -211,3 +211,28 @@ def main_client(rank, data, ds_config: dict):
     dist.barrier()
     assert count.item() == dist.get_world_size() == engine.world_size and dist.get_rank() == rank
     return losses, {k: v.float() for k, v in engine.consolidated_state_dict().items()}
+
+
+# -- a client optimizer and scheduler objects, saved and resumed ----------------------------------------
+def main_client_resume(rank, data, ds_config: dict, save_dir: str, mode: str):
+    """mode 'all': every step; 'save': 2 steps, saved; 'load': other weights, loaded, the remaining steps."""
+    set_random_seed(SEED + (7 if mode == "load" else 0))
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    engine, _, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                                      config=ds_config)
+    if mode == "load":
+        engine.load_checkpoint(save_dir)
+    x, y = data
+    per_rank = x.shape[1] // engine.world_size
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    losses = []
+    for step in range(engine.global_steps, 2 if mode == "save" else x.shape[0]):
+        loss = F.mse_loss(engine(x[step][rows]), y[step][rows])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    if mode == "save":
+        engine.save_checkpoint(save_dir)
+    return losses, lr_scheduler.get_last_lr()

@@ -205,3 +205,68 @@ def test_checkpoint_tags_are_any_scalar_and_rank_0s_wins(pools, tmp_path):
     (p0, l0, w0), (p1, l1, w1) = pools.run(2, _tags, 2, str(tmp_path))
     assert p0 == p1 == l0 == l1 == str(tmp_path / "0.25")
     assert not w0 and any("differs from rank 0's '0.25'" in w for w in w1)
+
+
+# -- learning rates the script owns (no configured scheduler): it halves them after every step, writing
+# engine.optimizer's groups as transformers' Trainer's LambdaLR does; nothing of that is in its own state ---
+def _two_groups(model, lr):
+    *rest, (last_name, last) = model.named_parameters()   # at ZeRO 1-3 only the last rank's shard holds it
+    return torch.optim.SGD([{"params": [p for _, p in rest]}, {"params": [last], "lr": 2 * lr}],
+                           lr=lr, momentum=0.9)
+
+
+def _script_schedule(rank, world, zero, root, mode):
+    import bunsan
+    model = tiny_model(seed=7 if mode == "load" else 0)
+    engine = bunsan.initialize(model, _cfg(zero=zero, accum=1, opt="sgd"), optimizer=_two_groups(model, 0.1))
+    data, start = batches(STEPS, ROWS), 0
+    if mode == "load":
+        engine.load_checkpoint(root)
+        start = engine.global_step
+    losses = []
+    for s in range(start, SPLIT if mode == "save" else STEPS):
+        losses.append(engine.train_batch(rank_slice(data[s], engine.dp_rank, engine.dp_size)))
+        for g in engine.optimizer.param_groups:
+            g["lr"] *= 0.5
+    if mode == "save":
+        engine.save_checkpoint(root)
+    return losses, [g["lr"] for g in engine.optimizer.param_groups]
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_rates_a_script_scheduler_set_come_back_with_the_checkpoint(pools, tmp_path, zero):
+    """Resumed, step 4 runs at the rates step 3 left (not the rates the optimizer was built with): SGD with
+    momentum, whose step-4 update shows a wrong lr in every later loss."""
+    whole = pools.run(2, _script_schedule, 2, zero, str(tmp_path), "all")
+    pools.run(2, _script_schedule, 2, zero, str(tmp_path), "save")
+    resumed = pools.run(2, _script_schedule, 2, zero, str(tmp_path), "load")
+    for (all_losses, all_lrs), (rest, lrs) in zip(whole, resumed):
+        assert rest == pytest.approx(all_losses[SPLIT:], rel=1e-6) and lrs == pytest.approx(all_lrs, rel=1e-12)
+
+
+def _built_with(rank, world, root, lr):
+    import logging
+
+    import bunsan
+    model = tiny_model(0)
+    engine = bunsan.initialize(model, _cfg(zero=2, accum=1, opt="sgd"), optimizer=_two_groups(model, lr))
+    if lr == 0.1:                   # the run that saves: the script halves its rates after one step
+        engine.train_batch(rank_slice(batches(1, ROWS)[0], engine.dp_rank, engine.dp_size))
+        for g in engine.optimizer.param_groups:
+            g["lr"] /= 2
+        engine.save_checkpoint(root)
+    caught = []
+    handler = logging.Handler()
+    handler.emit = lambda record: caught.append(record.getMessage())
+    logging.getLogger("bunsan.engine").addHandler(handler)
+    engine.load_checkpoint(root)
+    return sorted({g["lr"] for g in engine.optimizer.param_groups}), caught
+
+
+def test_rates_built_other_than_the_checkpoints_stand_warned(pools, tmp_path):
+    """Same build: the saved (halved) rates come back. Built with another lr: the script changed it for the
+    resumed run, so it stands, and the warning names both."""
+    (same, quiet), _ = pools.run(2, _built_with, 2, str(tmp_path), 0.1)
+    assert same == [0.05, 0.1] and not quiet
+    (other, warned), _ = pools.run(2, _built_with, 2, str(tmp_path), 0.3)
+    assert other == [0.3, 0.6] and any("built with lr 0.1 and is now built with lr 0.3" in w for w in warned)

@@ -55,9 +55,6 @@ def test_trainer_with_deepspeed_trains_as_without(tmp_path, reference, stage, so
     assert losses[-1] != losses[0]
 
 
-@pytest.mark.xfail(strict=True, reason="known defect, open: after the Trainer resumes, step 4 (weights, lr) "
-                   "matches and step 5 does not: the optimizer's state does not come back through the Trainer's "
-                   "deepspeed_load_checkpoint")
 @pytest.mark.parametrize("stage", ["2", "3"])
 def test_trainer_resumes_from_its_deepspeed_checkpoint_exactly(tmp_path, reference, stage):
     """Saved at step 3 (the model's weights and DeepSpeed's checkpoint), resumed into a model of other weights."""

@@ -81,6 +81,7 @@ def save_checkpoint(engine, save_dir, tag: str | float | None = None, client_sta
         raise ValueError("checkpoint tag 'latest' names the pointer file; use another tag")
     plain_name(tag, "checkpoint tag")     # (every rank: the tag is agreed, so all refuse it or none)
     counters = engine.state_dict()   # (refuses a save in the middle of an optimizer step)
+    counters["lrs"] = engine.learning_rates()
     rank, world = engine.mesh.rank, engine.mesh.world.size
     failed = None
     if rank == 0:

@@ -74,6 +74,12 @@ class ClientScheduler:
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state)
+        # torch's schedulers leave the lr to the optimizer's own load_state_dict, which never runs on the
+        # script's optimizer (the engine's holds the state): its groups take the scheduler's last lrs here,
+        # or the first step after a resume would run at the lr the optimizer was built with
+        if hasattr(self.scheduler, "get_last_lr"):
+            for group, lr in zip(self.source.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["scheduler"], name)

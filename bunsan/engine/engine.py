@@ -25,7 +25,8 @@ from bunsan.comm.rollcall import post_step
 from bunsan.context_parallel import shard_batch
 from bunsan.doctor.oom import OutOfMemory, explain, is_oom
 from bunsan.engine.batch import DOCUMENTS, Objective, make_objective, rows_of, split
-from bunsan.engine.precision import LossScaler, model_dtype
+from bunsan.engine.lrs import gathered_lrs, restore_lrs
+from bunsan.engine.precision import LossScaler, cast_inputs_to_half, model_dtype
 from bunsan.memory.measure import measured_memory, reset_peak_memory
 from bunsan.models.loss import lm_loss_sum
 from bunsan.optim.schedule import LRSchedule
@@ -67,6 +68,8 @@ class Engine:
         self.base_lrs = [g["lr"] for g in self.optimizer.param_groups]
         self.schedule = LRSchedule(cfg.scheduler, total_steps=cfg.train.steps)
         self.scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else None
+        if cfg.fp16.enabled and cfg.fp16.auto_cast:
+            cast_inputs_to_half(model)
 
         self.global_step = 0
         self._micro_steps = 0       # micro-batches seen in the current optimizer step (DeepSpeed-style loop)
@@ -108,9 +111,18 @@ class Engine:
         self.global_step, self.skipped_steps, self._micro_steps = state["global_step"], state["skipped_steps"], 0
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if self.cfg.scheduler is None and state.get("lrs") is not None:
+            restore_lrs(self.optimizer, self.base_lrs, state["lrs"])
         self._set_lr()
 
+    def learning_rates(self) -> dict:
+        """Every rank calls it (a collective): each optimizer group's lr now and as built, for a checkpoint."""
+        return gathered_lrs(self.optimizer, self.base_lrs, self.comm, self.mesh.world)
+
     def _set_lr(self) -> None:
+        # without a configured scheduler the rates belong to whoever built the optimizer (lrs.py)
+        if self.cfg.scheduler is None:
+            return
         for g, base in zip(self.optimizer.param_groups, self.base_lrs):
             g["lr"] = self.schedule(self.global_step - self.skipped_steps, base)
 
