@@ -46,7 +46,6 @@ SHARED_LEAF = {"zero_optimization.offload_optimizer.buffer_count": "off_p.buffer
 NOT_BUILT = [
     ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations"),
     ({"activation_checkpointing": {"cpu_checkpointing": True}}, "activation_checkpointing.cpu_checkpointing"),
-    ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
 ]
 
 
@@ -228,8 +227,8 @@ def test_explain_a_section_lists_its_keys(capsys):
 
 
 def test_explain_a_not_built_key(capsys):
-    rc, out, _ = _explain(capsys, "--explain", "fp16.auto_cast")
-    assert rc == 0 and "not built, an error when set" in out and "set fp16.auto_cast to false" in out
+    rc, out, _ = _explain(capsys, "--explain", "activation_checkpointing.partition_activations")
+    assert rc == 0 and "not built, an error when set" in out and "set partition_activations to false" in out
 
 
 def test_explain_a_typo_is_exit_2_with_a_suggestion(capsys):
@@ -252,9 +251,9 @@ def test_config_file_is_printed_resolved(tmp_path, capsys, fresh_log):
     (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 16, "bfloat16": {"enabled": True}}))
     rc, out, _ = _explain(capsys, str(tmp_path / "ds.json"))
     assert rc == 0 and json.loads(out) == Config.load({"train_batch_size": 16, "bf16": {"enabled": True}}).to_dict()
-    (tmp_path / "cast.json").write_text(json.dumps({"fp16": {"enabled": True, "auto_cast": True}}))
-    rc, _, err = _explain(capsys, str(tmp_path / "cast.json"))
-    assert rc == 2 and "fp16.auto_cast" in err
+    (tmp_path / "part.json").write_text(json.dumps({"activation_checkpointing": {"partition_activations": True}}))
+    rc, _, err = _explain(capsys, str(tmp_path / "part.json"))
+    assert rc == 2 and "activation_checkpointing.partition_activations" in err
 
 
 def test_the_command_line_runs_it():

@@ -200,3 +200,31 @@ def test_zero_init_keeps_the_modules_own_init_and_buffers():
     state = engine.consolidated_state_dict()
     for k, v in plain.state_dict().items():
         assert torch.equal(state[k], v), k
+
+
+def test_fp16_auto_cast_gives_the_half_model_half_inputs():
+    """DeepSpeed's fp16.auto_cast: the float32 inputs of the script's forward reach the float16 model as
+    float16 (inside lists and dicts too; token ids and keyword arguments as they are). Without it the same
+    call is the model's own dtype error, as in DeepSpeed."""
+    from bunsan.engine.precision import half_inputs
+    x, y = torch.randn(2, 4), torch.randn(2, 2)
+    seen = []
+    model = _mlp()
+    model[0].register_forward_pre_hook(lambda _, args: seen.append(args[0].dtype))
+    reference = _mlp().half()
+    engine, *_ = deepspeed.initialize(model=model, config={**CFG, "fp16": {
+        "enabled": True, "auto_cast": True, "initial_scale_power": 4}})
+    out = engine(x)
+    assert seen == [torch.float16] and out.dtype == torch.float16
+    assert torch.equal(out, reference(x.half()))
+    loss = nn.functional.mse_loss(out.float(), y)
+    engine.backward(loss)
+    engine.step()
+    assert engine.global_steps == 1 and engine.was_step_applied()
+    assert not torch.equal(engine(x), out)
+    nested = half_inputs(([x, torch.arange(3)], {"a": x.double(), "mask": torch.ones(2, dtype=torch.bool)}))
+    assert nested[0][0].dtype == nested[1]["a"].dtype == torch.float16
+    assert nested[0][1].dtype == torch.int64 and nested[1]["mask"].dtype == torch.bool
+    plain, *_ = deepspeed.initialize(model=_mlp(), config={**CFG, "fp16": {"enabled": True}})
+    with pytest.raises(RuntimeError, match="dtype|Half|Float"):
+        plain(x)

@@ -51,7 +51,6 @@ EXPECTED_FAILURES: dict[str, tuple[str, dict[str, str]]] = {
 }
 # name -> the not-built features bunsan.initialize would refuse (Config.unimplemented) in a config that loads
 NOT_BUILT_AT_INITIALIZE: dict[str, list[str]] = {
-    "imagenet_fp16_z1": ["fp16.auto_cast"],
     "megatron_zero2": ["activation_checkpointing.partition_activations"],
     "megatron_zero3_scripts": ["activation_checkpointing.partition_activations"],
     "megatron_zero2_cpu_offload": ["activation_checkpointing.partition_activations"],

@@ -48,9 +48,6 @@ UNIMPLEMENTED: list[tuple[str, typing.Callable[[Config], bool], str]] = [
      "activation_checkpointing.cpu_checkpointing=true moves checkpointed activations to host memory, but "
      "nothing is checkpointed (DeepSpeed checkpoints from model code, bunsan from the config): set "
      "activation_checkpointing.mode to full or selective, or use offload_blocks to offload without recompute"),
-    ("fp16.auto_cast", lambda c: c.fp16.auto_cast,
-     "fp16.auto_cast=true: casting floating-point forward inputs to float16 is not implemented; cast them "
-     "yourself before calling the engine (token ids need no cast) and set fp16.auto_cast to false"),
 ]
 
 

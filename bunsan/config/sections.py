@@ -71,8 +71,8 @@ class FP16(Section):
                                                          "at the floor stops the run with an error")
     consecutive_hysteresis: bool = Field(False, description="Refill hysteresis after every step without overflow, "
                                                             "not only when the scale grows (DeepSpeed's meaning)")
-    auto_cast: bool = Field(False, description="Cast floating-point forward inputs to float16 (DeepSpeed's meaning); "
-                                               "not built: true is an error")
+    auto_cast: bool = Field(False, description="Cast floating-point positional forward inputs to float16 (DeepSpeed's "
+                                               "meaning)")
 
 
 class BF16(Section):

@@ -1,4 +1,4 @@
-"""Mixed precision: the model's dtype and the fp16 dynamic loss scaler.
+"""Mixed precision: the model's dtype, fp16.auto_cast of forward inputs and the fp16 dynamic loss scaler.
 
 Semantics follow DeepSpeed's DynamicLossScaler so that a DeepSpeed user's `fp16`
 section behaves the same: start at 2**initial_scale_power; on an overflow the step
@@ -23,6 +23,24 @@ def model_dtype(cfg) -> torch.dtype:
     if cfg.bf16.enabled:
         return torch.bfloat16
     return torch.float32
+
+
+def half_inputs(inputs):
+    """DeepSpeed's fp16.auto_cast: floating-point tensors among the positional inputs, inside lists, tuples
+    and dicts too, in float16; anything else (token ids, masks of bool) as it is."""
+    if isinstance(inputs, (list, tuple)):
+        return type(inputs)(half_inputs(v) for v in inputs)
+    if isinstance(inputs, dict):
+        return {k: half_inputs(v) for k, v in inputs.items()}
+    if isinstance(inputs, torch.Tensor) and inputs.is_floating_point():
+        return inputs.half()
+    return inputs
+
+
+def cast_inputs_to_half(module: torch.nn.Module):
+    """The float16 model's forward takes float32 inputs from the script's data: every call of `module` casts
+    its positional inputs first (keyword arguments are left as they are, as DeepSpeed leaves them)."""
+    return module.register_forward_pre_hook(lambda _, args: half_inputs(args))
 
 
 class LossScaler:
