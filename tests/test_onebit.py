@@ -46,7 +46,7 @@ def _simulated(xs, worker_errors, server_errors):
     return torch.cat(out)[:xs[0].numel()].view_as(xs[0])
 
 
-def _allreduce_rank(rank, steps):
+def _allreduce_rank(rank, world, steps):
     import bunsan
     from bunsan.comm.collectives import Comm
     from bunsan.comm.mesh import Mesh
@@ -64,15 +64,19 @@ def _allreduce_rank(rank, steps):
     return outs, sent, comm.stats.summary()["step_bytes"]
 
 
-def test_compressed_allreduce_is_the_two_phase_error_feedback_algorithm(pools):
-    (outs0, sent0, moved), (outs1, sent1, _) = pools.run(2, _allreduce_rank, 5)
-    size = padded_size(37, 2)
-    worker, server = [torch.zeros(size) for _ in range(2)], [torch.zeros(size // 2) for _ in range(2)]
+@pytest.mark.parametrize("world", [2, 4])
+def test_compressed_allreduce_is_the_two_phase_error_feedback_algorithm(pools, world):
+    results = pools.run(world, _allreduce_rank, world, 5)
+    size = padded_size(37, world)
+    worker, server = [torch.zeros(size) for _ in range(world)], [torch.zeros(size // world) for _ in range(world)]
     for k in range(5):
-        want = _simulated([sent0[k], sent1[k]], worker, server)
-        torch.testing.assert_close(outs0[k], want)
-        assert torch.equal(outs0[k], outs1[k])          # the same average on every rank
-    assert moved < 2 * 37 * 4 / 4                          # far below an fp32 all-reduce's 2(N-1)/N x 4n bytes
+        want = _simulated([sent[k] for _, sent, _ in results], worker, server)
+        for outs, _, _ in results:
+            torch.testing.assert_close(outs[k], want)      # the same average on every rank
+    # per rank, as DeepSpeed's compressed_allreduce: an all-to-all of the packed signs (each rank's own chunk
+    # stays), an all-gather of the servers' signs, and two all-gathers of one fp32 scale per rank
+    signs = size // 8 * (world - 1) // world
+    assert results[0][2] == 2 * signs + 2 * 4 * (world - 1)
 
 
 PARAMS = {

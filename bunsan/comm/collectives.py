@@ -239,6 +239,25 @@ class Comm:
             lambda tag: exchange.reduce_scatter(out, full, group.ranks, group.rank, group.pg, tag),
             lambda: _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group.pg, async_op=True), async_op)
 
+    def all_to_all(self, out: torch.Tensor, full: torch.Tensor, group: Group, async_op: bool = False):
+        """Rank i's `full` cut in N equal pieces along dim 0: piece j goes to rank j, which keeps the pieces of
+        every rank in `out` (same size as `full`), rank i's at piece i."""
+        self._check("all_to_all", group, out, full)
+        if full.shape[0] % group.size or out.shape != full.shape:
+            raise ValueError(f"all_to_all cuts dim 0 in {group.size} equal pieces: got {tuple(full.shape)} into "
+                             f"{tuple(out.shape)}")
+        if group.size == 1:
+            out.copy_(full)
+            return self._finished("all_to_all", group, async_op)
+        if self._staged(group):
+            return self._via_host(lambda h: self._all_to_all(h[0], h[1], group, False), [out, full], 0, async_op,
+                                  output_only=True)
+        return self._all_to_all(out, full, group, async_op)
+
+    def _all_to_all(self, out, full, group, async_op):
+        return self._run("all_to_all", group, full.numel() * full.element_size(),
+                         lambda: dist.all_to_all_single(out, full, group=group.pg, async_op=True), async_op)
+
     def broadcast(self, t: torch.Tensor, src_rank: int, group: Group, async_op: bool = False):
         """Broadcast from group-local rank `src_rank`."""
         self._check("broadcast", group, t)

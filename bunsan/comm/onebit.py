@@ -8,9 +8,9 @@ DeepSpeed's compressed_allreduce): every element travels as its sign, every tens
     result:  every rank gathers the servers' c': the same averaged tensor everywhere
 
 sign(0) counts as +1. The signs go as packed bits (uint8, 8 per byte), so a tensor costs n/8 bytes per phase
-instead of 4n: phase 1 is an all-gather of every rank's packed signs (each server keeps its chunk; DeepSpeed
-uses an all-to-all, 1/N of that traffic), phase 2 an all-gather of the servers' chunks. Through Comm, so the
-bytes are recorded as every other collective's.
+instead of 4n: phase 1 is an all-to-all of the packed signs (each server receives its chunk from every rank,
+as DeepSpeed's compressed_allreduce), phase 2 an all-gather of the servers' chunks; the scales, one float per
+rank, are all-gathered. Through Comm, so the bytes are recorded as every other collective's.
 """
 
 from __future__ import annotations
@@ -62,16 +62,16 @@ class OneBitAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (any shape, fp32) replaced by the compressed average over the group; returned."""
-        n, ranks, rank = self.group.size, self.group.size, self.group.rank
+        n = ranks = self.group.size
         flat = torch.zeros(self.size, device=x.device)
         flat[:self.numel] = x.detach().reshape(-1).float()
         signs, scale = _compress(flat, self.worker_error)
-        all_signs = torch.empty(ranks, signs.numel(), dtype=torch.uint8, device=x.device)
-        all_scales = torch.empty(ranks, 1, device=x.device)
-        self.comm.all_gather(all_signs, signs, self.group)
-        self.comm.all_gather(all_scales, scale, self.group)
         per_rank = self.chunk // 8
-        mine = _unpack(all_signs[:, rank * per_rank:(rank + 1) * per_rank])      # [ranks, chunk]
+        my_chunks = torch.empty(ranks, per_rank, dtype=torch.uint8, device=x.device)   # every rank's chunk `rank`
+        all_scales = torch.empty(ranks, 1, device=x.device)
+        self.comm.all_to_all(my_chunks, signs.view(ranks, per_rank), self.group)
+        self.comm.all_gather(all_scales, scale, self.group)
+        mine = _unpack(my_chunks)      # [ranks, chunk]
         averaged = (mine * all_scales).sum(0) / n
         server_signs, server_scale = _compress(averaged, self.server_error)
         gathered_signs = torch.empty(ranks, server_signs.numel(), dtype=torch.uint8, device=x.device)

@@ -54,7 +54,7 @@ def logical_bytes(op: str, nbytes: int, n: int) -> int:
         return 0
     if op == "all_reduce":
         return 2 * (n - 1) * nbytes // n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) * nbytes // n
     return nbytes  # broadcast, send, recv
 
