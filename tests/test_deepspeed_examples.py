@@ -42,7 +42,6 @@ EXPECTED_FAILURES: dict[str, tuple[str, dict[str, str]]] = {
     "autotuning_hf_fp16_z2": ("'auto' batch size", {"train_micro_batch_size_per_gpu": "Hugging Face Trainer's"}),
     "autotuning_deberta_tune": ("DeepSpeed's autotuner is not built",
                                 {"autotuning": "autotuner"}),   # said before the "auto" batch size
-    "qanet_1cycle": ("OneCycle is not built", {"scheduler.type": "OneCycle"}),
     "moq": ("quantization-aware training (DeepSpeed 0.19 removed it)", {"quantize_training": "not built"}),
     "data_efficiency_gpt_random_ltd": ("random layer-token drop is not built",
                                        {"data_efficiency.data_routing": "random_ltd) is not built"}),

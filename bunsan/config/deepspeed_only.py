@@ -318,10 +318,3 @@ OPTIMIZERS_NOT_BUILT: dict[str, str] = {
     **{k.lower(): f"{k} (the mup package's muP optimizer) is not built; use AdamW or SGD"
        for k in ("MuAdam", "MuAdamW", "MuSGD")},
 }
-# scheduler.type values DeepSpeed builds and bunsan does not
-SCHEDULERS_NOT_BUILT: dict[str, str] = {
-    "onecycle": "DeepSpeed's OneCycle (which also cycles momentum) is not built; use WarmupDecayLR or "
-                "WarmupCosineLR",
-    "lrrangetest": "DeepSpeed's LRRangeTest (an lr sweep to pick a peak) is not built; sweep optimizer.params.lr "
-                   "over short runs, or use WarmupLR",
-}

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from pydantic import Field, model_validator
 
-from bunsan.config.deepspeed_only import OPTIMIZERS_NOT_BUILT, SCHEDULERS_NOT_BUILT
+from bunsan.config.deepspeed_only import OPTIMIZERS_NOT_BUILT
 from bunsan.config.errors import Rule, show, suggest
 from bunsan.config.sections import Section
 from bunsan.optim.optimizers import OPTIMIZERS as optimizer_table, optimizer_class
@@ -147,10 +147,19 @@ SCHEDULERS: dict[str, dict[str, Any]] = {  # type -> params and defaults; ... = 
     "WarmupDecayLR": {**_WARMUP, "warmup_max_lr": 0.001, "total_num_steps": ...},
     "WarmupCosineLR": {"total_num_steps": ..., "warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
                        "cos_min_ratio": 0.0001, "warmup_type": "log"},
+    "OneCycle": {"cycle_min_lr": ..., "cycle_max_lr": ..., "decay_lr_rate": 0.0, "cycle_first_step_size": 2000,
+                 "cycle_second_step_size": None, "cycle_first_stair_count": 0, "cycle_second_stair_count": None,
+                 "decay_step_size": 0, "cycle_momentum": True, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9,
+                 "decay_mom_rate": 0.0},
+    "LRRangeTest": {"lr_range_test_min_lr": 1e-3, "lr_range_test_step_size": 2000, "lr_range_test_step_rate": 1.0,
+                    "lr_range_test_staircase": False},
     "constant": {},
     "warmup_cosine": _OWN,
     "warmup_linear": _OWN,
 }
+
+
+DEEPSPEED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
 def _check_schedule_value(k: str, v: Any) -> tuple[Any, str | None]:
@@ -160,8 +169,13 @@ def _check_schedule_value(k: str, v: Any) -> tuple[Any, str | None]:
     if k == "warmup_type":
         ok = isinstance(v, str) and v.lower() in ("log", "linear")
         return (v.lower() if ok else v), None if ok else f"must be 'log' or 'linear', got {show(v)}; set it to 'log' or 'linear'"
-    if v is None and k in ("total_steps", "warmup_max_lr"):
+    if v is None and k in ("total_steps", "warmup_max_lr", "cycle_second_step_size", "cycle_second_stair_count"):
         return v, None
+    if k in ("cycle_momentum", "lr_range_test_staircase"):
+        ok = isinstance(v, bool)
+        return v, None if ok else f"must be true or false, got {show(v)}"
+    if isinstance(v, (list, tuple)):
+        return v, (f"a value per parameter group is not built; give one number for every group, got {show(v)}")
     if not _finite(v):
         return v, f"expected a finite number, got {show(v)}; set it to a number"
     if k.endswith("_steps"):
@@ -169,6 +183,13 @@ def _check_schedule_value(k: str, v: Any) -> tuple[Any, str | None]:
         if not float(v).is_integer() or v < low:
             return v, f"must be a whole number >= {low}, got {show(v)}; set it to a step count >= {low}"
         return int(v), None
+    if k.endswith(("_step_size", "_stair_count")):
+        low = 1 if k in ("cycle_first_step_size", "lr_range_test_step_size") else 0   # DeepSpeed's own checks
+        if not float(v).is_integer() or v < low:
+            return v, f"must be a whole number >= {low}, got {show(v)}; set it to a step count >= {low}"
+        return int(v), None
+    if k.endswith("_mom") and not 0 <= v < 1:
+        return v, f"must be in [0, 1), got {show(v)}; set it to Adam's beta1 at that point of the cycle"
     if k.endswith("_ratio") and not 0 <= v <= 1:
         return v, f"must be in [0, 1], got {show(v)}; set it to a fraction of the peak learning rate"
     if k.endswith("_lr") and v < 0:
@@ -178,8 +199,8 @@ def _check_schedule_value(k: str, v: Any) -> tuple[Any, str | None]:
 
 class Scheduler(Section):
     """The learning-rate schedule; DeepSpeed's section and types, plus bunsan's own types."""
-    type: str = Field(description="WarmupLR, WarmupDecayLR or WarmupCosineLR (DeepSpeed's meaning), or bunsan's "
-                                  "constant, warmup_cosine or warmup_linear")
+    type: str = Field(description="DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest; "
+                                  "bunsan's constant, warmup_cosine, warmup_linear")
     params: dict[str, Any] = Field(default_factory=dict, description="Parameters of the schedule type (steps count "
                                    "optimizer steps); unset ones take the type's defaults (DeepSpeed's names)")
 
@@ -196,10 +217,10 @@ class Scheduler(Section):
         name = data["type"]
         canon = {n.lower(): n for n in SCHEDULERS}.get(name.lower())
         if canon is None:
-            raise _unknown_type("scheduler", name, list(SCHEDULERS), SCHEDULERS_NOT_BUILT, torch.optim.lr_scheduler)
+            raise _unknown_type("scheduler", name, list(SCHEDULERS), {}, torch.optim.lr_scheduler)   # (all of DeepSpeed's are built)
         spec, out, problems = SCHEDULERS[canon], {}, []
         for k, v in params.items():
-            if k == "last_batch_iteration" and canon.startswith("Warmup"):   # DeepSpeed's resume point
+            if k == "last_batch_iteration" and canon in DEEPSPEED_SCHEDULERS:   # DeepSpeed's resume point
                 if v != -1 or isinstance(v, bool):
                     problems.append((f"params.{k}", f"{show(v)}: bunsan's schedule follows the engine's step "
                                                     "counter, which checkpoints restore; remove it (or set -1)"))
@@ -212,7 +233,8 @@ class Scheduler(Section):
                 problems.append((f"params.{k}", problem))
         for k, d in spec.items():
             if k not in out and d is ...:
-                problems.append((f"params.{k}", f"scheduler {canon} requires '{k}'; add it (the total number of training steps)"))
+                what = "the total number of training steps" if k.endswith("steps") else "DeepSpeed requires it too"
+                problems.append((f"params.{k}", f"scheduler {canon} requires '{k}'; add it ({what})"))
             out.setdefault(k, d)
         if problems:
             raise Rule(*problems)

@@ -123,8 +123,7 @@ class Engine:
         # without a configured scheduler the rates belong to whoever built the optimizer (lrs.py)
         if self.cfg.scheduler is None:
             return
-        for g, base in zip(self.optimizer.param_groups, self.base_lrs):
-            g["lr"] = self.schedule(self.global_step - self.skipped_steps, base)
+        self.schedule.apply(self.optimizer.param_groups, self.base_lrs, self.global_step - self.skipped_steps)
 
     # -- DeepSpeed-style loop --------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
