@@ -60,17 +60,29 @@ def step_args(step: int, fix: Path) -> list[str]:
                      "--critic_learning_rate", "1e-4", "--deepspeed"]
 
 
-def case_args(step: int, stage: int, dtype: str, offload: bool, hybrid: bool) -> list[str]:
+# DeepSpeed-Chat's own LoRA (dschat/utils/module/lora.py) on the actor's and the critic's decoder layers
+LORA = ["--actor_lora_dim", "4", "--actor_lora_module_name", "decoder.layers.", "--critic_lora_dim", "4",
+        "--critic_lora_module_name", "decoder.layers.", "--only_optimize_lora"]
+
+
+def case_args(step: int, stage: int, dtype: str, offload: bool, hybrid: bool, lora: bool = False) -> list[str]:
     zero = ["--zero_stage", str(stage)] if step < 3 else ["--actor_zero_stage", str(stage), "--critic_zero_stage",
                                                            str(stage)]
     return zero + ["--dtype", dtype] + (["--offload"] if offload else []) + \
-        (["--enable_hybrid_engine"] if hybrid else [])
+        (["--enable_hybrid_engine"] if hybrid else []) + (LORA if lora else [])
 
 
-# name -> (step, stage, dtype, offload, hybrid engine)
-CASES = {f"step{s}-z{z}-{d}{'-offload' if o else ''}": (s, z, d, o, False)
-         for s in (1, 2) for z in range(4) for d in ("bf16", "fp16") for o in (False, True)}
-CASES |= {f"step3-z{z}-bf16{'-hybrid' if h else ''}": (3, z, "bf16", False, h) for z in (0, 2, 3) for h in (False, True)}
+def _name(step, stage, dtype, offload, hybrid, lora) -> str:
+    return f"step{step}-z{stage}-{dtype}" + "-offload" * offload + "-hybrid" * hybrid + "-lora" * lora
+
+
+# name -> (step, stage, dtype, offload, hybrid engine, LoRA). Step 3 at ZeRO-2 with the hybrid engine and
+# --offload needs LoRA: DeepSpeed-Chat's main.py refuses that combination itself ("training instability").
+_ALL = [(s, z, d, o, False, False) for s in (1, 2) for z in range(4) for d in ("bf16", "fp16") for o in (False, True)]
+_ALL += [(3, z, d, o, h, False) for z in (0, 2, 3) for d in ("bf16", "fp16") for o in (False, True)
+         for h in (False, True) if not (z == 2 and o and h)]
+_ALL += [(3, z, "bf16", o, h, True) for z in (0, 2, 3) for o in (False, True) for h in (False, True)]
+CASES = {_name(*case): case for case in _ALL}
 
 
 def prepare(examples: Path, work: Path) -> dict[str, Path]:
@@ -102,14 +114,18 @@ def run(root: Path, step: int, args: list[str], logs: Path, port: int, timeout: 
     """One step on 2 ranks; each rank's output and peak RSS to its own file (lines stay whole)."""
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(root), "LOGS": str(logs), "TRANSFORMERS_VERBOSITY": "error"}
+           "PYTHONPATH": str(root), "LOGS": str(logs), "TRANSFORMERS_VERBOSITY": "error",
+           "MAX_JOBS": os.environ.get("MAX_JOBS", "1")}   # DeepSpeed's first run compiles its CPU ops: not 2 x N jobs
     rank_cmd = (f'exec /usr/bin/time -f %M -o "$LOGS/rss$LOCAL_RANK" {sys.executable} main.py "$@" '
                 '--local_rank $LOCAL_RANK > "$LOGS/rank$LOCAL_RANK.log" 2>&1')
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            "--no-python", "bash", "-c", rank_cmd, "_", *args]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, check=False, cwd=root / "training" / STEPS[step], env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, check=False, cwd=root / "training" / STEPS[step], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:   # (the ranks are killed with torchrun) recorded, and the next case runs
+        proc = subprocess.CompletedProcess(cmd, -9, "", f"error: timed out after {timeout} s")
     wall = time.perf_counter() - start
     texts = [(logs / f"rank{r}.log").read_text() if (logs / f"rank{r}.log").exists() else "" for r in range(2)]
     rss = [_peak_rss(logs / f"rss{r}") for r in range(2)]
@@ -173,10 +189,10 @@ def main() -> int:
     roots = prepare(args.examples, args.work)
     results, port = {}, 29800
     for name in args.cases.split(","):
-        step, stage, dtype, offload, hybrid = CASES[name]
+        step, stage, dtype, offload, hybrid, lora = CASES[name]
         for side in args.sides.split(","):
             port += 1
-            cmd = step_args(step, roots["fixture"]) + case_args(step, stage, dtype, offload, hybrid) + \
+            cmd = step_args(step, roots["fixture"]) + case_args(step, stage, dtype, offload, hybrid, lora) + \
                 ["--data_output_path", str(args.work / side / f"cache-{name}")]
             res = run(roots[side], step, cmd, args.work / side / "logs" / name, port, args.timeout)
             res["tokens_per_s"] = round(tokens(step, res) / res["wall_s"], 1) if res["rc"] == 0 else None
