@@ -228,3 +228,16 @@ def test_fp16_auto_cast_gives_the_half_model_half_inputs():
     plain, *_ = deepspeed.initialize(model=_mlp(), config={**CFG, "fp16": {"enabled": True}})
     with pytest.raises(RuntimeError, match="dtype|Half|Float"):
         plain(x)
+
+
+def test_the_optimizer_says_whether_its_last_step_overflowed():
+    """DeepSpeed's fp16 optimizers carry `overflow`, which DeepSpeed-Chat's PPO loop reads after every step: at a
+    loss scale of 2**24 this MLP's fp16 gradients overflow and the step is skipped; at 2**4 it applies."""
+    x, y = torch.randn(2, 4), torch.randn(2, 2)
+    for power, overflowed in ((24, True), (4, False)):
+        engine, optimizer, *_ = deepspeed.initialize(model=_mlp(), config={**CFG, "fp16": {
+            "enabled": True, "auto_cast": True, "initial_scale_power": power}})
+        assert optimizer.overflow is False           # before any step, as DeepSpeed's
+        engine.backward(nn.functional.mse_loss(engine(x).float(), y))
+        engine.step()
+        assert optimizer.overflow is overflowed and engine.was_step_applied() is not overflowed

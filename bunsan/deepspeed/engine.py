@@ -52,6 +52,9 @@ class DeepSpeedEngine(nn.Module):
         self.lr_scheduler = lr_scheduler
         self.training_dataloader = training_dataloader
         self.tput_timer = ThroughputTimer(engine.train_batch_size)
+        # DeepSpeed's fp16 optimizers say whether their last step overflowed (and was skipped); scripts read
+        # engine.optimizer.overflow (DeepSpeed-Chat's PPO loop, under fp16)
+        engine.optimizer.overflow = False
         _LIVE.add(self)
         self._follow_scheduler()
         if engine.strategy.stage == 3:
@@ -164,6 +167,8 @@ class DeepSpeedEngine(nn.Module):
         stepped = self.bunsan.global_step > step
         self.tput_timer.stop(global_step=stepped)
         self._applied = stepped and self.bunsan.skipped_steps == skipped
+        if stepped:
+            self.bunsan.optimizer.overflow = not self._applied
         if self._applied and isinstance(self.lr_scheduler, ClientScheduler):
             self.lr_scheduler.step()
             self._follow_scheduler()
