@@ -114,8 +114,12 @@ def attach_rebuilders(root: nn.Module) -> None:
         path, _, attr = name.rpartition(".")
         s = SLOTS.get((id(root.get_submodule(path)), attr))
         if s is None:
-            raise ValueError(f"parameter {name!r} was not built under zero.Init, so there is no slice to rebuild "
-                             "it from; build the whole model inside the `with zero.Init():` block")
+            raise ValueError(f"parameter {name!r} is on the meta device with no slice to rebuild it from: it was "
+                             "not built under zero.Init, or was built after it and moved to a sliced weight's "
+                             "device (bunsan's zero.Init weights are meta tensors, unlike DeepSpeed's empty ones, "
+                             "so `.to(weight.device)` drops the new tensor's values, as DeepSpeed-Chat's LoRA "
+                             "layers do at ZeRO-3); build every parameter inside the `with zero.Init():` block, "
+                             "or use zero stage 0-2 for such a model")
         tensor.copy_(gather(s, tensor.device))
 
     def init_weights(seed: int | None = None) -> None:   # after to_empty(): every parameter and buffer
