@@ -210,7 +210,7 @@ def test_checkpoint_tags_are_any_scalar_and_rank_0s_wins(pools, tmp_path):
 # -- learning rates the script owns (no configured scheduler): it halves them after every step, writing
 # engine.optimizer's groups as transformers' Trainer's LambdaLR does; nothing of that is in its own state ---
 def _two_groups(model, lr):
-    *rest, (last_name, last) = model.named_parameters()   # at ZeRO 1-3 only the last rank's shard holds it
+    *rest, (_, last) = model.named_parameters()   # at ZeRO 1-3 only the last rank's shard holds it
     return torch.optim.SGD([{"params": [p for _, p in rest]}, {"params": [last], "lr": 2 * lr}],
                            lr=lr, momentum=0.9)
 
@@ -259,7 +259,10 @@ def _built_with(rank, world, root, lr):
     handler = logging.Handler()
     handler.emit = lambda record: caught.append(record.getMessage())
     logging.getLogger("bunsan.engine").addHandler(handler)
-    engine.load_checkpoint(root)
+    try:
+        engine.load_checkpoint(root)
+    finally:
+        logging.getLogger("bunsan.engine").removeHandler(handler)   # (the worker process runs later tests)
     return sorted({g["lr"] for g in engine.optimizer.param_groups}), caught
 
 

@@ -182,7 +182,6 @@ def test_nan_weights_in_a_checkpoint_are_named_on_load(tmp_path):
 
 
 def _lora_tied_pp(rank, world, root):
-    from parity import rank_slice
     lora = {"enabled": True, "r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
     cfg = {"train_batch_size": 2, "gradient_accumulation_steps": 2, "pipeline": {"stages": 2}, "lora": lora,
            "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}

@@ -6,7 +6,6 @@ into 2 x cp balanced chunks, and a length that does not cut so is refused.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import bunsan.deepspeed as deepspeed
 from bunsan.optim.deepspeed_optimizers import Lamb, UncorrectedAdam
 
 pytest.importorskip("transformers")

@@ -8,7 +8,6 @@ import shutil
 import time
 
 import numpy as np
-import pytest
 
 from bunsan.training.data import TokenCache
 

@@ -194,7 +194,7 @@ def test_bunsan_train_under_a_scheduler_names_the_rank_that_never_came(tmp_path,
     zero, one = _bunsan_lines(logs[0])[0], _bunsan_lines(logs[1])[0]
     assert "rank(s) 1 (node(s) 1, counting from 0 at 1 rank(s) per node) did not join within 8s" in zero, zero
     assert "joined: ranks 0 on " in zero and "MASTER_ADDR" in zero, zero
-    assert f"rank 1 of 2 on " in one and f"could not reach rank 0's store at 127.0.0.1:{ports[1]}" in one, one
+    assert "rank 1 of 2 on " in one and f"could not reach rank 0's store at 127.0.0.1:{ports[1]}" in one, one
     assert "within 8s (train.timeout_s" in one and "GLOO_SOCKET_IFNAME" in one, one
 
 

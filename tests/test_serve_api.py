@@ -234,3 +234,19 @@ def test_the_sampler_applies_penalties_bias_and_min_p():
     assert picked == {0, 1}                        # p(1)/p(0) = e^-1 > 0.3 > e^-1.5 = p(2)/p(0)
     top = RowSampler(SamplingParams(logprobs=2), [0], 4).draw(logits)
     assert top.top[0][0] == 0 and math.isclose(top.logprob, torch.log_softmax(logits, -1)[0].item())
+
+
+@pytest.mark.parametrize("content,ids", [
+    ({"eos_token_id": 7}, {7}), ({"eos_token_id": [128001, 128009]}, {128001, 128009}),
+    ({"max_new_tokens": 5}, set()), ({"eos_token_id": "7"}, set()), ({"eos_token_id": [1, True]}, set()),
+    (None, set()),
+])
+def test_end_of_turn_ids_come_from_generation_config(tmp_path, content, ids, caplog):
+    """generation_config.json's eos_token_id, one id or a list (Llama 3 ends a turn with <|eot_id|>, not
+    tokenizer.json's first end token); a file that says something else is warned and ignored."""
+    from bunsan.serve.chat import generation_eos_ids
+    (tmp_path / "generation_config.json").write_text("not json {" if content is None else json.dumps(content))
+    assert generation_eos_ids(tmp_path) == ids
+    assert ("eos_token_id as one id or a list" in caplog.text) == (content is None or "eos_token_id" in content
+                                                                   and not ids)
+    assert generation_eos_ids(tmp_path / "missing") == set()

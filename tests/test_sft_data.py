@@ -131,6 +131,7 @@ def test_train_init_from_lora_chat_end_to_end(tok_dir, tmp_path, packing):
     hf = save_llama(Llama(cfg).state_dict(), cfg, tmp_path / "hf")
     for f in tok_dir.iterdir():
         shutil.copy(f, hf / f.name)
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 257], "max_new_tokens": 32}))
     data = _jsonl(tmp_path / "chat.jsonl", CHATS)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     r = subprocess.run([sys.executable, "-m", "bunsan.cli", "train", "--nproc", "1", "--init-from", str(hf),
@@ -140,7 +141,15 @@ def test_train_init_from_lora_chat_end_to_end(tok_dir, tmp_path, packing):
                        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "12 examples, 12 used" in r.stderr and ("packed into" in r.stderr) == packing
-    assert (tmp_path / "out" / "final" / "tokenizer.json").is_file()
+    final = tmp_path / "out" / "final"
+    assert (final / "tokenizer.json").is_file()
+    # the model's own chat template and end-of-turn ids come along, so serve answers with them
+    from bunsan.serve.chat import ChatTemplate
+    chat = ChatTemplate(None, final)
+    assert chat.source == "the checkpoint's chat template"
+    assert chat.text([{"role": "user", "content": "hi"}]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert {0, 257} <= chat.eos_ids
+    assert json.loads((final / "generation_config.json").read_text())["eos_token_id"] == [0, 257]
 
 
 def test_a_packed_row_computes_each_document_as_if_alone():

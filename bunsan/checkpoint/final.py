@@ -3,7 +3,10 @@ checked (`generate`, `serve` and `convert` take them).
 
     RUN/final/model.safetensors   every weight, whole, under the plain model's names
     RUN/final/config.json         {"model": the HF config, "bunsan_config": ..., "weights": {sha256, bytes}, ...}
-    RUN/final/tokenizer.json      the tokenizer trained with, unless it was bytes
+    RUN/final/tokenizer.json      the tokenizer trained with, unless it was bytes, with the files beside it
+                                  that say how to use it (tokenizer_config.json and its chat template,
+                                  special_tokens_map.json, chat_template.jinja/.json)
+    RUN/final/generation_config.json   the initial model's (--init-from), when it has one: its end-of-turn ids
 
 The directory is untrusted when read (it may come from anyone): config.json is a small JSON object, the weights
 match the digest it records, their header is consistent (models/tensor_file.py) and every weight is floating point.
@@ -25,6 +28,11 @@ from bunsan.models.tensor_file import TensorFileError, check_dtypes, checked_hea
 from bunsan.checkpoint.untrusted import read_small
 
 WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.json"
+# what a Hugging Face tokenizer folder keeps beside tokenizer.json: without them `serve` would not know the
+# model's chat template or its end-of-turn token
+TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                        "chat_template.json")
+GENERATION_CONFIG = "generation_config.json"
 CONFIG_BYTES = 1 << 22
 
 
@@ -39,9 +47,9 @@ def final_dir(path) -> Path | None:
     return None
 
 
-def write_final(tmp: Path, final: Path, state: dict, meta: dict, tokenizer) -> None:
-    """Weights, config.json (with the weights' digest) and the tokenizer into `tmp`, fsynced, then renamed to
-    `final` (an older final is replaced whole)."""
+def write_final(tmp: Path, final: Path, state: dict, meta: dict, tokenizer, model_dir=None) -> None:
+    """Weights, config.json (with the weights' digest), the tokenizer with its companions and `model_dir`'s
+    generation_config.json into `tmp`, fsynced, then renamed to `final` (an older final is replaced whole)."""
     tmp.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS),
               metadata={"format": "pt", "producer": "bunsan"})
@@ -50,6 +58,12 @@ def write_final(tmp: Path, final: Path, state: dict, meta: dict, tokenizer) -> N
     if tokenizer is not None and str(tokenizer) != "byte":   # generate/serve read it from here, nowhere else
         source = Path(tokenizer)
         shutil.copyfile(source / TOKENIZER if source.is_dir() else source, tmp / TOKENIZER)
+        folder = source if source.is_dir() else source.parent
+        for name in TOKENIZER_COMPANIONS:
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, tmp / name)
+    if model_dir is not None and (Path(model_dir) / GENERATION_CONFIG).is_file():
+        shutil.copyfile(Path(model_dir) / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())

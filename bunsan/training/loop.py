@@ -86,7 +86,7 @@ def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
         tmp = out_dir / f".final.tmp{os.getpid()}"
         try:
             write_final(tmp, final, state, {"model": mcfg.to_hf(), "bunsan_config": cfg.to_dict(), **extra},
-                         tokenizer_folder(cfg))
+                         tokenizer_folder(cfg), cfg.train.init_from)
         except (OSError, SafetensorError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
             need = sum(v.numel() * v.element_size() for v in state.values())
