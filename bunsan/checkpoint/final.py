@@ -58,8 +58,10 @@ def write_final(tmp: Path, final: Path, state: dict, meta: dict, tokenizer, mode
     if tokenizer is not None and str(tokenizer) != "byte":   # generate/serve read it from here, nowhere else
         source = Path(tokenizer)
         shutil.copyfile(source / TOKENIZER if source.is_dir() else source, tmp / TOKENIZER)
-        folder = source if source.is_dir() else source.parent
-        for name in TOKENIZER_COMPANIONS:
+        # a folder, or a tokenizer.json inside one, as Hugging Face lays them out (another file name is a
+        # tokenizer alone: what sits beside it need not be its)
+        folder = source if source.is_dir() else source.parent if source.name == TOKENIZER else None
+        for name in TOKENIZER_COMPANIONS if folder is not None else ():
             if (folder / name).is_file():
                 shutil.copyfile(folder / name, tmp / name)
     if model_dir is not None and (Path(model_dir) / GENERATION_CONFIG).is_file():
