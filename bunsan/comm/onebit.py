@@ -22,7 +22,14 @@ from bunsan.comm.work import Group
 
 __all__ = ["OneBitAllReduce", "padded_size"]
 
-_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def _bits(device: torch.device) -> torch.Tensor:
+    """1, 2, 4, ..., 128 on `device`, made there once (not copied from the host at every compressed step)."""
+    if device not in _BITS:
+        _BITS[device] = 2 ** torch.arange(8, dtype=torch.uint8, device=device)
+    return _BITS[device]
 
 
 def padded_size(numel: int, ranks: int) -> int:
@@ -32,12 +39,12 @@ def padded_size(numel: int, ranks: int) -> int:
 
 
 def _pack(positive: torch.Tensor) -> torch.Tensor:
-    return (positive.view(-1, 8).to(torch.uint8) * _BITS.to(positive.device)).sum(1, dtype=torch.uint8)
+    return (positive.view(-1, 8).to(torch.uint8) * _bits(positive.device)).sum(1, dtype=torch.uint8)
 
 
 def _unpack(packed: torch.Tensor) -> torch.Tensor:
     """+1.0 / -1.0 per bit."""
-    bits = (packed.unsqueeze(-1) & _BITS.to(packed.device)) != 0
+    bits = (packed.unsqueeze(-1) & _bits(packed.device)) != 0
     return bits.reshape(*packed.shape[:-1], -1).float() * 2.0 - 1.0
 
 
