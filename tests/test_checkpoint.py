@@ -258,11 +258,11 @@ def _built_with(rank, world, root, lr):
     caught = []
     handler = logging.Handler()
     handler.emit = lambda record: caught.append(record.getMessage())
-    logging.getLogger("bunsan.engine").addHandler(handler)
+    logging.getLogger("bunsan.optim").addHandler(handler)
     try:
         engine.load_checkpoint(root)
     finally:
-        logging.getLogger("bunsan.engine").removeHandler(handler)   # (the worker process runs later tests)
+        logging.getLogger("bunsan.optim").removeHandler(handler)   # (the worker process runs later tests)
     return sorted({g["lr"] for g in engine.optimizer.param_groups}), caught
 
 

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent / "bunsan"
 
 STEP_MODULES = [
     "engine/engine.py", "comm/collectives.py", "comm/work.py", "zero/strategy.py", "zero/stage0.py",
-    "zero/buckets.py", "engine/precision.py", "transforms/checkpointing.py", "models/loss.py",
+    "zero/buckets.py", "engine/precision.py", "transforms/checkpointing.py", "models/loss.py", "optim/lrs.py",
+    "comm/onebit.py",
     "pipeline/runtime.py", "pipeline/forward_backward.py", "engine/batch.py",
     "zero/stage12.py", "zero/stage3.py", "zero/reduce.py", "zero/optimizer.py", "zero/frozen.py",
     "zero/unit_buffer.py", "zero/units.py", "zero/offload.py", "zero/adafactor.py",

@@ -23,6 +23,7 @@ from bunsan.checkpoint.assemble import read_local
 from bunsan.checkpoint.pieces import frozen_of, locals_of
 from bunsan.checkpoint.store import CheckpointError
 from bunsan.checkpoint.untrusted import UntrustedError, plain_name
+from bunsan.optim.lrs import gathered_lrs
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
 
@@ -81,7 +82,7 @@ def save_checkpoint(engine, save_dir, tag: str | float | None = None, client_sta
         raise ValueError("checkpoint tag 'latest' names the pointer file; use another tag")
     plain_name(tag, "checkpoint tag")     # (every rank: the tag is agreed, so all refuse it or none)
     counters = engine.state_dict()   # (refuses a save in the middle of an optimizer step)
-    counters["lrs"] = engine.learning_rates()
+    counters["lrs"] = gathered_lrs(engine.optimizer, engine.base_lrs, engine.comm, engine.mesh.world)   # collective
     rank, world = engine.mesh.rank, engine.mesh.world.size
     failed = None
     if rank == 0:

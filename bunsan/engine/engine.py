@@ -25,10 +25,10 @@ from bunsan.comm.rollcall import post_step
 from bunsan.context_parallel import shard_batch
 from bunsan.doctor.oom import OutOfMemory, explain, is_oom
 from bunsan.engine.batch import DOCUMENTS, Objective, make_objective, rows_of, split
-from bunsan.engine.lrs import gathered_lrs, restore_lrs
 from bunsan.engine.precision import LossScaler, cast_inputs_to_half, model_dtype
 from bunsan.memory.measure import measured_memory, reset_peak_memory
 from bunsan.models.loss import lm_loss_sum
+from bunsan.optim.lrs import restore_lrs
 from bunsan.optim.schedule import LRSchedule
 from bunsan.pipeline import forward_backward as pipeline
 from bunsan.pipeline.consolidate import gather_intervals, gather_stages
@@ -115,13 +115,8 @@ class Engine:
             restore_lrs(self.optimizer, self.base_lrs, state["lrs"])
         self._set_lr()
 
-    def learning_rates(self) -> dict:
-        """Every rank calls it (a collective): each optimizer group's lr now and as built, for a checkpoint."""
-        return gathered_lrs(self.optimizer, self.base_lrs, self.comm, self.mesh.world)
-
     def _set_lr(self) -> None:
-        # without a configured scheduler the rates belong to whoever built the optimizer (lrs.py)
-        if self.cfg.scheduler is None:
+        if self.cfg.scheduler is None:     # the rates belong to whoever built the optimizer (optim/lrs.py)
             return
         self.schedule.apply(self.optimizer.param_groups, self.base_lrs, self.global_step - self.skipped_steps)
 

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-log = logging.getLogger("bunsan.engine")
+log = logging.getLogger("bunsan.optim")
 
 
 def group_sources(optimizer) -> list[int]:
