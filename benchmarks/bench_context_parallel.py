@@ -9,7 +9,7 @@ per rank, one contender after another:
 
 tokens/s counts the global batch's tokens (rows x seq); CPU s/step is each rank's process time per step (less
 moved than wall time by other jobs on the cores; the collectives' waits on shared memory count in it); peak RSS
-is each process's ru_maxrss; "activations (est.)" is bunsan.estimate's activations + masks for one rank.
+is each process's VmHWM; "activations (est.)" is bunsan.estimate's activations + masks for one rank.
 
     python benchmarks/bench_context_parallel.py                          # seq 2048 and 4096, 1 row, 3 steps
     python benchmarks/bench_context_parallel.py --seqs 256 --steps 1 --warmup 1
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import resource
 import sys
 import time
 
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import bunsan
+from bunsan.memory.measure import peak_rss_bytes  # VmHWM: ru_maxrss carries the parent's peak across exec
 from bench_dp import GiB, leave_result, machine, make_batches, spawn_ranks, timed_steps
 
 WORLD = {"single": 1, "cp2": 2}
@@ -59,7 +59,7 @@ def _worker(rank: int, contender: str, seq: int, port: int, a: dict, outdir: str
     est = bunsan.estimate(cfg, _config(contender, a, seq), gpus=world, device_type="cpu")
     act = sum(i.device for i in est.items if i.name in ("activations", "context-parallel mask"))
     res = {"rank": rank, "tokens_per_s": a["rows"] * seq * a["steps"] / elapsed, "loss": loss, "cpu_s": cpu,
-           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "activations": act}
+           "peak_rss": peak_rss_bytes(), "activations": act}
     leave_result(outdir, contender, rank, res, world)
 
 

@@ -7,7 +7,7 @@ Three contenders train the same model from the same weights on the same batches:
   bunsan   2 processes, gloo, bunsan.initialize(model, config).train_batch(batch)
 
 Each contender runs in fresh spawned processes, one contender after another, so peak RSS
-(ru_maxrss) is comparable: nothing big is allocated in a worker before its model is built.
+(VmHWM) is comparable: nothing big is allocated in a worker before its model is built.
 
     python benchmarks/bench_dp.py                        # SmolLM-135M shape, seq 256, micro-batch 2
     python benchmarks/bench_dp.py --preset tiny --seq 64 --steps 3 --warmup 1 --markdown benchmarks/RESULTS.md
@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import shlex
 import socket
 import statistics
@@ -34,6 +33,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import bunsan
+from bunsan.memory.measure import peak_rss_bytes  # VmHWM: ru_maxrss carries the parent's peak across exec
 
 GiB = 2 ** 30
 WORLD = {"single": 1, "ddp": 2, "bunsan": 2}
@@ -88,7 +88,7 @@ def _worker(rank: int, contender: str, world: int, port: int, a: dict, outdir: s
         extra = {"model_states": mem["model_states"], "theory_model_states": mem["theory_model_states"],
                  "comm_step_bytes": sum(v["bytes"] for v in engine.comm_stats()["step"].values())}
     res = {"rank": rank, "tokens_per_s": a["micro_batch"] * a["seq"] * a["steps"] / elapsed,
-           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+           "peak_rss": peak_rss_bytes(),
            "loss": loss, "n_params": n_params, "grad_bytes": n_params * 4, **extra}
     leave_result(outdir, contender, rank, res, world)
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import resource
 import shlex
 import sys
 import time
@@ -38,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import bunsan
+from bunsan.memory.measure import peak_rss_bytes  # VmHWM: ru_maxrss carries the parent's peak across exec
 from bench_dp import (GiB, contender_list, leave_result, machine, make_batches, run_one_by_one,  # shared with bench_dp
                       spawn_ranks)
 from bench_tp import model_config
@@ -165,7 +165,7 @@ def _worker(rank: int, key: str, port: int, a: dict, outdir: str) -> None:
     res = {"rank": rank, "elapsed": sum(times), "losses": losses,
            "bubble": sum(b[0] for b in bubbles) / len(bubbles) if bubbles else None,
            "bubble_sim": sum(b[1] for b in bubbles) / len(bubbles) if bubbles else None,
-           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+           "peak_rss": peak_rss_bytes()}
     leave_result(outdir, key, rank, res, world)
 
 

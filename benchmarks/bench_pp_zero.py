@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import resource
 import sys
 
 import torch
 import torch.distributed as dist
 
 import bunsan
+from bunsan.memory.measure import peak_rss_bytes  # VmHWM: ru_maxrss carries the parent's peak across exec
 from bench_dp import (GiB, contender_list, leave_result, make_batches, markdown_section, run_one_by_one, spawn_ranks,
                       timed_steps)
 from bench_zero import failure_reason
@@ -57,7 +57,7 @@ def _worker(rank: int, contender: str, port: int, a: dict, outdir: str) -> None:
                                 a["warmup"], WORLD, average_loss=False)
     mem = engine.memory_report()
     res = {"rank": rank, "tokens_per_s": dp * rows * a["seq"] * a["steps"] / elapsed / WORLD,  # each rank's share
-           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "loss": loss,
+           "peak_rss": peak_rss_bytes(), "loss": loss,
            "states": mem["model_states"], "theory": mem["theory_model_states"],
            "dp_bytes": sum(v["bytes"] for k, v in engine.comm_stats()["step"].items() if k.endswith("/dp"))}
     leave_result(outdir, contender, rank, res, WORLD)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import resource
 import shlex
 import sys
 
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import bunsan
+from bunsan.memory.measure import peak_rss_bytes  # VmHWM: ru_maxrss carries the parent's peak across exec
 from bench_dp import contender_list, GiB, leave_result, machine, make_batches, run_one_by_one, spawn_ranks, timed_steps
 from bench_zero import LR, failure_reason, lm_loss
 
@@ -121,7 +121,7 @@ def _worker(rank: int, c: str, port: int, a: dict, outdir: str) -> None:
 
     loss, elapsed = timed_steps(step, batches, a["warmup"], world, average_loss=c == "ddp")
     res = {"rank": rank, "elapsed": elapsed, "loss": loss, "n_params": n_params,
-           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **extras()}  # Linux: KiB
+           "peak_rss": peak_rss_bytes(), **extras()}
     leave_result(outdir, c, rank, res, world)
 
 

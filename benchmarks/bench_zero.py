@@ -23,7 +23,6 @@ import argparse
 import datetime
 import importlib.metadata
 import os
-import resource
 import shlex
 import sys
 import warnings
@@ -33,6 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import bunsan
+from bunsan.memory.measure import peak_rss_bytes  # VmHWM: ru_maxrss carries the parent's peak across exec
 from bunsan.memory.theory import model_state_bytes
 from bench_dp import contender_list, GiB, leave_result, machine, make_batches, run_one_by_one, spawn_ranks, timed_steps
 
@@ -120,7 +120,7 @@ def _worker(rank: int, contender: str, port: int, a: dict, outdir: str) -> None:
 
     loss, elapsed = timed_steps(step, batches, a["warmup"], WORLD, average_loss=framework != "bunsan")
     res = {"rank": rank, "tokens_per_s": a["micro_batch"] * a["seq"] * a["steps"] / elapsed,
-           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+           "peak_rss": peak_rss_bytes(),
            "loss": loss, "n_params": n_params, **extras()}
     leave_result(outdir, contender, rank, res, WORLD)
 

@@ -88,3 +88,25 @@ def test_zero_gradient_shard_is_freed_between_steps(pools):
     for stage in (1, 2, 3):
         for dropped, resident in pools.run(2, _grad_shard_between_steps, 2, stage):
             assert dropped and resident == 0
+
+
+def _child_peak(queue):
+    from bunsan.memory.measure import peak_rss_bytes, reset_peak_memory
+    reset_peak_memory()
+    queue.put(peak_rss_bytes())
+
+
+def test_a_spawned_workers_peak_is_its_own_not_its_parents():
+    """Linux carries ru_maxrss across exec: read by getrusage, every spawned rank's peak started at the
+    launching process's (the test suite's 0.6 GiB became the pipeline layout's measured peak)."""
+    import multiprocessing as mp
+    parent = bytearray(600 * 2 ** 20)
+    parent[::4096] = b"\1" * len(parent[::4096])       # resident in the parent
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_peak, args=(queue,))
+    child.start()
+    peak = queue.get(timeout=120)
+    child.join()
+    del parent
+    assert 0 < peak < 500 * 2 ** 20, f"the child's peak {peak / 2 ** 20:.0f} MiB includes its parent's 600 MiB"

@@ -18,7 +18,7 @@ from bunsan.memory.theory import adafactor_state_bytes, model_state_bytes, optim
 
 def reset_peak_memory(device: torch.device | None = None) -> None:
     """Start a new peak: CUDA's allocator statistics, and on CPU the kernel's high-water mark of the
-    resident set (/proc/self/clear_refs "5", Linux >= 4.0; getrusage then reports the peak since)."""
+    resident set (/proc/self/clear_refs "5", Linux >= 4.0; VmHWM then reports the peak since)."""
     if device is not None and device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
@@ -30,7 +30,16 @@ def reset_peak_memory(device: torch.device | None = None) -> None:
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """The resident set's high-water mark since the last reset_peak_memory. Read from VmHWM, not getrusage:
+    Linux carries ru_maxrss across exec, so a spawned worker's would start at its parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024        # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the lifetime peak (KiB)
 
 
 def current_rss_bytes() -> int:
