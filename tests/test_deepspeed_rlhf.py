@@ -122,6 +122,77 @@ def test_zero3_takes_a_wrapper_around_a_model_built_under_init(pools):
         assert got["v_head.weight"].shape == (1, 32)
 
 
+class _LoRA(nn.Module):
+    """DeepSpeed-Chat's LinearLayer_LoRA in its form: the base weight read through ds_shape or shape, adapters
+    built outside zero.Init, and the layer moved with `.to(weight.device)` (dschat/utils/module/lora.py)."""
+
+    def __init__(self, weight, bias, dim=4):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+        try:
+            rows, columns = weight.ds_shape
+        except AttributeError:
+            rows, columns = weight.shape
+        self.lora_right_weight = nn.Parameter(torch.zeros(columns, dim))
+        self.lora_left_weight = nn.Parameter(torch.zeros(dim, rows))
+        nn.init.kaiming_uniform_(self.lora_right_weight, a=5 ** 0.5)
+        self.weight.requires_grad = False
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias) + x @ self.lora_right_weight @ self.lora_left_weight
+
+
+def _lora_llama(stage):
+    import contextlib
+    import bunsan.deepspeed as ds
+    with ds.zero.Init() if stage == 3 else contextlib.nullcontext():
+        model = _llama()
+    torch.manual_seed(1)
+    for layer in model.model.layers:
+        for name in ("q_proj", "v_proj"):
+            linear = getattr(layer.self_attn, name)
+            lora = _LoRA(linear.weight, linear.bias).to(linear.weight.device).to(linear.weight.dtype)
+            setattr(layer.self_attn, name, lora)
+    for name, p in model.named_parameters():         # dschat's only_optimize_lora_parameters
+        p.requires_grad = "lora_" in name
+    return model
+
+
+def _lora_rank(rank, stage):
+    import bunsan.deepspeed as ds
+    model = _lora_llama(stage)
+    engine, *_ = ds.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                               config={"train_batch_size": 2, "steps_per_print": 100,
+                                       "optimizer": {"type": "SGD", "params": {"lr": 0.5}},
+                                       "zero_optimization": {"stage": stage}})
+    losses = []
+    for _ in range(3):
+        loss = engine(input_ids=PROMPT, labels=PROMPT).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_deepspeed_chats_lora_layers_train_at_every_stage(pools, stage):
+    """At ZeRO-3 the base weights are slices, and the adapters built beside them must keep their values."""
+    model = _lora_llama(0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert len(trained) == 8
+    opt = torch.optim.SGD(trained, lr=0.5)
+    want = []
+    for _ in range(3):
+        loss = model(input_ids=PROMPT, labels=PROMPT).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    assert want[0] != want[2]
+    for got in pools.run(2, _lora_rank, stage):
+        assert got == pytest.approx(want, rel=1e-5)
+
+
 FROM_PRETRAINED = textwrap.dedent("""
     import sys, torch
     import bunsan.deepspeed

@@ -1,6 +1,7 @@
 """Parameters kept as this rank's slice until ZeRO-3 needs them whole: what both `zero.Init`s leave behind.
 
-A sliced parameter is a meta tensor in its module; the rank's elements [rank*chunk, rank*chunk + len(piece))
+A sliced parameter is a meta tensor in its module (a SlicedParameter: it reports the device it is made whole
+on, as DeepSpeed's partitioned parameters do); the rank's elements [rank*chunk, rank*chunk + len(piece))
 of the flat parameter live on the host. The model learns `init_parameter(name, tensor, seed)` (ZeRO-3's
 unit-by-unit materialisation gathers one parameter from every rank's slice) and `init_weights()` (every other
 layout, after `to_empty()`).
@@ -18,7 +19,7 @@ import torch.nn as nn
 
 from bunsan.comm import functional as world
 
-__all__ = ["Slice", "slice_of", "gather", "gather_device", "swap_slots", "keep_slice", "agree",
+__all__ = ["Slice", "SlicedParameter", "slice_of", "gather", "gather_device", "swap_slots", "keep_slice", "agree",
            "parameter_slots", "attach_rebuilders"]
 
 
@@ -31,6 +32,32 @@ class Slice:
     chunk: int
     owners: list
     seq: int = 0              # creation order, the same on every rank: the order collectives gather slices in
+
+
+class SlicedParameter(nn.Parameter):
+    """The whole-shaped meta tensor standing in a module for a sliced parameter. Its `device` is where the
+    values are made whole (the accelerator, else the host), and moving it there is a no-op: user code that
+    builds beside a weight, `torch.zeros(..., device=weight.device)` or DeepSpeed-Chat's
+    `LinearLayer_LoRA(weight).to(weight.device)`, gets real tensors, as with DeepSpeed's empty partitions,
+    not meta ones whose values are gone. A dtype cast stays on meta (the slice is cast when gathered)."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.__dict__.get("_home") or torch.device("cpu")
+
+    def to(self, *args, **kwargs):
+        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        return self if dtype is None or dtype == self.dtype else torch.Tensor.to(self, dtype=dtype)
+
+    def cuda(self, *args, **kwargs):
+        return self
+
+    def cpu(self):
+        return self
+
+
+def _home() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 _SEQ = itertools.count()
@@ -78,7 +105,8 @@ def keep_slice(owners: list, full: torch.Tensor, reuse: nn.Parameter | None = No
     chunk = math.ceil(flat.numel() / size)
     piece = flat[rank * chunk:(rank + 1) * chunk].to("cpu", copy=True)
     new = reuse if reuse is not None and reuse.is_meta and reuse.shape == full.shape and reuse.dtype == full.dtype \
-        else nn.Parameter(torch.empty(full.shape, dtype=full.dtype, device="meta"))
+        else SlicedParameter(torch.empty(full.shape, dtype=full.dtype, device="meta"))
+    new._home = _home()
     kept = Slice(piece, full.shape, chunk, owners, next(_SEQ))
     SLICED[id(new)] = (weakref.ref(new), kept)
     for module, name in owners:
@@ -115,11 +143,10 @@ def attach_rebuilders(root: nn.Module) -> None:
         s = SLOTS.get((id(root.get_submodule(path)), attr))
         if s is None:
             raise ValueError(f"parameter {name!r} is on the meta device with no slice to rebuild it from: it was "
-                             "not built under zero.Init, or was built after it and moved to a sliced weight's "
-                             "device (bunsan's zero.Init weights are meta tensors, unlike DeepSpeed's empty ones, "
-                             "so `.to(weight.device)` drops the new tensor's values, as DeepSpeed-Chat's LoRA "
-                             "layers do at ZeRO-3); build every parameter inside the `with zero.Init():` block, "
-                             "or use zero stage 0-2 for such a model")
+                             "not built under zero.Init but moved to the meta device afterwards (for instance "
+                             "with `.to(weight.data.device)`: a sliced weight's data is a meta tensor), so its "
+                             "values are gone; build it on a real device (`weight.device` is one), or inside the "
+                             "`with zero.Init():` block")
         tensor.copy_(gather(s, tensor.device))
 
     def init_weights(seed: int | None = None) -> None:   # after to_empty(): every parameter and buffer
