@@ -214,17 +214,56 @@ FROM_PRETRAINED = textwrap.dedent("""
 """)
 
 
-def test_from_pretrained_under_hf_deepspeed_config_loads_the_checkpoint_at_zero3(tmp_path):
-    """transformers marks each loaded weight and re-initialises the unmarked ones afterwards (with every rank's
-    own set order): zero.Init keeps the parameter objects and gathers in an order every rank shares."""
-    model = _llama()
+RESIZED = textwrap.dedent("""
+    import sys, torch
+    import bunsan.deepspeed
+    bunsan.deepspeed.install()
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig
+    deepspeed.init_distributed()
+    path = sys.argv[1]
+    plain = AutoModelForCausalLM.from_pretrained(path)
+    config = {"train_batch_size": 4, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    keep = HfDeepSpeedConfig(config)
+    model = AutoModelForCausalLM.from_pretrained(path)      # the output embedding tied after the build
+    model.resize_token_embeddings(72)                       # DeepSpeed-Chat's create_hf_model
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        embedding = engine.module.get_input_embeddings().weight
+        assert embedding.shape == (72, 32), embedding.shape
+        assert torch.equal(embedding[:64], plain.get_input_embeddings().weight)
+        assert torch.equal(engine.module.get_output_embeddings().weight, embedding)
+    print("ok")
+""")
+
+
+def _two_ranks(tmp_path, script_text: str, model) -> subprocess.CompletedProcess:
     model.save_pretrained(tmp_path / "model")
-    script = tmp_path / "load.py"
-    script.write_text(FROM_PRETRAINED)
+    script = tmp_path / "script.py"
+    script.write_text(script_text)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(port), str(script), str(tmp_path / "model")], capture_output=True, text=True,
                           timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"})
+
+
+def test_from_pretrained_under_hf_deepspeed_config_loads_the_checkpoint_at_zero3(tmp_path):
+    """transformers marks each loaded weight and re-initialises the unmarked ones afterwards (with every rank's
+    own set order): zero.Init keeps the parameter objects and gathers in an order every rank shares."""
+    proc = _two_ranks(tmp_path, FROM_PRETRAINED, _llama())
+    assert proc.returncode == 0 and proc.stdout.count("ok") == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_a_tied_model_resized_under_zero3_keeps_its_rows(tmp_path):
+    """resize_token_embeddings at ZeRO-3 builds the new embeddings beside the sliced ones (on their device)
+    and copies the old rows in through the output embedding's slot, which took the weight after slicing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    tied = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    proc = _two_ranks(tmp_path, RESIZED, tied)
     assert proc.returncode == 0 and proc.stdout.count("ok") == 2, proc.stdout[-2000:] + proc.stderr[-4000:]

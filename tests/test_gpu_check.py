@@ -20,7 +20,8 @@ DRY_RUN_TIMEOUT_S = 290          # above the dry run's own limit (260 s): a slow
 EXPECTED = {
     "preflight": ["environment"],
     "single": ["bf16 zero0", "bf16 zero1", "bf16 zero2", "bf16 zero3", "bf16 zero3 offload cpu",
-               "bf16 zero3 offload nvme", "bf16 activation checkpointing", "bf16 lora", "fp16 dynamic loss scale"],
+               "bf16 zero3 offload nvme", "bf16 activation checkpointing", "bf16 lora", "fp16 dynamic loss scale",
+               "offload_states zero3 (DeepSpeed's)"],
     "syncs": ["nccl zero0", "nccl zero1", "nccl zero2", "nccl zero3", "nccl zero3 offload cpu"],
     "shared_gpu": ["gloo dp (zero0)", "gloo zero1", "gloo zero2", "gloo zero3", "gloo tp2", "gloo tp2 sp",
                    "gloo pp2 gpipe", "gloo pp2 1f1b", "gloo zero3 checkpoint save/load"],

@@ -108,5 +108,35 @@ def main(section: Section) -> None:
             del engine, model
             free_memory()
 
+    def offload_states(row, name):
+        """DeepSpeed's engine.offload_states() frees the states' device memory, reload_states() brings them back
+        bit for bit: the same run with a round trip after step 1 has the same losses as without."""
+        import bunsan.deepspeed as deepspeed
+        losses, moved = {}, {}
+        for round_trip in (False, True):
+            engine, *_ = deepspeed.initialize(model=clone(base), config=config(name, sz))
+            got = []
+            for k, batch in enumerate(data):
+                got.append(engine.bunsan.train_batch(batch))
+                if round_trip and k == 0:
+                    before = torch.cuda.memory_allocated() if dev.type == "cuda" else 0
+                    engine.offload_states()
+                    parked = engine._parked.nbytes()
+                    moved = {"states_bytes": parked, "allocated_before": before,
+                             "allocated_offloaded": torch.cuda.memory_allocated() if dev.type == "cuda" else 0}
+                    engine.reload_states()
+            losses[round_trip] = got
+            del engine
+            free_memory()
+        row.numbers.update(moved, losses=losses[True], reference=losses[False])
+        check(losses[True] == losses[False], f"losses after the round trip {losses[True]} != {losses[False]}")
+        row.headline = "losses equal after the round trip (on the CPU nothing moves)"
+        if dev.type == "cuda":
+            check(moved["states_bytes"] > 0, "offload_states moved nothing")
+            freed = moved["allocated_before"] - moved["allocated_offloaded"]
+            check(freed >= moved["states_bytes"], f"{freed} bytes freed for {moved['states_bytes']} offloaded")
+            row.headline = f"{moved['states_bytes'] / 2 ** 20:.0f} MiB off the GPU and back, losses equal"
+
     for name in LAYOUTS:
         section.run(name, run, 5.0, name)
+    section.run("offload_states zero3 (DeepSpeed's)", offload_states, 5.0, "bf16 zero3")

@@ -131,12 +131,14 @@ class DeepSpeedEngine(nn.Module):
         if retain_graph:
             raise ValueError("backward(retain_graph=True) is not supported: bunsan's gradient hooks reduce and "
                              "free each gradient as backward produces it")
+        self._check_states("backward")
         self.bunsan.backward(loss, scale_wrt_gas=scale_wrt_gas)
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         if lr_kwargs:
             raise ValueError(f"step(lr_kwargs={lr_kwargs}): bunsan's schedules take no per-step arguments")
+        self._check_states("step")
         self._after(self.bunsan.step)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
@@ -209,27 +211,43 @@ class DeepSpeedEngine(nn.Module):
 
     # -- device memory ---------------------------------------------------------------------------
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
-        """DeepSpeed's: move the optimizer states, master weights and gradients to host memory until
-        reload_states(). On the CPU they are in host memory already, so nothing moves."""
+        """DeepSpeed's: the optimizer states, master weights, weights and gradients (`include`: some kinds of
+        OffloadStateTypeEnum) moved to host memory until reload_states() (zero/park.py). The model refuses to
+        run meanwhile. On the CPU the states are in host memory already: nothing moves."""
         device = getattr(device, "value", device)
+        if device == "none":
+            log.warning("offload_states(device='none'): nothing to offload to")
+            return
         if device != "cpu":
             raise ValueError(f"offload_states(device={device!r}): DeepSpeed offloads to 'cpu' only; pass "
                              "OffloadDeviceEnum.cpu")
-        if self.bunsan.device.type != "cpu":
-            raise NotImplementedError("offload_states() on a GPU is not built in bunsan: set "
-                                      "zero_optimization.offload_optimizer {device: cpu} to keep the optimizer "
-                                      "in host memory for the whole run instead")
-        self._offloaded = True
+        if self._parked is not None:
+            raise RuntimeError("offload_states() twice: the states are offloaded already; call reload_states()")
+        from bunsan.zero.park import Parked, park
+        at = self.bunsan.device
+        self._parked = park(self.bunsan.strategy, include, at, pin_memory, non_blocking) if at.type != "cpu" \
+            else Parked(at)
+        self._park_guard = self.module.register_forward_pre_hook(_refuse_parked, prepend=True)
 
     def reload_states(self, non_blocking: bool = False) -> None:
-        """Undo offload_states() (on the CPU, nothing moved)."""
-        self._offloaded = False
+        """Undo offload_states()."""
+        if self._parked is None:
+            return
+        self._parked.reload(non_blocking)
+        self._park_guard.remove()
+        self._parked = self._park_guard = None
 
-    _offloaded = False
+    _parked = _park_guard = None
+
+    def _check_states(self, what: str) -> None:
+        if self._parked is not None:
+            raise RuntimeError(f"{what} while the states are offloaded (offload_states()): call reload_states() "
+                               "first")
 
     # -- saving ----------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir, tag=None, client_state: dict | None = None, save_latest: bool = True,
                         exclude_frozen_parameters: bool = False) -> bool:
+        self._check_states("save_checkpoint")
         if not save_latest:
             raise ValueError("save_checkpoint(save_latest=False): bunsan always records the newest complete tag "
                              "(load picks it); drop the argument and load a tag by name")
@@ -289,6 +307,11 @@ class DeepSpeedEngine(nn.Module):
             raise ValueError("save_16bit_model(exclude_frozen_parameters=True) is not supported; drop it")
         save_model(self.bunsan, save_dir, save_filename)
         return True
+
+
+def _refuse_parked(module, args):
+    raise RuntimeError(f"{type(module).__name__} ran while its engine's states are offloaded (offload_states()): "
+                       "call reload_states() first")
 
 
 def _stack(micro: list):

@@ -26,7 +26,7 @@ from bunsan.comm.process_group import init_distributed
 from bunsan.deepspeed.engine import engine_holding
 from bunsan.deepspeed.zero_status import ZeroParamStatus, available
 from bunsan.zero.slices import (agree, attach_rebuilders, gather, gather_device, keep_slice, parameter_slots,
-                                slice_of, swap_slots)
+                                refresh_owners, slice_of, swap_slots)
 
 __all__ = ["Init", "GatheredParameters", "ZeroParamStatus"]
 
@@ -109,6 +109,7 @@ def _as_list(params) -> list[torch.Tensor]:
 def _whole(sliced: list[nn.Parameter], modifier_rank: int | None):
     """Parameters sliced by Init made whole (real parameters in their modules' slots for the block); on exit
     the modifier's values are sliced again, or a write without a modifier is refused."""
+    refresh_owners(sliced)
     slices = [slice_of(p) for p in sliced]
     before = [gather(s) for s in slices]
     whole = [swap_slots(s.owners, nn.Parameter(b.clone())) for s, b in zip(slices, before)]
@@ -128,7 +129,9 @@ def _whole(sliced: list[nn.Parameter], modifier_rank: int | None):
                 full = moved.to(full.device)
             for key, value in w.__dict__.items():   # attributes set on the whole parameter in the block stay
                 setattr(p, key, value)
-            keep_slice(s.owners, full, reuse=p)
+            # a slot given another parameter in the block keeps it, as with DeepSpeed (transformers'
+            # resize_token_embeddings assigns the new embedding's weight there)
+            keep_slice([(m, n) for m, n in s.owners if m._parameters.get(n) is w], full, reuse=p)
         if modifier_rank is None and changed:
             raise RuntimeError(f"{changed} parameter(s) built under zero.Init were changed inside "
                                "GatheredParameters without a modifier_rank, and would be lost: pass "

@@ -20,7 +20,7 @@ import torch.nn as nn
 from bunsan.comm import functional as world
 
 __all__ = ["Slice", "SlicedParameter", "slice_of", "gather", "gather_device", "swap_slots", "keep_slice", "agree",
-           "parameter_slots", "attach_rebuilders"]
+           "parameter_slots", "refresh_owners", "attach_rebuilders"]
 
 
 @dataclass
@@ -64,6 +64,7 @@ _SEQ = itertools.count()
 SLICED: dict[int, tuple[weakref.ref, Slice]] = {}   # id(parameter) -> (the parameter, its slice)
 # (id(module), name) -> its slot's slice: to_empty() gives a meta parameter a new object, the slot stays
 SLOTS: dict[tuple[int, str], Slice] = {}
+ROOTS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()   # the models holding slices (attach_rebuilders)
 
 
 def slice_of(p: torch.Tensor) -> Slice | None:
@@ -133,9 +134,24 @@ def parameter_slots(root: nn.Module, include_meta: bool = False) -> dict[int, li
     return owners
 
 
+def refresh_owners(params: list[nn.Parameter]) -> None:
+    """Add to each sliced parameter's owners the slots that took it after it was sliced: transformers ties
+    the output embedding once the model is built, and reads the weight through that slot later."""
+    wanted = {id(p): p for p in params}
+    for root in list(ROOTS):
+        for m in root.modules():
+            for name, q in m._parameters.items():
+                if q is not None and id(q) in wanted:
+                    s = slice_of(q)
+                    if not any(o is m and n == name for o, n in s.owners):
+                        s.owners.append((m, name))
+                        SLOTS[(id(m), name)] = s
+
+
 def attach_rebuilders(root: nn.Module) -> None:
     """Give `root` init_parameter (ZeRO-3's unit-by-unit materialisation) and init_weights (every other layout,
     after to_empty()): sliced parameters gathered, buffers as they are now."""
+    ROOTS.add(root)
     buffers = {name: b.detach().clone() for name, b in root.named_buffers() if not b.is_meta}
 
     def init_parameter(name: str, tensor: torch.Tensor, seed: int = 0) -> None:
