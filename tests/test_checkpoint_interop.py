@@ -187,8 +187,8 @@ def test_fine_tuning_a_hugging_face_checkpoint_end_to_end(tmp_path, corpus):
                         "--set", "steps_per_print=1", "--set", "data.val_fraction=0"],
                        capture_output=True, text=True, timeout=240, env=ENV, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    tuned = load_file(str(out / "final" / "model.safetensors"))
-    start = {k.removeprefix("model."): v for k, v in hf.state_dict().items()}
+    tuned = load_file(str(out / "final" / "model.safetensors"))     # transformers' names, as HF's own
+    start = hf.state_dict()
     moved = [k for k in start if not torch.equal(tuned[k], start[k])]
     # Three small steps from HF's weights: every tensor within 0.05 of where HF left it (bunsan's own init
     # would be ~0.02-std noise away from it everywhere), and training moved them.

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 BUNSAN = [sys.executable, "-m", "bunsan.cli"]
@@ -52,10 +53,22 @@ def test_train_writes_metrics_weights_and_summary(trained):
     assert len(last["memory"]) == 2
     assert mem["theory_model_states"] <= mem["model_states"] <= 1.05 * mem["theory_model_states"]
     assert last["comm_bytes"] > 0
-    state = load_file(str(trained / "final" / "model.safetensors"))
-    assert "embed_tokens.weight" in state and "layers.0.self_attn.q_proj.weight" in state
-    meta = json.loads((trained / "final" / "config.json").read_text())
-    assert meta["model"]["hidden_size"] == 128 and meta["steps"] == 4
+    state = load_file(str(trained / "final" / "model.safetensors"))    # transformers' names
+    assert "model.embed_tokens.weight" in state and "model.layers.0.self_attn.q_proj.weight" in state
+    config = json.loads((trained / "final" / "config.json").read_text())
+    assert config["hidden_size"] == 128 and config["model_type"] == "llama"
+    assert json.loads((trained / "final" / "bunsan.json").read_text())["steps"] == 4
+
+
+def test_the_trained_model_is_a_hugging_face_directory(trained):
+    """final/ loads with transformers' own from_pretrained and computes what bunsan's model computes."""
+    transformers = pytest.importorskip("transformers")
+    from bunsan.cli.generate import trained_model
+    hf = transformers.AutoModelForCausalLM.from_pretrained(trained / "final").eval()
+    ours, _ = trained_model(trained)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ours(ids), rtol=1e-4, atol=1e-4)
 
 
 def test_generate_continues_the_prompt(trained):
@@ -83,7 +96,7 @@ def test_train_tensor_parallel_with_sequence_parallelism(tmp_path, corpus):
               "--seq-len", "64", "--data", str(corpus / "*.py"), "--output", str(tmp_path),
               "--set", f"data.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    meta = json.loads((tmp_path / "final" / "config.json").read_text())
+    meta = json.loads((tmp_path / "final" / "bunsan.json").read_text())
     assert meta["bunsan_config"]["tensor_parallel"] == {"size": 2, "sequence_parallel": True}
     assert load_file(str(tmp_path / "final" / "model.safetensors"))["lm_head.weight"].shape == (256, 128)
 
@@ -104,7 +117,7 @@ def test_train_pipeline_writes_the_timeline(tmp_path, corpus):
     assert text.count("\n") >= 3 and "measured" in text and "1f1b, p=2, m=4" in text
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     state = load_file(str(tmp_path / "final" / "model.safetensors"))
-    assert "embed_tokens.weight" in state and "lm_head.weight" in state and "layers.3.mlp.up_proj.weight" in state
+    assert "model.embed_tokens.weight" in state and "lm_head.weight" in state and "model.layers.3.mlp.up_proj.weight" in state
 
 
 def test_unimplemented_feature_is_a_clear_error(tmp_path, corpus):

@@ -282,7 +282,7 @@ def test_bunsan_train_with_cp(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "cp=2" in r.stdout + r.stderr
-    meta = json.loads((tmp_path / "out" / "final" / "config.json").read_text())
+    meta = json.loads((tmp_path / "out" / "final" / "bunsan.json").read_text())
     assert meta["bunsan_config"]["context_parallel"] == {"size": 2}
 
 

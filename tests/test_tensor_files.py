@@ -86,10 +86,10 @@ def _reseal_checkpoint(ckpt):
 
 
 def _reseal_final(final):
-    cfg = json.loads((final / "config.json").read_text())
+    meta = json.loads((final / "bunsan.json").read_text())
     w = final / "model.safetensors"
-    cfg["weights"] = {"sha256": hashlib.sha256(w.read_bytes()).hexdigest(), "bytes": w.stat().st_size}
-    (final / "config.json").write_text(json.dumps(cfg))
+    meta["weights"] = {w.name: {"sha256": hashlib.sha256(w.read_bytes()).hexdigest(), "bytes": w.stat().st_size}}
+    (final / "bunsan.json").write_text(json.dumps(meta))
 
 
 DAMAGE = {"retyped": (_retype, "stored as int32, but was saved as float32"),

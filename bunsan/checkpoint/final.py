@@ -1,8 +1,10 @@
-"""The consolidated weights `bunsan train` leaves in RUN/final: written atomically with their digest, read back
-checked (`generate`, `serve` and `convert` take them).
+"""The consolidated weights `bunsan train` leaves in RUN/final: a Hugging Face model directory (transformers'
+`from_pretrained` loads it), written atomically with its weights' digest, read back checked (`generate`,
+`serve` and `convert` take it).
 
-    RUN/final/model.safetensors   every weight, whole, under the plain model's names
-    RUN/final/config.json         {"model": the HF config, "bunsan_config": ..., "weights": {sha256, bytes}, ...}
+    RUN/final/model.safetensors   every weight, whole, under transformers' names (shards and an index if big)
+    RUN/final/config.json         the model's Hugging Face config
+    RUN/final/bunsan.json         {"bunsan_config": ..., "weights": {file: {sha256, bytes}}, "steps", ...}
     RUN/final/tokenizer.json      the tokenizer trained with, unless it was bytes, with the files beside it
                                   that say how to use it (tokenizer_config.json and its chat template,
                                   special_tokens_map.json, chat_template.jinja/.json)
@@ -21,13 +23,15 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from bunsan.checkpoint.store import CheckpointError, sha256
+from bunsan.models.hf import save_llama
+from bunsan.models.llama_config import LlamaConfig
 from bunsan.models.tensor_file import TensorFileError, check_dtypes, checked_header
 from bunsan.checkpoint.untrusted import read_small
 
-WEIGHTS, CONFIG, TOKENIZER = "model.safetensors", "config.json", "tokenizer.json"
+WEIGHTS, CONFIG, TOKENIZER, BUNSAN = "model.safetensors", "config.json", "tokenizer.json", "bunsan.json"
 # what a Hugging Face tokenizer folder keeps beside tokenizer.json: without them `serve` would not know the
 # model's chat template or its end-of-turn token
 TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -47,14 +51,16 @@ def final_dir(path) -> Path | None:
     return None
 
 
-def write_final(tmp: Path, final: Path, state: dict, meta: dict, tokenizer, model_dir=None) -> None:
-    """Weights, config.json (with the weights' digest), the tokenizer with its companions and `model_dir`'s
-    generation_config.json into `tmp`, fsynced, then renamed to `final` (an older final is replaced whole)."""
+def write_final(tmp: Path, final: Path, state: dict, config: LlamaConfig, meta: dict, tokenizer,
+                model_dir=None) -> None:
+    """The weights (bunsan's names) as a Hugging Face directory with bunsan.json (`meta` and the weights'
+    digest), the tokenizer with its companions and `model_dir`'s generation_config.json into `tmp`, fsynced,
+    then renamed to `final` (an older final is replaced whole)."""
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / WEIGHTS),
-              metadata={"format": "pt", "producer": "bunsan"})
-    weights = {"sha256": sha256(tmp / WEIGHTS), "bytes": (tmp / WEIGHTS).stat().st_size}
-    (tmp / CONFIG).write_text(json.dumps({**meta, "weights": weights}, indent=2))
+    save_llama(state, config, tmp)
+    files = sorted(f.name for f in tmp.iterdir() if f.name.endswith(".safetensors"))
+    weights = {name: {"sha256": sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in files}
+    (tmp / BUNSAN).write_text(json.dumps({**meta, "weights": weights}, indent=2))
     if tokenizer is not None and str(tokenizer) != "byte":   # generate/serve read it from here, nowhere else
         source = Path(tokenizer)
         shutil.copyfile(source / TOKENIZER if source.is_dir() else source, tmp / TOKENIZER)
@@ -78,8 +84,32 @@ def write_final(tmp: Path, final: Path, state: dict, meta: dict, tokenizer, mode
         tmp.rename(final)
 
 
+def is_final(folder: Path) -> bool:
+    """A final/ folder of `bunsan train` (this layout, or the older one whose config.json held bunsan's record)."""
+    if (folder / BUNSAN).is_file():
+        return True
+    text = read_small(folder / CONFIG, CONFIG_BYTES) if (folder / CONFIG).is_file() else None
+    return text is not None and '"bunsan_config"' in text
+
+
+def _json_object(path: Path) -> dict:
+    text = read_small(path, CONFIG_BYTES)
+    if text is None:
+        raise CheckpointError(f"{path} is not a readable UTF-8 file under {CONFIG_BYTES:,} bytes")
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise CheckpointError(f"{path} is not JSON ({e}); the run's output is damaged") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} is not a JSON object; the run's output is damaged")
+    return value
+
+
 def read_meta(folder: Path) -> dict:
-    """final/config.json: a JSON object with the model's config under "model"."""
+    """bunsan.json with the model's config (config.json) under "model"; from an older final/, config.json,
+    which held both."""
+    if (folder / BUNSAN).is_file():
+        return {**_json_object(folder / BUNSAN), "model": _json_object(folder / CONFIG)}
     path = folder / CONFIG
     text = read_small(path, CONFIG_BYTES)
     if text is None:
@@ -96,8 +126,11 @@ def read_meta(folder: Path) -> dict:
 
 
 def read_final(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config.json, the weights) of a final/ folder, checked: the digest, the header, floating point."""
+    """(its record with the model's config under "model", the weights under bunsan's names) of a final/ folder,
+    checked: the digest, the header, floating point."""
     meta = read_meta(folder)
+    if (folder / BUNSAN).is_file():
+        return meta, _read_hf_weights(folder, meta)
     path = folder / WEIGHTS
     recorded = meta.get("weights")
     if isinstance(recorded, dict):
@@ -113,3 +146,28 @@ def read_final(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     except TensorFileError as e:
         raise CheckpointError(str(e)) from None
     return meta, load_file(str(path))
+
+
+def _read_hf_weights(folder: Path, meta: dict) -> dict[str, torch.Tensor]:
+    recorded = meta.get("weights")
+    files = sorted(f.name for f in folder.iterdir() if f.name.endswith(".safetensors"))
+    if not isinstance(recorded, dict) or sorted(recorded) != files:
+        raise CheckpointError(f"{folder / BUNSAN} records the weights files {sorted(recorded or {})}, the folder "
+                              f"holds {files}: it was altered or damaged after training")
+    state = {}
+    for name in files:
+        path, want = folder / name, recorded[name]
+        size = path.stat().st_size
+        if not isinstance(want, dict) or size != want.get("bytes") or sha256(path) != want.get("sha256"):
+            raise CheckpointError(f"{path} does not match the digest in {folder / BUNSAN} ({size:,} bytes): it "
+                                  "was altered or damaged after training")
+        try:
+            check_dtypes(path, checked_header(path))
+        except TensorFileError as e:
+            raise CheckpointError(str(e)) from None
+        state.update(load_file(str(path)))
+    # bunsan's names are transformers' without the leading `model.`; a tied head is the embedding
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    if meta["model"].get("tie_word_embeddings") and "embed_tokens.weight" in state:
+        state.setdefault("lm_head.weight", state["embed_tokens.weight"])
+    return state

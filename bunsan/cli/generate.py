@@ -89,7 +89,7 @@ def _generate_placed(args) -> int:
     g = torch.Generator().manual_seed(args.seed)      # on the CPU: next_token draws there, whatever the head's device
     with torch.no_grad():
         out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       eos_token_id=tokenizer.eos_token_id, generator=g)
+                       eos_token_id=tokenizer.stop_ids, generator=g)
     print(tokenizer.decode(out[0].tolist()))
     print("\n".join(lines(model, dmap, baseline, args.checkpoint)))
     return 0
@@ -98,7 +98,7 @@ def _generate_placed(args) -> int:
 def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=None):
     """(model, tokenizer) of `bunsan train`'s output directory (or its final/ folder, or a Hugging Face Llama
     directory), on the CPU, its weights in `dtype` (default fp32), every one checked (checkpoint/final.py)."""
-    from bunsan.checkpoint.final import final_dir, read_final
+    from bunsan.checkpoint.final import final_dir, is_final, read_final
     from bunsan.config.root import Config
     from bunsan.models import Llama, LlamaConfig
     from bunsan.models.hf import load_llama
@@ -107,7 +107,7 @@ def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=No
     if ckpt is None:
         raise SystemExit(f"bunsan {command}: {path} has no model.safetensors + config.json; point --checkpoint at "
                          "the output directory of `bunsan train` (or its final/ folder)")
-    if hf_model_dir(ckpt):
+    if not is_final(ckpt) and hf_model_dir(ckpt):
         model = load_llama(ckpt)
         recorded = None
         if tokenizer_path is None and not (ckpt / "tokenizer.json").is_file():
@@ -182,7 +182,7 @@ def cmd_generate(args) -> int:
     g = torch.Generator().manual_seed(args.seed)
     with torch.no_grad():
         out = generate(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       eos_token_id=tokenizer.eos_token_id, generator=g, kv_heads=kv_heads)
+                       eos_token_id=tokenizer.stop_ids, generator=g, kv_heads=kv_heads)
     if rank == 0:
         print(tokenizer.decode(out[0].tolist()))
     return 0

@@ -58,11 +58,11 @@ def _slots(text: str):
 
 def load_model(args):
     """(model, tokenizer, name, context) for the server."""
+    from bunsan.checkpoint.final import is_final
     from bunsan.cli.generate import hf_tokenizer, parse_max_memory, torch_dtype, trained_model
     ckpt = Path(args.checkpoint)
     dtype = torch_dtype(args.dtype)
-    trained = (ckpt / "final" / "model.safetensors").is_file() or (
-        (ckpt / "model.safetensors").is_file() and "bunsan_config" in (ckpt / "config.json").read_text())
+    trained = any(final_dir.is_dir() and is_final(final_dir) for final_dir in (ckpt / "final", ckpt))
     if trained and not args.device_map:
         model, tokenizer = trained_model(ckpt, args.tokenizer, "serve", dtype)
     else:

@@ -131,6 +131,8 @@ class Data(Section):
     tokenize_workers: Int = Field(1, ge=1, description="Records: processes that render and tokenize them (1: in "
                                                       "the training process)")
     train_on_prompt: bool = Field(False, description="Records: train on every token, not only the responses")
+    on_bad_record: Literal["error", "skip"] = Field("error", description="Records: one that cannot be rendered stops "
+                                                    "the run naming it (error), or is left out and counted (skip)")
     packing: bool = Field(False, description="Records: several examples per row, each attending only to itself "
                                              "(false: one per row, padded)")
 

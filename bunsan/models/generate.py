@@ -88,14 +88,14 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, gene
 
 @torch.no_grad()
 def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, eos_token_id: int | None = None,
+             top_k: int | None = None, eos_token_id: int | list[int] | None = None,
              generator: torch.Generator | None = None, use_cache: bool = True,
              kv_heads: int | None = None) -> torch.Tensor:
     """Extend ``input_ids`` [b, s] by up to ``max_new_tokens``; returns [b, s + new].
 
     Greedy when temperature == 0. Prefills the prompt into a KV cache, then feeds
-    one token at a time. Sequences that emitted ``eos_token_id`` keep emitting it;
-    generation stops early once all have. ``kv_heads``: this rank's key/value heads when the
+    one token at a time. Sequences that emitted ``eos_token_id`` (one id, or a list: any of them ends a
+    sequence, as generation_config.json's) keep emitting it; generation stops early once all have. ``kv_heads``: this rank's key/value heads when the
     attention is split over a tensor-parallel group (the cache is sharded by heads).
     """
     if temperature < 0:
@@ -114,6 +114,8 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
     model.eval()
     out = input_ids
     done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
+    stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    stop_ids = torch.tensor(stops, dtype=torch.long, device=input_ids.device)
     cache = None
     if use_cache:
         p = next(model.parameters())
@@ -128,12 +130,12 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
             logits = model(step_input if use_cache else out, kv_cache=cache)[:, -1]
             # the head (or the generator) may sit on another device than the tokens so far
             nxt = next_token(logits, temperature, top_k, generator).to(out.device)
-            if eos_token_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
-                done |= nxt == eos_token_id
+            if stops:
+                nxt = torch.where(done, torch.full_like(nxt, stops[0]), nxt)
+                done |= torch.isin(nxt, stop_ids)
             out = torch.cat([out, nxt[:, None]], dim=1)
             step_input = nxt[:, None]
-            if eos_token_id is not None and bool(done.all()):
+            if stops and bool(done.all()):
                 break
     finally:
         model.train(was_training)

@@ -8,6 +8,7 @@ slice by slice (`HFWeights.read(name, dim, start, stop)`), so a tensor-parallel 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from safetensors.torch import save_file
 from bunsan.models.tensor_file import check_dtypes, checked_header
 from bunsan.models.llama import Llama, LlamaConfig
 
+log = logging.getLogger("bunsan")
 CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
 
 
@@ -35,6 +37,28 @@ def has_chat_template(folder: Path) -> bool:
         return bool(config.is_file() and json.loads(config.read_text()).get("chat_template"))
     except (OSError, ValueError):
         return False
+
+
+def generation_eos_ids(folder: Path) -> set[int]:
+    """generation_config.json's eos_token_id (one id or a list: Llama 3's <|end_of_text|>, <|eot_id|>, ...), the
+    ids the model ends a turn with; none when the file is missing. A file that is not such JSON is said, and
+    ignored: the tokenizer's own end token still stops."""
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return set()
+    try:        # (a small file: the directory may come from anyone)
+        data = json.loads(path.read_text(encoding="utf-8")) if path.stat().st_size <= 1 << 20 else None
+    except (OSError, ValueError):
+        data = None
+    ids = data.get("eos_token_id") if isinstance(data, dict) else "unreadable"
+    if ids is None:
+        return set()
+    ids = [ids] if isinstance(ids, int) and not isinstance(ids, bool) else ids
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        log.warning("%s: not a JSON object with eos_token_id as one id or a list of ids; stopping at the "
+                    "tokenizer's end token only", path)
+        return set()
+    return set(ids)
 
 
 def read_config(path) -> LlamaConfig:

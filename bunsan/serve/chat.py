@@ -7,12 +7,10 @@ transformers renderer (its sandboxed Jinja environment). Messages with roles the
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
-from bunsan.checkpoint.untrusted import read_small
-from bunsan.models.hf import has_chat_template
+from bunsan.models.hf import generation_eos_ids, has_chat_template
 from bunsan.serve.errors import ApiError
 
 log = logging.getLogger("bunsan.serve")
@@ -37,10 +35,10 @@ class ChatTemplate:
             self.hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
             if self.hf.eos_token_id is not None:      # a chat model's end of turn is often not tokenizer.json's
                 self.eos_ids.add(int(self.hf.eos_token_id))
-        if folder is not None:
-            self.eos_ids |= generation_eos_ids(Path(folder))
         elif template is None:
             self.template, self.stop = DEFAULT_TEMPLATE, list(DEFAULT_STOP)
+        if folder is not None:
+            self.eos_ids |= generation_eos_ids(Path(folder))
         self.source = ("the checkpoint's chat template" if self.hf is not None else
                        "the default ChatML template" if self.template == DEFAULT_TEMPLATE else "--chat-template")
 
@@ -63,24 +61,3 @@ class ChatTemplate:
         return ids
 
 
-def generation_eos_ids(folder: Path) -> set[int]:
-    """generation_config.json's eos_token_id (one id or a list: Llama 3's <|end_of_text|>, <|eot_id|>, ...), the
-    ids the model ends a turn with; none when the file is missing. A file that is not such JSON is said, and
-    ignored: the tokenizer's own end token still stops."""
-    path = folder / "generation_config.json"
-    if not path.exists():
-        return set()
-    text = read_small(path)
-    try:
-        data = json.loads(text) if text is not None else None
-    except ValueError:
-        data = None
-    ids = data.get("eos_token_id") if isinstance(data, dict) else "unreadable"
-    if ids is None:
-        return set()
-    ids = [ids] if isinstance(ids, int) and not isinstance(ids, bool) else ids
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        log.warning("%s: not a JSON object with eos_token_id as one id or a list of ids; stopping at the "
-                    "tokenizer's end token only", path)
-        return set()
-    return set(ids)

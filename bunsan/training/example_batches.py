@@ -27,20 +27,22 @@ class ExampleRows:
     trained: np.ndarray    # [rows, seq_len + 1], bool: the loss is taken on predicting this token
     cut: int               # examples longer than a row, cut to it
     dropped: int           # examples with no trained token left in their row (said, not used)
+    skipped: list = None   # (data.on_bad_record: skip) why each refused record was left out
     documents: np.ndarray | None = None   # packed: [rows, seq_len + 1] each token's document in its row
     examples: int = 0      # examples in the rows (a packed row holds several)
 
 
 def _render(job):
     renderer, chunk = job
-    return [renderer.render(rec, where) for where, rec in chunk]
+    return [renderer.render_or_skip(rec, where) for where, rec in chunk]
 
 
 def rendered(records, renderer, workers: int = 1):
-    """(ids, trained) of every record, in order; with workers > 1 rendered in that many processes."""
+    """(ids, trained) of every record, in order, or (None, why) for one skipped; with workers > 1 rendered in
+    that many processes."""
     if workers <= 1:
         for where, rec in records:
-            yield renderer.render(rec, where)
+            yield renderer.render_or_skip(rec, where)
         return
     import multiprocessing
     items = list(records)
@@ -56,8 +58,11 @@ def example_rows(records, renderer, seq_len: int, pad_id: int, packing: bool = F
     """One example per row, padded; with `packing`, examples in file order fill each row while they fit
     (a document's first token is never a target: it would be predicted from the document before)."""
     w = seq_len + 1
-    ids, trained, docs, cut, dropped, used = [], [], [], 0, 0, 0
+    ids, trained, docs, cut, dropped, used, skipped = [], [], [], 0, 0, 0, []
     for toks, mask in rendered(records, renderer, workers):
+        if toks is None:
+            skipped.append(mask)
+            continue
         if len(toks) > w:
             toks, mask, cut = toks[:w], mask[:w], cut + 1
         if not any(mask[1:]):         # (the first token is never predicted)
@@ -74,7 +79,8 @@ def example_rows(records, renderer, seq_len: int, pad_id: int, packing: bool = F
             trained.append(mask)
             docs.append([0] * len(toks))
     if not ids:
-        raise ValueError(f"no example has a token to train on ({dropped} had none left within seq_len+1 = {w}); "
+        raise ValueError(f"no example has a token to train on ({dropped} had none left within seq_len+1 = {w}"
+                         f"{f', {len(skipped)} were skipped as bad records, e.g. {skipped[0]}' if skipped else ''}); "
                          "check data.format and data.fields, or raise data.seq_len")
     for row, mask, doc in zip(ids, trained, docs):      # padding: a document of its own, never trained
         n = w - len(row)
@@ -82,13 +88,16 @@ def example_rows(records, renderer, seq_len: int, pad_id: int, packing: bool = F
         mask += [False] * n
         doc += [doc[-1] + 1] * n
     dtype = np.int32 if max(max(r) for r in ids) < 2 ** 31 else np.int64
-    return ExampleRows(np.asarray(ids, dtype=dtype), np.asarray(trained, dtype=bool), cut, dropped,
+    return ExampleRows(np.asarray(ids, dtype=dtype), np.asarray(trained, dtype=bool), cut, dropped, skipped,
                        np.asarray(docs, dtype=np.int32) if packing else None, used)
 
 
 def report(rows: ExampleRows, seq_len: int) -> None:
-    n = rows.examples + rows.dropped
+    skipped = rows.skipped or []
+    n = rows.examples + rows.dropped + len(skipped)
     notes = []
+    if skipped:
+        notes.append(f"{len(skipped)} bad record(s) skipped (data.on_bad_record: skip), the first: {skipped[0]}")
     if rows.cut:
         notes.append(f"{rows.cut} cut to seq_len+1 = {seq_len + 1} tokens")
     if rows.dropped:

@@ -5,12 +5,17 @@ of four formats, rendered to token ids and the labels the loss is taken on.
     prompt_completion  {"prompt": ..., "completion": ...}                   the completion (and EOS) trained
     instruction        {"instruction": ..., "input": ..., "output": ...}    Alpaca's fields; the output trained
     chat               {"messages": [{"role": ..., "content": ...}, ...]}   the assistant turns trained
+                       (every field of a message reaches the template: tool_calls, tool_call_id, name, ...;
+                       a record's "tools" too: chat_records.py)
 
 Field names are configurable (data.fields). Chat, and instruction when the tokenizer has one, use the
 tokenizer's own chat template (its tokenizer_config.json, rendered by transformers); an assistant turn is
 what the template adds between the conversation rendered up to that turn with the generation prompt and
 rendered through it, so its end-of-turn token is trained exactly as the template writes it. Without a
 template, instruction examples use Alpaca's prompt. `train_on_prompt` trains every token instead.
+
+A record that cannot be rendered or masked is an error naming its file:line and why (BadRecord), or with
+`on_bad_record="skip"` left out and counted.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import Iterator
 
 from bunsan.models.hf import has_chat_template
+from bunsan.training.chat_records import BadRecord, checked_messages, checked_tools, text_field
 
 __all__ = ["FORMATS", "DEFAULT_FIELDS", "is_dataset_dir", "read_records", "Renderer"]
 
@@ -41,17 +47,24 @@ def is_record_file(path: Path) -> bool:
     return path.suffix.lower() in RECORD_FILES
 
 
-def read_records(paths: list[Path]) -> Iterator[tuple[str, dict]]:
-    """(where, record) of every record, in order: JSONL lines, a JSON list, Parquet rows, a dataset's rows."""
+def read_records(paths: list[Path], on_bad_record: str = "error") -> Iterator[tuple[str, dict | BadRecord]]:
+    """(where, record) of every record, in order: JSONL lines, a JSON list, Parquet rows, a dataset's rows. With
+    on_bad_record "skip", a JSONL line that is no record comes as (where, the BadRecord) for the renderer to count."""
     for path in paths:
         if is_dataset_dir(path):
             yield from _dataset_rows(path)
         elif path.suffix.lower() == ".jsonl":
             with open(path, "rb") as f:
                 for n, raw in enumerate(f, 1):
-                    line = _utf8(raw, f"{path}:{n}")
-                    if line.strip():
-                        yield f"{path}:{n}", _object(line, f"{path}:{n}")
+                    try:
+                        line = _utf8(raw, f"{path}:{n}")
+                        rec = _object(line, f"{path}:{n}") if line.strip() else None
+                    except BadRecord as e:
+                        if on_bad_record != "skip":
+                            raise
+                        rec = e
+                    if rec is not None:
+                        yield f"{path}:{n}", rec
         elif path.suffix.lower() == ".json":
             try:
                 data = json.loads(_utf8(path.read_bytes(), str(path)))
@@ -73,7 +86,7 @@ def _utf8(raw: bytes, where: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}: {e.reason}); "
+        raise BadRecord(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}: {e.reason}); "
                          "re-encode the file as UTF-8 (iconv -f latin1 -t utf-8)") from None
 
 
@@ -95,12 +108,12 @@ def _object(line: str, where: str) -> dict:
     try:
         return _checked(json.loads(line), where)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not a JSON object ({e.msg} at column {e.colno}); fix the line") from None
+        raise BadRecord(f"{where}: not a JSON object ({e.msg} at column {e.colno}); fix the line") from None
 
 
 def _checked(rec, where: str) -> dict:
     if not isinstance(rec, dict):
-        raise ValueError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
+        raise BadRecord(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
     return rec
 
 
@@ -119,10 +132,14 @@ def _dataset_rows(path: Path) -> Iterator[tuple[str, dict]]:
 class Renderer:
     """Records to (ids, trained) pairs: token ids and, per token, whether the loss is taken on it."""
 
-    def __init__(self, fmt: str, tokenizer, folder: Path | None, fields: dict, train_on_prompt: bool):
+    def __init__(self, fmt: str, tokenizer, folder: Path | None, fields: dict, train_on_prompt: bool,
+                 on_bad_record: str = "error"):
         if fmt not in FORMATS:
             raise ValueError(f"data.format {fmt!r} is not one of {', '.join(FORMATS)}")
+        if on_bad_record not in ("error", "skip"):
+            raise ValueError(f"data.on_bad_record {on_bad_record!r} is not 'error' or 'skip'")
         self.fmt, self.tokenizer, self.train_on_prompt = fmt, tokenizer, train_on_prompt
+        self.on_bad_record = on_bad_record
         self.fields = {**DEFAULT_FIELDS, **fields}
         self.hf = None
         if folder is not None and has_chat_template(folder):
@@ -134,26 +151,37 @@ class Renderer:
                              "tokenizer directory with a chat_template (tokenizer_config.json)")
         self.eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
 
-    def _field(self, rec: dict, name: str, where: str, optional: bool = False):
+    def _field(self, rec: dict, name: str, where: str, optional: bool = False, text: bool = True):
         key = self.fields[name]
         if key not in rec or rec[key] is None:
             if optional:
                 return ""
-            raise ValueError(f"{where}: no field {key!r} (data.format {self.fmt} reads {name} from it; set "
-                             f"data.fields.{name} to the field your records use); it has {sorted(rec)[:8]}")
-        return rec[key]
+            raise BadRecord(f"{where}: no field {key!r} (data.format {self.fmt} reads {name} from it; set "
+                            f"data.fields.{name} to the field your records use); it has {sorted(rec)[:8]}")
+        return text_field(rec[key], name, key, where) if text else rec[key]
+
+    def render_or_skip(self, rec: dict, where: str):
+        """render(); with on_bad_record "skip", (None, why) for a record it refuses."""
+        try:
+            if isinstance(rec, BadRecord):     # (read_records found the line was no record)
+                raise rec
+            return self.render(rec, where)
+        except BadRecord as e:
+            if self.on_bad_record == "skip":
+                return None, str(e)
+            raise
 
     def render(self, rec: dict, where: str) -> tuple[list[int], list[bool]]:
         if self.fmt == "text":
-            ids = self.tokenizer.encode(str(self._field(rec, "text", where))) + self.eos
+            ids = self.tokenizer.encode(self._field(rec, "text", where)) + self.eos
             return ids, [True] * len(ids)
         if self.fmt == "prompt_completion":
-            prompt = self.tokenizer.encode(str(self._field(rec, "prompt", where)))
-            answer = self.tokenizer.encode(str(self._field(rec, "completion", where))) + self.eos
+            prompt = self.tokenizer.encode(self._field(rec, "prompt", where))
+            answer = self.tokenizer.encode(self._field(rec, "completion", where)) + self.eos
             return prompt + answer, [self.train_on_prompt] * len(prompt) + [True] * len(answer)
         if self.fmt == "instruction":
             instruction, extra = self._field(rec, "instruction", where), self._field(rec, "input", where, True)
-            output = str(self._field(rec, "output", where))
+            output = self._field(rec, "output", where)
             if self.hf is not None:
                 user = instruction + (f"\n\n{extra}" if extra else "")
                 return self._chat([{"role": "user", "content": user}, {"role": "assistant", "content": output}],
@@ -163,31 +191,41 @@ class Renderer:
                                    input_block=f"### Input:\n{extra}\n\n" if extra else "")
             ids_p, ids_a = self.tokenizer.encode(prompt), self.tokenizer.encode(output) + self.eos
             return ids_p + ids_a, [self.train_on_prompt] * len(ids_p) + [True] * len(ids_a)
-        messages = self._field(rec, "messages", where)
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise ValueError(f"{where}: {self.fields['messages']!r} must be a list of {{role, content}} objects")
-        role, content = self.fields["role"], self.fields["content"]
-        return self._chat([{"role": m.get(role), "content": m.get(content)} for m in messages], where)
+        messages = checked_messages(self._field(rec, "messages", where, text=False), self.fields["messages"],
+                                    self.fields["role"], self.fields["content"], where)
+        return self._chat(messages, where, checked_tools(rec.get("tools"), where))
 
-    def _chat(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+    def _chat(self, messages: list[dict], where: str, tools: list | None = None) -> tuple[list[int], list[bool]]:
         """The conversation through the template; tokens inside an assistant turn's text are trained."""
         def text(upto, prompt=False):
-            return self.hf.apply_chat_template(upto, tokenize=False, add_generation_prompt=prompt)
+            if not upto:
+                raise BadRecord(f"{where}: the conversation opens with the assistant, so its first turn has no "
+                                "prompt to be trained against; start it with a system or user message")
+            try:
+                return self.hf.apply_chat_template(upto, tools=tools, tokenize=False, add_generation_prompt=prompt)
+            except Exception as e:      # noqa: BLE001  (jinja's TemplateError, or a template's own TypeError)
+                raise BadRecord(f"{where}: the tokenizer's chat template cannot render this conversation "
+                                f"({type(e).__name__}: {str(e)[:200]})") from None
         full = text(messages)
+        if any(m.get("tool_calls") for m in messages) and \
+                text([{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]) == full:
+            raise BadRecord(f"{where}: the tokenizer's chat template does not render tool_calls, so the calls "
+                            "would train as an empty assistant turn; use a template that writes them (Qwen 2.5, "
+                            "Llama 3.1, Mistral's) or drop them from the data")
         spans = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
             before, through = text(messages[:i], prompt=True), text(messages[:i + 1])
             if not (full.startswith(before) and full.startswith(through)):
-                raise ValueError(f"{where}: the chat template renders a conversation's beginning differently from "
-                                 "the whole conversation, so the assistant's tokens cannot be found; use "
-                                 "data.train_on_prompt or another template")
+                raise BadRecord(f"{where}: the chat template renders a conversation's beginning differently from "
+                                "the whole conversation, so the assistant's tokens cannot be found; use "
+                                "data.train_on_prompt or another template")
             spans.append((len(before), len(through)))
         enc = self.hf(full, add_special_tokens=False, return_offsets_mapping=True)
         trained = [self.train_on_prompt or any(a <= s and e <= b and e > s for a, b in spans)
                    for s, e in enc["offset_mapping"]]
         if not any(trained):
-            raise ValueError(f"{where}: no assistant turn to train on (roles {[m['role'] for m in messages]}); "
+            raise BadRecord(f"{where}: no assistant turn to train on (roles {[m['role'] for m in messages]}); "
                              "give each conversation an assistant message")
         return list(enc["input_ids"]), trained

@@ -77,7 +77,7 @@ def gather_memory(engine) -> list[dict]:
 
 
 def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
-    """Rank 0 writes model.safetensors + config.json into out_dir/final, atomically (tmp dir + rename)."""
+    """Rank 0 writes the model as a Hugging Face directory into out_dir/final, atomically (tmp dir + rename)."""
     state = engine.consolidated_state_dict()
     if cfg.lora.enabled:   # the plain model's weights: adapters folded in
         state = merge_lora(state, cfg.lora.alpha, cfg.lora.r)
@@ -85,8 +85,8 @@ def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
     if engine.mesh.rank == 0:
         tmp = out_dir / f".final.tmp{os.getpid()}"
         try:
-            write_final(tmp, final, state, {"model": mcfg.to_hf(), "bunsan_config": cfg.to_dict(), **extra},
-                         tokenizer_folder(cfg), cfg.train.init_from)
+            write_final(tmp, final, state, mcfg, {"bunsan_config": cfg.to_dict(), **extra}, tokenizer_folder(cfg),
+                        cfg.train.init_from)
         except (OSError, SafetensorError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
             need = sum(v.numel() * v.element_size() for v in state.values())

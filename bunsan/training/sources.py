@@ -94,9 +94,10 @@ def load_source(cfg, rank: int):
         raise ValueError(f"data.format {cfg.data.format} reads records: give data.paths (JSONL, JSON, Parquet "
                          "files or a saved datasets directory)")
     renderer = Renderer(cfg.data.format, tokenizer, Path(folder) if folder else None, cfg.data.fields,
-                        cfg.data.train_on_prompt)
+                        cfg.data.train_on_prompt, cfg.data.on_bad_record)
     pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    rows = example_rows(read_records(_record_paths(cfg.data.paths)), renderer, cfg.data.seq_len, pad,
+    rows = example_rows(read_records(_record_paths(cfg.data.paths), cfg.data.on_bad_record), renderer,
+                        cfg.data.seq_len, pad,
                         packing=cfg.data.packing, workers=cfg.data.tokenize_workers)
     if rank == 0:
         report(rows, cfg.data.seq_len)

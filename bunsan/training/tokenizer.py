@@ -8,12 +8,15 @@ from pathlib import Path
 
 import numpy as np
 
+from bunsan.models.hf import generation_eos_ids
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens: vocab 256, needs no files, never fails to encode."""
 
     vocab_size = 256
     eos_token_id = None
+    stop_ids: list[int] = []
     identity = "byte"
 
     def encode(self, text: str) -> list[int]:
@@ -33,7 +36,10 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` via the ``tokenizers`` package."""
+    """A Hugging Face ``tokenizer.json`` via the ``tokenizers`` package. Its end token is the model's own
+    (tokenizer_config.json's eos_token beside it: Qwen's <|im_end|>, Llama 3 Instruct's <|eot_id|>), else the
+    first of the usual end-of-text tokens it has; `stop_ids` adds generation_config.json's eos_token_id
+    (one id or a list), where generation ends."""
 
     _EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 
@@ -56,8 +62,26 @@ class HFTokenizer:
                              "tokenizer.json a model directory holds (tokenizer.save() writes one)") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         ids = (self._tok.token_to_id(t) for t in self._EOS_CANDIDATES)
-        self.eos_token_id = next((i for i in ids if i is not None), None)
+        self.text_end_id = next((i for i in ids if i is not None), None)     # between documents of a corpus
+        own = self._configured_eos(p.parent / "tokenizer_config.json")
+        self.eos_token_id = self._tok.token_to_id(own) if own else None
+        if self.eos_token_id is None:
+            self.eos_token_id = self.text_end_id
+        first = [self.eos_token_id] if self.eos_token_id is not None else []
+        self.stop_ids = first + sorted(generation_eos_ids(p.parent) - set(first))
         self.identity = "hf-" + hashlib.sha256(p.read_bytes()).hexdigest()[:16]
+        if self.eos_token_id != self.text_end_id:     # examples end with it: cached tokens of another end differ
+            self.identity += f"-eos{self.eos_token_id}"
+
+    @staticmethod
+    def _configured_eos(path: Path) -> str | None:
+        """tokenizer_config.json's eos_token (a string, or {"content": ...}); None without a readable one."""
+        try:
+            token = json.loads(path.read_text()).get("eos_token") if path.is_file() else None
+        except (OSError, ValueError, AttributeError):
+            return None
+        token = token.get("content") if isinstance(token, dict) else token
+        return token if isinstance(token, str) and token else None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -86,7 +110,9 @@ class HFTokenizer:
 
     def separator_ids(self) -> list[int]:
         """What ends each document (file): the end-of-text token, else a newline's tokens."""
-        return [self.eos_token_id] if self.eos_token_id is not None else self.encode("\n")
+        return [self.text_end_id] if self.text_end_id is not None else self.encode("\n")
+
+
 
 
 def load_tokenizer(path: str | os.PathLike | None = None):
