@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from bunsan.checkpoint.store import CheckpointError, sha256
-from bunsan.models.hf import save_llama
+from bunsan.models.hf import save_hf_named, save_llama
 from bunsan.models.llama_config import LlamaConfig
 from bunsan.models.tensor_file import TensorFileError, check_dtypes, checked_header
 from bunsan.checkpoint.untrusted import read_small
@@ -51,13 +51,16 @@ def final_dir(path) -> Path | None:
     return None
 
 
-def write_final(tmp: Path, final: Path, state: dict, config: LlamaConfig, meta: dict, tokenizer,
-                model_dir=None) -> None:
-    """The weights (bunsan's names) as a Hugging Face directory with bunsan.json (`meta` and the weights'
-    digest), the tokenizer with its companions and `model_dir`'s generation_config.json into `tmp`, fsynced,
-    then renamed to `final` (an older final is replaced whole)."""
+def write_final(tmp: Path, final: Path, state: dict, config, meta: dict, tokenizer, model_dir=None) -> None:
+    """The weights as a Hugging Face directory (bunsan's Llama: `config` a LlamaConfig, the state under
+    bunsan's names; a transformers model: its shape, the state under its own names) with bunsan.json (`meta`
+    and the weights' digest), the tokenizer with its companions and `model_dir`'s generation_config.json into
+    `tmp`, fsynced, then renamed to `final` (an older final is replaced whole)."""
     tmp.mkdir(parents=True, exist_ok=True)
-    save_llama(state, config, tmp)
+    if isinstance(config, LlamaConfig):
+        save_llama(state, config, tmp)
+    else:
+        save_hf_named(state, config.to_hf(), tmp)
     files = sorted(f.name for f in tmp.iterdir() if f.name.endswith(".safetensors"))
     weights = {name: {"sha256": sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in files}
     (tmp / BUNSAN).write_text(json.dumps({**meta, "weights": weights}, indent=2))
@@ -166,6 +169,8 @@ def _read_hf_weights(folder: Path, meta: dict) -> dict[str, torch.Tensor]:
         except TensorFileError as e:
             raise CheckpointError(str(e)) from None
         state.update(load_file(str(path)))
+    if meta["model"].get("model_type", "llama") != "llama":    # a transformers model's own names stay
+        return state
     # bunsan's names are transformers' without the leading `model.`; a tied head is the embedding
     state = {k.removeprefix("model."): v for k, v in state.items()}
     if meta["model"].get("tie_word_embeddings") and "embed_tokens.weight" in state:

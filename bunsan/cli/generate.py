@@ -96,10 +96,13 @@ def _generate_placed(args) -> int:
 
 
 def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=None):
-    """(model, tokenizer) of `bunsan train`'s output directory (or its final/ folder, or a Hugging Face Llama
-    directory), on the CPU, its weights in `dtype` (default fp32), every one checked (checkpoint/final.py)."""
+    """(model, tokenizer) of `bunsan train`'s output directory (or its final/ folder, or a Hugging Face
+    directory: bunsan's Llama for a Llama, transformers' model for another causal LM), on the CPU, its weights in `dtype` (default fp32), every one checked (checkpoint/final.py)."""
+    import torch
+
     from bunsan.checkpoint.final import final_dir, is_final, read_final
     from bunsan.config.root import Config
+    from bunsan.training.hf_model import is_other_architecture
     from bunsan.models import Llama, LlamaConfig
     from bunsan.models.hf import load_llama
     from bunsan.training.data import load_tokenizer
@@ -107,30 +110,24 @@ def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=No
     if ckpt is None:
         raise SystemExit(f"bunsan {command}: {path} has no model.safetensors + config.json; point --checkpoint at "
                          "the output directory of `bunsan train` (or its final/ folder)")
-    if not is_final(ckpt) and hf_model_dir(ckpt):
-        model = load_llama(ckpt)
-        recorded = None
-        if tokenizer_path is None and not (ckpt / "tokenizer.json").is_file():
-            raise SystemExit(f"bunsan {command}: {ckpt} is a Hugging Face directory without tokenizer.json; pass "
-                             f"--tokenizer PATH/tokenizer.json")
-    else:
-        meta, state = read_final(ckpt)
+    recorded = None
+    if is_final(ckpt):
+        meta, state = read_final(ckpt)          # (checked: the digest, the headers)
+        recorded = Config.load(meta.get("bunsan_config", {})).data.tokenizer
+    if is_other_architecture(ckpt):           # a transformers model that is not a Llama
+        import transformers
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+    elif is_final(ckpt):
         model = Llama(LlamaConfig.from_hf(meta["model"]))
         load_exactly(model, state, ckpt)
-        recorded = Config.load(meta.get("bunsan_config", {})).data.tokenizer
+    else:
+        model = load_llama(ckpt)
+    if not is_final(ckpt) and tokenizer_path is None and not (ckpt / "tokenizer.json").is_file():
+        raise SystemExit(f"bunsan {command}: {ckpt} is a Hugging Face directory without tokenizer.json; pass "
+                         f"--tokenizer PATH/tokenizer.json")
     if dtype is not None:
         model.to(dtype)
     return model.eval(), load_tokenizer(tokenizer_path or recorded_tokenizer(ckpt, recorded, command))
-
-
-def hf_model_dir(folder: Path) -> bool:
-    """A Hugging Face model directory (config.json is the model's config) rather than bunsan's final/."""
-    from bunsan.checkpoint.untrusted import read_small
-    try:
-        meta = json.loads(read_small(folder / "config.json", 1 << 22) or "null")
-    except ValueError:
-        return False
-    return isinstance(meta, dict) and "model" not in meta and "model_type" in meta
 
 
 def load_exactly(model, state: dict, where: Path) -> None:
@@ -162,6 +159,14 @@ def cmd_generate(args) -> int:
 
     from bunsan.models import generate
 
+    if args.device_map or args.tp > 1:
+        from bunsan.checkpoint.final import final_dir
+        from bunsan.training.hf_model import is_other_architecture
+        ckpt = final_dir(args.checkpoint)
+        if ckpt is not None and is_other_architecture(ckpt):
+            raise SystemExit(f"bunsan generate: {ckpt} is not a Llama (model_type "
+                             f"{json.loads((ckpt / 'config.json').read_text()).get('model_type')!r}); --device-map and "
+                             "--tp run bunsan's own Llama: generate it in one process (without them)")
     if args.device_map:
         refuse_tp_with_device_map(args)
         return _generate_placed(args)

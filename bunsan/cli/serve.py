@@ -65,6 +65,10 @@ def load_model(args):
     trained = any(final_dir.is_dir() and is_final(final_dir) for final_dir in (ckpt / "final", ckpt))
     if trained and not args.device_map:
         model, tokenizer = trained_model(ckpt, args.tokenizer, "serve", dtype)
+        from bunsan.models import Llama
+        if not isinstance(model, Llama):
+            raise ValueError(f"{ckpt} holds a {model.config.model_type} model; bunsan serve runs bunsan's own "
+                             "Llama (model_type 'llama'): generate with it (`bunsan generate`), or serve a Llama")
     else:
         from bunsan.models.hf import read_config
         context = _context(args, read_config(ckpt))

@@ -26,7 +26,7 @@ TRAIN_FLAGS = {
     "output": ("train.output_dir", str, "output directory (metrics, final weights)"),
     "tokenizer": ("data.tokenizer", str, "Hugging Face tokenizer.json (default: bytes)"),
     "timeout": ("train.timeout_s", float, "seconds a collective or a set-up wait (rendezvous, joining) may take"),
-    "init_from": ("train.init_from", str, "Hugging Face Llama directory whose shape and weights start the run"),
+    "init_from": ("train.init_from", str, "Hugging Face causal LM directory whose shape and weights start the run"),
     "checkpoint_dir": ("checkpoint.dir", str, "save checkpoints here, and resume from the newest one"),
     "save_interval": ("checkpoint.save_interval", int, "steps between checkpoints (0: at the end only)"),
     "format": ("data.format", str, "text, or records (JSONL, Parquet, a saved datasets directory) as "

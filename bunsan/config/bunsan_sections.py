@@ -162,7 +162,7 @@ class Train(Section):
     seed: Int = Field(1234, ge=0, description="Random seed of the initial weights, the data order and dropout")
     output_dir: str = Field("runs/bunsan", description="Directory of the metrics, the pipeline timeline and the "
                                                        "final weights (final/)")
-    init_from: Optional[str] = Field(None, description="A Hugging Face Llama directory whose shape and weights "
+    init_from: Optional[str] = Field(None, description="A Hugging Face causal LM directory whose shape and weights "
                                                        "start the run; None = the model section, fresh weights")
     compile: bool = Field(False, description="torch.compile each transformer block (after activation checkpointing)")
     tf32: bool = Field(True, description="Allow TF32 matmuls and convolutions on CUDA")

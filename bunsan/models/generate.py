@@ -104,6 +104,8 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
         raise ValueError(f"top_k must be a positive int or None, got {top_k}")
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
+    if not isinstance(model, Llama):          # a transformers model: its own cache, the same token choice
+        return _generate_hf(model, input_ids, max_new_tokens, temperature, top_k, eos_token_id, generator)
     cfg = model.config
     b, s = input_ids.shape
     total = s + max_new_tokens
@@ -130,6 +132,32 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
             logits = model(step_input if use_cache else out, kv_cache=cache)[:, -1]
             # the head (or the generator) may sit on another device than the tokens so far
             nxt = next_token(logits, temperature, top_k, generator).to(out.device)
+            if stops:
+                nxt = torch.where(done, torch.full_like(nxt, stops[0]), nxt)
+                done |= torch.isin(nxt, stop_ids)
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            step_input = nxt[:, None]
+            if stops and bool(done.all()):
+                break
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _generate_hf(model, input_ids, max_new_tokens, temperature, top_k, eos_token_id, generator):
+    """generate() for a transformers causal LM: its forward and key/value cache (past_key_values), the next
+    token chosen as for bunsan's Llama (next_token), stopping at any of the end tokens."""
+    stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    stop_ids = torch.tensor(stops, dtype=torch.long, device=input_ids.device)
+    was_training = model.training
+    model.eval()
+    out, step_input, past = input_ids, input_ids, None
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    try:
+        for _ in range(max_new_tokens):
+            result = model(input_ids=step_input, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            nxt = next_token(result.logits[:, -1], temperature, top_k, generator).to(out.device)
             if stops:
                 nxt = torch.where(done, torch.full_like(nxt, stops[0]), nxt)
                 done |= torch.isin(nxt, stop_ids)

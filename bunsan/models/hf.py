@@ -69,10 +69,10 @@ def read_config(path) -> LlamaConfig:
                                 "(config.json + model.safetensors, or shards with model.safetensors.index.json)")
     data = json.loads(cfg.read_text())
     if data.get("model_type", "llama") != "llama":
-        raise ValueError(f"{cfg}: model_type {data['model_type']!r} is not a Llama. bunsan train --init-from, "
-                         "generate and serve run bunsan's own Llama, so they read model_type 'llama' checkpoints "
-                         "(Llama 2/3, SmolLM, TinyLlama, ...); train any other transformers causal LM through the "
-                         "Python API: bunsan.initialize(AutoModelForCausalLM.from_pretrained(DIR), config)")
+        raise ValueError(f"{cfg}: model_type {data['model_type']!r} is not a Llama. bunsan train --init-from and "
+                         "generate (one process) take any transformers causal LM; device maps, tensor-parallel "
+                         "generation and serve run bunsan's own Llama, so they read model_type 'llama' "
+                         "checkpoints (Llama 2/3, SmolLM, TinyLlama, ...)")
     return LlamaConfig.from_hf(data)
 
 

@@ -167,6 +167,8 @@ class TokenBatches:
         step k:   perm_e[kG .. kG+G)  ->  rank0 | rank1 | ... (G/dp rows each)
     """
 
+    target_key = "labels"     # the shifted targets' key; "shift_labels" for a transformers model (hf_model.py)
+
     def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0, split: str = "train", val_fraction: float = 0.01):
         if split not in ("train", "val"):
@@ -226,7 +228,7 @@ class TokenBatches:
         w = self.seq_len + 1
         view = self.tokens[: self.n_windows_total * w].reshape(self.n_windows_total, w)
         rows = torch.from_numpy(np.asarray(view[self.window_ids(position)], dtype=np.int64))
-        return {"input_ids": rows[:, :-1].contiguous(), "labels": rows[:, 1:].contiguous()}
+        return {"input_ids": rows[:, :-1].contiguous(), self.target_key: rows[:, 1:].contiguous()}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return self

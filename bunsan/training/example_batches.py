@@ -123,7 +123,7 @@ class ExampleBatches(TokenBatches):
         picked = self.window_ids(position)
         ids = torch.from_numpy(np.asarray(self.tokens.reshape(-1, w)[picked], dtype=np.int64))
         labels = torch.from_numpy(self.labels.reshape(-1, w)[picked])
-        batch = {"input_ids": ids[:, :-1].contiguous(), "labels": labels[:, 1:].contiguous()}
+        batch = {"input_ids": ids[:, :-1].contiguous(), self.target_key: labels[:, 1:].contiguous()}
         if self.documents is not None:
             docs = torch.from_numpy(np.asarray(self.documents.reshape(-1, w)[picked], dtype=np.int64))
             batch["document_ids"] = docs[:, :-1].contiguous()

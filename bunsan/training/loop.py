@@ -27,6 +27,7 @@ from bunsan.config.deepspeed_keys import IgnoredKeyWarning
 from bunsan.config.root import Config
 from bunsan.context_parallel import check_length
 from bunsan.training.data import TokenBatches, make_loader, unigram_entropy
+from bunsan.training.hf_model import HFShape, is_other_architecture, load_hf_model, use_shift_labels
 from bunsan.training.sources import held_out_batches, load_source, tokenizer_folder, train_batches
 from bunsan.comm.process_group import init_distributed
 from bunsan.doctor.slow import comm_advice
@@ -113,7 +114,7 @@ class Run:
     device: torch.device
     rank: int
     tokens: Any                       # the whole corpus's token ids
-    mcfg: LlamaConfig
+    mcfg: LlamaConfig | HFShape       # bunsan's Llama, or a transformers model's shape (--init-from)
     engine: Any
     loader: Any                       # the training batches (resumable: state_dict/load_state_dict)
     val: TokenBatches | None          # the held-out split
@@ -126,12 +127,16 @@ def set_up(cfg: Config) -> Run:
     torch.manual_seed(cfg.train.seed)
     tokenizer, source = load_source(cfg, rank)
     tokens = source if cfg.data.format == "text" else source.ids.reshape(-1)
-    mcfg = run_model_config(cfg, tokenizer.vocab_size)
-    if cfg.pipeline.stages > 1:   # each rank allocates and initialises only its own stages
-        with torch.device("meta"):
-            model = Llama(mcfg)
+    other = bool(cfg.train.init_from) and is_other_architecture(cfg.train.init_from)
+    if other:                     # a transformers model with its weights (hf_model.py)
+        model, mcfg = load_hf_model(cfg.train.init_from, cfg, tokenizer.vocab_size)
     else:
-        model = Llama(mcfg)
+        mcfg = run_model_config(cfg, tokenizer.vocab_size)
+        if cfg.pipeline.stages > 1:   # each rank allocates and initialises only its own stages
+            with torch.device("meta"):
+                model = Llama(mcfg)
+        else:
+            model = Llama(mcfg)
     with warnings.catch_warnings():   # bunsan train does write TensorBoard scalars (training/metrics.py)
         warnings.filterwarnings("ignore", "config key tensorboard.enabled", IgnoredKeyWarning)
         engine = initialize(model, cfg)
@@ -140,7 +145,9 @@ def set_up(cfg: Config) -> Run:
     batches = train_batches(source, cfg, engine)
     loader = make_loader(batches, cfg.data.num_workers, cfg.data.pin_memory, cfg.data.prefetch_factor)
     val = held_out_batches(source, cfg, engine)
-    if cfg.train.init_from:
+    if other:
+        use_shift_labels(batches, val)
+    elif cfg.train.init_from:
         load_hf_into_engine(engine, cfg.train.init_from)
     return Run(cfg, device, rank, tokens, mcfg, engine, loader, val)
 
@@ -186,12 +193,18 @@ def open_meter(run: Run, resumed_at: int = 0) -> Meter:
                   engine.train_batch_size * seq)
     if run.rank == 0:
         metrics.console.print(
-            f"[bold]bunsan train[/]: {cfg.model.preset} Llama, {n_params / 1e6:.2f}M params, "
+            f"[bold]bunsan train[/]: {model_name(run)}, {n_params / 1e6:.2f}M params, "
             f"{dist.get_world_size()} x {run.device.type}, dp={engine.dp_size}"
             + (f", cp={engine.cp_size}" if engine.cp_size > 1 else "") + f", zero={cfg.zero_optimization.stage}, "
             f"batch {engine.train_batch_size} x {seq} tokens (micro {engine.micro_batch} x accum "
             f"{engine.grad_accum}), {len(run.tokens):,} corpus tokens, unigram entropy {entropy:.3f} nats")
     return meter
+
+
+def model_name(run: Run) -> str:
+    if isinstance(run.mcfg, HFShape):
+        return f"{run.mcfg.hf_config.get('model_type')} from {run.cfg.train.init_from}"
+    return f"{run.cfg.model.preset} Llama"
 
 
 @dataclass
@@ -273,7 +286,8 @@ def finish(run: Run, meter: Meter, clock: StepClock, losses: list, first_loss: f
         extra["held-out loss"] = f"{val_loss:.4f} ({cfg.train.eval_batches} validation batches)"
         meter.metrics.log({"step": cfg.train.steps, "val_loss": val_loss})
     if clock.t_start is not None:       # (a run of one step, or one resumed at its end, has no timed steps)
-        share, advice = comm_advice(cfg, waited, max(elapsed, 1e-9), dist.get_world_size(), run.mcfg,
+        share, advice = comm_advice(cfg, waited, max(elapsed, 1e-9), dist.get_world_size(),
+                                    None if isinstance(run.mcfg, HFShape) else run.mcfg,
                                     run.device.type)
         extra["waiting for communication"] = f"{share:.0%} of step time (rank {run.rank})" + (
             f"\n{advice}" if advice else "")

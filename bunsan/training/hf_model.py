@@ -1,0 +1,86 @@
+"""`bunsan train --init-from DIR` for a transformers causal LM that is not a Llama (Qwen2/3, Mistral, Gemma,
+Phi-3, GPT-2, ...): transformers builds it from the directory, weights included, and it trains through the
+same engine as the Python API's `bunsan.initialize(AutoModelForCausalLM.from_pretrained(DIR), config)`.
+
+bunsan's batches carry their targets already shifted; a transformers model reads `labels` unshifted, so they
+reach it as `shift_labels` (engine/batch.py). A Llama directory keeps bunsan's own Llama (training/loop.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+__all__ = ["HFShape", "is_other_architecture", "load_hf_model", "use_shift_labels"]
+
+
+def is_other_architecture(path) -> bool:
+    """A Hugging Face directory whose model_type is not llama (which bunsan's own Llama runs)."""
+    config = Path(path) / "config.json"
+    try:
+        data = json.loads(config.read_text()) if config.is_file() else {}
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("model_type", "llama") != "llama" and "model_type" in data
+
+
+@dataclass
+class HFShape:
+    """What the run's meters and outputs read of the model (LlamaConfig's names): its size, for MFU."""
+    hf_config: dict
+    total: int
+    embedding: int
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        return self.total if include_embedding or self.tie_word_embeddings else self.total - self.embedding
+
+    def to_hf(self) -> dict:
+        return dict(self.hf_config)
+
+
+def _positions(config) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        if isinstance(getattr(config, name, None), int):
+            return getattr(config, name)
+    return None
+
+
+def load_hf_model(path, cfg, vocab_size: int) -> tuple[nn.Module, HFShape]:
+    """The model of a transformers directory in fp32 on the host (the engine casts and places it), checked
+    against the data: its vocabulary holds the tokenizer's, its positions the rows."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"train.init_from {path} is not a Llama: training it needs transformers "
+                         "(pip install transformers)") from None
+    if cfg.data.packing:
+        raise ValueError(f"data.packing with train.init_from {path} (model_type "
+                         f"{transformers.AutoConfig.from_pretrained(path).model_type}): the packed rows' document "
+                         "boundaries reach bunsan's own Llama only; set data.packing false (one example per row)")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config = model.config
+    positions = _positions(config)
+    if config.vocab_size < vocab_size or (positions is not None and positions < cfg.data.seq_len):
+        raise ValueError(f"{path} has vocab_size {config.vocab_size} and {positions} positions; the data needs at "
+                         f"least {vocab_size} and {cfg.data.seq_len}: use its tokenizer (data.tokenizer) or a "
+                         "shorter data.seq_len")
+    embedding = model.get_input_embeddings().weight.numel()
+    shape = HFShape(config.to_dict(), sum(p.numel() for p in model.parameters()), embedding,
+                    config.num_hidden_layers, config.hidden_size, config.vocab_size,
+                    bool(getattr(config, "tie_word_embeddings", False)))
+    return model, shape
+
+
+def use_shift_labels(*batches) -> None:
+    """The batches give their (shifted) targets as transformers' `shift_labels`."""
+    for b in batches:
+        if b is not None:
+            b.target_key = "shift_labels"

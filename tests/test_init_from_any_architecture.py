@@ -1,0 +1,85 @@
+"""`bunsan train --init-from DIR` for transformers causal LMs that are not Llamas (Qwen2, GPT-2): the run's first
+loss is the loss transformers' own model computes on the same rows with the targets shifted once (a second
+shift would train the model to predict two tokens ahead, silently); final/ is a Hugging Face directory of that
+architecture, loaded by from_pretrained, generated from by `bunsan generate`, with the end tokens the model
+lists."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from chat_tokenizer import save_chat_tokenizer  # noqa: E402
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _config(kind: str):
+    if kind == "qwen2":
+        return transformers.Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                        tie_word_embeddings=True)
+    return transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0,
+                                   eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # (dropout: no parity)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    (d / "code.py").write_text("\n".join(inspect.getsource(m) for m in (json, inspect)))
+    return d
+
+
+@pytest.mark.parametrize("kind,zero", [("qwen2", 1), ("gpt2", 3)])
+def test_train_from_a_transformers_directory_and_generate_from_the_result(tmp_path, corpus, kind, zero):
+    from bunsan.config.root import Config
+    from bunsan.training.data import TokenBatches
+    from bunsan.training.sources import load_source
+    torch.manual_seed(0)
+    source = tmp_path / kind
+    start = transformers.AutoModelForCausalLM.from_config(_config(kind))
+    start.save_pretrained(source)
+    save_chat_tokenizer(source)
+    eot = json.loads((source / "tokenizer.json").read_text())["added_tokens"][0]["id"]
+    (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot]}))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "bunsan.cli", "train", "--nproc", "2", "--init-from", str(source),
+                        "--steps", "2", "--micro-batch", "2", "--seq-len", "32", "--zero", str(zero),
+                        "--lr", "0.01", "--data", str(corpus / "*.py"), "--output", str(out),
+                        "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.val_fraction=0",
+                        "--set", "steps_per_print=1", "--tokenizer", str(source / "tokenizer.json")],
+                       capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    final = out / "final"
+    meta = json.loads((final / "bunsan.json").read_text())
+    cfg = Config.load(meta["bunsan_config"])
+    # the first global batch, rebuilt as the run built it, through transformers' own loss (one shift)
+    _, tokens = load_source(cfg, 0)
+    rows = TokenBatches(tokens, cfg.data.seq_len, 4, 0, 1, seed=cfg.train.seed, val_fraction=0).batch_at(0)
+    ids = torch.cat([rows["input_ids"], rows["labels"][:, -1:]], dim=1)
+    with torch.no_grad():
+        want = start(input_ids=ids, labels=ids).loss.item()
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert losses[0] == pytest.approx(want, rel=1e-5)
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(final)        # its own architecture, trained
+    assert type(tuned) is type(start)
+    moved = [n for n, p in tuned.named_parameters() if not torch.equal(p, start.state_dict()[n])]
+    assert moved
+    gen = subprocess.run([sys.executable, "-m", "bunsan.cli", "generate", "--checkpoint", str(out), "--prompt",
+                          "def ", "--max-new-tokens", "8"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert gen.returncode == 0 and gen.stdout.startswith("def "), gen.stderr[-2000:]
+    refused = subprocess.run([sys.executable, "-m", "bunsan.cli", "generate", "--checkpoint", str(out), "--tp", "2"],
+                             capture_output=True, text=True, timeout=120, env=ENV)
+    assert refused.returncode != 0 and "not a Llama" in refused.stderr
+    assert json.loads((final / "generation_config.json").read_text())["eos_token_id"] == [eot]
+    shutil.rmtree(tmp_path / "cache", ignore_errors=True)
