@@ -51,6 +51,20 @@ def final_dir(path) -> Path | None:
     return None
 
 
+def tokenizer_files(tokenizer) -> list[tuple[Path, str]]:
+    """(source, name in the output) of the tokenizer trained with and the files beside it that say how to use
+    it; none for bytes. A folder, or a tokenizer.json inside one, as Hugging Face lays them out: another file
+    name is a tokenizer alone (what sits beside it need not be its)."""
+    if tokenizer is None or str(tokenizer) == "byte":
+        return []
+    source = Path(tokenizer)
+    out = [(source / TOKENIZER if source.is_dir() else source, TOKENIZER)]
+    folder = source if source.is_dir() else source.parent if source.name == TOKENIZER else None
+    if folder is not None:
+        out += [(folder / name, name) for name in TOKENIZER_COMPANIONS if (folder / name).is_file()]
+    return out
+
+
 def write_final(tmp: Path, final: Path, state: dict, config, meta: dict, tokenizer, model_dir=None) -> None:
     """The weights as a Hugging Face directory (bunsan's Llama: `config` a LlamaConfig, the state under
     bunsan's names; a transformers model: its shape, the state under its own names) with bunsan.json (`meta`
@@ -64,15 +78,8 @@ def write_final(tmp: Path, final: Path, state: dict, config, meta: dict, tokeniz
     files = sorted(f.name for f in tmp.iterdir() if f.name.endswith(".safetensors"))
     weights = {name: {"sha256": sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in files}
     (tmp / BUNSAN).write_text(json.dumps({**meta, "weights": weights}, indent=2))
-    if tokenizer is not None and str(tokenizer) != "byte":   # generate/serve read it from here, nowhere else
-        source = Path(tokenizer)
-        shutil.copyfile(source / TOKENIZER if source.is_dir() else source, tmp / TOKENIZER)
-        # a folder, or a tokenizer.json inside one, as Hugging Face lays them out (another file name is a
-        # tokenizer alone: what sits beside it need not be its)
-        folder = source if source.is_dir() else source.parent if source.name == TOKENIZER else None
-        for name in TOKENIZER_COMPANIONS if folder is not None else ():
-            if (folder / name).is_file():
-                shutil.copyfile(folder / name, tmp / name)
+    for source, name in tokenizer_files(tokenizer):      # generate/serve read it from here, nowhere else
+        shutil.copyfile(source, tmp / name)
     if model_dir is not None and (Path(model_dir) / GENERATION_CONFIG).is_file():
         shutil.copyfile(Path(model_dir) / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
     for f in tmp.iterdir():

@@ -4,6 +4,7 @@ Llama spread over devices, CPU and disk (--device-map)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from bunsan.cli.launch import relaunch, under_torchrun
@@ -100,6 +101,7 @@ def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=No
     directory: bunsan's Llama for a Llama, transformers' model for another causal LM), on the CPU, its weights in `dtype` (default fp32), every one checked (checkpoint/final.py)."""
     import torch
 
+    from bunsan.checkpoint.adapter import adapter_dir
     from bunsan.checkpoint.final import final_dir, is_final, read_final
     from bunsan.config.root import Config
     from bunsan.training.hf_model import is_other_architecture
@@ -107,6 +109,8 @@ def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=No
     from bunsan.models.hf import load_llama
     from bunsan.training.data import load_tokenizer
     ckpt = final_dir(path)
+    if ckpt is None and adapter_dir(path) is not None:
+        return adapted_model(adapter_dir(path), tokenizer_path, command, dtype)
     if ckpt is None:
         raise SystemExit(f"bunsan {command}: {path} has no model.safetensors + config.json; point --checkpoint at "
                          "the output directory of `bunsan train` (or its final/ folder)")
@@ -128,6 +132,23 @@ def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=No
     if dtype is not None:
         model.to(dtype)
     return model.eval(), load_tokenizer(tokenizer_path or recorded_tokenizer(ckpt, recorded, command))
+
+
+def adapted_model(folder: Path, tokenizer_path, command: str, dtype):
+    """A peft LoRA adapter folder (`bunsan train` with lora.save adapter): its base model (adapter_config.json's
+    base_model_name_or_path) with the adapter merged in; the adapter folder's tokenizer, else the base's."""
+    from bunsan.checkpoint.adapter import merged_with_base, read_adapter
+    from bunsan.models import Llama
+    base = read_adapter(folder)[0].get("base_model_name_or_path")
+    if not isinstance(base, str) or not Path(base).is_dir():
+        raise SystemExit(f"bunsan {command}: {folder} is a LoRA adapter whose base model {base!r} is not a "
+                         "directory here; point --checkpoint at the merged model (RUN/final) instead")
+    print(f"bunsan {command}: {folder} is a LoRA adapter of {base}; merging it into that base", file=sys.stderr)
+    own = tokenizer_path or (str(folder / "tokenizer.json") if (folder / "tokenizer.json").is_file() else None)
+    model, tokenizer = trained_model(base, own, command, dtype)
+    merged = merged_with_base(folder, model.state_dict(), isinstance(model, Llama))
+    model.load_state_dict(merged)
+    return model, tokenizer
 
 
 def load_exactly(model, state: dict, where: Path) -> None:

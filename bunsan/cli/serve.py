@@ -58,11 +58,13 @@ def _slots(text: str):
 
 def load_model(args):
     """(model, tokenizer, name, context) for the server."""
+    from bunsan.checkpoint.adapter import adapter_dir
     from bunsan.checkpoint.final import is_final
     from bunsan.cli.generate import hf_tokenizer, parse_max_memory, torch_dtype, trained_model
     ckpt = Path(args.checkpoint)
     dtype = torch_dtype(args.dtype)
-    trained = any(final_dir.is_dir() and is_final(final_dir) for final_dir in (ckpt / "final", ckpt))
+    trained = any(final_dir.is_dir() and is_final(final_dir) for final_dir in (ckpt / "final", ckpt)) or \
+        adapter_dir(ckpt) is not None        # (a LoRA adapter: merged into its base, cli/generate.py)
     if trained and not args.device_map:
         model, tokenizer = trained_model(ckpt, args.tokenizer, "serve", dtype)
         from bunsan.models import Llama

@@ -14,13 +14,15 @@ from bunsan.config.sections import Backend, GlooCollectives, Int, OptInt, Partit
 class Lora(Section):
     """Low-rank adapters (peft) on the named linear layers; the base weights are frozen."""
     enabled: bool = Field(False, description="Train low-rank adapters on lora.target_modules, base weights frozen "
-                                             "(needs peft); the final weights have them merged in")
+                                             "(needs peft); saved as lora.save says")
     r: Int = Field(8, ge=1, description="Rank of each adapter (its inner dimension)")
     alpha: float = Field(16.0, gt=0, description="Adapter scale: the low-rank update is multiplied by alpha / r")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout probability on each adapter's input")
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
                                       description="Names of the linear layers that get adapters (peft's "
                                                   "target_modules)")
+    save: Literal["merged", "adapter", "both"] = Field("merged", description="bunsan train's output: the model "
+                                                       "with the adapters merged (final/), peft's adapter (adapter/), or both")
 
     @model_validator(mode="after")
     def _targets(self) -> Lora:

@@ -135,6 +135,10 @@ class Config(Section):
             raise Rule(("data.packing", "data.packing with pipeline stages, context or sequence parallelism: "
                                         "the documents' attention needs the whole row in one place; set "
                                         "data.packing to false there (one example per row)"))
+        if self.lora.enabled and self.lora.save != "merged" and not self.train.init_from:
+            raise Rule(("lora.save", f"lora.save {self.lora.save!r} without train.init_from: a peft adapter names "
+                                     "the base model it adapts, and a run from fresh weights has none on disk; "
+                                     "set train.init_from (the base), or lora.save merged"))
         ac = self.activation_checkpointing
         deepspeed_only = {"partition_activations", "contiguous_memory_optimization", "number_checkpoints",
                           "synchronize_checkpoint_boundary", "profile", "cpu_checkpointing"}

@@ -21,7 +21,8 @@ from safetensors import SafetensorError
 from bunsan import initialize
 from bunsan.checkpoint import check_shared, store
 from bunsan.checkpoint.store import CheckpointError
-from bunsan.checkpoint.final import write_final
+from bunsan.checkpoint.adapter import write_adapter
+from bunsan.checkpoint.final import tokenizer_files, write_final
 from bunsan.checkpoint.hf import load_hf_into_engine
 from bunsan.config.deepspeed_keys import IgnoredKeyWarning
 from bunsan.config.root import Config
@@ -78,8 +79,18 @@ def gather_memory(engine) -> list[dict]:
 
 
 def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
-    """Rank 0 writes the model as a Hugging Face directory into out_dir/final, atomically (tmp dir + rename)."""
+    """Rank 0 writes the model as a Hugging Face directory into out_dir/final and, as lora.save says, the LoRA
+    adapters as peft's into out_dir/adapter, each atomically (tmp dir + rename); the folder written last."""
     state = engine.consolidated_state_dict()
+    save = cfg.lora.save if cfg.lora.enabled else "merged"
+    written = out_dir / "final"
+    if save in ("adapter", "both"):
+        written = out_dir / "adapter"
+        if engine.mesh.rank == 0:
+            write_adapter(written, state, cfg.lora, cfg.train.init_from, isinstance(mcfg, LlamaConfig),
+                          tokenizer_files(tokenizer_folder(cfg)))
+    if save == "adapter":
+        return written
     if cfg.lora.enabled:   # the plain model's weights: adapters folded in
         state = merge_lora(state, cfg.lora.alpha, cfg.lora.r)
     final = out_dir / "final"
@@ -291,7 +302,7 @@ def finish(run: Run, meter: Meter, clock: StepClock, losses: list, first_loss: f
                                     run.device.type)
         extra["waiting for communication"] = f"{share:.0%} of step time (rank {run.rank})" + (
             f"\n{advice}" if advice else "")
-    extra.update({"weights": str(final / "model.safetensors"), "metrics": str(out_dir / cfg.train.metrics_file)})
+    extra.update({"weights": str(final), "metrics": str(out_dir / cfg.train.metrics_file)})
     meter.metrics.summary(first_loss, losses[-1], meter.entropy, tps, mfu, memory, extra)
     meter.metrics.close()
     return {"first_loss": first_loss, "last_loss": losses[-1], "resumed_from": clock.start, "val_loss": val_loss,

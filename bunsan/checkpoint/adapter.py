@@ -1,0 +1,113 @@
+"""LoRA adapters as peft saves them (`lora.save: adapter` or `both`): RUN/adapter holds adapter_config.json
+(peft's own LoraConfig, `base_model_name_or_path` the --init-from directory) and adapter_model.safetensors
+(`base_model.model.<module>.lora_A.weight` / `lora_B`, transformers' module names), beside the tokenizer.
+`peft.PeftModel.from_pretrained(base, RUN/adapter)` loads it; `bunsan generate` / `serve` merge it into its
+base (`merged_with_base`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from bunsan.checkpoint.store import CheckpointError
+from bunsan.checkpoint.untrusted import read_small
+from bunsan.models.hf import hf_key
+from bunsan.models.tensor_file import TensorFileError, check_dtypes, checked_header
+
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_dir", "write_adapter", "merged_with_base"]
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+def adapter_dir(path) -> Path | None:
+    """RUN/adapter for a training output RUN, or the folder itself when it is a peft adapter; None when neither."""
+    path = Path(path)
+    for d in (path / "adapter", path):
+        if (d / ADAPTER_CONFIG).is_file() and (d / ADAPTER_WEIGHTS).is_file():
+            return d
+    return None
+
+
+def _module_name(stem: str, bunsan_names: bool) -> str:
+    return hf_key(stem) if bunsan_names else stem
+
+
+def write_adapter(out: Path, state: dict, lora_cfg, base: str, bunsan_names: bool, companions=()) -> None:
+    """The adapters of `state` (a model's state dict with peft's layers: `<stem>.lora_A.default.weight`) into
+    `out` atomically (a folder beside it, renamed); `companions`: (source, name) files copied in (the
+    tokenizer's)."""
+    import peft
+    tensors = {}
+    for key, t in state.items():
+        for part in ("lora_A", "lora_B"):
+            tail = f".{part}.default.weight"
+            if key.endswith(tail):
+                stem = key[: -len(tail)]
+                tensors[f"{PREFIX}{_module_name(stem, bunsan_names)}.{part}.weight"] = t.detach().contiguous()
+    if not tensors:
+        raise CheckpointError("lora.save asks for the adapter, but the model holds no LoRA weights")
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = peft.LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
+                             target_modules=list(lora_cfg.target_modules), task_type="CAUSAL_LM",
+                             base_model_name_or_path=str(Path(base).resolve()))
+    config.save_pretrained(str(tmp))
+    save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt", "producer": "bunsan"})
+    for source, name in companions:
+        shutil.copyfile(source, tmp / name)
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def read_adapter(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json, the adapter tensors), checked: small JSON, a LORA config, floating-point tensors."""
+    text = read_small(folder / ADAPTER_CONFIG, 1 << 20)
+    try:
+        config = json.loads(text) if text is not None else None
+    except ValueError:
+        config = None
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA" or not isinstance(config.get("r"), int):
+        raise CheckpointError(f"{folder / ADAPTER_CONFIG} is not a peft LoRA adapter config (peft_type LORA, r)")
+    path = folder / ADAPTER_WEIGHTS
+    try:
+        check_dtypes(path, checked_header(path))
+    except TensorFileError as e:
+        raise CheckpointError(str(e)) from None
+    return config, load_file(str(path))
+
+
+def merged_with_base(folder: Path, base_state: dict[str, torch.Tensor], bunsan_names: bool) -> dict:
+    """`base_state` with the adapter of `folder` merged in: W + (lora_alpha / r) B A for every adapted layer;
+    an adapter for a layer the base lacks, or of the wrong shape, is an error naming it."""
+    config, tensors = read_adapter(folder)
+    scale = float(config.get("lora_alpha", config["r"])) / config["r"]
+    names = {_module_name(k[: -len(".weight")], bunsan_names): k for k in base_state if k.endswith(".weight")}
+    out = dict(base_state)
+    stems = {k[len(PREFIX):].rsplit(".lora_", 1)[0] for k in tensors if k.startswith(PREFIX)}
+    if len(stems) * 2 != len(tensors):
+        raise CheckpointError(f"{folder / ADAPTER_WEIGHTS}: its tensors are not lora_A/lora_B pairs under "
+                              f"{PREFIX!r}")
+    for stem in sorted(stems):
+        a, b = tensors.get(f"{PREFIX}{stem}.lora_A.weight"), tensors.get(f"{PREFIX}{stem}.lora_B.weight")
+        key = names.get(stem)
+        if a is None or b is None or key is None:
+            raise CheckpointError(f"{folder}: the adapter of {stem} has no lora_A/lora_B pair, or its base has "
+                                  "no such layer: it is not an adapter of this base model")
+        w = base_state[key]
+        if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != tuple(w.shape) or b.shape[1] != a.shape[0]:
+            raise CheckpointError(f"{folder}: the adapter of {stem} (lora_A {list(a.shape)}, lora_B "
+                                  f"{list(b.shape)}) does not fit its base weight {list(w.shape)}")
+        out[key] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+    return out
