@@ -158,6 +158,16 @@ class Checkpoint(Section):
         return self
 
 
+class Dpo(Section):
+    """bunsan: Direct Preference Optimization (train.objective dpo, Rafailov et al. 2023) on preference pairs."""
+    beta: float = Field(0.1, gt=0, description="How far from the reference the policy may move: the loss is "
+                                               "-log sigmoid(beta x the log-ratio margin)")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Probability that a pair's preference is "
+                                   "flipped (conservative DPO); 0 = the plain loss")
+    reference: Literal["initial", "records"] = Field("initial", description="Reference log-probs: the model "
+                                                     "before training (computed first), or the records' own")
+
+
 class Train(Section):
     """bunsan: the run `bunsan train` does, and process-wide settings initialize() also reads."""
     steps: Int = Field(200, ge=1, description="Optimizer steps to train (also the schedule's total when it has none)")
@@ -166,6 +176,8 @@ class Train(Section):
                                                        "final weights (final/)")
     init_from: Optional[str] = Field(None, description="A Hugging Face causal LM directory whose shape and weights "
                                                        "start the run; None = the model section, fresh weights")
+    objective: Literal["lm", "dpo"] = Field("lm", description="lm: next-token loss; dpo: Direct Preference "
+                                            "Optimization on preference pairs (the dpo section)")
     compile: bool = Field(False, description="torch.compile each transformer block (after activation checkpointing)")
     tf32: bool = Field(True, description="Allow TF32 matmuls and convolutions on CUDA")
     eval_interval: Int = Field(0, ge=0, description="Optimizer steps between validation losses; 0 = only at the end")

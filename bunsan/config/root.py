@@ -12,7 +12,7 @@ from typing import Any, Optional
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from bunsan.config.bunsan_sections import (Checkpoint, ContextParallel, Data, Lora, ModelOverrides, Pipeline,
+from bunsan.config.bunsan_sections import (Checkpoint, ContextParallel, Data, Dpo, Lora, ModelOverrides, Pipeline,
                                           TensorParallel, Train)
 from bunsan.config.data_efficiency import DataEfficiency
 from bunsan.config.deepspeed_intake import prepare, row_for
@@ -94,6 +94,7 @@ class Config(Section):
     data: Data = Field(default_factory=Data, description=Data.__doc__)
     checkpoint: Checkpoint = Field(default_factory=Checkpoint, description=Checkpoint.__doc__)
     train: Train = Field(default_factory=Train, description=Train.__doc__)
+    dpo: Dpo = Field(default_factory=Dpo, description=Dpo.__doc__)
     hybrid_engine: HybridEngine = Field(default_factory=HybridEngine, description=HybridEngine.__doc__)
     data_efficiency: DataEfficiency = Field(default_factory=DataEfficiency, description=DataEfficiency.__doc__)
 

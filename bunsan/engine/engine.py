@@ -24,7 +24,8 @@ from bunsan.comm.mesh import Mesh
 from bunsan.comm.rollcall import post_step
 from bunsan.context_parallel import shard_batch
 from bunsan.doctor.oom import OutOfMemory, explain, is_oom
-from bunsan.engine.batch import DOCUMENTS, Objective, make_objective, rows_of, split
+from bunsan.engine.batch import DOCUMENTS, Objective, rows_of, split
+from bunsan.engine.preference import objective_for
 from bunsan.engine.precision import LossScaler, cast_inputs_to_half, model_dtype
 from bunsan.memory.measure import measured_memory, reset_peak_memory
 from bunsan.models.loss import lm_loss_sum
@@ -255,7 +256,7 @@ class Engine:
         self.module.train()
         if self.device.type == "cuda":     # the reported peak is this step's, not set-up's
             reset_peak_memory(self.device)
-        objective = make_objective(batch, self.loss_fn, self._lm_loss_sum, self.module)
+        objective = objective_for(self, batch)
         self._lm_only(objective)
         micro = self._split(batch)
         objective.scale = self.scaler.scale if self.scaler else 1.0
@@ -332,7 +333,7 @@ class Engine:
         tokens for language-model batches, over rows for a loss_fn."""
         self.module.eval()
         try:
-            objective = make_objective(batch, self.loss_fn, self._lm_loss_sum, self.module)
+            objective = objective_for(self, batch)
             self._lm_only(objective)
             rows = max(rows_of(batch))
             # a pipeline needs micro-batches to fill its stages; up to grad_accum of them, as in training

@@ -1,0 +1,108 @@
+"""train.objective dpo: the loss and the step equal the DPO formula computed by an independent plain loop
+(log-softmax gathered by hand, the mean over pairs, torch's SGD) from the same weights, pairs and reference
+log-probs, at ZeRO 0-3, with tensor parallelism and pipeline stages, with accumulation; SGD without clipping,
+so a gradient-scale error shows. Rafailov et al. 2023: loss = -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))),
+with label smoothing eps: -(1-eps) log sigmoid(beta m) - eps log sigmoid(-beta m)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bunsan
+from parity import VOCAB, tiny_model
+
+PAIRS, SEQ, PROMPT, LR, BETA, SMOOTH = 4, 16, 6, 0.5, 0.3, 0.1
+
+
+def pair_batch(seed: int = 3) -> dict:
+    """PAIRS pairs, rows interleaved (chosen, rejected): a shared prompt, different responses."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, VOCAB, (PAIRS, PROMPT), generator=g)
+    rows = []
+    for p in prompt:
+        for _ in range(2):
+            rows.append(torch.cat([p, torch.randint(0, VOCAB, (SEQ + 1 - PROMPT,), generator=g)]))
+    ids = torch.stack(rows)
+    labels = ids[:, 1:].clone()
+    labels[:, :PROMPT - 1] = -100                     # only the response is scored
+    return {"input_ids": ids[:, :-1].contiguous(), "labels": labels}
+
+
+def plain_logps(model, batch) -> torch.Tensor:
+    logp = F.log_softmax(model(batch["input_ids"]).float(), dim=-1)
+    mask = batch["labels"] != -100
+    picked = logp.gather(-1, batch["labels"].clamp(min=0)[..., None])[..., 0]
+    return (picked * mask).sum(-1)
+
+
+def plain_dpo(model, batch, ref) -> torch.Tensor:
+    pi = plain_logps(model, batch)
+    m = (pi[0::2] - ref[0::2]) - (pi[1::2] - ref[1::2])
+    return (-(1 - SMOOTH) * F.logsigmoid(BETA * m) - SMOOTH * F.logsigmoid(-BETA * m)).mean()
+
+
+def reference_run(steps: int = 2):
+    model = tiny_model(0)
+    batch = pair_batch()
+    with torch.no_grad():
+        initial = plain_logps(model, batch)
+    # a reference other than the start, so that the first margin, loss and gradient are not DPO's trivial ones
+    ref = initial + torch.linspace(-1.5, 1.0, 2 * PAIRS)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(steps):
+        loss = plain_dpo(model, batch, ref)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, ref, initial
+
+
+def _rank(rank, world, layout, accum, ref):
+    cfg = {"train_batch_size": 2 * PAIRS, "gradient_accumulation_steps": accum, "gradient_clipping": 0.0,
+           "optimizer": {"type": "SGD", "params": {"lr": LR}}, "train": {"objective": "dpo"},
+           "dpo": {"beta": BETA, "label_smoothing": SMOOTH}, **layout}
+    engine = bunsan.initialize(tiny_model(0), cfg)
+    batch = {**pair_batch(), "ref_logps": ref}
+    per = 2 * PAIRS // engine.dp_size
+    mine = {k: v[engine.dp_rank * per:(engine.dp_rank + 1) * per] for k, v in batch.items()}
+    from bunsan.engine.preference import sequence_logps
+    # the reference as bunsan computes it, before any step (a pipeline's is refused: the records' instead)
+    own_ref = sequence_logps(engine, mine) if engine.pipe is None else None
+    losses = [engine.train_batch(mine) for _ in range(2)]
+    return losses, engine.consolidated_state_dict(), own_ref, engine.dp_rank
+
+
+LAYOUTS = {"zero0": {}, "zero1": {"zero_optimization": {"stage": 1}}, "zero2": {"zero_optimization": {"stage": 2}},
+           "zero3": {"zero_optimization": {"stage": 3}}, "tp2": {"tensor_parallel": {"size": 2}},
+           "pp2": {"pipeline": {"stages": 2, "schedule": "1f1b"}}}
+
+
+@pytest.mark.parametrize("name,accum", [(n, 1) for n in LAYOUTS if n != "pp2"] + [("zero2", 2), ("pp2", 2)])
+def test_dpo_equals_the_formula_in_a_plain_loop(pools, name, accum):
+    want_losses, want_state, ref, initial = reference_run()
+    assert want_losses[0] != pytest.approx(want_losses[1], rel=1e-3)        # the step moved the loss
+    assert want_losses[0] != pytest.approx(0.6931472, rel=1e-3)                # not log 2: the margin is not 0
+    for losses, state, own_ref, dp_rank in pools.run(2, _rank, 2, LAYOUTS[name], accum, ref):
+        per = 2 * PAIRS // (1 if name in ("tp2", "pp2") else 2)
+        if own_ref is not None:
+            torch.testing.assert_close(own_ref, initial[dp_rank * per:(dp_rank + 1) * per].double(), rtol=1e-5,
+                                       atol=1e-5)
+        assert losses == pytest.approx(want_losses, rel=1e-5)
+        for k, v in want_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {k}: {m}")
+
+
+def test_a_preference_batch_must_carry_reference_log_probs():
+    engine = bunsan.initialize(tiny_model(0), {"train_batch_size": 2, "train": {"objective": "dpo"},
+                                               "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    batch = pair_batch()
+    with pytest.raises(ValueError, match="ref_logps"):
+        engine.train_batch({k: v[:2] for k, v in batch.items()})
+    with pytest.raises(ValueError, match="even number"):
+        odd = bunsan.initialize(tiny_model(0), {"train_batch_size": 1, "train": {"objective": "dpo"},
+                                                "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+        odd.train_batch({**{k: v[:1] for k, v in batch.items()}, "ref_logps": torch.zeros(1)})
