@@ -106,3 +106,53 @@ def test_a_preference_batch_must_carry_reference_log_probs():
         odd = bunsan.initialize(tiny_model(0), {"train_batch_size": 1, "train": {"objective": "dpo"},
                                                 "optimizer": {"type": "SGD", "params": {"lr": LR}}})
         odd.train_batch({**{k: v[:1] for k, v in batch.items()}, "ref_logps": torch.zeros(1)})
+
+
+# -- bunsan train --format preference ---------------------------------------------------------------------------
+def _pairs_file(path, conversational: bool):
+    import json
+    records = []
+    for i in range(12):
+        q = f"What is {i} plus {i}?"
+        good, bad = f"It is {2 * i}.", f"It is {2 * i + 1}, I think."
+        if conversational:
+            records.append({"prompt": [{"role": "user", "content": q}],
+                            "chosen": [{"role": "assistant", "content": good}],
+                            "rejected": [{"role": "assistant", "content": bad}]})
+        else:
+            records.append({"prompt": q + " ", "chosen": good, "rejected": bad})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("conversational", [False, True])
+def test_bunsan_train_dpo_starts_at_log_2_and_prefers_the_chosen(tmp_path, conversational):
+    """With the model before training as the reference, every pair's first margin is 0: the first loss is
+    log 2 exactly when the reference's forward is the training forward; then the chosen responses win."""
+    import json
+    import os
+    import subprocess
+    import sys
+    args = [sys.executable, "-m", "bunsan.cli", "train", "--nproc", "2", "--format", "preference", "--data",
+            str(_pairs_file(tmp_path / "pairs.jsonl", conversational)), "--steps", "6", "--micro-batch", "2",
+            "--seq-len", "48", "--zero", "2", "--lr", "3e-3", "--output", str(tmp_path / "out"),
+            "--set", "train.objective=dpo", "--set", "data.val_fraction=0", "--set", "steps_per_print=1",
+            "--set", "scheduler.params.warmup_steps=0"]
+    if conversational:          # the chat template's path, on a transformers model (Qwen2)
+        transformers = pytest.importorskip("transformers")
+        from chat_tokenizer import save_chat_tokenizer
+        model_dir = tmp_path / "qwen"
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(
+            vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)).save_pretrained(model_dir)
+        save_chat_tokenizer(model_dir)
+        args += ["--init-from", str(model_dir)]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "12 examples, 12 used" in r.stderr
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert losses[0] == pytest.approx(0.6931472, rel=1e-5)
+    assert losses[-1] < losses[0]

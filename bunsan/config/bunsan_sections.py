@@ -126,7 +126,7 @@ class Data(Section):
     max_bytes: OptInt = Field(None, ge=1, description="Read at most this many bytes of text; None = all")
     val_fraction: float = Field(0.01, ge=0, lt=0.5, description="Fraction of the tokens held out for the "
                                                                 "validation loss")
-    format: Literal["text", "prompt_completion", "instruction", "chat"] = Field(
+    format: Literal["text", "prompt_completion", "instruction", "chat", "preference"] = Field(
         "text", description="text: plain files as one token stream; else records (JSONL/JSON/Parquet/datasets)")
     fields: dict[str, str] = Field(default_factory=dict, description="Record field names when they differ, e.g. "
                                    "{prompt: question, completion: answer} (training/examples.py)")

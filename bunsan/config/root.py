@@ -136,6 +136,11 @@ class Config(Section):
             raise Rule(("data.packing", "data.packing with pipeline stages, context or sequence parallelism: "
                                         "the documents' attention needs the whole row in one place; set "
                                         "data.packing to false there (one example per row)"))
+        if self.data.format == "preference" and (self.train.objective != "dpo" or self.data.packing
+                                                 or self.data.train_on_prompt):
+            raise Rule(("data.format", "data.format preference trains with train.objective dpo, one pair per two "
+                                       "rows, scoring the responses only: set train.objective dpo, and "
+                                       "data.packing and data.train_on_prompt false"))
         if self.lora.enabled and self.lora.save != "merged" and not self.train.init_from:
             raise Rule(("lora.save", f"lora.save {self.lora.save!r} without train.init_from: a peft adapter names "
                                      "the base model it adapts, and a run from fresh weights has none on disk; "

@@ -30,6 +30,8 @@ class ExampleRows:
     skipped: list = None   # (data.on_bad_record: skip) why each refused record was left out
     documents: np.ndarray | None = None   # packed: [rows, seq_len + 1] each token's document in its row
     examples: int = 0      # examples in the rows (a packed row holds several)
+    pairs: bool = False    # preference pairs: rows 2k and 2k+1 are a pair's chosen and rejected (one window)
+    ref_logps: np.ndarray | None = None   # pairs: each row's reference log-prob (dpo.reference records)
 
 
 def _render(job):
@@ -109,21 +111,30 @@ def report(rows: ExampleRows, seq_len: int) -> None:
 
 
 class ExampleBatches(TokenBatches):
-    """TokenBatches whose windows are the example rows, with their labels."""
+    """TokenBatches whose windows are the example rows, with their labels; preference pairs are windows of two
+    rows (a global batch of rows holds half as many pairs), with each row's reference log-prob."""
 
     def __init__(self, rows: ExampleRows, global_batch: int, dp_rank: int = 0, dp_size: int = 1, seed: int = 0,
                  split: str = "train", val_fraction: float = 0.01):
-        w = rows.ids.shape[1]
-        super().__init__(rows.ids.reshape(-1), w - 1, global_batch, dp_rank, dp_size, seed, split, val_fraction)
+        self.row_width = w = rows.ids.shape[1]
+        span = 2 if rows.pairs else 1
+        if rows.pairs and global_batch % (2 * dp_size):
+            raise ValueError(f"train_batch_size {global_batch} rows hold preference pairs (two rows each) split over "
+                             f"{dp_size} data-parallel rank(s): make it a multiple of {2 * dp_size}")
+        super().__init__(rows.ids.reshape(-1), span * w - 1, global_batch // span, dp_rank, dp_size, seed, split,
+                         val_fraction)
         self.labels = np.where(rows.trained, rows.ids, IGNORE).astype(np.int64).reshape(-1)
         self.documents = rows.documents.reshape(-1) if rows.documents is not None else None
+        self.ref_logps = rows.ref_logps
 
     def batch_at(self, position: int) -> dict[str, torch.Tensor]:
-        w = self.seq_len + 1
+        w, span = self.row_width, (self.seq_len + 1) // self.row_width
         picked = self.window_ids(position)
-        ids = torch.from_numpy(np.asarray(self.tokens.reshape(-1, w)[picked], dtype=np.int64))
-        labels = torch.from_numpy(self.labels.reshape(-1, w)[picked])
+        ids = torch.from_numpy(np.asarray(self.tokens.reshape(-1, span * w)[picked], dtype=np.int64)).reshape(-1, w)
+        labels = torch.from_numpy(self.labels.reshape(-1, span * w)[picked]).reshape(-1, w)
         batch = {"input_ids": ids[:, :-1].contiguous(), self.target_key: labels[:, 1:].contiguous()}
+        if self.ref_logps is not None:
+            batch["ref_logps"] = torch.from_numpy(self.ref_logps.reshape(-1, span)[picked].reshape(-1))
         if self.documents is not None:
             docs = torch.from_numpy(np.asarray(self.documents.reshape(-1, w)[picked], dtype=np.int64))
             batch["document_ids"] = docs[:, :-1].contiguous()

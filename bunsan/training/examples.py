@@ -5,6 +5,8 @@ of four formats, rendered to token ids and the labels the loss is taken on.
     prompt_completion  {"prompt": ..., "completion": ...}                   the completion (and EOS) trained
     instruction        {"instruction": ..., "input": ..., "output": ...}    Alpaca's fields; the output trained
     chat               {"messages": [{"role": ..., "content": ...}, ...]}   the assistant turns trained
+    preference         {"prompt" or "messages", "chosen", "rejected"}       each response scored (DPO:
+                       a prompt as text or messages, a response as text or assistant messages; preference_data.py)
                        (every field of a message reaches the template: tool_calls, tool_call_id, name, ...;
                        a record's "tools" too: chat_records.py)
 
@@ -29,10 +31,10 @@ from bunsan.training.chat_records import BadRecord, checked_messages, checked_to
 
 __all__ = ["FORMATS", "DEFAULT_FIELDS", "is_dataset_dir", "read_records", "Renderer"]
 
-FORMATS = ("text", "prompt_completion", "instruction", "chat")
+FORMATS = ("text", "prompt_completion", "instruction", "chat", "preference")
 DEFAULT_FIELDS = {"text": "text", "prompt": "prompt", "completion": "completion", "instruction": "instruction",
                   "input": "input", "output": "output", "messages": "messages", "role": "role",
-                  "content": "content"}
+                  "content": "content", "chosen": "chosen", "rejected": "rejected"}
 RECORD_FILES = (".jsonl", ".json", ".parquet")
 ALPACA = ("Below is an instruction that describes a task{with_input}. Write a response that appropriately "
           "completes the request.\n\n### Instruction:\n{instruction}\n\n{input_block}### Response:\n")
@@ -172,6 +174,9 @@ class Renderer:
             raise
 
     def render(self, rec: dict, where: str) -> tuple[list[int], list[bool]]:
+        if self.fmt == "preference":     # (a pair of them: chosen, rejected)
+            from bunsan.training.preference_data import render_pair
+            return render_pair(self, rec, where)
         if self.fmt == "text":
             ids = self.tokenizer.encode(self._field(rec, "text", where)) + self.eos
             return ids, [True] * len(ids)
@@ -195,8 +200,10 @@ class Renderer:
                                     self.fields["role"], self.fields["content"], where)
         return self._chat(messages, where, checked_tools(rec.get("tools"), where))
 
-    def _chat(self, messages: list[dict], where: str, tools: list | None = None) -> tuple[list[int], list[bool]]:
-        """The conversation through the template; tokens inside an assistant turn's text are trained."""
+    def _chat(self, messages: list[dict], where: str, tools: list | None = None,
+              respond_from: int = 0) -> tuple[list[int], list[bool]]:
+        """The conversation through the template; tokens inside an assistant turn's text are trained (from
+        message `respond_from` on: a preference pair scores its response, not the prompt's turns)."""
         def text(upto, prompt=False):
             if not upto:
                 raise BadRecord(f"{where}: the conversation opens with the assistant, so its first turn has no "
@@ -214,7 +221,7 @@ class Renderer:
                             "Llama 3.1, Mistral's) or drop them from the data")
         spans = []
         for i, m in enumerate(messages):
-            if m["role"] != "assistant":
+            if m["role"] != "assistant" or i < respond_from:
                 continue
             before, through = text(messages[:i], prompt=True), text(messages[:i + 1])
             if not (full.startswith(before) and full.startswith(through)):

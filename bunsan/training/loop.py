@@ -29,6 +29,7 @@ from bunsan.config.root import Config
 from bunsan.context_parallel import check_length
 from bunsan.training.data import TokenBatches, make_loader, unigram_entropy
 from bunsan.training.hf_model import HFShape, is_other_architecture, load_hf_model, use_shift_labels
+from bunsan.training.preference_data import reference_logps
 from bunsan.training.sources import held_out_batches, load_source, tokenizer_folder, train_batches
 from bunsan.comm.process_group import init_distributed
 from bunsan.doctor.slow import comm_advice
@@ -153,13 +154,15 @@ def set_up(cfg: Config) -> Run:
         engine = initialize(model, cfg)
     if cfg.checkpoint.dir:
         check_shared(engine, cfg.checkpoint.dir)     # (now, not at the first save hours later)
+    if cfg.train.init_from and not other:
+        load_hf_into_engine(engine, cfg.train.init_from)
+    if cfg.train.objective == "dpo" and cfg.dpo.reference == "initial":   # the model before any step (a resumed
+        source.ref_logps = reference_logps(engine, source, "shift_labels" if other else "labels")  # run's too)
     batches = train_batches(source, cfg, engine)
-    loader = make_loader(batches, cfg.data.num_workers, cfg.data.pin_memory, cfg.data.prefetch_factor)
     val = held_out_batches(source, cfg, engine)
     if other:
         use_shift_labels(batches, val)
-    elif cfg.train.init_from:
-        load_hf_into_engine(engine, cfg.train.init_from)
+    loader = make_loader(batches, cfg.data.num_workers, cfg.data.pin_memory, cfg.data.prefetch_factor)
     return Run(cfg, device, rank, tokens, mcfg, engine, loader, val)
 
 
