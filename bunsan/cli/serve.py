@@ -125,12 +125,15 @@ def _agreed_slots(shard, slots: int) -> int:
 
 
 def serve_app(args, model, tokenizer, name: str, context: int, batcher):
+    from bunsan.checkpoint.adapter import adapter_dir
+    from bunsan.checkpoint.final import final_dir
     from bunsan.serve import ChatTemplate, Limits, build_app
-    from bunsan.models.hf import has_chat_template
     ckpt = Path(args.checkpoint)
-    folder = Path(args.tokenizer).parent if args.tokenizer and Path(args.tokenizer).is_file() else ckpt
+    # the model's own folder (a training output's final/ or adapter/): its template and end-of-turn ids are there
+    model_folder = final_dir(ckpt) or adapter_dir(ckpt) or ckpt
+    folder = Path(args.tokenizer).parent if args.tokenizer and Path(args.tokenizer).is_file() else model_folder
     template = Path(args.chat_template).read_text() if args.chat_template else None
-    chat = ChatTemplate(tokenizer, folder if has_chat_template(folder) else None, template)
+    chat = ChatTemplate(tokenizer, folder, template)
     limits = Limits(args.max_body_bytes, args.max_tokens, args.max_concurrent, args.body_timeout)
     aliases = tuple(args.served_model_name or ())
     return build_app(batcher, tokenizer, aliases[0] if aliases else name, limits, aliases=aliases,

@@ -88,8 +88,10 @@ def save_weights(engine, cfg: Config, mcfg, out_dir: Path, extra: dict) -> Path:
     if save in ("adapter", "both"):
         written = out_dir / "adapter"
         if engine.mesh.rank == 0:
+            generation = Path(cfg.train.init_from) / "generation_config.json"     # (its end-of-turn ids)
             write_adapter(written, state, cfg.lora, cfg.train.init_from, isinstance(mcfg, LlamaConfig),
-                          tokenizer_files(tokenizer_folder(cfg)))
+                          tokenizer_files(tokenizer_folder(cfg)) + ([(generation, generation.name)]
+                                                                     if generation.is_file() else []))
     if save == "adapter":
         return written
     if cfg.lora.enabled:   # the plain model's weights: adapters folded in
