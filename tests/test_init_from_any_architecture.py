@@ -24,10 +24,18 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 def _config(kind: str):
+    small = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
     if kind == "qwen2":
-        return transformers.Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                        tie_word_embeddings=True)
+        return transformers.Qwen2Config(**small, tie_word_embeddings=True)
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**small, head_dim=16)
+    if kind == "mistral":
+        return transformers.MistralConfig(**small)
+    if kind == "gemma2":
+        return transformers.Gemma2Config(**small, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "phi3":
+        return transformers.Phi3Config(**small, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0,
                                    eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # (dropout: no parity)
 
@@ -39,8 +47,10 @@ def corpus(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("kind,zero", [("qwen2", 1), ("gpt2", 3)])
-def test_train_from_a_transformers_directory_and_generate_from_the_result(tmp_path, corpus, kind, zero):
+@pytest.mark.parametrize("kind,layout", [("qwen2", ["--zero", "1"]), ("gpt2", ["--zero", "3"]),
+                                         ("qwen3", ["--zero", "2"]), ("mistral", ["--tp", "2"]),
+                                         ("gemma2", ["--zero", "0"]), ("phi3", ["--zero", "3"])])
+def test_train_from_a_transformers_directory_and_generate_from_the_result(tmp_path, corpus, kind, layout):
     from bunsan.config.root import Config
     from bunsan.training.data import TokenBatches
     from bunsan.training.sources import load_source
@@ -53,7 +63,7 @@ def test_train_from_a_transformers_directory_and_generate_from_the_result(tmp_pa
     (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot]}))
     out = tmp_path / "out"
     r = subprocess.run([sys.executable, "-m", "bunsan.cli", "train", "--nproc", "2", "--init-from", str(source),
-                        "--steps", "2", "--micro-batch", "2", "--seq-len", "32", "--zero", str(zero),
+                        "--steps", "2", "--micro-batch", "2", "--seq-len", "32", *layout,
                         "--lr", "0.01", "--data", str(corpus / "*.py"), "--output", str(out),
                         "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.val_fraction=0",
                         "--set", "steps_per_print=1", "--tokenizer", str(source / "tokenizer.json")],
@@ -64,7 +74,8 @@ def test_train_from_a_transformers_directory_and_generate_from_the_result(tmp_pa
     cfg = Config.load(meta["bunsan_config"])
     # the first global batch, rebuilt as the run built it, through transformers' own loss (one shift)
     _, tokens = load_source(cfg, 0)
-    rows = TokenBatches(tokens, cfg.data.seq_len, 4, 0, 1, seed=cfg.train.seed, val_fraction=0).batch_at(0)
+    rows = TokenBatches(tokens, cfg.data.seq_len, 2 if "--tp" in layout else 4, 0, 1, seed=cfg.train.seed,
+                        val_fraction=0).batch_at(0)
     ids = torch.cat([rows["input_ids"], rows["labels"][:, -1:]], dim=1)
     with torch.no_grad():
         want = start(input_ids=ids, labels=ids).loss.item()
@@ -82,4 +93,9 @@ def test_train_from_a_transformers_directory_and_generate_from_the_result(tmp_pa
                              capture_output=True, text=True, timeout=120, env=ENV)
     assert refused.returncode != 0 and "not a Llama" in refused.stderr
     assert json.loads((final / "generation_config.json").read_text())["eos_token_id"] == [eot]
+    converted = subprocess.run([sys.executable, "-m", "bunsan.cli", "convert", str(out), str(tmp_path / "converted"),
+                                "--to", "hf"], capture_output=True, text=True, timeout=120, env=ENV)
+    assert converted.returncode == 0, converted.stderr[-2000:]
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "converted")
+    assert all(torch.equal(p, tuned.state_dict()[n]) for n, p in again.state_dict().items())
     shutil.rmtree(tmp_path / "cache", ignore_errors=True)
