@@ -156,3 +156,34 @@ def test_bunsan_train_dpo_starts_at_log_2_and_prefers_the_chosen(tmp_path, conve
               if "loss" in json.loads(line)]
     assert losses[0] == pytest.approx(0.6931472, rel=1e-5)
     assert losses[-1] < losses[0]
+
+
+def test_reference_log_probs_from_the_records_reach_the_batches(tmp_path):
+    """dpo.reference records: each pair's ref_chosen_logps / ref_rejected_logps ride with its two rows through
+    the shuffled, data-parallel batches; a record without them is refused naming it."""
+    import json
+    from bunsan.training.chat_records import BadRecord
+    from bunsan.training.example_batches import ExampleBatches
+    from bunsan.training.examples import Renderer, read_records
+    from bunsan.training.preference_data import pair_rows
+    from bunsan.training.tokenizer import ByteTokenizer
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i} ", "chosen": "yes", "rejected": "no",
+                                        "ref_chosen_logps": -i, "ref_rejected_logps": -100 - i}) + "\n"
+                            for i in range(8)))
+    renderer = Renderer("preference", ByteTokenizer(), None, {}, False)
+    rows = pair_rows(read_records([path]), renderer, 16, 0, "records")
+    assert rows.pairs and rows.ids.shape[0] == 16
+    seen = []
+    for rank in (0, 1):
+        b = ExampleBatches(rows, 8, rank, 2, seed=5, val_fraction=0).batch_at(0)
+        ref = b["ref_logps"].numpy()
+        prompts = [bytes(int(t) for t in r[:3]).decode() for r in b["input_ids"]]
+        for k in range(0, len(prompts), 2):
+            i = int(prompts[k].strip()[1:])
+            assert prompts[k] == prompts[k + 1] and list(ref[k:k + 2]) == [-i, -100 - i]   # a pair, its refs
+            seen.append(i)
+    assert len(set(seen)) == 4                          # the global batch: 4 distinct pairs over the 2 ranks
+    path.write_text(json.dumps({"prompt": "q", "chosen": "yes", "rejected": "no"}) + "\n")
+    with pytest.raises(BadRecord, match=r"pairs.jsonl:1: dpo.reference records reads"):
+        pair_rows(read_records([path]), renderer, 16, 0, "records")
