@@ -9,7 +9,7 @@ Tiny sizes, and only these changes to what a block says:
 - `bunsan train` gets `--steps 2 --seq-len 64 --micro-batch 2` appended (the last of a repeated flag wins),
   and `--preset tiny` unless it starts from `--init-from`; `bunsan generate` gets `--max-new-tokens 8`;
 - the working directory holds what the blocks name as the user's: `Llama-3.2-1B-Instruct/` (a tiny random
-  Llama with a ChatML tokenizer and chat template) and `chat.jsonl`, and `.venv` (this suite's).
+  Llama with a ChatML tokenizer and chat template), `chat.jsonl` and `pairs.jsonl`, and `.venv` (this suite's).
 """
 
 from __future__ import annotations
@@ -126,6 +126,8 @@ def workdirs(tmp_path_factory):
         chats = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},
                                {"role": "assistant", "content": f"{i + 1}."}]} for i in range(16)]
         (d / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+        pairs = [{"prompt": f"What is {i} + 1? ", "chosen": f"{i + 1}.", "rejected": f"{i + 2}."} for i in range(16)]
+        (d / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
         dirs[page] = d
     return dirs
 
