@@ -135,6 +135,16 @@ def read_meta(folder: Path) -> dict:
     return meta
 
 
+def checked_final(folder: Path) -> dict:
+    """read_final's checks without reading the weights (a loader of its own reads them): the record."""
+    meta = read_meta(folder)
+    if (folder / BUNSAN).is_file():
+        _read_hf_weights(folder, meta, load=False)
+    else:
+        read_final(folder)
+    return meta
+
+
 def read_final(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(its record with the model's config under "model", the weights under bunsan's names) of a final/ folder,
     checked: the digest, the header, floating point."""
@@ -158,7 +168,7 @@ def read_final(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, load_file(str(path))
 
 
-def _read_hf_weights(folder: Path, meta: dict) -> dict[str, torch.Tensor]:
+def _read_hf_weights(folder: Path, meta: dict, load: bool = True) -> dict[str, torch.Tensor]:
     recorded = meta.get("weights")
     files = sorted(f.name for f in folder.iterdir() if f.name.endswith(".safetensors"))
     if not isinstance(recorded, dict) or sorted(recorded) != files:
@@ -175,7 +185,8 @@ def _read_hf_weights(folder: Path, meta: dict) -> dict[str, torch.Tensor]:
             check_dtypes(path, checked_header(path))
         except TensorFileError as e:
             raise CheckpointError(str(e)) from None
-        state.update(load_file(str(path)))
+        if load:
+            state.update(load_file(str(path)))
     if meta["model"].get("model_type", "llama") != "llama":    # a transformers model's own names stay
         return state
     # bunsan's names are transformers' without the leading `model.`; a tied head is the embedding

@@ -102,7 +102,7 @@ def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=No
     import torch
 
     from bunsan.checkpoint.adapter import adapter_dir
-    from bunsan.checkpoint.final import final_dir, is_final, read_final
+    from bunsan.checkpoint.final import checked_final, final_dir, is_final, read_final
     from bunsan.config.root import Config
     from bunsan.training.hf_model import is_other_architecture
     from bunsan.models import Llama, LlamaConfig
@@ -114,11 +114,11 @@ def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=No
     if ckpt is None:
         raise SystemExit(f"bunsan {command}: {path} has no model.safetensors + config.json; point --checkpoint at "
                          "the output directory of `bunsan train` (or its final/ folder)")
-    recorded = None
-    if is_final(ckpt):
-        meta, state = read_final(ckpt)          # (checked: the digest, the headers)
+    recorded, other = None, is_other_architecture(ckpt)
+    if is_final(ckpt):      # (checked: the digests, the headers; transformers reads another architecture's)
+        meta, state = (checked_final(ckpt), None) if other else read_final(ckpt)
         recorded = Config.load(meta.get("bunsan_config", {})).data.tokenizer
-    if is_other_architecture(ckpt):           # a transformers model that is not a Llama
+    if other:                                 # a transformers model that is not a Llama
         import transformers
         model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
     elif is_final(ckpt):
