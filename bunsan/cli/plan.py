@@ -163,7 +163,10 @@ def cmd_estimate(args) -> int:
     _zero_table(console, est)
     if memory is not None:
         verdict = "fits" if est.fits() else "does NOT fit"
-        console.print(f"GPU memory {memory / GiB:.1f} GiB: {verdict}, headroom {est.headroom / GiB:+.2f} GiB")
+        unpriced = any(i.note.startswith("NOT PRICED") for i in est.items)
+        console.print(f"GPU memory {memory / GiB:.1f} GiB: {verdict}"
+                      + (" before activations (not priced: see the table)" if unpriced else "")
+                      + f", headroom {est.headroom / GiB:+.2f} GiB")
     return 0
 
 
@@ -271,13 +274,19 @@ def cmd_plan(args) -> int:
     for col in cols:
         table.add_column(col, justify="left" if col in ("layout", "why") else "right")
     for n, c in enumerate(result.ranked[:args.top], 1):
+        timed = c.step is not None       # (the step time is modelled for bunsan's Llama only)
         row = [str(n), c.layout.describe(), f"{c.peak / GiB:.1f}", f"{c.estimate.host_per_node / GiB:.0f}",
-               f"{c.step.total:.3g}", f"{c.step.tokens_per_s:,.0f}", f"{c.step.mfu:.1%}", c.why]
+               f"{c.step.total:.3g}" if timed else "-", f"{c.step.tokens_per_s:,.0f}" if timed else "-",
+               f"{c.step.mfu:.1%}" if timed else "-", c.why]
         if tokens:
             row.insert(7, f"{result.days(c):,.1f}")
         table.add_row(*row)
     console.print(table)
-    console.print(best.step.explain())
+    if best.step is not None:
+        console.print(best.step.explain())
+    else:
+        console.print(f"{result.ranked[0].estimate.model}: not bunsan's Llama, so neither its step time nor its "
+                      "activations are modelled: layouts are ranked by memory, and the peaks leave activations out")
     if args.constants:
         from bunsan.planner.constants import table as constants_table
         console.print("constants (bunsan/planner/constants.py, bunsan/estimator/hardware.py):\n"

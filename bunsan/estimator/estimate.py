@@ -131,10 +131,18 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
     st = with_frozen_base(st, frozen, layout.shard_ranks, layout.zero, layout.dtype_bytes)
     items = (_process_items(layout, runtime, on_cpu)
              + _model_state_items(st, rp, frozen, layout, on_cpu)
-             + _activation_items(None if shape.bare else shape.llama, rp, rank, layout, on_cpu)
+             + (_unpriced_activations(shape) if shape.llama is None and not shape.bare else
+                _activation_items(None if shape.bare else shape.llama, rp, rank, layout, on_cpu))
              + _backward_buffer_items(shape, rp, base, layout, bucket)
              + _step_items(shape, rp, st, layout, zero, on_cpu))
     return items, st
+
+
+def _unpriced_activations(shape: ModelShape) -> list[Item]:
+    """A model other than bunsan's Llama: its activations are not priced, and the table says so (the peak
+    is a floor)."""
+    return [Item("activations", phase="backward", note=f"NOT PRICED: {shape.name} is not bunsan's Llama; the peak "
+                 "below leaves them out (measure a step: engine.memory_report())")]
 
 
 def _process_items(layout: Layout, runtime: float, on_cpu: bool) -> list[Item]:

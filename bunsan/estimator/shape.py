@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from bunsan.models.blocks import repeated_blocks
+
 from bunsan.models.llama import Llama, LlamaConfig
 from bunsan.models.presets import get_preset
 from bunsan.pipeline.partition import model_layers, partition
@@ -120,6 +122,10 @@ def load_shape(model, overrides: dict | None = None) -> ModelShape:
             d = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read model config {path}: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"model config {path} is not a JSON object")
+        if d.get("model_type", "llama") != "llama" or "text_config" in d:     # priced from its own modules
+            return _transformers_shape(d, path, overrides)
         cfg = LlamaConfig.from_hf(d)
         for k, v in (overrides or {}).items():
             setattr(cfg, k, v)
@@ -127,6 +133,36 @@ def load_shape(model, overrides: dict | None = None) -> ModelShape:
     from bunsan.models.presets import build_config
     return _llama_shape(build_config(str(model), **(overrides or {})) if overrides else get_preset(str(model)),
                         str(model))
+
+
+def _transformers_shape(d: dict, path: Path, overrides: dict | None) -> ModelShape:
+    """Another architecture's config.json (Qwen2, Gemma, a LLaVA with its vision tower, ...): the model built by
+    transformers on the meta device, so every module it has is counted, none assumed."""
+    kind = d.get("model_type")
+    if overrides:
+        raise ValueError(f"{path}: model_type {kind!r} is priced from the model transformers builds; the model "
+                         f"overrides {sorted(overrides)} apply to bunsan's Llama only: drop them")
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(f"{path}: model_type {kind!r} is not a Llama; pricing it needs transformers "
+                         "(pip install transformers)") from None
+    try:
+        config = transformers.AutoConfig.for_model(**d)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: transformers does not know model_type {kind!r} ({e}); bunsan prices what "
+                         "transformers can build") from None
+    builders = (transformers.AutoModelForCausalLM, getattr(transformers, "AutoModelForImageTextToText", None),
+                transformers.AutoModel)
+    with torch.device("meta"):
+        for builder in builders:
+            try:
+                model = builder.from_config(config) if builder is not None else None
+            except ValueError:
+                continue
+            if model is not None:
+                return ModelShape(type(model).__name__, model, None)
+    raise ValueError(f"{path}: transformers builds no model for model_type {kind!r}; bunsan cannot price it")
 
 
 # -- what one rank holds ---------------------------------------------------------------------------
@@ -197,6 +233,13 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
     names_of: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
+    # ZeRO-3's units as the engine finds them (zero/units.py): `layers.N` in bunsan's Llama, a transformers
+    # model's `_no_split_modules` blocks (`model.layers.N`, a vision tower's `encoder.layers.N`)
+    module_names = {id(m): n for n, m in model.named_modules()}
+    prefixes = [module_names[id(b)] + "." for b in repeated_blocks(model) if id(b) in module_names]
+
+    def block_of(name: str) -> str | None:
+        return next((p for p in prefixes if name.startswith(p)), None)
     params = {id(p): p for p in model.parameters()}
     out = []
     for r in range(len(paths)):
@@ -210,9 +253,9 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
             n = math.prod(shapes[-1])
             if sum(any(holds(q, m) for m in names) for q in range(len(paths))) > 1:
                 tied += n
-            parts = here[0].split(".")
-            if parts[0] == "layers" and len(parts) > 2:
-                blocks[parts[1]] = blocks.get(parts[1], 0) + n
+            block = block_of(here[0])
+            if block is not None:
+                blocks[block] = blocks.get(block, 0) + n
             else:
                 root += n
         has_emb = shape.llama is not None and (pp == 1 or "embed_tokens" in paths[r])
