@@ -121,14 +121,8 @@ def read_meta(folder: Path) -> dict:
     if (folder / BUNSAN).is_file():
         return {**_json_object(folder / BUNSAN), "model": _json_object(folder / CONFIG)}
     path = folder / CONFIG
-    text = read_small(path, CONFIG_BYTES)
-    if text is None:
-        raise CheckpointError(f"{path} is not a readable UTF-8 file under {CONFIG_BYTES:,} bytes")
-    try:
-        meta = json.loads(text)
-    except ValueError as e:
-        raise CheckpointError(f"{path} is not JSON ({e}); the run's output is damaged") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+    meta = _json_object(path)
+    if not isinstance(meta.get("model"), dict):
         raise CheckpointError(f"{path} has no \"model\" object (the model's config): it is not the final/ folder "
                               "of `bunsan train` (a Hugging Face directory's config.json is the model's config "
                               "itself)")

@@ -93,10 +93,11 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
              kv_heads: int | None = None) -> torch.Tensor:
     """Extend ``input_ids`` [b, s] by up to ``max_new_tokens``; returns [b, s + new].
 
-    Greedy when temperature == 0. Prefills the prompt into a KV cache, then feeds
-    one token at a time. Sequences that emitted ``eos_token_id`` (one id, or a list: any of them ends a
-    sequence, as generation_config.json's) keep emitting it; generation stops early once all have. ``kv_heads``: this rank's key/value heads when the
-    attention is split over a tensor-parallel group (the cache is sharded by heads).
+    Greedy when temperature == 0. Prefills the prompt into a KV cache, then feeds one token at a time.
+    Sequences that emitted ``eos_token_id`` (one id, or a list: any of them ends a sequence, as
+    generation_config.json's) keep emitting it; generation stops early once all have. ``kv_heads``: this
+    rank's key/value heads when the attention is split over a tensor-parallel group (the cache is sharded by
+    heads). A transformers model runs with its own cache (past_key_values), the tokens chosen the same way.
     """
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
@@ -112,12 +113,6 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
     if total > cfg.max_position_embeddings:
         raise ValueError(f"prompt {s} + max_new_tokens {max_new_tokens} = {total} exceeds "
                          f"max_position_embeddings {cfg.max_position_embeddings}")
-    was_training = model.training
-    model.eval()
-    out = input_ids
-    done = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
-    stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
-    stop_ids = torch.tensor(stops, dtype=torch.long, device=input_ids.device)
     cache = None
     if use_cache:
         p = next(model.parameters())
@@ -126,38 +121,36 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
         device = model.rope_cos.device if hasattr(model, "rope_cos") else p.device
         cache = KVCache(cfg, b, total, device=device, dtype=p.dtype, num_kv_heads=kv_heads,
                         layer_devices=layer_devices(model))
-    step_input = input_ids
-    try:
-        for _ in range(max_new_tokens):
-            logits = model(step_input if use_cache else out, kv_cache=cache)[:, -1]
-            # the head (or the generator) may sit on another device than the tokens so far
-            nxt = next_token(logits, temperature, top_k, generator).to(out.device)
-            if stops:
-                nxt = torch.where(done, torch.full_like(nxt, stops[0]), nxt)
-                done |= torch.isin(nxt, stop_ids)
-            out = torch.cat([out, nxt[:, None]], dim=1)
-            step_input = nxt[:, None]
-            if stops and bool(done.all()):
-                break
-    finally:
-        model.train(was_training)
-    return out
+    return _decode(model, input_ids, max_new_tokens, temperature, top_k, eos_token_id, generator,
+                   lambda step_input, out: model(step_input if use_cache else out, kv_cache=cache)[:, -1])
 
 
 def _generate_hf(model, input_ids, max_new_tokens, temperature, top_k, eos_token_id, generator):
-    """generate() for a transformers causal LM: its forward and key/value cache (past_key_values), the next
-    token chosen as for bunsan's Llama (next_token), stopping at any of the end tokens."""
+    """generate() for a transformers causal LM: its forward and key/value cache (past_key_values)."""
+    past = None
+
+    def step(step_input, out):
+        nonlocal past
+        result = model(input_ids=step_input, past_key_values=past, use_cache=True)
+        past = result.past_key_values
+        return result.logits[:, -1]
+
+    return _decode(model, input_ids, max_new_tokens, temperature, top_k, eos_token_id, generator, step)
+
+
+def _decode(model, input_ids, max_new_tokens, temperature, top_k, eos_token_id, generator, step):
+    """The token loop: `step(new tokens, all tokens)` gives the last position's logits; the next token is chosen
+    by next_token, and a sequence ends at any of the end tokens (then keeps emitting the first)."""
     stops = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
     stop_ids = torch.tensor(stops, dtype=torch.long, device=input_ids.device)
     was_training = model.training
     model.eval()
-    out, step_input, past = input_ids, input_ids, None
+    out, step_input = input_ids, input_ids
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     try:
         for _ in range(max_new_tokens):
-            result = model(input_ids=step_input, past_key_values=past, use_cache=True)
-            past = result.past_key_values
-            nxt = next_token(result.logits[:, -1], temperature, top_k, generator).to(out.device)
+            # the head (or the generator) may sit on another device than the tokens so far
+            nxt = next_token(step(step_input, out), temperature, top_k, generator).to(out.device)
             if stops:
                 nxt = torch.where(done, torch.full_like(nxt, stops[0]), nxt)
                 done |= torch.isin(nxt, stop_ids)
