@@ -20,6 +20,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_healthy(proc, url: str, what: str = "the server", timeout_s: float = 120) -> None:
+    """Until a `bunsan serve` subprocess answers /health; its output if it exits first."""
+    deadline = time.time() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, f"{what} did not start"
+        time.sleep(0.3)
+
+
 class Server:
     """`slots` x `context` of KV cache; `limits` are Limits' fields; `app` takes build_app's keywords."""
 

@@ -17,7 +17,7 @@ from parity import tiny_model
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
-from serve_harness import PROMPTS, Server, free_port, offline  # noqa: E402  (needs httpx and uvicorn)
+from serve_harness import PROMPTS, Server, free_port, offline, wait_until_healthy  # noqa: E402  (needs httpx and uvicorn)
 
 
 @pytest.fixture(scope="module")
@@ -245,16 +245,7 @@ def test_tensor_parallel_serving_and_a_dead_rank(tmp_path, model):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "the tensor-parallel server did not start"
-            time.sleep(0.5)
+        wait_until_healthy(proc, url, "the tensor-parallel server")
         time.sleep(6)                                   # idle past the 4 s timeout: heartbeats keep ranks joined
         tok = load_tokenizer(None)
         want = [offline(model, tok, p, 10) for p in PROMPTS[:3]]

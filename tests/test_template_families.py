@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from serve_harness import free_port  # noqa: E402
+from serve_harness import free_port, wait_until_healthy  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -94,16 +93,7 @@ def test_fine_tune_then_serve_with_the_models_own_template_ending_at_end_of_turn
                               stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            assert server.poll() is None, server.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "the server did not start"
-            time.sleep(0.3)
+        wait_until_healthy(server, url)
         choice = _chat(url, "Q3")
         assert choice["finish_reason"] == "stop", choice           # ended at the end of turn, not at max_tokens
         assert choice["message"]["content"].strip() == "Sure."
