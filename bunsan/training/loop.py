@@ -1,4 +1,5 @@
-"""`bunsan train`: the reference Llama on a text corpus, read top to bottom.
+"""`bunsan train`: bunsan's Llama (or, --init-from, any transformers causal LM) on a corpus or records, read
+top to bottom.
 
 config -> process group -> tokens -> model -> engine -> loop (log, eval) -> summary -> final weights.
 Runs on every rank that torchrun started; only rank 0 prints and writes.
@@ -158,8 +159,9 @@ def set_up(cfg: Config) -> Run:
         check_shared(engine, cfg.checkpoint.dir)     # (now, not at the first save hours later)
     if cfg.train.init_from and not other:
         load_hf_into_engine(engine, cfg.train.init_from)
-    if cfg.train.objective == "dpo" and cfg.dpo.reference == "initial":   # the model before any step (a resumed
-        source.ref_logps = reference_logps(engine, source, "shift_labels" if other else "labels")  # run's too)
+    if cfg.train.objective == "dpo" and cfg.dpo.reference == "initial":
+        # the model before any step, here before a resume loads its checkpoint: a resumed run's reference too
+        source.ref_logps = reference_logps(engine, source, "shift_labels" if other else "labels")
     batches = train_batches(source, cfg, engine)
     val = held_out_batches(source, cfg, engine)
     if other:

@@ -69,6 +69,8 @@ def park(strategy, include, device: torch.device, pin_memory: bool = True, non_b
     if unknown:
         raise ValueError(f"offload_states(include={unknown}): the kinds of state are {list(KINDS)} "
                          "(OffloadStateTypeEnum)")
+    if device.type == "cuda" and device.index is None:     # (tensors say cuda:N; the engine's may say cuda)
+        device = torch.device("cuda", torch.cuda.current_device())
     tensors = state_tensors(strategy)
     parked, seen = Parked(device), set()
     pin = pin_memory and device.type == "cuda"
