@@ -187,3 +187,17 @@ def test_reference_log_probs_from_the_records_reach_the_batches(tmp_path):
     path.write_text(json.dumps({"prompt": "q", "chosen": "yes", "rejected": "no"}) + "\n")
     with pytest.raises(BadRecord, match=r"pairs.jsonl:1: dpo.reference records reads"):
         pair_rows(read_records([path]), renderer, 16, 0, "records")
+
+
+def _cp_rank(rank, world):
+    engine = bunsan.initialize(tiny_model(0), {"train_batch_size": 2, "context_parallel": {"size": 2},
+                                               "train": {"objective": "dpo"},
+                                               "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    batch = {**{k: v[:2] for k, v in pair_batch().items()}, "ref_logps": torch.zeros(2)}
+    with pytest.raises(ValueError, match="dpo with context parallelism"):
+        engine.train_batch(batch)
+    return True
+
+
+def test_dpo_under_context_parallelism_is_refused(pools):
+    assert pools.run(2, _cp_rank, 2) == [True, True]

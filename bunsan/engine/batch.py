@@ -142,6 +142,13 @@ class Objective:
         loss = reported / self.div
         return (loss * self.scale if self.scale != 1.0 else loss), reported
 
+    def check_context_parallel(self) -> None:
+        """Context parallelism gives each rank a share of every row's tokens: only a sum over tokens survives."""
+        if not self.lm:
+            raise ValueError("context parallelism trains on language-model dict batches {input_ids, labels} "
+                             "with the engine's token-mean loss: a loss_fn would see only this rank's share of "
+                             "each row's tokens; pass dict batches without a loss_fn")
+
     def tokens(self, micro: list) -> torch.Tensor:
         """Targets that count (not -100) over these micro-batches: a 1-element fp64 device tensor."""
         return torch.stack([(self.targets(mb) != -100).sum() for mb in micro]).sum().double().reshape(1)

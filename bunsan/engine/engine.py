@@ -299,10 +299,8 @@ class Engine:
         return [shard_batch(mb, self.cp.size, self.cp.rank) for mb in micro]
 
     def _lm_only(self, objective: Objective) -> None:
-        if self.cp is not None and not objective.lm:
-            raise ValueError("context parallelism trains on language-model dict batches {input_ids, labels} "
-                             "with the engine's token-mean loss: a loss_fn would see only this rank's share of "
-                             "each row's tokens; pass dict batches without a loss_fn")
+        if self.cp is not None:
+            objective.check_context_parallel()
 
     def _forward_backward(self, micro: list, objective: Objective) -> torch.Tensor:
         """Forward and backward of every micro-batch; this rank's summed loss (a device tensor). A pipeline

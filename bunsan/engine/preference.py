@@ -51,6 +51,10 @@ class PreferenceObjective(Objective):
         losses = -(1 - eps) * F.logsigmoid(self.beta * margin) - eps * F.logsigmoid(-self.beta * margin)
         return losses.sum()
 
+    def check_context_parallel(self) -> None:
+        raise ValueError("train.objective dpo with context parallelism: a row's log-probability would be summed "
+                         "over this rank's share of its tokens only; train DPO without context_parallel")
+
     def tokens(self, micro: list) -> torch.Tensor:
         """What the loss is a mean over: the pairs (a 1-element fp64 device tensor)."""
         pairs = sum(mb["input_ids"].shape[0] // 2 for mb in micro)
@@ -67,9 +71,6 @@ def objective_for(engine, batch) -> Objective:
                          f"{REF_LOGPS!r} (each row's reference log-probability), rows in (chosen, rejected) pairs")
     if engine.loss_fn is not None:
         raise ValueError("train.objective dpo computes its own loss: drop loss_fn from bunsan.initialize")
-    if engine.cp is not None:
-        raise ValueError("train.objective dpo with context parallelism: a row's log-probability would be summed "
-                         "over this rank's share of its tokens only; train DPO without context_parallel")
     base = make_objective({k: v for k, v in batch.items() if k != REF_LOGPS}, None, engine._lm_loss_sum,
                           engine.module)
     return PreferenceObjective(True, base.lm_loss_sum, None, keywords=base.keywords, shift=base.shift,
