@@ -1,5 +1,6 @@
 """Fine-tuning to serving, per chat template family: `bunsan train --init-from DIR --format chat` on a tiny
-model whose tokenizer carries the family's template and end-of-turn tokens, then `bunsan serve --checkpoint
+model of the family's architecture (Qwen2 for ChatML, Llama, Mistral, Gemma 2) whose tokenizer carries the
+family's template and end-of-turn tokens, then `bunsan serve --checkpoint
 RUN` answers the OpenAI chat endpoint through that template and stops at the end of the turn (finish_reason
 "stop"), including where the end of turn is only in generation_config.json's eos_token_id list (Llama 3,
 Gemma: the tokenizer's own eos_token is the end of text)."""
@@ -42,6 +43,9 @@ FAMILIES = {
               "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"),
 }
 
+# each family on the architecture that uses it: bunsan's own Llama, or transformers' model for the others
+ARCHITECTURE = {"chatml": "qwen2", "llama3": "llama", "mistral": "mistral", "gemma": "gemma2"}
+
 
 def _model_dir(folder, family):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -56,13 +60,19 @@ def _model_dir(folder, family):
                                                 additional_special_tokens=[s for s in specials if s not in (eos, bos)])
     fast.chat_template = template
     fast.save_pretrained(folder)
-    if generation:
+    small = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    if ARCHITECTURE[family] == "llama":
+        cfg = LlamaConfig(**small)
+        save_llama(Llama(cfg).state_dict(), cfg, folder)
+    else:
+        ids = {"bos_token_id": fast.bos_token_id, "eos_token_id": fast.eos_token_id, "pad_token_id": fast.eos_token_id}
+        config = transformers.AutoConfig.for_model(ARCHITECTURE[family], **small, **ids)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    if generation:               # (after the model: save_pretrained writes the config's own generation_config.json)
         (folder / "generation_config.json").write_text(json.dumps(
             {"eos_token_id": [fast.convert_tokens_to_ids(s) for s in generation]}))
-    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    save_llama(Llama(cfg).state_dict(), cfg, folder)
 
 
 def _chat(url: str, content: str) -> dict:

@@ -1,9 +1,8 @@
-"""`bunsan generate`: sample from a trained checkpoint, on one process, tensor-parallel ranks, or a Hugging Face
-Llama spread over devices, CPU and disk (--device-map)."""
+"""`bunsan generate`: sample from a trained checkpoint or a Hugging Face causal LM, on one process, over
+tensor-parallel ranks, or spread over devices, CPU and disk (--device-map)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -21,7 +20,7 @@ def add_parser(sub) -> None:
     g.add_argument("--tokenizer", default=None, help="override the tokenizer recorded in the checkpoint")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (KV cache sharded by heads)")
     g.add_argument("--device-map", choices=("auto", "balanced", "sequential"),
-                   help="spread a Hugging Face Llama directory over devices, CPU and disk (blocks whole)")
+                   help="spread the model over devices, CPU and disk (blocks whole)")
     g.add_argument("--max-memory", help="budgets for --device-map, e.g. 0=20GiB,1=20GiB,cpu=64GiB (default: all CPU)")
     g.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="the weights' and the KV cache's dtype (sampling is fp32 whatever it is)")
@@ -93,6 +92,26 @@ def _generate_placed(args) -> int:
                        eos_token_id=tokenizer.stop_ids, generator=g)
     print(tokenizer.decode(out[0].tolist()))
     print("\n".join(lines(model, dmap, baseline, args.checkpoint)))
+    return 0
+
+
+def _generate_placed_transformers(args, folder: Path) -> int:
+    """--device-map for a transformers model that is not a Llama: transformers' own placement."""
+    import torch
+
+    from bunsan.inference.transformers_placed import input_device, load_placed, placement_line
+    from bunsan.models import generate
+    model = load_placed(folder, args.device_map, parse_max_memory(args.max_memory), torch_dtype(args.dtype))
+    tokenizer = hf_tokenizer(folder, args.tokenizer, model.config.vocab_size)
+    ids = torch.tensor([tokenizer.encode(args.prompt)], dtype=torch.long)
+    if ids.numel() == 0:
+        raise ValueError("--prompt is empty; give some text to continue")
+    g = torch.Generator().manual_seed(args.seed)
+    with torch.no_grad():
+        out = generate(model, ids.to(input_device(model)), args.max_new_tokens,
+                       temperature=args.temperature, top_k=args.top_k, eos_token_id=tokenizer.stop_ids, generator=g)
+    print(tokenizer.decode(out[0].tolist()))
+    print(placement_line(model))
     return 0
 
 
@@ -180,16 +199,13 @@ def cmd_generate(args) -> int:
 
     from bunsan.models import generate
 
-    if args.device_map or args.tp > 1:
-        from bunsan.checkpoint.final import final_dir
-        from bunsan.training.hf_model import is_other_architecture
-        ckpt = final_dir(args.checkpoint)
-        if ckpt is not None and is_other_architecture(ckpt):
-            raise SystemExit(f"bunsan generate: {ckpt} is not a Llama (model_type "
-                             f"{json.loads((ckpt / 'config.json').read_text()).get('model_type')!r}); --device-map and "
-                             "--tp run bunsan's own Llama: generate it in one process (without them)")
     if args.device_map:
         refuse_tp_with_device_map(args)
+        from bunsan.checkpoint.final import final_dir
+        from bunsan.training.hf_model import is_other_architecture
+        folder = final_dir(args.checkpoint)
+        if folder is not None and is_other_architecture(folder):
+            return _generate_placed_transformers(args, folder)
         return _generate_placed(args)
     if args.tp > 1 and not under_torchrun():
         return relaunch(args, args.tp)

@@ -1,5 +1,5 @@
-"""`bunsan serve`: load a checkpoint (bunsan train's output, or a Hugging Face Llama directory, optionally spread
-over devices, CPU and disk) and serve OpenAI- and Ollama-compatible completions and chat over HTTP with
+"""`bunsan serve`: load a checkpoint (bunsan train's output, or a Hugging Face causal LM directory, optionally
+spread over devices, CPU and disk, or over tensor-parallel processes) and serve OpenAI- and Ollama-compatible completions and chat over HTTP with
 continuous batching."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from bunsan.cli.launch import relaunch, under_torchrun
 def add_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve completions over HTTP (OpenAI-style), continuous batching")
     s.add_argument("--checkpoint", required=True,
-                   help="output dir of `bunsan train` (or its final/ folder), or a Hugging Face Llama directory")
+                   help="output dir of `bunsan train` (or its final/ folder), or a Hugging Face causal LM directory")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's, else bytes)")
@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
     s.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a tensor-parallel collective may take before serving stops with an error")
     s.add_argument("--device-map", choices=("auto", "balanced", "sequential"),
-                   help="spread a Hugging Face Llama directory over devices, CPU and disk")
+                   help="spread the model over devices, CPU and disk (a Llama by bunsan's placement, others by transformers')")
     s.add_argument("--max-memory", help="budgets for --device-map, e.g. 0=20GiB,cpu=64GiB")
     s.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="the weights' and the KV cache's dtype (sampling is fp32 whatever it is)")
@@ -57,22 +57,27 @@ def _slots(text: str):
 
 
 def load_model(args):
-    """(model, tokenizer, name, context) for the server."""
+    """(model, tokenizer, name, context) for the server: bunsan's Llama, or another transformers causal LM
+    behind the serving forward (serve/transformers_model.py)."""
     from bunsan.checkpoint.adapter import adapter_dir
-    from bunsan.checkpoint.final import is_final
+    from bunsan.checkpoint.final import final_dir, is_final
     from bunsan.cli.generate import hf_tokenizer, parse_max_memory, torch_dtype, trained_model
+    from bunsan.models.hf import read_config
+    from bunsan.serve.transformers_model import TransformersLM
+    from bunsan.training.hf_model import is_other_architecture
     ckpt = Path(args.checkpoint)
     dtype = torch_dtype(args.dtype)
     trained = any(final_dir.is_dir() and is_final(final_dir) for final_dir in (ckpt / "final", ckpt)) or \
         adapter_dir(ckpt) is not None        # (a LoRA adapter: merged into its base, cli/generate.py)
-    if trained and not args.device_map:
+    other = is_other_architecture(final_dir(ckpt) or ckpt)
+    if args.device_map and other:            # transformers' own placement (Accelerate's)
+        from bunsan.inference.transformers_placed import load_placed
+        folder = final_dir(ckpt) or ckpt
+        model = load_placed(folder, args.device_map, parse_max_memory(args.max_memory), dtype)
+        tokenizer = hf_tokenizer(folder, args.tokenizer, model.config.vocab_size)
+    elif (trained or other) and not args.device_map:
         model, tokenizer = trained_model(ckpt, args.tokenizer, "serve", dtype)
-        from bunsan.models import Llama
-        if not isinstance(model, Llama):
-            raise ValueError(f"{ckpt} holds a {model.config.model_type} model; bunsan serve runs bunsan's own "
-                             "Llama (model_type 'llama'): generate with it (`bunsan generate`), or serve a Llama")
     else:
-        from bunsan.models.hf import read_config
         context = _context(args, read_config(ckpt))
         if args.device_map:
             from bunsan.inference import load
@@ -83,6 +88,9 @@ def load_model(args):
             from bunsan.models.hf import load_llama
             model = load_llama(ckpt, dtype).eval()
         tokenizer = hf_tokenizer(ckpt, args.tokenizer, model.config.vocab_size)
+    from bunsan.models import Llama
+    if not isinstance(model, Llama):
+        model = TransformersLM(model)
     return model, tokenizer, ckpt.resolve().name, _context(args, model.config)
 
 
@@ -99,11 +107,11 @@ def slot_count(args, model, context: int, kv_heads: int | None) -> tuple[int, st
     import torch
 
     from bunsan.estimator.hardware import parse_bytes
-    from bunsan.serve.slots import free_memory, slot_bytes
+    from bunsan.serve.slots import free_memory, input_device, slot_bytes
     dtype = next(model.parameters()).dtype
     per_slot = slot_bytes(model.config, context, kv_heads, dtype)
     if args.slots == "auto":
-        free = free_memory(model.rope_cos.device)
+        free = free_memory(input_device(model))
         budget = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else int(0.3 * free)
         slots = max(1, min(args.max_concurrent, budget // per_slot))
         why = (f"--slots auto: {budget / 2**30:.2f} GiB budget " + ("(--kv-cache-memory)" if args.kv_cache_memory
@@ -113,7 +121,7 @@ def slot_count(args, model, context: int, kv_heads: int | None) -> tuple[int, st
     size = slots * per_slot
     dtype_name = str(dtype).removeprefix("torch.")
     return slots, (f"KV cache {slots} slots x {context} tokens = {size / 2**30:.3f} GiB ({dtype_name}, "
-                   f"{per_slot / 2**20:.1f} MiB a slot) on {torch.device(model.rope_cos.device)}; {why}")
+                   f"{per_slot / 2**20:.1f} MiB a slot) on {torch.device(input_device(model))}; {why}")
 
 
 def _agreed_slots(shard, slots: int) -> int:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bunsan.memory.measure import host_available_bytes
+
 GiB = 1024 ** 3
 OPTIONAL = ("transformers", "tokenizers", "peft", "bitsandbytes", "starlette", "uvicorn", "deepspeed")
 
@@ -54,8 +56,7 @@ def versions() -> list[Check]:
 
 
 def host_available() -> float:
-    with open("/proc/meminfo") as f:
-        return float(next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable")))
+    return float(host_available_bytes())
 
 
 def devices() -> list[Check]:

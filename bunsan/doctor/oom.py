@@ -13,6 +13,8 @@ import resource
 
 import torch
 
+from bunsan.memory.measure import host_available_bytes
+
 EXIT_CODE = 3
 GiB = 1024 ** 3
 
@@ -38,9 +40,8 @@ def capacity(device: torch.device) -> tuple[float, str]:
         if soft != resource.RLIM_INFINITY:
             return float(soft), f"this process's {name} limit"
     try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
-        return float(avail) / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), "available host memory / ranks"
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return float(host_available_bytes()) / ranks, "available host memory / ranks"
     except (OSError, StopIteration):
         return float("nan"), "unknown"
 

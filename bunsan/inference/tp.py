@@ -14,6 +14,7 @@ from bunsan.comm.mesh import Mesh
 from bunsan.comm.process_group import init_distributed
 from bunsan.comm.work import Group
 from bunsan.tensor_parallel import TPContext, apply_tensor_parallel
+from bunsan.tensor_parallel.hf_plan import hf_tp_plan, is_hf_model
 
 
 @dataclass
@@ -33,5 +34,26 @@ def split_over_ranks(model: nn.Module, tp: int, timeout_s: float | None = None) 
     model.to(device)                   # before the split: each rank cuts its shards where it computes
     mesh = Mesh.create(tp=tp)
     comm = Comm(device=device) if timeout_s is None else Comm(timeout_s=timeout_s, device=device)
-    apply_tensor_parallel(model, TPContext(comm, mesh.tp_group)).gather_output = True
+    # a transformers model behind bunsan serve's forward (serve/transformers_model.py) splits by its own plan
+    target = getattr(model, "hf_model", model)
+    head = apply_tensor_parallel(target, TPContext(comm, mesh.tp_group), inference_plan(target))
+    if head is None:
+        raise ValueError(f"{type(target).__name__}'s tensor-parallel plan has no vocabulary-parallel head (its "
+                         "lm_head); inference under --tp needs one to gather the logits: run without --tp")
+    head.gather_output = True
     return TPRank(device, comm, mesh.tp_group, mesh.rank, model.config.num_key_value_heads // tp)
+
+
+def inference_plan(model: nn.Module) -> dict | None:
+    """The plan to split `model` by for inference: a transformers model's own, with an embedding that is not a
+    plain nn.Embedding (Gemma's scales its output) left whole on every rank, which nothing trains here (in
+    training the split is refused: a whole embedding tied to a split head would come untied). None: the
+    Llama plan."""
+    if not is_hf_model(model):
+        return None
+    plan = hf_tp_plan(model, sequence_parallel=False)
+    embedding = model.get_input_embeddings()
+    if type(embedding) is not nn.Embedding:
+        name = next(n for n, m in model.named_modules() if m is embedding)
+        plan.pop(name, None)
+    return plan

@@ -42,6 +42,12 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the lifetime peak (KiB)
 
 
+def host_available_bytes() -> int:
+    """The host memory the kernel says is available for new allocations (MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+
+
 def current_rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:

@@ -1,6 +1,8 @@
 """KV cache and autoregressive generation for the reference Llama."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from bunsan.models.llama import Llama, LlamaConfig
@@ -128,11 +130,13 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
 def _generate_hf(model, input_ids, max_new_tokens, temperature, top_k, eos_token_id, generator):
     """generate() for a transformers causal LM: its forward and key/value cache (past_key_values)."""
     past = None
+    # transformers 5 names the cache `cache` (`past_key_values` before it, deprecated since)
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def step(step_input, out):
         nonlocal past
-        result = model(input_ids=step_input, past_key_values=past, use_cache=True)
-        past = result.past_key_values
+        result = model(input_ids=step_input, use_cache=True, **{keyword: past})
+        past = getattr(result, keyword)
         return result.logits[:, -1]
 
     return _decode(model, input_ids, max_new_tokens, temperature, top_k, eos_token_id, generator, step)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from bunsan.memory.measure import host_available_bytes
 from bunsan.models.generate import KVCache, layer_devices
-from bunsan.models.llama import Llama
 
 
 class _SlotLayer:
@@ -58,14 +58,14 @@ class _SlotView:
 
 
 class SlotCache:
-    def __init__(self, model: Llama, slots: int, max_len: int, kv_heads: int | None = None):
-        # where the model starts: its rotary tables sit beside the embedding (under a device map too), so the
-        # token ids go there and the positions are cut there
-        self.device = model.rope_cos.device
+    def __init__(self, model, slots: int, max_len: int, kv_heads: int | None = None):
+        """`model`: bunsan's Llama, or a transformers model behind transformers_model.TransformersLM."""
+        self.device = input_device(model)
         # generate's cache, one row per slot (each layer's beside the layer under a device map), in the weights'
         # dtype; the rows' own lengths replace its single position
+        devices = model.cache_devices() if hasattr(model, "cache_devices") else layer_devices(model)
         kv = KVCache(model.config, slots, max_len, device=self.device, dtype=next(model.parameters()).dtype,
-                     num_kv_heads=kv_heads, layer_devices=layer_devices(model))
+                     num_kv_heads=kv_heads, layer_devices=devices)
         self.k, self.v = kv.k, kv.v
         self.lengths = torch.zeros(slots, dtype=torch.long)
         self.max_len = max_len
@@ -86,6 +86,12 @@ class SlotCache:
         return _SlotView(self, rows, new)
 
 
+def input_device(model) -> torch.device:
+    """Where the model starts, so where the token ids go and the positions are cut: beside bunsan's Llama's
+    rotary tables (which sit by the embedding, under a device map too), or a transformers model's embedding."""
+    return model.rope_cos.device if hasattr(model, "rope_cos") else model.input_device
+
+
 def slot_bytes(config, max_len: int, kv_heads: int | None, dtype: torch.dtype) -> int:
     """The keys and values one slot of `max_len` tokens holds, over every layer."""
     kv = kv_heads or config.num_key_value_heads
@@ -97,5 +103,4 @@ def free_memory(device: torch.device) -> int:
     """Bytes free where the cache would go: the GPU's free memory, or the host's available memory."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable"))
+    return host_available_bytes()

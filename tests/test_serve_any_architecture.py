@@ -1,0 +1,165 @@
+"""`bunsan serve` and `bunsan generate` on transformers causal LMs that are not Llamas (Qwen2/3, Mistral, Gemma
+2/3, Phi-3, GPT-2): the serving batcher (rows at their own positions in slots, shared prefixes copied, sliding
+window layers masked as transformers masks them) gives the tokens transformers' own greedy `generate` gives,
+and so do the commands in one process, over tensor-parallel ranks and under a device map that puts blocks on
+disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from chat_tokenizer import save_chat_tokenizer  # noqa: E402
+from serve_harness import free_port, wait_until_healthy  # noqa: E402
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _config(kind: str):
+    # sliding windows shorter than the prompts plus their answers: the window's mask decides tokens
+    return {"qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
+            "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=16),
+            "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=8),
+            "gemma2": lambda: transformers.Gemma2Config(**SMALL, head_dim=16, sliding_window=8, **IDS),
+            "gemma3": lambda: transformers.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=8, **IDS),
+            "phi3": lambda: transformers.Phi3Config(**SMALL, **IDS),
+            "gpt2": lambda: transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                                    bos_token_id=0, eos_token_id=0)}[kind]()
+
+
+def _greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _serve_in_process(model, prompts: list[list[int]], n: int, slots: int) -> list[list[int]]:
+    from bunsan.serve.batcher import Batcher, Request
+    batcher = Batcher(model, slots=slots, max_len=64)
+    got = [[] for _ in prompts]
+    finished = []
+    for i, p in enumerate(prompts):
+        batcher.submit(Request(p, n, emit=lambda t, i=i: got[i].append(t.id), finish=finished.append))
+    worker = threading.Thread(target=batcher.run)
+    worker.start()
+    try:
+        for _ in range(600):
+            if len(finished) == len(prompts):
+                break
+            worker.join(0.1)
+    finally:
+        batcher.stop()
+        worker.join()
+    assert finished == ["length"] * len(prompts), finished
+    assert batcher.reused_tokens > 0              # the shared prefix was copied, not prefilled again
+    return got
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "gpt2"])
+def test_the_batcher_gives_transformers_greedy_tokens(kind):
+    from bunsan.serve.transformers_model import TransformersLM
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(_config(kind)).eval()
+    shared = torch.randint(3, 320, (12,)).tolist()
+    prompts = [torch.randint(3, 320, (n,)).tolist() for n in (5, 17, 3)] + [shared, shared + [7, 9, 11]]
+    want = [_greedy(hf, p, 14) for p in prompts]
+    assert _serve_in_process(TransformersLM(hf), prompts, 14, slots=2) == want
+
+
+def test_what_the_serving_forward_cannot_mask_is_refused():
+    from bunsan.serve.transformers_model import TransformersLM
+    chunked = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**SMALL))
+    chunked.config.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"layer types \['chunked_attention'\] are not served"):
+        TransformersLM(chunked)
+    flex = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**SMALL))
+    flex.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="attn_implementation 'flex_attention'.*sdpa and eager"):
+        TransformersLM(flex)
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen2")
+    torch.manual_seed(1)
+    transformers.AutoModelForCausalLM.from_config(_config("qwen2")).save_pretrained(folder)
+    save_chat_tokenizer(folder)
+    return folder
+
+
+def _completions(url: str, prompts: list[list[int]], n: int) -> list[str]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        replies = list(pool.map(lambda p: httpx.post(url + "/v1/completions", timeout=120, json={
+            "prompt": p, "max_tokens": n, "temperature": 0}), prompts))
+    for r in replies:
+        assert r.status_code == 200, r.text
+    return [r.json()["choices"][0]["text"] for r in replies]
+
+
+@pytest.mark.parametrize("spread", [[], ["--tp", "2"], ["--device-map", "sequential", "--max-memory", "cpu=250KB"]],
+                         ids=["one-process", "tp2", "device-map-disk"])
+def test_serve_a_transformers_directory(qwen2_dir, spread):
+    from bunsan.training.data import load_tokenizer
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen2_dir).eval()
+    tokenizer = load_tokenizer(str(qwen2_dir / "tokenizer.json"))
+    torch.manual_seed(2)
+    prompts = [torch.randint(3, 300, (n,)).tolist() for n in (4, 9, 6)]
+    want = [tokenizer.decode(_greedy(hf, p, 10)) for p in prompts]
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", "--checkpoint", str(qwen2_dir), "--port",
+                               str(port), "--slots", "2", "--context", "64", *spread], env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(server, url)
+        assert _completions(url, prompts, 10) == want
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.parametrize("spread", [["--tp", "2"], ["--device-map", "sequential", "--max-memory", "cpu=150KB"]],
+                         ids=["tp2", "device-map-disk"])
+def test_generate_from_a_transformers_directory(qwen2_dir, spread):
+    from bunsan.training.data import load_tokenizer
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen2_dir).eval()
+    tokenizer = load_tokenizer(str(qwen2_dir / "tokenizer.json"))
+    prompt = "def f(x):"
+    want = prompt + tokenizer.decode(_greedy(hf, tokenizer.encode(prompt), 12))
+    r = subprocess.run([sys.executable, "-m", "bunsan.cli", "generate", "--checkpoint", str(qwen2_dir), "--prompt",
+                        prompt, "--max-new-tokens", "12", *spread], capture_output=True, text=True, timeout=300,
+                       env=ENV)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert want in lines, r.stdout
+    if "--device-map" in spread:
+        assert lines[-1].startswith("device map:") and "disk" in lines[-1], r.stdout
+
+
+def test_the_server_loads_a_transformers_directory_with_its_end_tokens(qwen2_dir, tmp_path):
+    """generation_config.json's eos list is what serve stops at (test_template_families: at the end of turn)."""
+    import shutil
+    folder = tmp_path / "m"
+    shutil.copytree(qwen2_dir, folder)
+    eot = json.loads((folder / "tokenizer.json").read_text())["added_tokens"][0]["id"]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot]}))
+    from bunsan.cli.serve import load_model
+    import argparse
+    args = argparse.Namespace(checkpoint=str(folder), tokenizer=None, device_map=None, max_memory=None, slots=2,
+                              context=None, dtype="fp32")
+    model, tokenizer, name, context = load_model(args)
+    assert type(model).__name__ == "TransformersLM" and context == 128 and name == "m"
+    assert eot in tokenizer.stop_ids
