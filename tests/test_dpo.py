@@ -1,6 +1,6 @@
 """train.objective dpo: the loss and the step equal the DPO formula computed by an independent plain loop
 (log-softmax gathered by hand, the mean over pairs, torch's SGD) from the same weights, pairs and reference
-log-probs, at ZeRO 0-3, with tensor parallelism and pipeline stages, with accumulation; SGD without clipping,
+log-probs, at ZeRO 0-3, with tensor, pipeline and context parallelism, with accumulation; SGD without clipping,
 so a gradient-scale error shows. Rafailov et al. 2023: loss = -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))),
 with label smoothing eps: -(1-eps) log sigmoid(beta m) - eps log sigmoid(-beta m)."""
 
@@ -70,15 +70,15 @@ def _rank(rank, world, layout, accum, ref):
     per = 2 * PAIRS // engine.dp_size
     mine = {k: v[engine.dp_rank * per:(engine.dp_rank + 1) * per] for k, v in batch.items()}
     from bunsan.engine.preference import sequence_logps
-    # the reference as bunsan computes it, before any step (a pipeline's is refused: the records' instead)
-    own_ref = sequence_logps(engine, mine) if engine.pipe is None else None
+    # the reference as bunsan computes it, before any step
+    own_ref = sequence_logps(engine, mine)
     losses = [engine.train_batch(mine) for _ in range(2)]
     return losses, engine.consolidated_state_dict(), own_ref, engine.dp_rank
 
 
 LAYOUTS = {"zero0": {}, "zero1": {"zero_optimization": {"stage": 1}}, "zero2": {"zero_optimization": {"stage": 2}},
            "zero3": {"zero_optimization": {"stage": 3}}, "tp2": {"tensor_parallel": {"size": 2}},
-           "pp2": {"pipeline": {"stages": 2, "schedule": "1f1b"}}}
+           "pp2": {"pipeline": {"stages": 2, "schedule": "1f1b"}}, "cp2": {"context_parallel": {"size": 2}}}
 
 
 @pytest.mark.parametrize("name,accum", [(n, 1) for n in LAYOUTS if n != "pp2"] + [("zero2", 2), ("pp2", 2)])
@@ -87,10 +87,9 @@ def test_dpo_equals_the_formula_in_a_plain_loop(pools, name, accum):
     assert want_losses[0] != pytest.approx(want_losses[1], rel=1e-3)        # the step moved the loss
     assert want_losses[0] != pytest.approx(0.6931472, rel=1e-3)                # not log 2: the margin is not 0
     for losses, state, own_ref, dp_rank in pools.run(2, _rank, 2, LAYOUTS[name], accum, ref):
-        per = 2 * PAIRS // (1 if name in ("tp2", "pp2") else 2)
-        if own_ref is not None:
-            torch.testing.assert_close(own_ref, initial[dp_rank * per:(dp_rank + 1) * per].double(), rtol=1e-5,
-                                       atol=1e-5)
+        per = 2 * PAIRS // (1 if name in ("tp2", "pp2", "cp2") else 2)
+        torch.testing.assert_close(own_ref, initial[dp_rank * per:(dp_rank + 1) * per].double(), rtol=1e-5,
+                                   atol=1e-5)
         assert losses == pytest.approx(want_losses, rel=1e-5)
         for k, v in want_state.items():
             torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {k}: {m}")
@@ -125,8 +124,10 @@ def _pairs_file(path, conversational: bool):
     return path
 
 
-@pytest.mark.parametrize("conversational", [False, True])
-def test_bunsan_train_dpo_starts_at_log_2_and_prefers_the_chosen(tmp_path, conversational):
+@pytest.mark.parametrize("conversational,layout", [(False, ["--zero", "2"]), (True, ["--zero", "2"]),
+                                                   (False, ["--pp", "2", "--grad-accum", "2"]), (False, ["--cp", "2"])],
+                         ids=["text-zero2", "chat-zero2", "text-pp2", "text-cp2"])
+def test_bunsan_train_dpo_starts_at_log_2_and_prefers_the_chosen(tmp_path, conversational, layout):
     """With the model before training as the reference, every pair's first margin is 0: the first loss is
     log 2 exactly when the reference's forward is the training forward; then the chosen responses win."""
     import json
@@ -135,7 +136,7 @@ def test_bunsan_train_dpo_starts_at_log_2_and_prefers_the_chosen(tmp_path, conve
     import sys
     args = [sys.executable, "-m", "bunsan.cli", "train", "--nproc", "2", "--format", "preference", "--data",
             str(_pairs_file(tmp_path / "pairs.jsonl", conversational)), "--steps", "6", "--micro-batch", "2",
-            "--seq-len", "48", "--zero", "2", "--lr", "3e-3", "--output", str(tmp_path / "out"),
+            "--seq-len", "48", *layout, "--lr", "3e-3", "--output", str(tmp_path / "out"),
             "--set", "train.objective=dpo", "--set", "data.val_fraction=0", "--set", "steps_per_print=1",
             "--set", "scheduler.params.warmup_steps=0"]
     if conversational:          # the chat template's path, on a transformers model (Qwen2)
@@ -187,17 +188,3 @@ def test_reference_log_probs_from_the_records_reach_the_batches(tmp_path):
     path.write_text(json.dumps({"prompt": "q", "chosen": "yes", "rejected": "no"}) + "\n")
     with pytest.raises(BadRecord, match=r"pairs.jsonl:1: dpo.reference records reads"):
         pair_rows(read_records([path]), renderer, 16, 0, "records")
-
-
-def _cp_rank(rank, world):
-    engine = bunsan.initialize(tiny_model(0), {"train_batch_size": 2, "context_parallel": {"size": 2},
-                                               "train": {"objective": "dpo"},
-                                               "optimizer": {"type": "SGD", "params": {"lr": LR}}})
-    batch = {**{k: v[:2] for k, v in pair_batch().items()}, "ref_logps": torch.zeros(2)}
-    with pytest.raises(ValueError, match="dpo with context parallelism"):
-        engine.train_batch(batch)
-    return True
-
-
-def test_dpo_under_context_parallelism_is_refused(pools):
-    assert pools.run(2, _cp_rank, 2) == [True, True]

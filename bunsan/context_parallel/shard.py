@@ -41,5 +41,6 @@ def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
 
 
 def shard_batch(mb: dict, cp: int, rank: int) -> dict:
-    """A language-model micro-batch {"input_ids", "labels" (shifted)} cut to this rank's tokens."""
-    return {k: shard_sequence(v, cp, rank) for k, v in mb.items()}
+    """A language-model micro-batch {"input_ids", "labels" (shifted)} cut to this rank's tokens; a value of one
+    number per row (a preference batch's ref_logps) has no sequence to cut and stays whole."""
+    return {k: shard_sequence(v, cp, rank) if v.dim() > 1 else v for k, v in mb.items()}

@@ -25,15 +25,37 @@ __all__ = ["REF_LOGPS", "PreferenceObjective", "objective_for", "row_logps", "se
 REF_LOGPS = "ref_logps"
 
 
-def row_logps(logits: torch.Tensor, targets: torch.Tensor, lm_loss_sum) -> torch.Tensor:
-    """Each row's summed log-probability of its targets (-100 ignored), through the engine's token loss."""
-    return -torch.stack([lm_loss_sum(logits[i:i + 1], targets[i:i + 1]) for i in range(logits.shape[0])])
+def row_logps(logits: torch.Tensor, targets: torch.Tensor, lm_loss_sum, over=None) -> torch.Tensor:
+    """Each row's summed log-probability of its targets (-100 ignored), through the engine's token loss.
+    `over` (comm, group): context parallelism, each rank holding a share of every row's tokens; the shares'
+    sums are added up over the group, differentiably."""
+    logps = -torch.stack([lm_loss_sum(logits[i:i + 1], targets[i:i + 1]) for i in range(logits.shape[0])])
+    return logps if over is None else SumOverGroup.apply(logps, *over)
+
+
+class SumOverGroup(torch.autograd.Function):
+    """x summed over `group` on every rank. Backward sums the gradients too: every rank's loss reads the
+    whole sum, so each rank's share feeds every rank's loss."""
+
+    @staticmethod
+    def forward(fctx, x, comm, group):
+        fctx.comm, fctx.group = comm, group
+        out = x.clone()
+        comm.all_reduce(out, group)
+        return out
+
+    @staticmethod
+    def backward(fctx, grad):
+        grad = grad.clone()
+        fctx.comm.all_reduce(grad, fctx.group)
+        return grad, None, None
 
 
 @dataclass
 class PreferenceObjective(Objective):
     beta: float = 0.1
     label_smoothing: float = 0.0
+    over: tuple | None = None           # (comm, context-parallel group): rows' sums span its ranks
 
     def forward(self, module, mb):
         return super().forward(module, {k: v for k, v in mb.items() if k != REF_LOGPS})
@@ -44,19 +66,18 @@ class PreferenceObjective(Objective):
         if logits.shape[0] % 2:
             raise ValueError(f"a preference micro-batch of {logits.shape[0]} rows: rows come in (chosen, rejected) "
                              "pairs, so every micro-batch holds an even number (train_micro_batch_size_per_gpu)")
-        logps = row_logps(logits, self.targets(mb), self.lm_loss_sum)
+        logps = row_logps(logits, self.targets(mb), self.lm_loss_sum, self.over)
         ref = mb[REF_LOGPS].to(logps)
         margin = (logps[0::2] - ref[0::2]) - (logps[1::2] - ref[1::2])
         eps = self.label_smoothing
         losses = -(1 - eps) * F.logsigmoid(self.beta * margin) - eps * F.logsigmoid(-self.beta * margin)
         return losses.sum()
 
-    def check_context_parallel(self) -> None:
-        raise ValueError("train.objective dpo with context parallelism: a row's log-probability would be summed "
-                         "over this rank's share of its tokens only; train DPO without context_parallel")
-
     def tokens(self, micro: list) -> torch.Tensor:
-        """What the loss is a mean over: the pairs (a 1-element fp64 device tensor)."""
+        """What the loss is a mean over: the pairs (a 1-element fp64 device tensor). Under context parallelism
+        every rank of the group counts its dp rank's pairs and reports their whole loss, so both the count and
+        the sum are the group's size times the pairs': the mean (and, through SumOverGroup, the gradient)
+        holds."""
         pairs = sum(mb["input_ids"].shape[0] // 2 for mb in micro)
         return torch.full((1,), float(pairs), dtype=torch.float64, device=micro[0]["input_ids"].device)
 
@@ -74,26 +95,48 @@ def objective_for(engine, batch) -> Objective:
     base = make_objective({k: v for k, v in batch.items() if k != REF_LOGPS}, None, engine._lm_loss_sum,
                           engine.module)
     return PreferenceObjective(True, base.lm_loss_sum, None, keywords=base.keywords, shift=base.shift,
-                               use_cache=base.use_cache, beta=cfg.dpo.beta, label_smoothing=cfg.dpo.label_smoothing)
+                               use_cache=base.use_cache, beta=cfg.dpo.beta, label_smoothing=cfg.dpo.label_smoothing,
+                               over=_context_parallel(engine))
+
+
+def _context_parallel(engine) -> tuple | None:
+    return None if engine.cp is None else (engine.comm, engine.mesh.cp_group)
 
 
 @torch.no_grad()
 def sequence_logps(engine, batch) -> torch.Tensor:
     """Each row's summed log-probability of its trained targets under the engine's model as it is now (the
-    reference of a DPO run, before its first step): a forward of the whole per-rank batch, any layout but a
-    pipeline's. Every rank of the engine calls it (ZeRO-3 gathers and tensor-parallel heads are collectives)."""
-    if engine.pipe is not None:
-        raise ValueError("train.objective dpo with pipeline stages: the reference log-probs need every row's "
-                         "logits in one place; train DPO without pipeline.stages")
+    reference of a DPO run, before its first step), on every rank: a forward of the whole per-rank batch, through
+    the pipeline's stages when there are some. Every rank of the engine calls it (ZeRO-3 gathers, tensor-parallel
+    heads and context-parallel sums are collectives)."""
     plain = {k: v for k, v in batch.items() if k != REF_LOGPS}
     objective = make_objective(plain, None, engine._lm_loss_sum, engine.module)
-    mb = split(plain, 1, engine.device)[0]
+    mb = engine._cut(split(plain, 1, engine.device))[0]
+    over = _context_parallel(engine)
     was_training = engine.module.training
     engine.module.eval()
     try:
         with engine._logits_for(objective):
+            if engine.pipe is not None:
+                return _pipeline_logps(engine, objective, mb, over)
             output = objective.forward(engine.module, mb)
             logits = output.logits if hasattr(output, "logits") else output
-            return row_logps(logits, objective.targets(mb), engine._lm_loss_sum).double()
+            return row_logps(logits, objective.targets(mb), engine._lm_loss_sum, over).double()
     finally:
         engine.module.train(was_training)
+
+
+def _pipeline_logps(engine, objective, mb, over) -> torch.Tensor:
+    """sequence_logps through the stages (forward only): the last stage scores the rows, then hands them on."""
+    pipe = engine.pipe
+    rows = torch.zeros(mb["input_ids"].shape[0], dtype=torch.float64, device=engine.device)
+
+    def score(out, batch):
+        logits = out.logits if hasattr(out, "logits") else out
+        rows.copy_(row_logps(logits, objective.targets(batch), engine._lm_loss_sum, over))
+        return None, rows.new_zeros(1)
+
+    with engine.strategy.pipeline_evaluation():
+        pipe.runner.evaluate([mb], objective.first_input, score, objective.seq_len)
+    pipe.comm.broadcast(rows, pipe.p - 1, pipe.group)
+    return rows

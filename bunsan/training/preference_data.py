@@ -134,5 +134,6 @@ def reference_logps(engine, rows: ExampleRows, target_key: str = "labels") -> np
         got = sequence_logps(engine, {"input_ids": ids[:, :-1], target_key: lab[:, 1:]})
         if mine[c * per_call:(c + 1) * per_call]:
             out[torch.from_numpy(at).to(out.device)] = got.to(out)
-    engine.comm.all_reduce(out, engine.mesh.grad_group)
+    # each dp rank wrote its own pairs (its context-parallel ranks the same values): summed over dp only
+    engine.comm.all_reduce(out, engine.mesh.dp_group)
     return out.cpu().numpy()
