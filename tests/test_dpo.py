@@ -76,6 +76,62 @@ def _rank(rank, world, layout, accum, ref):
     return losses, engine.consolidated_state_dict(), own_ref, engine.dp_rank
 
 
+def ragged_pairs() -> dict:
+    """pair_batch with responses of different lengths (the last i % 4 targets of row i not scored): a length
+    normalisation that summed instead of averaging would show."""
+    batch = pair_batch()
+    for i in range(batch["labels"].shape[0]):
+        if i % 4:
+            batch["labels"][i, -(i % 4):] = -100
+    return batch
+
+
+def plain_reference_free(model, batch, kind: str) -> torch.Tensor:
+    """SimPO and ORPO from their papers' formulas, on each row's mean log-prob of its scored tokens."""
+    mean = plain_logps(model, batch) / (batch["labels"] != -100).sum(-1)
+    if kind == "simpo":
+        return -F.logsigmoid(SIMPO_BETA * (mean[0::2] - mean[1::2]) - SIMPO_GAMMA).mean()
+    p = mean.exp()
+    odds = torch.log(p / (1 - p))
+    return (-mean[0::2] - ORPO_BETA * F.logsigmoid(odds[0::2] - odds[1::2])).mean()
+
+
+def _reference_free_rank(rank, world, kind, layout):
+    sections = {"simpo": {"beta": SIMPO_BETA, "gamma": SIMPO_GAMMA}, "orpo": {"beta": ORPO_BETA}}
+    cfg = {"train_batch_size": 2 * PAIRS, "gradient_clipping": 0.0, "optimizer": {"type": "SGD", "params": {"lr": LR}},
+           "gradient_accumulation_steps": 2 if "pipeline" in layout else 1,
+           "train": {"objective": kind}, kind: sections[kind], **layout}
+    engine = bunsan.initialize(tiny_model(0), cfg)
+    batch = ragged_pairs()                  # no ref_logps: the objective needs none
+    per = 2 * PAIRS // engine.dp_size
+    mine = {k: v[engine.dp_rank * per:(engine.dp_rank + 1) * per] for k, v in batch.items()}
+    losses = [engine.train_batch(mine) for _ in range(2)]
+    return losses, engine.consolidated_state_dict()
+
+
+SIMPO_BETA, SIMPO_GAMMA, ORPO_BETA = 2.0, 0.3, 0.4
+
+
+@pytest.mark.parametrize("layout", ["zero0", "zero3", "tp2", "pp2", "cp2"])
+@pytest.mark.parametrize("kind", ["simpo", "orpo"])
+def test_reference_free_objectives_equal_their_formulas(pools, kind, layout):
+    model = tiny_model(0)
+    batch = ragged_pairs()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    want = []
+    for _ in range(2):
+        loss = plain_reference_free(model, batch, kind)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    assert want[0] != pytest.approx(want[1], rel=1e-3)
+    for losses, state in pools.run(2, _reference_free_rank, 2, kind, LAYOUTS[layout]):
+        assert losses == pytest.approx(want, rel=1e-5)
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=lambda m: f"{kind} {layout} {k}: {m}")
+
+
 LAYOUTS = {"zero0": {}, "zero1": {"zero_optimization": {"stage": 1}}, "zero2": {"zero_optimization": {"stage": 2}},
            "zero3": {"zero_optimization": {"stage": 3}}, "tp2": {"tensor_parallel": {"size": 2}},
            "pp2": {"pipeline": {"stages": 2, "schedule": "1f1b"}}, "cp2": {"context_parallel": {"size": 2}}}
@@ -124,12 +180,14 @@ def _pairs_file(path, conversational: bool):
     return path
 
 
-@pytest.mark.parametrize("conversational,layout", [(False, ["--zero", "2"]), (True, ["--zero", "2"]),
-                                                   (False, ["--pp", "2", "--grad-accum", "2"]), (False, ["--cp", "2"])],
-                         ids=["text-zero2", "chat-zero2", "text-pp2", "text-cp2"])
-def test_bunsan_train_dpo_starts_at_log_2_and_prefers_the_chosen(tmp_path, conversational, layout):
+@pytest.mark.parametrize("conversational,layout,objective", [
+    (False, ["--zero", "2"], "dpo"), (True, ["--zero", "2"], "dpo"), (False, ["--pp", "2", "--grad-accum", "2"], "dpo"),
+    (False, ["--cp", "2"], "dpo"), (False, ["--zero", "1"], "simpo"), (True, ["--zero", "1"], "orpo")],
+    ids=["text-zero2", "chat-zero2", "text-pp2", "text-cp2", "simpo-text", "orpo-chat"])
+def test_bunsan_train_dpo_starts_at_log_2_and_prefers_the_chosen(tmp_path, conversational, layout, objective):
     """With the model before training as the reference, every pair's first margin is 0: the first loss is
-    log 2 exactly when the reference's forward is the training forward; then the chosen responses win."""
+    log 2 exactly when the reference's forward is the training forward; then the chosen responses win (and
+    under SimPO and ORPO, which need no reference)."""
     import json
     import os
     import subprocess
@@ -137,7 +195,7 @@ def test_bunsan_train_dpo_starts_at_log_2_and_prefers_the_chosen(tmp_path, conve
     args = [sys.executable, "-m", "bunsan.cli", "train", "--nproc", "2", "--format", "preference", "--data",
             str(_pairs_file(tmp_path / "pairs.jsonl", conversational)), "--steps", "6", "--micro-batch", "2",
             "--seq-len", "48", *layout, "--lr", "3e-3", "--output", str(tmp_path / "out"),
-            "--set", "train.objective=dpo", "--set", "data.val_fraction=0", "--set", "steps_per_print=1",
+            "--set", f"train.objective={objective}", "--set", "data.val_fraction=0", "--set", "steps_per_print=1",
             "--set", "scheduler.params.warmup_steps=0"]
     if conversational:          # the chat template's path, on a transformers model (Qwen2)
         transformers = pytest.importorskip("transformers")
@@ -155,7 +213,8 @@ def test_bunsan_train_dpo_starts_at_log_2_and_prefers_the_chosen(tmp_path, conve
     assert "12 examples, 12 used" in r.stderr
     losses = [json.loads(line)["loss"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(line)]
-    assert losses[0] == pytest.approx(0.6931472, rel=1e-5)
+    if objective == "dpo":                  # (the reference-free objectives have no such start)
+        assert losses[0] == pytest.approx(0.6931472, rel=1e-5)
     assert losses[-1] < losses[0]
 
 

@@ -34,6 +34,9 @@ def _config(kind: str):
         return transformers.MistralConfig(**small)
     if kind == "gemma2":
         return transformers.Gemma2Config(**small, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "gemma3":
+        return transformers.Gemma3TextConfig(**small, head_dim=16, sliding_window=16, pad_token_id=0, bos_token_id=1,
+                                             eos_token_id=2)
     if kind == "phi3":
         return transformers.Phi3Config(**small, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0,
@@ -49,7 +52,8 @@ def corpus(tmp_path_factory):
 
 @pytest.mark.parametrize("kind,layout", [("qwen2", ["--zero", "1"]), ("gpt2", ["--zero", "3"]),
                                          ("qwen3", ["--zero", "2"]), ("mistral", ["--tp", "2"]),
-                                         ("gemma2", ["--zero", "0"]), ("phi3", ["--zero", "3"])])
+                                         ("gemma2", ["--zero", "0"]), ("gemma3", ["--zero", "1"]),
+                                         ("phi3", ["--zero", "3"])])
 def test_train_from_a_transformers_directory_and_generate_from_the_result(tmp_path, corpus, kind, layout):
     from bunsan.config.root import Config
     from bunsan.training.data import TokenBatches

@@ -168,6 +168,19 @@ class Dpo(Section):
                                                      "before training (computed first), or the records' own")
 
 
+class Simpo(Section):
+    """bunsan: SimPO (train.objective simpo, Meng et al. 2024): a reference-free margin of mean token log-probs."""
+    beta: float = Field(2.0, gt=0, description="Scale of the margin of the responses' mean token log-probs: the "
+                                               "loss is -log sigmoid(beta x margin - gamma)")
+    gamma: float = Field(0.5, ge=0, description="The target margin subtracted inside the sigmoid")
+
+
+class Orpo(Section):
+    """bunsan: ORPO (train.objective orpo, Hong et al. 2024): the chosen response's NLL plus an odds-ratio term."""
+    beta: float = Field(0.1, gt=0, description="Weight of the odds-ratio term: the loss is NLL(chosen) - beta x "
+                                               "log sigmoid(log odds(chosen) - log odds(rejected))")
+
+
 class Train(Section):
     """bunsan: the run `bunsan train` does, and process-wide settings initialize() also reads."""
     steps: Int = Field(200, ge=1, description="Optimizer steps to train (also the schedule's total when it has none)")
@@ -176,8 +189,8 @@ class Train(Section):
                                                        "final weights (final/)")
     init_from: Optional[str] = Field(None, description="A Hugging Face causal LM directory whose shape and weights "
                                                        "start the run; None = the model section, fresh weights")
-    objective: Literal["lm", "dpo"] = Field("lm", description="lm: next-token loss; dpo: Direct Preference "
-                                            "Optimization on preference pairs (the dpo section)")
+    objective: Literal["lm", "dpo", "simpo", "orpo"] = Field("lm", description="lm: next-token loss; dpo, simpo, "
+                                                             "orpo: preference pairs (the section of that name)")
     compile: bool = Field(False, description="torch.compile each transformer block (after activation checkpointing)")
     tf32: bool = Field(True, description="Allow TF32 matmuls and convolutions on CUDA")
     eval_interval: Int = Field(0, ge=0, description="Optimizer steps between validation losses; 0 = only at the end")

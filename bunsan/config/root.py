@@ -12,8 +12,8 @@ from typing import Any, Optional
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from bunsan.config.bunsan_sections import (Checkpoint, ContextParallel, Data, Dpo, Lora, ModelOverrides, Pipeline,
-                                          TensorParallel, Train)
+from bunsan.config.bunsan_sections import (Checkpoint, ContextParallel, Data, Dpo, Lora, ModelOverrides, Orpo, Pipeline,
+                                          Simpo, TensorParallel, Train)
 from bunsan.config.data_efficiency import DataEfficiency
 from bunsan.config.deepspeed_intake import prepare, row_for
 from bunsan.config.deepspeed_keys import IgnoredKeyWarning, canonical, log_ignored, say_once
@@ -95,6 +95,8 @@ class Config(Section):
     checkpoint: Checkpoint = Field(default_factory=Checkpoint, description=Checkpoint.__doc__)
     train: Train = Field(default_factory=Train, description=Train.__doc__)
     dpo: Dpo = Field(default_factory=Dpo, description=Dpo.__doc__)
+    simpo: Simpo = Field(default_factory=Simpo, description=Simpo.__doc__)
+    orpo: Orpo = Field(default_factory=Orpo, description=Orpo.__doc__)
     hybrid_engine: HybridEngine = Field(default_factory=HybridEngine, description=HybridEngine.__doc__)
     data_efficiency: DataEfficiency = Field(default_factory=DataEfficiency, description=DataEfficiency.__doc__)
 
@@ -136,10 +138,10 @@ class Config(Section):
             raise Rule(("data.packing", "data.packing with pipeline stages, context or sequence parallelism: "
                                         "the documents' attention needs the whole row in one place; set "
                                         "data.packing to false there (one example per row)"))
-        if self.data.format == "preference" and (self.train.objective != "dpo" or self.data.packing
+        if self.data.format == "preference" and (self.train.objective == "lm" or self.data.packing
                                                  or self.data.train_on_prompt):
-            raise Rule(("data.format", "data.format preference trains with train.objective dpo, one pair per two "
-                                       "rows, scoring the responses only: set train.objective dpo, and "
+            raise Rule(("data.format", "data.format preference trains with train.objective dpo, simpo or orpo, one "
+                                       "pair per two rows, scoring the responses only: set train.objective, and "
                                        "data.packing and data.train_on_prompt false"))
         if self.lora.enabled and self.lora.save != "merged" and not self.train.init_from:
             raise Rule(("lora.save", f"lora.save {self.lora.save!r} without train.init_from: a peft adapter names "

@@ -1,14 +1,21 @@
-"""Direct Preference Optimization (train.objective dpo; Rafailov et al. 2023) as the engine's objective.
+"""Preference objectives as the engine's objective (train.objective dpo, simpo or orpo): DPO (Rafailov et al.
+2023) against a reference's log-probs, and two reference-free relatives, SimPO (Meng et al. 2024) and ORPO
+(Hong et al. 2024).
 
 A preference batch is a language-model dict whose rows come in pairs, chosen then rejected ([c0, r0, c1, r1,
-...]: a micro-batch cut keeps pairs whole when its row count is even), with `ref_logps` [rows], each row's
-response log-probability under the reference model. A row's log-probability is the sum over its trained
+...]: a micro-batch cut keeps pairs whole when its row count is even), for DPO with `ref_logps` [rows], each
+row's response log-probability under the reference model. A row's log-probability is the sum over its trained
 targets (labels != -100) of log p(target), from the engine's own token loss (vocabulary-parallel under
-tensor parallelism). Per pair, with m = (logp_c - ref_c) - (logp_r - ref_r):
+tensor parallelism); SimPO and ORPO read its mean over those targets. Per pair:
 
-    loss = -(1 - label_smoothing) log sigmoid(beta m) - label_smoothing log sigmoid(-beta m)
+    dpo     m = (logp_c - ref_c) - (logp_r - ref_r);  -(1 - label_smoothing) log sigmoid(beta m)
+                                                      - label_smoothing log sigmoid(-beta m)
+    simpo   -log sigmoid(beta (mean_c - mean_r) - gamma)
+    orpo    -mean_c - beta log sigmoid(log odds_c - log odds_r),  log odds = mean - log(1 - exp(mean))
 
 and the step's loss is the mean over the pairs of the whole global batch, whatever their micro-batch or rank.
+(ORPO's NLL term is so the chosen response's mean NLL per pair, averaged over pairs; TRL's averages over the
+batch's chosen tokens, which weighs long responses more.)
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ import torch.nn.functional as F
 
 from bunsan.engine.batch import Objective, make_objective, split
 
-__all__ = ["REF_LOGPS", "PreferenceObjective", "objective_for", "row_logps", "sequence_logps"]
+__all__ = ["REF_LOGPS", "PreferenceObjective", "dpo_losses", "objective_for", "orpo_losses", "row_logps",
+           "sequence_logps", "simpo_losses"]
 
 REF_LOGPS = "ref_logps"
 
@@ -53,25 +61,36 @@ class SumOverGroup(torch.autograd.Function):
 
 @dataclass
 class PreferenceObjective(Objective):
+    """A loss over (chosen, rejected) row pairs: `kind` dpo, simpo or orpo (pair_losses)."""
+    kind: str = "dpo"
     beta: float = 0.1
-    label_smoothing: float = 0.0
+    label_smoothing: float = 0.0        # dpo
+    gamma: float = 0.0                  # simpo
     over: tuple | None = None           # (comm, context-parallel group): rows' sums span its ranks
 
     def forward(self, module, mb):
         return super().forward(module, {k: v for k, v in mb.items() if k != REF_LOGPS})
 
     def _lm_sum(self, output, mb) -> torch.Tensor:
-        """The DPO loss summed over the micro-batch's pairs."""
+        """The loss summed over the micro-batch's pairs."""
         logits = output.logits if hasattr(output, "logits") else output
         if logits.shape[0] % 2:
             raise ValueError(f"a preference micro-batch of {logits.shape[0]} rows: rows come in (chosen, rejected) "
                              "pairs, so every micro-batch holds an even number (train_micro_batch_size_per_gpu)")
-        logps = row_logps(logits, self.targets(mb), self.lm_loss_sum, self.over)
-        ref = mb[REF_LOGPS].to(logps)
-        margin = (logps[0::2] - ref[0::2]) - (logps[1::2] - ref[1::2])
-        eps = self.label_smoothing
-        losses = -(1 - eps) * F.logsigmoid(self.beta * margin) - eps * F.logsigmoid(-self.beta * margin)
-        return losses.sum()
+        targets = self.targets(mb)
+        logps = row_logps(logits, targets, self.lm_loss_sum, self.over)
+        if self.kind == "dpo":
+            return dpo_losses(logps, mb[REF_LOGPS].to(logps), self.beta, self.label_smoothing).sum()
+        counts = (targets != -100).sum(-1).to(logps.dtype)
+        if self.over is not None:
+            counts = SumOverGroup.apply(counts, *self.over)
+        if bool((counts == 0).any()):
+            raise ValueError(f"a preference row with no scored token (rows {(counts == 0).nonzero().flatten().tolist()}"
+                             f" of the micro-batch): {self.kind}'s mean token log-prob needs a response in every row")
+        mean = logps / counts
+        if self.kind == "simpo":
+            return simpo_losses(mean, self.beta, self.gamma).sum()
+        return orpo_losses(mean, self.beta).sum()
 
     def tokens(self, micro: list) -> torch.Tensor:
         """What the loss is a mean over: the pairs (a 1-element fp64 device tensor). Under context parallelism
@@ -82,21 +101,44 @@ class PreferenceObjective(Objective):
         return torch.full((1,), float(pairs), dtype=torch.float64, device=micro[0]["input_ids"].device)
 
 
+def dpo_losses(logps: torch.Tensor, ref: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    """Per pair, m = (logp_c - ref_c) - (logp_r - ref_r): -(1 - eps) log sigmoid(beta m) - eps log sigmoid(-beta m)
+    (Rafailov et al. 2023; eps the conservative DPO's label smoothing)."""
+    margin = (logps[0::2] - ref[0::2]) - (logps[1::2] - ref[1::2])
+    eps = label_smoothing
+    return -(1 - eps) * F.logsigmoid(beta * margin) - eps * F.logsigmoid(-beta * margin)
+
+
+def simpo_losses(mean: torch.Tensor, beta: float, gamma: float) -> torch.Tensor:
+    """SimPO (Meng et al. 2024), from each row's mean token log-prob: -log sigmoid(beta (mean_c - mean_r) - gamma)."""
+    return -F.logsigmoid(beta * (mean[0::2] - mean[1::2]) - gamma)
+
+
+def orpo_losses(mean: torch.Tensor, beta: float) -> torch.Tensor:
+    """ORPO (Hong et al. 2024), from each row's mean token log-prob (log P): the chosen response's mean NLL minus
+    beta log sigmoid(log odds_c - log odds_r), log odds = log P - log(1 - P)."""
+    log_odds = mean - torch.log(-torch.expm1(mean))
+    return -mean[0::2] - beta * F.logsigmoid(log_odds[0::2] - log_odds[1::2])
+
+
 def objective_for(engine, batch) -> Objective:
-    """The engine's objective for `batch`: with train.objective dpo the preference loss, else make_objective's."""
+    """The engine's objective for `batch`: with a preference train.objective its pair loss, else make_objective's."""
     cfg = engine.cfg
-    if cfg.train.objective != "dpo":
+    kind = cfg.train.objective
+    if kind == "lm":
         return make_objective(batch, engine.loss_fn, engine._lm_loss_sum, engine.module)
-    if not isinstance(batch, dict) or REF_LOGPS not in batch:
-        raise ValueError(f"train.objective dpo trains on preference batches: dicts of input_ids, labels and "
-                         f"{REF_LOGPS!r} (each row's reference log-probability), rows in (chosen, rejected) pairs")
+    if not isinstance(batch, dict) or (kind == "dpo" and REF_LOGPS not in batch):
+        raise ValueError(f"train.objective {kind} trains on preference batches: dicts of input_ids and labels"
+                         + (f" and {REF_LOGPS!r} (each row's reference log-probability)" if kind == "dpo" else "")
+                         + ", rows in (chosen, rejected) pairs")
     if engine.loss_fn is not None:
-        raise ValueError("train.objective dpo computes its own loss: drop loss_fn from bunsan.initialize")
+        raise ValueError(f"train.objective {kind} computes its own loss: drop loss_fn from bunsan.initialize")
     base = make_objective({k: v for k, v in batch.items() if k != REF_LOGPS}, None, engine._lm_loss_sum,
                           engine.module)
+    settings = {"dpo": dict(beta=cfg.dpo.beta, label_smoothing=cfg.dpo.label_smoothing),
+                "simpo": dict(beta=cfg.simpo.beta, gamma=cfg.simpo.gamma), "orpo": dict(beta=cfg.orpo.beta)}[kind]
     return PreferenceObjective(True, base.lm_loss_sum, None, keywords=base.keywords, shift=base.shift,
-                               use_cache=base.use_cache, beta=cfg.dpo.beta, label_smoothing=cfg.dpo.label_smoothing,
-                               over=_context_parallel(engine))
+                               use_cache=base.use_cache, kind=kind, over=_context_parallel(engine), **settings)
 
 
 def _context_parallel(engine) -> tuple | None:

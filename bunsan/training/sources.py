@@ -90,8 +90,8 @@ def load_source(cfg, rank: int):
     if cfg.data.format == "text":
         files = resolve_paths(cfg.data.paths) if cfg.data.paths else default_corpus_files()
         return tokenizer, corpus_tokens(TokenCache(files, tokenizer, cfg.data.cache_dir, cfg.data.max_bytes))
-    if cfg.train.objective == "dpo" and cfg.data.format != "preference":
-        raise ValueError(f"train.objective dpo with data.format {cfg.data.format}: bunsan train's DPO reads "
+    if cfg.train.objective != "lm" and cfg.data.format != "preference":
+        raise ValueError(f"train.objective {cfg.train.objective} with data.format {cfg.data.format}: it reads "
                          "preference pairs; set data.format preference (records of prompt, chosen, rejected)")
     if not cfg.data.paths:
         raise ValueError(f"data.format {cfg.data.format} reads records: give data.paths (JSONL, JSON, Parquet "
@@ -102,7 +102,8 @@ def load_source(cfg, rank: int):
     records = read_records(_record_paths(cfg.data.paths), cfg.data.on_bad_record)
     if cfg.data.format == "preference":
         from bunsan.training.preference_data import pair_rows
-        rows = pair_rows(records, renderer, cfg.data.seq_len, pad, cfg.dpo.reference)
+        rows = pair_rows(records, renderer, cfg.data.seq_len, pad,
+                         cfg.dpo.reference if cfg.train.objective == "dpo" else None)
     else:
         rows = example_rows(records, renderer, cfg.data.seq_len, pad, packing=cfg.data.packing,
                             workers=cfg.data.tokenize_workers)
