@@ -65,18 +65,21 @@ def test_a_device_boundary_costs_one_copy_of_the_rotary_tables(monkeypatch):
 
 def test_serving_a_placed_model_equals_serving_the_whole_one(monkeypatch):
     """Rows at their own positions (the serving cache) through four layers on two devices: the same logits."""
-    from bunsan.serve import SlotCache
+    from bunsan.serve import PagedCache
     whole = tiny_model(0).eval()
     _fake_gpus(monkeypatch)
     placed, _ = load(tiny_model(0), dict(TWO_GPUS))
     prompts = [torch.randint(0, 256, (1, 5)), torch.randint(0, 256, (1, 3))]
+    tables = torch.tensor([[1, 2], [3, 4]])                 # blocks of 4 tokens: rows 0 and 1
     outs = []
     with torch.no_grad():
         for model in (whole, placed):
-            cache = SlotCache(model, 2, 16)
+            cache = PagedCache(model, 5, 4)
             for row, ids in enumerate(prompts):
-                model(ids, kv_cache=cache.view([row], ids.shape[1]))
-            outs.append(model(torch.tensor([[7], [9]]), kv_cache=cache.view([0, 1], 1)))
+                n = ids.shape[1]
+                model(ids, kv_cache=cache.view(tables[row:row + 1], torch.tensor([0]), torch.tensor([n]), n))
+            outs.append(model(torch.tensor([[7], [9]]), kv_cache=cache.view(tables, torch.tensor([5, 3]),
+                                                                            torch.tensor([1, 1]), 1)))
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
 
 
@@ -100,22 +103,21 @@ def test_the_memo_of_moved_inputs_forgets_changed_and_dead_tensors():
 
 
 def test_the_serving_cache_moves_rows_and_positions_once_per_device(monkeypatch):
-    """A forward's slot indices reach each device once, however many of its layers sit there."""
-    from bunsan.serve import SlotCache
+    """A forward's block tables and token places reach each device once, however many of its layers sit there."""
+    from bunsan.serve import PagedCache
     model = tiny_model(0).eval()
-    cache = SlotCache(model, 3, 32)
+    cache = PagedCache(model, 6, 4)
     meta = torch.device("meta")                   # stands in for a GPU holding every layer's cache
     cache.k = [torch.empty(k.shape, device=meta) for k in cache.k]
     cache.v = [torch.empty(v.shape, device=meta) for v in cache.v]
-    cache.lengths[:] = torch.tensor([3, 0, 5])
-    view = cache.view([0, 2], 1)
+    view = cache.view(torch.tensor([[1, 0], [2, 3]]), torch.tensor([3, 5]), torch.tensor([1, 1]), 1)
     copies = _counting_copies(monkeypatch)
     kv = torch.empty(2, model.config.num_key_value_heads, 1, model.config.head_dim, device=meta)
     for i in range(model.config.num_hidden_layers):
         k, v = view.layer(i).update(kv, kv)
         assert k.shape[2] == 6
     longs = [t for t in copies if t.dtype == torch.long]
-    assert len(longs) == 2, f"rows and positions moved {len(longs)} times for 4 layers on one device"
+    assert len(longs) == 2, f"tables and token places moved {len(longs)} times for 4 layers on one device"
     assert len([t for t in copies if t.dtype == torch.bool]) == 1    # and the attention mask once
 
 
@@ -198,13 +200,13 @@ def test_generate_dtype_bf16_from_a_trained_checkpoint(tmp_path, capsys, monkeyp
     assert caches and caches[-1].k[0].dtype == torch.bfloat16
 
 
-def test_serve_dtype_reaches_weights_and_the_slot_cache(tmp_path):
+def test_serve_dtype_reaches_weights_and_the_kv_cache(tmp_path):
     """--dtype for each way `bunsan serve` loads: a trained checkpoint, a HF directory, a HF directory over a
     device map."""
     from bunsan.cli.main import build_parser
     from bunsan.cli.serve import load_model
     from bunsan.models.hf import save_llama
-    from bunsan.serve import SlotCache
+    from bunsan.serve import PagedCache
     whole = tiny_model(0).eval()
     _trained_checkpoint(tmp_path / "trained" / "final", whole)
     save_llama(whole.state_dict(), whole.config, tmp_path / "hf")
@@ -213,7 +215,7 @@ def test_serve_dtype_reaches_weights_and_the_slot_cache(tmp_path):
                                           "--context", "64", *extra])
         model, _, _, context = load_model(args)
         assert {p.dtype for p in model.parameters()} == {torch.float16}, (ckpt, extra)
-        cache = SlotCache(model, 2, context)
+        cache = PagedCache(model, 2, 16)
         assert {k.dtype for k in cache.k + cache.v} == {torch.float16}, (ckpt, extra)
 
 

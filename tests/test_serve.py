@@ -268,17 +268,21 @@ def test_tensor_parallel_serving_and_a_dead_rank(tmp_path, model):
             proc.wait()
 
 
-def test_slots_auto_fill_the_kv_cache_budget_and_print_its_size(model):
+def test_the_kv_cache_size_follows_its_budget_and_is_printed(model):
     import argparse
 
-    from bunsan.cli.serve import slot_count
-    from bunsan.serve.slots import SlotCache, slot_bytes
-    per_slot = slot_bytes(model.config, 96, None, torch.float32)
-    assert per_slot * 5 == SlotCache(model, 5, 96).nbytes
-    args = argparse.Namespace(slots="auto", kv_cache_memory=str(10 * per_slot + 5), max_concurrent=64)
-    slots, line = slot_count(args, model, 96, None)
-    assert slots == 10 and line.startswith("KV cache 10 slots x 96 tokens = ") and "(--kv-cache-memory)" in line
-    args.max_concurrent = 4
-    assert slot_count(args, model, 96, None)[0] == 4                     # never more than can be open
-    args.slots = 3
-    assert slot_count(args, model, 96, None)[0] == 3
+    from bunsan.cli.serve import cache_size
+    from bunsan.serve import PagedCache
+    from bunsan.serve.paged import block_bytes
+    per_block = block_bytes(model.config, 16, None, torch.float32)
+    assert per_block * 5 == PagedCache(model, 5, 16).nbytes
+    args = argparse.Namespace(slots="auto", kv_cache_memory=str(40 * per_block + 5), max_concurrent=64,
+                              block_size=16)
+    slots, blocks, line = cache_size(args, model, 96, None)
+    assert (slots, blocks) == (64, 40)          # 64 sequences share 39 blocks: as many as their lengths allow
+    assert line.startswith("KV cache 39 blocks x 16 tokens = 624 tokens, ") and "--kv-cache-memory" in line
+    args.kv_cache_memory, args.slots = None, 3  # no budget: at most every sequence at the full context
+    assert cache_size(args, model, 96, None)[:2] == (3, 1 + 3 * 6)
+    args.kv_cache_memory = str(3 * per_block)
+    with pytest.raises(ValueError, match="does not hold one request of --context 96 tokens"):
+        cache_size(args, model, 96, None)

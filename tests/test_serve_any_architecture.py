@@ -1,6 +1,7 @@
 """`bunsan serve` and `bunsan generate` on transformers causal LMs that are not Llamas (Qwen2/3, Mistral, Gemma
-2/3, Phi-3, GPT-2): the serving batcher (rows at their own positions in slots, shared prefixes copied, sliding
-window layers masked as transformers masks them) gives the tokens transformers' own greedy `generate` gives,
+2/3, Phi-3, GPT-2): the serving batcher (rows at their own positions in the paged KV cache, shared prefix
+blocks taken from the prefix cache, sequences preempted when blocks run out, sliding window layers masked as
+transformers masks them) gives the tokens transformers' own greedy `generate` gives,
 and so do the commands in one process, over tensor-parallel ranks and under a device map that puts blocks on
 disk."""
 
@@ -48,7 +49,8 @@ def _greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 def _serve_in_process(model, prompts: list[list[int]], n: int, slots: int) -> list[list[int]]:
     from bunsan.serve.batcher import Batcher, Request
-    batcher = Batcher(model, slots=slots, max_len=64)
+    # blocks of 4 tokens, fewer than two long sequences need at once: some wait preempted and are prefilled again
+    batcher = Batcher(model, slots=slots, max_len=64, block_size=4, num_blocks=10)
     got = [[] for _ in prompts]
     finished = []
     for i, p in enumerate(prompts):
@@ -64,7 +66,8 @@ def _serve_in_process(model, prompts: list[list[int]], n: int, slots: int) -> li
         batcher.stop()
         worker.join()
     assert finished == ["length"] * len(prompts), finished
-    assert batcher.reused_tokens > 0              # the shared prefix was copied, not prefilled again
+    assert batcher.reused_tokens > 0              # the shared prefix's blocks were taken, not prefilled again
+    assert batcher.preempted > 0
     return got
 
 
@@ -73,7 +76,7 @@ def test_the_batcher_gives_transformers_greedy_tokens(kind):
     from bunsan.serve.transformers_model import TransformersLM
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(_config(kind)).eval()
-    shared = torch.randint(3, 320, (12,)).tolist()
+    shared = torch.randint(3, 320, (13,)).tolist()
     prompts = [torch.randint(3, 320, (n,)).tolist() for n in (5, 17, 3)] + [shared, shared + [7, 9, 11]]
     want = [_greedy(hf, p, 14) for p in prompts]
     assert _serve_in_process(TransformersLM(hf), prompts, 14, slots=2) == want

@@ -17,11 +17,12 @@ def add_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's, else bytes)")
     s.add_argument("--slots", type=_slots, default="auto",
-                   help="sequences decoded together (KV cache slots); auto: as many as --kv-cache-memory holds, at "
-                        "most --max-concurrent")
+                   help="sequences decoded together, the paged KV cache's blocks shared among them; auto: "
+                        "--max-concurrent")
     s.add_argument("--kv-cache-memory", default=None,
-                   help="the KV cache's budget for --slots auto, e.g. 4GiB (default: 30%% of the memory free where "
-                        "the cache lives, after the weights)")
+                   help="the paged KV cache's size, e.g. 4GiB (default: 30%% of the memory free where the cache "
+                        "lives after the weights, at most --slots sequences of --context tokens)")
+    s.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) requests' `model` may give (default: the checkpoint folder's name)")
     s.add_argument("--chat-template", default=None,
@@ -102,34 +103,40 @@ def _context(args, cfg) -> int:
     return context
 
 
-def slot_count(args, model, context: int, kv_heads: int | None) -> tuple[int, str]:
-    """(slots, the line bunsan serve prints about the KV cache's size)."""
+def cache_size(args, model, context: int, kv_heads: int | None) -> tuple[int, int, str]:
+    """(sequences decoded together, KV blocks in the pool, the line bunsan serve prints about them)."""
     import torch
 
     from bunsan.estimator.hardware import parse_bytes
-    from bunsan.serve.slots import free_memory, input_device, slot_bytes
+    from bunsan.serve.paged import block_bytes, free_memory, input_device
     dtype = next(model.parameters()).dtype
-    per_slot = slot_bytes(model.config, context, kv_heads, dtype)
-    if args.slots == "auto":
-        free = free_memory(input_device(model))
-        budget = parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else int(0.3 * free)
-        slots = max(1, min(args.max_concurrent, budget // per_slot))
-        why = (f"--slots auto: {budget / 2**30:.2f} GiB budget " + ("(--kv-cache-memory)" if args.kv_cache_memory
-               else f"(30% of {free / 2**30:.1f} GiB free)") + f", at most --max-concurrent {args.max_concurrent}")
+    per_block = block_bytes(model.config, args.block_size, kv_heads, dtype)
+    slots = args.max_concurrent if args.slots == "auto" else args.slots
+    whole = 1 + slots * -(-context // args.block_size)          # every sequence at the full context
+    if args.kv_cache_memory:
+        budget, why = parse_bytes(args.kv_cache_memory), "--kv-cache-memory"
+        blocks = budget // per_block
     else:
-        slots, why = args.slots, "--slots"
-    size = slots * per_slot
+        free = free_memory(input_device(model))
+        blocks = min(int(0.3 * free) // per_block, whole)
+        why = f"the smaller of 30% of {free / 2**30:.1f} GiB free and {slots} sequences of {context} tokens"
+    if blocks < 2 or (blocks - 1) * args.block_size < context:
+        raise ValueError(f"a KV cache of {blocks} blocks of {args.block_size} tokens ({why}) does not hold one "
+                         f"request of --context {context} tokens: give --kv-cache-memory at least "
+                         f"{(1 + -(-context // args.block_size)) * per_block / 2**20:.1f}MiB, or lower --context")
     dtype_name = str(dtype).removeprefix("torch.")
-    return slots, (f"KV cache {slots} slots x {context} tokens = {size / 2**30:.3f} GiB ({dtype_name}, "
-                   f"{per_slot / 2**20:.1f} MiB a slot) on {torch.device(input_device(model))}; {why}")
+    tokens = (blocks - 1) * args.block_size
+    return slots, blocks, (f"KV cache {blocks - 1} blocks x {args.block_size} tokens = {tokens} tokens, "
+                           f"{blocks * per_block / 2**30:.3f} GiB ({dtype_name}) on "
+                           f"{torch.device(input_device(model))}: {why}; up to {slots} sequences at once")
 
 
-def _agreed_slots(shard, slots: int) -> int:
-    """Rank 0's slot count, on every rank (their caches must have the same rows)."""
+def _agreed(shard, slots: int, blocks: int) -> tuple[int, int]:
+    """Rank 0's sequence and block counts, on every rank (their caches must have the same blocks)."""
     import torch
-    count = torch.tensor([slots], dtype=torch.long, device=shard.device)
-    shard.comm.broadcast(count, 0, shard.group)
-    return int(count.item())
+    counts = torch.tensor([slots, blocks], dtype=torch.long, device=shard.device)
+    shard.comm.broadcast(counts, 0, shard.group)
+    return tuple(counts.tolist())
 
 
 def serve_app(args, model, tokenizer, name: str, context: int, batcher):
@@ -150,14 +157,14 @@ def serve_app(args, model, tokenizer, name: str, context: int, batcher):
 
 def cmd_serve(args) -> int:
     from bunsan.cli.generate import refuse_tp_with_device_map
-    for flag in ("slots", "max_tokens", "max_concurrent", "max_body_bytes", "tp"):
+    for flag in ("slots", "max_tokens", "max_concurrent", "max_body_bytes", "tp", "block_size"):
         value = getattr(args, flag)
         if value != "auto" and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {value} must be at least 1")
     refuse_tp_with_device_map(args)
     if args.tp > 1 and not under_torchrun():
         return relaunch(args, args.tp)
-    from bunsan.serve import Batcher, SlotCache
+    from bunsan.serve import Batcher, PagedCache
     from bunsan.serve.server import Server
     model, tokenizer, name, context = load_model(args)
     leader, kv_heads, shard = None, None, None
@@ -165,15 +172,17 @@ def cmd_serve(args) -> int:
         from bunsan.inference.tp import split_over_ranks
         shard = split_over_ranks(model, args.tp, timeout_s=args.timeout)
         kv_heads = shard.kv_heads
-    slots, cache_line = slot_count(args, model, context, kv_heads)
+    slots, blocks, cache_line = cache_size(args, model, context, kv_heads)
     if shard is not None:
         from bunsan.serve.tp import Leader, follow
-        slots = _agreed_slots(shard, slots)
+        slots, blocks = _agreed(shard, slots, blocks)
         if shard.rank != 0:      # rank 0 samples; the others run each forward it announces
-            follow(model, SlotCache(model, slots, context, kv_heads), shard.comm, shard.group, shard.device)
+            follow(model, PagedCache(model, blocks, args.block_size, kv_heads), shard.comm, shard.group,
+                   shard.device)
             return 0
         leader = Leader(shard.comm, shard.group, shard.device)
-    batcher = Batcher(model, slots, context, kv_heads, leader, prefix_reuse=not args.no_prefix_reuse)
+    batcher = Batcher(model, slots, context, kv_heads, leader, prefix_reuse=not args.no_prefix_reuse,
+                      num_blocks=blocks, block_size=args.block_size)
     app, template = serve_app(args, model, tokenizer, name, context, batcher)
     server = Server(app, args.host, args.port, grace_s=args.shutdown_grace)
 
@@ -182,7 +191,7 @@ def cmd_serve(args) -> int:
         server.should_exit = True
     batcher.on_fatal = fatal
     served = app.state.service.served
-    print(f"bunsan serve: {', '.join(served)} on http://{args.host}:{args.port} ({slots} slots x {context} tokens"
+    print(f"bunsan serve: {', '.join(served)} on http://{args.host}:{args.port} ({slots} sequences, {context} tokens each"
           + (f", tensor parallel over {args.tp} processes" if args.tp > 1 else "") + ")\n"
           f"  {cache_line}\n  chat: {template}; prefix reuse {'off' if args.no_prefix_reuse else 'on'}\n"
           "  POST /v1/completions /v1/chat/completions /api/generate /api/chat; GET /v1/models /api/tags /health",

@@ -69,10 +69,14 @@ class Service:
     async def health(self, _: HTTPRequest) -> JSONResponse:
         active, waiting = self.batcher.load()
         alive = self.alive() and not self.closing
+        b = self.batcher
+        pool = b.pool
         return JSONResponse({"status": "ok" if alive else "stopped", "model": self.model_name, "active": active,
-                             "waiting": waiting, "slots": len(self.batcher.cache.lengths),
-                             "context": self.context, "decode_steps": self.batcher.steps,
-                             "prefix_tokens_reused": self.batcher.reused_tokens}, status_code=200 if alive else 503)
+                             "waiting": waiting, "slots": b.slots, "context": self.context,
+                             "kv_block_size": pool.block_size, "kv_blocks": pool.usable,
+                             "kv_blocks_free": pool.available(), "kv_tokens": pool.usable * pool.block_size,
+                             "decode_steps": b.steps, "preempted": b.preempted,
+                             "prefix_tokens_reused": b.reused_tokens}, status_code=200 if alive else 503)
 
     async def drain(self, grace_s: float) -> None:
         """Shut down within `grace_s`: new requests get 503 at once; running ones may finish for `grace_s`

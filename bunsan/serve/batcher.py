@@ -1,11 +1,16 @@
-"""Continuous batching over a KV cache of independent slots (slots.py): the model side of `bunsan serve`.
+"""Continuous batching over the paged KV cache (paged.py, blocks.py): the model side of `bunsan serve`.
 
-Every loop admits waiting requests into free slots, their prompts prefilled together in one forward (rows
-padded to the longest, within `prefill_tokens`), then runs one decode step over every running request. So a
-request waits at most one prefill for a slot that frees, and a running one at most one prefill between two
-of its tokens. A request leaves its slot when it ends (length, end of sequence, cancelled: a cancelled one
-before the next step) and its slot keeps its keys and values for a later prompt that shares their prefix
-(prefix.py).
+Every loop runs one prefill forward, then one decode step over every running sequence:
+- prefill: the prompts still being prefilled continue, then waiting requests are admitted while there are
+  sequence places (`slots`) and blocks for their next chunk. A prompt's whole blocks already in the prefix
+  cache are taken, not computed; the rest goes in chunks of at most `prefill_tokens` tokens (padding
+  included) per forward, so a long prompt never stalls the running sequences for more than one chunk.
+- decode: each running sequence feeds its last token; one that starts a new block takes one from the pool.
+  When the pool has none, the most recently admitted sequence is preempted: its blocks go back and it waits
+  at the head of the queue to be prefilled again from its prompt and the tokens it has produced (vLLM's
+  recompute preemption), so a full cache delays requests and never refuses them.
+A request leaves when it ends (length, end of sequence, cancelled: a cancelled one before the next step); its
+blocks go back to the pool, the whole ones still cached for a later prompt sharing them.
 """
 
 from __future__ import annotations
@@ -13,17 +18,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from bunsan.models.llama import Llama
-from bunsan.serve.prefix import SlotTokens, common_prefix
+from bunsan.serve.blocks import BlockPool
+from bunsan.serve.paged import PagedCache
+from bunsan.serve.prefix import common_prefix
 from bunsan.serve.sampling import RowSampler, SamplingParams, Token, prompt_logprobs
-from bunsan.serve.slots import SlotCache
 from bunsan.serve.tp import HEARTBEAT_S
 
-SHARED_WAIT = 16      # a prompt sharing this many more tokens with one prefilled beside it waits a step to copy
+BLOCK_SIZE = 16
 
 
 @dataclass
@@ -42,7 +47,7 @@ class Request:
     cancelled: bool = False
     generated: int = 0
     last: int = 0
-    slot: int = -1
+    seq: "Sequence | None" = None              # the batcher's: its place in the cache
 
     def draw(self, logits: torch.Tensor) -> Token:
         if self.sampler is None:
@@ -50,57 +55,82 @@ class Request:
         return self.sampler.draw(logits)
 
 
-class Batcher:
-    """Runs requests on `model` with at most `slots` at once; `submit` from any thread, `run` on one."""
+@dataclass
+class Sequence:
+    """A request's place in the cache: `tokens` to hold (the prompt, then each token fed back), the first
+    `cached` of them written into `blocks`; the first `registered` blocks are in the prefix cache, the last
+    of them under content id `parent`."""
+    request: Request
+    tokens: list[int]
+    admitted: int                               # admission order: the latest is preempted first
+    blocks: list[int] = field(default_factory=list)
+    cached: int = 0
+    registered: int = 0
+    parent: int = 0
+    resumed: bool = False                       # prefilled again after a preemption: no prompt logprobs
+    prompt_logits: list = field(default_factory=list)
 
-    def __init__(self, model: Llama, slots: int, max_len: int, kv_heads: int | None = None, leader=None,
-                 prefix_reuse: bool = True, prefill_tokens: int = 2048):
+
+class Batcher:
+    """Runs requests on `model` with at most `slots` sequences at once; `submit` from any thread, `run` on one."""
+
+    def __init__(self, model, slots: int, max_len: int, kv_heads: int | None = None, leader=None,
+                 prefix_reuse: bool = True, prefill_tokens: int = 2048, num_blocks: int | None = None,
+                 block_size: int = BLOCK_SIZE):
         """`leader` (serve/tp.py): under tensor parallelism, announces every forward to the other ranks.
-        `prefill_tokens`: the most prompt tokens (padding included) one prefill forward takes, unless a single
-        prompt is longer."""
+        `num_blocks`: the KV pool's blocks of `block_size` tokens (default: enough for `slots` sequences of
+        `max_len`, plus block 0). `prefill_tokens`: the most prompt tokens (padding included) one prefill
+        forward takes."""
         self.model, self.max_len, self.leader = model.eval(), max_len, leader
-        self.prefix_reuse, self.prefill_tokens = prefix_reuse, prefill_tokens
+        self.slots, self.prefix_reuse, self.prefill_tokens = slots, prefix_reuse, max(prefill_tokens, 1)
         self.fatal: str | None = None       # a failure that ends serving (a tensor-parallel rank died)
         self.on_fatal = None                # called once with it (the server shuts down)
-        self.cache = SlotCache(model, slots, max_len, kv_heads)
-        self.held = SlotTokens(slots)
-        self.free = list(range(slots))      # least recently used first: a prompt sharing nothing takes [0]
-        self.active: dict[int, Request] = {}
+        num_blocks = num_blocks or 1 + slots * -(-max_len // block_size)
+        self.cache = PagedCache(model, num_blocks, block_size, kv_heads)
+        self.pool = BlockPool(num_blocks, block_size)
+        self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []
         self.waiting: deque[Request] = deque()
         self.lock, self.wake = threading.Lock(), threading.Event()
         self.stopped = False
         self.steps = 0
-        self.reused_tokens = 0              # prompt tokens not prefilled thanks to a cached prefix
+        self.preempted = 0                  # sequences sent back to the queue for want of blocks
+        self.admitted = 0
+        self.reused_tokens = 0              # prompt tokens not prefilled thanks to the prefix cache
 
     def submit(self, r: Request) -> None:
         if len(r.ids) + r.max_tokens > self.max_len:
             raise ValueError(f"prompt of {len(r.ids)} tokens + max_tokens {r.max_tokens} exceeds the context of "
                              f"{self.max_len} tokens; shorten the prompt or ask for fewer tokens")
+        need = -(-(len(r.ids) + r.max_tokens) // self.pool.block_size)
+        if need > self.pool.usable:
+            raise ValueError(f"prompt of {len(r.ids)} tokens + max_tokens {r.max_tokens} needs {need} KV blocks of "
+                             f"{self.pool.block_size} tokens; the cache holds {self.pool.usable}: ask for fewer tokens")
         with self.lock:
             self.waiting.append(r)
         self.wake.set()
 
     def load(self) -> tuple[int, int]:
         with self.lock:
-            return len(self.active), len(self.waiting)
+            return len(self.running) + len(self.prefilling), len(self.waiting)
 
     def stop(self) -> None:
         self.stopped = True
         self.wake.set()
 
     def run(self) -> None:
-        """The serving loop: admit waiting requests into free slots, one decode step for all, until stopped."""
+        """The serving loop: a prefill forward, one decode step for all, until stopped."""
         beat = time.monotonic()
         try:
             while not self.stopped:
-                if not self.active and not self.waiting:
+                if not self.running and not self.prefilling and not self.waiting:
                     self.wake.wait(0.1)
                     self.wake.clear()
                     if self.leader is not None and time.monotonic() - beat > HEARTBEAT_S:   # rank 0 lives
                         beat = time.monotonic()
                         self._guard(self.leader.heartbeat)
                     continue
-                self._admit()
+                self._prefill()
                 if not self.stopped:
                     self._step()
         except Exception as e:          # never die silently: every request still gets its answer below
@@ -108,8 +138,8 @@ class Batcher:
             self.stopped = True
         reason = f"error: {self.fatal}" if self.fatal else "error: the server is shutting down"
         with self.lock:
-            left = list(self.active.values()) + list(self.waiting)
-            self.active.clear()
+            left = [s.request for s in self.running + self.prefilling] + list(self.waiting)
+            self.running, self.prefilling = [], []
             self.waiting.clear()
         for r in left:
             r.finish(reason)
@@ -132,35 +162,51 @@ class Batcher:
                 self.on_fatal(self.fatal)
             raise
 
-    def _forward(self, rows: list[int], ids: torch.Tensor) -> torch.Tensor:
+    def _forward(self, rows: list[Sequence], counts: list[int], ids: torch.Tensor) -> torch.Tensor:
+        width = max(len(s.blocks) for s in rows)
+        tables = torch.tensor([s.blocks + [BlockPool.TRASH] * (width - len(s.blocks)) for s in rows])
+        lengths, counts = torch.tensor([s.cached for s in rows]), torch.tensor(counts)
         ids = ids.to(self.cache.device)      # where the model starts (a device map moves it on from there)
         if self.leader is not None:
-            self._guard(self.leader.forward, rows, self.cache.lengths[torch.tensor(rows)], ids)
+            self._guard(self.leader.forward, tables, lengths, counts, ids)
         with torch.no_grad():
-            return self._guard(lambda: self.model(ids, kv_cache=self.cache.view(rows, ids.shape[1])))
+            view = self.cache.view(tables, lengths, counts, ids.shape[1])
+            return self._guard(lambda: self.model(ids, kv_cache=view))
 
-    def _copy(self, src: int, dst: int, n: int) -> None:
-        if self.leader is not None:
-            self._guard(self.leader.copy, src, dst, n)
-        self.cache.copy(src, dst, n)
-        self.held.set(dst, self.held.tokens[src][:n])
+    # -- blocks --------------------------------------------------------------------------------------------
+    def _grow(self, s: Sequence, upto: int) -> bool:
+        """Blocks for `s`'s first `upto` tokens; False (nothing taken) when the pool has too few free."""
+        need = -(-upto // self.pool.block_size) - len(s.blocks)
+        if need > self.pool.available():
+            return False
+        s.blocks += [self.pool.allocate() for _ in range(need)]
+        return True
 
-    def _place(self, r: Request, beside: list[Request]) -> tuple[int, int] | None:
-        """(slot, prompt tokens already cached there) for `r`, copying a running slot's prefix when it is the
-        longest; None when `r` should wait a step for a prompt prefilled `beside` it that it shares more with."""
-        usable = len(r.ids) - 1
-        if not self.prefix_reuse or r.prompt_logprobs is not None:     # echo's logprobs need every position
-            return self.free[0], 0
-        slot, reuse = self.held.best(r.ids, self.free, usable)
-        source, shared = self.held.best(r.ids, self.active, usable)
-        pending = max((min(usable, common_prefix(r.ids, o.ids)) for o in beside), default=0)
-        if pending >= max(reuse, shared) + SHARED_WAIT:
-            return None
-        if shared > reuse:
-            slot, reuse = self.free[0], shared
-            self._copy(source, slot, shared)
-        return (slot if slot >= 0 else self.free[0]), reuse
+    def _register(self, s: Sequence) -> None:
+        """Put `s`'s newly filled whole blocks in the prefix cache."""
+        bs = self.pool.block_size
+        while self.prefix_reuse and (s.registered + 1) * bs <= s.cached:
+            i = s.registered
+            s.parent = self.pool.register(s.blocks[i], s.parent, s.tokens[i * bs:(i + 1) * bs])
+            s.registered += 1
 
+    def _preempt(self, s: Sequence) -> None:
+        """`s` gives its blocks back and waits first in line, to be prefilled again from everything it holds
+        (its prompt and the tokens it produced)."""
+        if s in self.running:
+            self.running.remove(s)
+            s.tokens.append(s.request.last)         # its last token was not fed yet: the prefill feeds it
+        else:
+            self.prefilling.remove(s)
+        self.pool.release(s.blocks)
+        s.blocks, s.cached, s.registered, s.parent = [], 0, 0, 0
+        s.resumed = s.resumed or bool(s.request.generated)
+        s.prompt_logits = []
+        self.preempted += 1
+        with self.lock:
+            self.waiting.appendleft(s.request)
+
+    # -- prefill --------------------------------------------------------------------------------------------
     def _next_waiting(self) -> Request | None:
         """The first waiting request that is still wanted (the cancelled ones are answered on the way)."""
         while True:
@@ -171,89 +217,143 @@ class Batcher:
                 if not r.cancelled:
                     return r
                 self.waiting.popleft()
-            r.finish("cancelled")
+            self._end(r, "cancelled")
 
-    def _plan_prefill(self) -> list[tuple[Request, int]]:
-        """The waiting requests (in order) to prefill together now, each placed in a slot, with the tokens of
-        its prompt already in the slot."""
-        batch: list[tuple[Request, int]] = []
-        width = 0
-        while self.free:
+    def _admit(self, r: Request, beside: list[Sequence]) -> Sequence | None:
+        """`r`'s sequence holding the whole blocks of its prefix already cached; None when it should wait a step
+        for a prompt prefilled `beside` it that will put more of its prefix in the cache."""
+        s = r.seq or Sequence(r, list(r.ids), 0)
+        if self.prefix_reuse and (r.prompt_logprobs is None or s.resumed):   # echo needs every position
+            s.blocks, s.parent = self.pool.cached_prefix(s.tokens, len(s.tokens) - 1)
+            s.registered = len(s.blocks)
+            s.cached = s.registered * self.pool.block_size
+            pending = max((common_prefix(s.tokens, o.tokens) for o in beside), default=0)
+            if pending >= s.cached + self.pool.block_size:
+                self._release(s)
+                return None
+        return s
+
+    def _release(self, s: Sequence) -> None:
+        """An admission that did not go ahead gives back the cached blocks it took."""
+        self.pool.release(s.blocks)
+        s.blocks, s.cached, s.registered, s.parent = [], 0, 0, 0
+
+    def _plan_prefill(self) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens of it to prefill now): the ones under way first, then waiting ones admitted, all
+        padded to the widest within `prefill_tokens`."""
+        for s in [s for s in self.prefilling if s.request.cancelled]:
+            self._end(s.request, "cancelled")
+        batch, width = [], 0
+        for s in list(self.prefilling):
+            count = self._chunk(s, batch, width)
+            if count:
+                batch.append((s, count))
+                width = max(width, count)
+        while len(self.running) + len(self.prefilling) < self.slots:
             r = self._next_waiting()
             if r is None:
                 break
-            placed = self._place(r, [b for b, _ in batch])
-            if placed is None:
-                break
-            slot, reuse = placed
-            wider = max(width, len(r.ids) - reuse)
-            starts = [s for _, s in batch] + [reuse]
-            if batch and (wider * len(starts) > self.prefill_tokens or max(starts) + wider > self.max_len):
+            s = self._admit(r, [b for b, _ in batch])
+            count = 0 if s is None else self._chunk(s, batch, width)
+            if not count:
+                if s is not None:
+                    self._release(s)
                 break
             with self.lock:
                 self.waiting.popleft()
-            self.free.remove(slot)
-            r.slot, width = slot, wider
-            self.held.keep(slot, reuse)
-            self.cache.lengths[slot] = reuse
-            self.active[slot] = r             # running from its prefill on (health and limits count it)
-            batch.append((r, reuse))
+            self.admitted += 1
+            s.admitted, r.seq = self.admitted, s
+            self.reused_tokens += s.cached
+            self.prefilling.append(s)
+            batch.append((s, count))
+            width = max(width, count)
+        if not batch and not self.running and self.prefilling:
+            # prompts under way hold the blocks the others need, and nothing runs to free some: the latest waits
+            self._preempt(max(self.prefilling, key=lambda q: q.admitted))
         return batch
 
-    def _admit(self) -> None:
+    def _chunk(self, s: Sequence, batch: list, width: int) -> int:
+        """How many of `s`'s remaining tokens join this prefill: all that fit the token budget beside the rows
+        already in it (padding counted), at least one block's worth when alone; 0 when none fit or the pool
+        has no block for them."""
+        left = len(s.tokens) - s.cached
+        rows = len(batch) + 1
+        # every row is padded to the widest, and its padding still takes positions: they stay in the context
+        furthest = max([b.cached for b, _ in batch] + [s.cached])
+        count = min(left, self.prefill_tokens, self.max_len - furthest)
+        if rows * max(width, count) > self.prefill_tokens or furthest + max(width, count) > self.max_len:
+            fits = rows * width <= self.prefill_tokens and furthest + width <= self.max_len
+            count = min(left, width) if fits else 0
+        if count <= 0 or not self._grow(s, s.cached + count):
+            return 0
+        return count
+
+    def _prefill(self) -> None:
         batch = self._plan_prefill()
         if not batch:
             return
-        width = max(len(r.ids) - start for r, start in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)   # padding: positions past a row's prompt
-        for j, (r, start) in enumerate(batch):
-            ids[j, :len(r.ids) - start] = torch.tensor(r.ids[start:])
+        width = max(count for _, count in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)     # padding: written to block 0
+        for j, (s, count) in enumerate(batch):
+            ids[j, :count] = torch.tensor(s.tokens[s.cached:s.cached + count])
         try:
-            logits = self._forward([r.slot for r, _ in batch], ids)
+            logits = self._forward([s for s, _ in batch], [c for _, c in batch], ids)
         except Exception as e:            # these requests fail; the running ones go on
-            for r, _ in batch:
-                self._end(r, f"error: {type(e).__name__}: {e}")
+            for s, _ in batch:
+                self._end(s.request, f"error: {type(e).__name__}: {e}")
             return
-        ends = torch.tensor([len(r.ids) - start - 1 for r, start in batch])
-        last = logits[torch.arange(len(batch)), ends].float().cpu()
-        for j, (r, start) in enumerate(batch):
-            self.cache.lengths[r.slot] = len(r.ids)        # the padding's keys are overwritten as it decodes
-            self.held.set(r.slot, r.ids)
-            self.reused_tokens += start
-            self._started(r, logits[j, :len(r.ids) - start], last[j])
+        last = logits[torch.arange(len(batch)), torch.tensor([c - 1 for _, c in batch])].float().cpu()
+        for j, (s, count) in enumerate(batch):
+            s.cached += count
+            self._register(s)
+            r = s.request
+            if r.prompt_logprobs is not None and not s.resumed:
+                s.prompt_logits.append(logits[j, :count])
+            if s.cached == len(s.tokens):
+                self.prefilling.remove(s)
+                self.running.append(s)
+                self._started(s, last[j])
 
-    def _started(self, r: Request, prompt_logits: torch.Tensor, last: torch.Tensor) -> None:
-        """A request's prefill is done: its prompt's log-probabilities (echo), then its first token."""
+    def _started(self, s: Sequence, last: torch.Tensor) -> None:
+        """A sequence's prefill is done: its prompt's log-probabilities (echo), then its next token."""
+        r = s.request
         try:
-            if r.on_prompt is not None and r.prompt_logprobs is not None:
-                r.on_prompt(prompt_logprobs(prompt_logits, r.ids, r.prompt_logprobs))
-            if r.max_tokens == 0:
-                return self._end(r, "length")
+            if not s.resumed:
+                if r.on_prompt is not None and r.prompt_logprobs is not None:
+                    r.on_prompt(prompt_logprobs(torch.cat(s.prompt_logits), r.ids, r.prompt_logprobs))
+                s.prompt_logits = []
+                if r.max_tokens == 0:
+                    return self._end(r, "length")
             self._emit(r, r.draw(last))
         except Exception as e:            # this request's failure is its own; the others go on
             self._end(r, f"error: {type(e).__name__}: {e}")
 
+    # -- decode ---------------------------------------------------------------------------------------------
     def _step(self) -> None:
-        for r in [r for r in self.active.values() if r.cancelled]:     # a slot freed before the forward
-            self._end(r, "cancelled")
-        rows = sorted(self.active)
+        for s in [s for s in self.running if s.request.cancelled]:     # blocks freed before the forward
+            self._end(s.request, "cancelled")
+        for s in sorted(self.running, key=lambda q: q.admitted):
+            while s in self.running and not self._grow(s, s.cached + 1):
+                self._preempt(max(self.running, key=lambda q: q.admitted))    # possibly `s` itself
+        rows = list(self.running)
         if not rows:
             return
-        ids = torch.tensor([[self.active[s].last] for s in rows])
+        ids = torch.tensor([[s.request.last] for s in rows])
         try:
-            logits = self._forward(rows, ids)[:, -1].float().cpu()
+            logits = self._forward(rows, [1] * len(rows), ids)[:, -1].float().cpu()
         except Exception as e:
             for s in rows:
-                self._end(self.active[s], f"error: {type(e).__name__}: {e}")
+                self._end(s.request, f"error: {type(e).__name__}: {e}")
             return
         self.steps += 1
         for j, s in enumerate(rows):
-            r = self.active[s]
-            self.held.append(s, r.last)        # its keys and values are in the slot now
+            s.tokens.append(s.request.last)     # its keys and values are in its blocks now
+            s.cached += 1
+            self._register(s)
             try:
-                self._emit(r, r.draw(logits[j]))
+                self._emit(s.request, s.request.draw(logits[j]))
             except Exception as e:        # a bad sample ends this request only
-                self._end(r, f"error: {type(e).__name__}: {e}")
+                self._end(s.request, f"error: {type(e).__name__}: {e}")
 
     def _emit(self, r: Request, token: Token) -> None:
         if r.cancelled:
@@ -267,8 +367,12 @@ class Batcher:
             return self._end(r, "length")
 
     def _end(self, r: Request, reason: str) -> None:
-        self.active.pop(r.slot, None)
-        if r.slot >= 0:
-            self.free.append(r.slot)
-            r.slot = -1
+        s = r.seq
+        if s is not None:
+            for queue in (self.running, self.prefilling):
+                if s in queue:
+                    queue.remove(s)
+            self.pool.release(s.blocks)
+            s.blocks = []
+            r.seq = None
         r.finish(reason)

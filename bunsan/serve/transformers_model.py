@@ -1,10 +1,10 @@
 """A transformers causal LM (Qwen2/3, Mistral, Gemma 2/3, Phi-3, GPT-2, ...) behind the forward `bunsan serve`'s
 batcher calls on bunsan's Llama: `model(ids, kv_cache=view)` -> logits [rows, new, vocab], with every row at its
-own positions in the serving KV cache (slots.py).
+own positions in the serving KV cache (paged.py).
 
 transformers' own forward runs unchanged; three of its inputs carry the batch's layout:
 - `cache`: an object with transformers' `update(keys, values, layer_idx)` that writes each row's new keys and
-  values at its positions in the serving cache and hands back all of the row's keys so far;
+  values into its blocks of the serving cache and hands back all of the row's keys so far;
 - `position_ids`: each row's positions (rotary or learned), so a row's 10th token is at 10 whatever the others;
 - `attention_mask`: an additive 4D mask per attention kind the config's layer_types name (full, sliding window),
   which hides other rows' lengths and the padding. transformers uses a 4D mask as given.
@@ -65,7 +65,7 @@ def attention_layout(config) -> tuple[list[str], int | None]:
 
 
 class _RowsCache:
-    """transformers' cache interface over one forward's view of the serving cache (slots.py's _SlotView)."""
+    """transformers' cache interface over one forward's view of the serving cache (paged.py's PagedView)."""
 
     is_compileable = False
 
