@@ -1,0 +1,121 @@
+"""`bunsan serve`'s paged KV cache: the block pool and its prefix cache (blocks.py), and the batcher over it
+(batcher.py) giving bunsan generate's greedy tokens whatever the pool's size: blocks taken from the prefix
+cache, prompts prefilled in chunks, sequences preempted and prefilled again when the pool runs out, and as
+many sequences at once as their real lengths allow."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from parity import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(0).eval()
+
+
+def test_blocks_are_counted_cached_exactly_and_reused_least_recent_first():
+    from bunsan.serve.blocks import BlockPool
+    pool = BlockPool(5, 2)
+    assert pool.usable == 4 and pool.available() == 4
+    a, b = pool.allocate(), pool.allocate()
+    assert 0 not in (a, b)                                    # block 0 takes padding writes: never handed out
+    first = pool.register(a, 0, [1, 2])
+    pool.register(b, first, [3, 4])
+    pool.release([a, b])
+    assert pool.available() == 4
+    assert pool.cached_prefix([1, 2, 3, 4, 5], 5) == ([a, b], pool.cached[(first, (3, 4))][1])
+    assert pool.available() == 2                              # taken again: held, not free
+    pool.release([a, b])
+    assert pool.cached_prefix([9, 2, 3, 4], 4) == ([], 0)     # the same second block after another first: no
+    assert pool.cached_prefix([1, 2, 3, 4], 3) == ([a], first)    # at most `limit` tokens: whole blocks only
+    pool.release([a])
+    taken = [pool.allocate() for _ in range(4)]               # the never-cached first, then the oldest freed
+    assert taken[:2] == [3, 4] and pool.allocate() is None
+    assert pool.cached_prefix([1, 2, 3, 4], 4) == ([], 0)     # reused blocks forget their content
+    with pytest.raises(ValueError, match="holds nothing"):
+        BlockPool(1, 16)
+
+
+def _serve(model, prompts, n, echo=None, **kw):
+    from bunsan.serve.batcher import Batcher, Request
+    batcher = Batcher(model, **kw)
+    got, finished, prompt_lp, most = [[] for _ in prompts], [], {}, [0]
+
+    def emit(i, t):
+        got[i].append(t.id)
+        most[0] = max(most[0], len(batcher.running))
+
+    for i, p in enumerate(prompts):
+        batcher.submit(Request(p, n, emit=lambda t, i=i: emit(i, t), finish=finished.append, prompt_logprobs=echo,
+                               on_prompt=lambda lp, i=i: prompt_lp.__setitem__(i, lp)))
+    worker = threading.Thread(target=batcher.run)
+    worker.start()
+    try:
+        for _ in range(1200):
+            if len(finished) == len(prompts):
+                break
+            worker.join(0.1)
+    finally:
+        batcher.stop()
+        worker.join()
+    assert finished == ["length"] * len(prompts), finished
+    return got, batcher, prompt_lp, most[0]
+
+
+def _prompts():
+    torch.manual_seed(0)
+    shared = torch.randint(0, 200, (40,)).tolist()
+    return [torch.randint(0, 200, (n,)).tolist() for n in (5, 17, 3, 30)] + [shared, shared + [7, 9], shared[:33]]
+
+
+def _greedy(model, prompts, n):
+    from bunsan.models import generate
+    return [generate(model, torch.tensor([p]), n)[0, len(p):].tolist() for p in prompts]
+
+
+@pytest.mark.parametrize("kw", [dict(slots=2), dict(slots=4, num_blocks=12, block_size=8),
+                                dict(slots=7, num_blocks=30, block_size=4, prefill_tokens=16),
+                                dict(slots=3, prefix_reuse=False)],
+                         ids=["roomy", "tight-pool", "chunked-prefill-and-preemption", "no-prefix-cache"])
+def test_greedy_tokens_whatever_the_pool(model, kw):
+    prompts = _prompts()
+    got, batcher, _, _ = _serve(model, prompts, 20, max_len=96, **kw)
+    assert got == _greedy(model, prompts, 20)
+    if kw.get("prefix_reuse", True):
+        assert batcher.reused_tokens >= 32                    # the shared prompt's whole blocks, taken again
+    if "num_blocks" in kw:
+        assert batcher.preempted > 0                          # the pool ran out: waited, never refused
+    assert batcher.pool.available() == batcher.pool.usable    # every block back once all ended
+
+
+def test_prompt_logprobs_survive_preemption_and_chunking(model):
+    prompts = _prompts()[:4]
+    _, _, want, _ = _serve(model, prompts, 12, echo=1, slots=4, max_len=96)
+    _, batcher, got, _ = _serve(model, prompts, 12, echo=1, slots=4, max_len=96, num_blocks=14, block_size=4,
+                                prefill_tokens=8)
+    assert batcher.preempted > 0
+    assert got.keys() == want.keys() == set(range(4))
+    for i in want:
+        assert [t.id for t in got[i]] == [t.id for t in want[i]] == prompts[i]
+        assert [t.logprob for t in got[i][1:]] == pytest.approx([t.logprob for t in want[i][1:]], abs=1e-5)
+
+
+def test_the_pool_holds_as_many_sequences_as_their_lengths_allow(model):
+    """A budget of two full-context sequences (2 x 96 tokens) runs eight short ones at once."""
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 200, (6,)).tolist() for _ in range(8)]
+    got, _, _, most = _serve(model, prompts, 10, slots=8, max_len=96, num_blocks=1 + 2 * 96 // 8, block_size=8)
+    assert most == 8
+    assert got == _greedy(model, prompts, 10)
+
+
+def test_a_request_larger_than_the_pool_is_refused_at_once(model):
+    from bunsan.serve.batcher import Batcher, Request
+    batcher = Batcher(model, slots=2, max_len=96, num_blocks=5, block_size=8)
+    with pytest.raises(ValueError, match="needs 5 KV blocks of 8 tokens; the cache holds 4"):
+        batcher.submit(Request(list(range(30)), 10, emit=print, finish=print))
