@@ -62,7 +62,9 @@ def malformed_bodies(rng: random.Random) -> list[tuple[str, bytes]]:
         "min_p": [-0.1, 1.1],
         "prompt": ["", [], [""], [-1], [256], [[]], [[1, "a"]], [True], 7, None, {"p": "x"}, [1, [2]], "\ud800"],
         "model": ["gpt-4", 7, ""],
-        "suffix": ["tail"], "tools": [[{"type": "function"}]], "response_format": [{"type": "json_object"}],
+        "suffix": ["tail"], "tools": [[{"type": "function"}]],
+        "response_format": [{"type": "xml"}, "json", {"type": "json_schema"}, {"type": "json_schema", "json_schema": 5}],
+        "guided_regex": ["(", 5], "guided_choice": [[], "a", [1]], "structured_outputs": [{"json": 5}, {"nope": "x"}],
         "unknown_field": [1, "x"],
     }
     out = []

@@ -45,6 +45,7 @@ class Service:
         self.open_sequences = 0    # accepted and not yet fully answered (the event loop's own count: no lock)
         self.closing = False
         self.created = int(time.time())
+        self.grammar_tokenizer = None       # structured outputs' view of the tokenizer (structured.py)
 
     def alive(self) -> bool:
         return self.worker.is_alive() and not self.batcher.stopped
@@ -58,7 +59,14 @@ class Service:
         if self.open_sequences + gen.sequences > self.limits.max_concurrent:
             raise ApiError(429, f"{self.open_sequences} of {self.limits.max_concurrent} sequences are already "
                                 "running or waiting; retry later", code="rate_limit_exceeded")
-        job = Job(gen, self.tokenizer, self.vocab, self.eos | gen.stop_ids, prefix, self._release)
+        constraint = None
+        if gen.grammar is not None:
+            from bunsan.serve.structured import Constraint, grammar_tokenizer
+            if self.grammar_tokenizer is None:        # indexes the vocabulary once, at the first such request
+                ends = set(getattr(self.tokenizer, "stop_ids", None) or []) | self.eos
+                self.grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab, sorted(ends))
+            constraint = lambda: Constraint(self.grammar_tokenizer, gen.grammar)   # noqa: E731
+        job = Job(gen, self.tokenizer, self.vocab, self.eos | gen.stop_ids, prefix, self._release, constraint)
         self.open_sequences += gen.sequences
         job.submit(self.batcher)
         return job

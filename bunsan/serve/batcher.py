@@ -25,7 +25,7 @@ import torch
 from bunsan.serve.blocks import BlockPool
 from bunsan.serve.paged import PagedCache
 from bunsan.serve.prefix import common_prefix
-from bunsan.serve.sampling import RowSampler, SamplingParams, Token, prompt_logprobs
+from bunsan.serve.sampling import END, RowSampler, SamplingParams, Token, prompt_logprobs
 from bunsan.serve.tp import HEARTBEAT_S
 
 BLOCK_SIZE = 16
@@ -360,9 +360,11 @@ class Batcher:
             return self._end(r, "cancelled")
         r.generated += 1
         r.last = token.id
-        if token.id in r.eos:
+        if token.id in r.eos or token.id == END:
             return self._end(r, "eos")
         r.emit(token)
+        if token.final:                   # its grammar is complete
+            return self._end(r, "eos")
         if r.generated >= r.max_tokens:
             return self._end(r, "length")
 

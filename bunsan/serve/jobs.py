@@ -83,7 +83,9 @@ class Choice:
 class Job:
     """A request's sequences, their queue of events, its id and creation time."""
 
-    def __init__(self, gen: Generation, tokenizer, vocab: int, eos: frozenset[int], prefix: str, on_release):
+    def __init__(self, gen: Generation, tokenizer, vocab: int, eos: frozenset[int], prefix: str, on_release,
+                 constraint=None):
+        """`constraint()`: a fresh structured.Constraint for each sequence of a request with a grammar."""
         self.gen, self.on_release, self.counted = gen, on_release, True
         self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
         self.rid, self.created, self.started = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), time.time()
@@ -93,7 +95,7 @@ class Job:
                 c = Choice(len(self.choices), p, ids, tokenizer, gen.stop)
                 params = SamplingParams(**{**gen.sampling.__dict__, "seed": nth_seed(gen.sampling.seed, j)})
                 c.work = Request(ids=ids, max_tokens=gen.max_tokens[p], emit=self._callback(c, "token"),
-                                 finish=self._callback(c, "end"), sampler=RowSampler(params, ids, vocab), eos=eos,
+                                 finish=self._callback(c, "end"), sampler=RowSampler(params, ids, vocab, constraint and constraint()), eos=eos,
                                  prompt_logprobs=gen.prompt_logprobs, on_prompt=self._callback(c, "prompt"))
                 self.choices.append(c)
         self.ended = 0

@@ -98,13 +98,22 @@ def options(raw: dict | None) -> Options:
 
 
 def refuse_features(body: OllamaBody, images: bool) -> None:
-    if body.format not in (None, ""):
-        raise ApiError(400, f"format {shown(body.format)} (structured output) is not supported; remove it",
-                       param="format")
     if body.think:
         raise ApiError(400, "think is not supported (the model has no separate reasoning); remove it", param="think")
     if images:
         raise ApiError(400, "images are not supported (a text model); remove them", param="images")
+
+
+def ollama_grammar(format_) -> str | None:
+    """Ollama's `format`: "json" (any JSON value) or a JSON schema, as structured outputs (structured.py)."""
+    from bunsan.serve.structured import grammar_request
+    if format_ in (None, ""):
+        return None
+    if format_ == "json":
+        return grammar_request(None, {"json": {}}, {})
+    if isinstance(format_, dict):
+        return grammar_request(None, {"json": format_}, {})
+    raise ApiError(400, f"format {shown(format_)} is neither \"json\" nor a JSON schema", param="format")
 
 
 def generation(body: OllamaBody, prompt: list[int], opts: Options, service) -> Generation:
@@ -114,7 +123,8 @@ def generation(body: OllamaBody, prompt: list[int], opts: Options, service) -> G
                             frequency_penalty=opts.frequency_penalty, repetition_penalty=opts.repeat_penalty,
                             seed=opts.seed)
     gen = Generation(prompts=[prompt], max_tokens=[], sampling=sampling_params(fields, service.vocab, None),
-                     stop=stop_strings(opts.stop, service.limits), stream=body.stream is not False)
+                     stop=stop_strings(opts.stop, service.limits), stream=body.stream is not False,
+                     grammar=ollama_grammar(body.format))
     asked = opts.num_predict if opts.num_predict and opts.num_predict > 0 else None
     fit_context(gen, asked, service.limits, service.context, "options.num_predict")
     return gen

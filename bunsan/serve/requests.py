@@ -33,7 +33,7 @@ IGNORED = {
 # refused unless neutral (these values ask for nothing): the feature is not built
 UNSUPPORTED = {
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "audio": (None,),
+    "function_call": (None, "none"), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
     "reasoning_effort": (None,),
 }
@@ -76,6 +76,13 @@ class SamplingFields(Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = Field(None, ge=1)
+    # structured outputs (structured.py): OpenAI's response_format, vLLM's structured_outputs and older names
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | bool | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 @dataclass
@@ -94,6 +101,7 @@ class Generation:
     logprobs: int | None = None            # reported: None, or the top-k alternatives per token
     prompt_logprobs: int | None = None     # echo with logprobs: the prompt's too
     stop_ids: frozenset[int] = frozenset()  # tokens that end a sequence besides the tokenizer's end of text
+    grammar: str | None = None             # llguidance's grammar every sequence's tokens follow (structured.py)
 
     @property
     def sequences(self) -> int:
@@ -156,6 +164,11 @@ def logit_bias(bias: dict[str, float] | None, vocab: int) -> dict[int, float]:
             raise ApiError(400, f"logit_bias[{key}] = {value} is outside -100..100", param="logit_bias")
         out[int(key)] = value
     return out
+
+
+def requested_grammar(req: SamplingFields) -> str | None:
+    from bunsan.serve.structured import LEGACY, grammar_request
+    return grammar_request(req.response_format, req.structured_outputs, {k: getattr(req, k) for k in LEGACY})
 
 
 def sampling_params(req: SamplingFields, vocab: int, logprobs: int | None) -> SamplingParams:
@@ -267,7 +280,7 @@ def completion_request(body: dict, limits: Limits, tokenizer, vocab: int, contex
                      stop=stop_strings(req.stop, limits), n=n, best_of=best_of, stream=bool(req.stream),
                      include_usage=bool(req.stream_options and req.stream_options.include_usage),
                      echo=bool(req.echo), logprobs=req.logprobs,
-                     prompt_logprobs=req.logprobs if req.echo else None)
+                     prompt_logprobs=req.logprobs if req.echo else None, grammar=requested_grammar(req))
     fit_context(gen, req.max_tokens, limits, context, "max_tokens")
     return gen
 
@@ -328,6 +341,6 @@ def chat_request(body: dict, limits: Limits, render, vocab: int, context: int, s
                      sampling=sampling_params(req, vocab, (req.top_logprobs or 0) if req.logprobs else None),
                      stop=stop_strings(req.stop, limits), n=n, best_of=n, stream=bool(req.stream),
                      include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                     logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+                     logprobs=(req.top_logprobs or 0) if req.logprobs else None, grammar=requested_grammar(req))
     fit_context(gen, asked, limits, context, "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     return gen

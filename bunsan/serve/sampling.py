@@ -36,12 +36,17 @@ class SamplingParams:
                     or self.logit_bias)
 
 
+END = -1         # a Token id that ends its sequence with no text: a complete grammar, no end token allowed
+
+
 @dataclass
 class Token:
-    """One generated (or prompt) token: its id, and its log-probability and the top alternatives when asked."""
+    """One generated (or prompt) token: its id, and its log-probability and the top alternatives when asked;
+    `final`: the sequence ends after it (its grammar is complete)."""
     id: int
     logprob: float | None = None
     top: list[tuple[int, float]] | None = None
+    final: bool = False
 
 
 def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
@@ -54,8 +59,9 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[tuple[int, float]]:
 class RowSampler:
     """One sequence's sampling state: its seeded generator and the token counts its penalties need."""
 
-    def __init__(self, params: SamplingParams, prompt: list[int], vocab_size: int):
-        self.params, self.vocab_size = params, vocab_size
+    def __init__(self, params: SamplingParams, prompt: list[int], vocab_size: int, constraint=None):
+        """`constraint`: a structured.Constraint the tokens must follow (None: any)."""
+        self.params, self.vocab_size, self.constraint = params, vocab_size, constraint
         self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         self.counts = torch.zeros(vocab_size, dtype=torch.float32) if params.penalised() else None
         self.seen = None
@@ -88,14 +94,23 @@ class RowSampler:
         """logits [vocab] (fp32, CPU) -> the next token, and its log-probabilities when asked."""
         p = self.params
         adjusted = self._adjusted(logits)
+        if self.constraint is not None:          # only what the grammar takes next
+            allowed = self.constraint.allowed(logits.shape[-1])
+            if not bool(allowed.any()):
+                return Token(END)                # only its end is left, and the vocabulary has no end token
+            adjusted = adjusted.masked_fill(~allowed, float("-inf"))
         if p.min_p > 0 and p.temperature > 0:
             adjusted = self._min_p(adjusted)
         token = int(next_token(adjusted[None], p.temperature, p.top_k, self.generator, p.top_p)[0])
         self.note(token)
+        final = False
+        if self.constraint is not None:
+            self.constraint.take(token)
+            final = self.constraint.done()
         if p.logprobs is None:
-            return Token(token)
+            return Token(token, final=final)
         logprobs = torch.log_softmax(logits, dim=-1)
-        return Token(token, float(logprobs[token]), top_logprobs(logprobs, p.logprobs))
+        return Token(token, float(logprobs[token]), top_logprobs(logprobs, p.logprobs), final)
 
     def note(self, token: int) -> None:
         """Count a token of the output (for the penalties)."""
