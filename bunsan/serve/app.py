@@ -1,5 +1,6 @@
 """`bunsan serve`'s HTTP side on Starlette: the Service (the batcher's thread, admission, health, a bounded
-shutdown) and the app's routes: OpenAI's (openai_routes.py), Ollama's (ollama_routes.py), GET /health.
+shutdown) and the app's routes: OpenAI's (openai_routes.py), Ollama's (ollama_routes.py), embeddings
+(embeddings.py), GET /health and GET /metrics (metrics.py).
 
 The batcher runs on a thread of its own; each request's sequences report to an asyncio queue (jobs.py), so a
 slow reader only lets its own queue grow and a dropped connection cancels its sequences. Every error is
@@ -16,14 +17,16 @@ import time
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bunsan.serve.batcher import Batcher
 from bunsan.serve.body import BodyLimits
 from bunsan.serve.chat import ChatTemplate
+from bunsan.serve.embeddings import EmbeddingRoutes
 from bunsan.serve.errors import ApiError, http_error, server_error
 from bunsan.serve.jobs import Job
+from bunsan.serve.metrics import ServeMetrics
 from bunsan.serve.ollama_routes import OllamaRoutes
 from bunsan.serve.openai_routes import SHUTDOWN, OpenAIRoutes
 from bunsan.serve.requests import Generation, Limits
@@ -46,6 +49,7 @@ class Service:
         self.closing = False
         self.created = int(time.time())
         self.grammar_tokenizer = None       # structured outputs' view of the tokenizer (structured.py)
+        self.metrics = ServeMetrics(batcher, self.model_name)
 
     def alive(self) -> bool:
         return self.worker.is_alive() and not self.batcher.stopped
@@ -66,7 +70,9 @@ class Service:
                 ends = set(getattr(self.tokenizer, "stop_ids", None) or []) | self.eos
                 self.grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab, sorted(ends))
             constraint = lambda: Constraint(self.grammar_tokenizer, gen.grammar)   # noqa: E731
-        job = Job(gen, self.tokenizer, self.vocab, self.eos | gen.stop_ids, prefix, self._release, constraint)
+        job = Job(gen, self.tokenizer, self.vocab, self.eos | gen.stop_ids, prefix, self._release, constraint,
+                  self.metrics)
+        self.metrics.accepted(job)
         self.open_sequences += gen.sequences
         job.submit(self.batcher)
         return job
@@ -85,6 +91,10 @@ class Service:
                              "kv_blocks_free": pool.available(), "kv_tokens": pool.usable * pool.block_size,
                              "decode_steps": b.steps, "preempted": b.preempted,
                              "prefix_tokens_reused": b.reused_tokens}, status_code=200 if alive else 503)
+
+    async def prometheus(self, _: HTTPRequest) -> Response:
+        body, content_type = self.metrics.text()
+        return Response(body, media_type=content_type)
 
     async def drain(self, grace_s: float) -> None:
         """Shut down within `grace_s`: new requests get 503 at once; running ones may finish for `grace_s`
@@ -110,7 +120,8 @@ def build_app(batcher: Batcher, tokenizer, model_name: str, limits: Limits | Non
               aliases: tuple[str, ...] = (), template: ChatTemplate | None = None) -> Starlette:
     """The app; `app.state.service` is its Service (bunsan serve's shutdown drains it)."""
     service = Service(batcher, tokenizer, model_name, limits or Limits(), aliases, template)
-    routes = [Route("/health", service.health), *OpenAIRoutes(service).routes(), *OllamaRoutes(service).routes()]
+    routes = [Route("/health", service.health), Route("/metrics", service.prometheus),
+              *OpenAIRoutes(service).routes(), *OllamaRoutes(service).routes(), *EmbeddingRoutes(service).routes()]
     app = Starlette(routes=routes, lifespan=service.lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.service = service

@@ -18,57 +18,19 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 
 import torch
 
 from bunsan.serve.blocks import BlockPool
+from bunsan.serve.embeddings import final_hidden
 from bunsan.serve.paged import PagedCache
 from bunsan.serve.prefix import common_prefix
-from bunsan.serve.sampling import END, RowSampler, SamplingParams, Token, prompt_logprobs
+from bunsan.serve.sampling import END, Token, prompt_logprobs
+from bunsan.serve.sequence import Request, Sequence
 from bunsan.serve.tp import HEARTBEAT_S
 
 BLOCK_SIZE = 16
-
-
-@dataclass
-class Request:
-    """One sequence. `emit(Token)` is called for every new token, `finish(reason)` once at the end ("eos",
-    "length", "cancelled" or "error: ..."), `on_prompt(tokens)` with the prompt's log-probabilities when
-    `prompt_logprobs` asks for them; all from the batcher's thread."""
-    ids: list[int]
-    max_tokens: int
-    emit: callable
-    finish: callable
-    sampler: RowSampler | None = None          # None: greedy
-    eos: frozenset[int] = frozenset()
-    prompt_logprobs: int | None = None
-    on_prompt: callable = None
-    cancelled: bool = False
-    generated: int = 0
-    last: int = 0
-    seq: "Sequence | None" = None              # the batcher's: its place in the cache
-
-    def draw(self, logits: torch.Tensor) -> Token:
-        if self.sampler is None:
-            self.sampler = RowSampler(SamplingParams(), self.ids, logits.shape[-1])
-        return self.sampler.draw(logits)
-
-
-@dataclass
-class Sequence:
-    """A request's place in the cache: `tokens` to hold (the prompt, then each token fed back), the first
-    `cached` of them written into `blocks`; the first `registered` blocks are in the prefix cache, the last
-    of them under content id `parent`."""
-    request: Request
-    tokens: list[int]
-    admitted: int                               # admission order: the latest is preempted first
-    blocks: list[int] = field(default_factory=list)
-    cached: int = 0
-    registered: int = 0
-    parent: int = 0
-    resumed: bool = False                       # prefilled again after a preemption: no prompt logprobs
-    prompt_logits: list = field(default_factory=list)
 
 
 class Batcher:
@@ -97,6 +59,7 @@ class Batcher:
         self.preempted = 0                  # sequences sent back to the queue for want of blocks
         self.admitted = 0
         self.reused_tokens = 0              # prompt tokens not prefilled thanks to the prefix cache
+        self.embeds: deque[tuple[list[int], Future]] = deque()     # hidden-state requests (embeddings.py)
 
     def submit(self, r: Request) -> None:
         if len(r.ids) + r.max_tokens > self.max_len:
@@ -109,6 +72,29 @@ class Batcher:
         with self.lock:
             self.waiting.append(r)
         self.wake.set()
+
+    def hidden(self, ids: list[int]) -> Future:
+        """Every position's final hidden state (the head's input) for `ids`, [len(ids), hidden] fp32 on the CPU,
+        computed on the batcher's thread between two steps (the model is never run from two threads)."""
+        if self.leader is not None:
+            raise ValueError("embeddings are not served under tensor parallelism (--tp); serve the model in one "
+                             "process for them")
+        if not 0 < len(ids) <= self.max_len:
+            raise ValueError(f"an input of {len(ids)} tokens; embeddings take 1 to {self.max_len} (the context)")
+        done = Future()
+        with self.lock:
+            self.embeds.append((ids, done))
+        self.wake.set()
+        return done
+
+    def _embed(self) -> None:
+        while self.embeds:
+            with self.lock:
+                ids, done = self.embeds.popleft()
+            try:
+                done.set_result(final_hidden(self.model, ids))
+            except Exception as e:        # this input's failure is its own
+                done.set_exception(e)
 
     def load(self) -> tuple[int, int]:
         with self.lock:
@@ -123,6 +109,7 @@ class Batcher:
         beat = time.monotonic()
         try:
             while not self.stopped:
+                self._embed()
                 if not self.running and not self.prefilling and not self.waiting:
                     self.wake.wait(0.1)
                     self.wake.clear()
@@ -143,6 +130,8 @@ class Batcher:
             self.waiting.clear()
         for r in left:
             r.finish(reason)
+        while self.embeds:
+            self.embeds.popleft()[1].set_exception(RuntimeError(reason.removeprefix("error: ")))
         if self.leader is not None and not self.fatal:
             try:
                 self._guard(self.leader.stop)

@@ -84,9 +84,11 @@ class Job:
     """A request's sequences, their queue of events, its id and creation time."""
 
     def __init__(self, gen: Generation, tokenizer, vocab: int, eos: frozenset[int], prefix: str, on_release,
-                 constraint=None):
-        """`constraint()`: a fresh structured.Constraint for each sequence of a request with a grammar."""
-        self.gen, self.on_release, self.counted = gen, on_release, True
+                 constraint=None, metrics=None):
+        """`constraint()`: a fresh structured.Constraint for each sequence of a request with a grammar;
+        `metrics`: the server's metrics.ServeMetrics, told of every token and end."""
+        self.gen, self.on_release, self.counted, self.metrics = gen, on_release, True, metrics
+        self.accepted_at = time.monotonic()
         self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
         self.rid, self.created, self.started = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), time.time()
         self.choices: list[Choice] = []
@@ -118,6 +120,8 @@ class Job:
                 yield None, "gone", None
                 return
             if kind == "token":
+                if self.metrics is not None:
+                    self.metrics.token(self, choice)
                 delta = choice.add(value)
                 if delta:
                     yield choice, "delta", delta
@@ -126,7 +130,10 @@ class Job:
                 yield choice, "prompt", None
             else:
                 self.ended += 1
-                yield choice, "end", choice.finish(value)
+                rest = choice.finish(value)
+                if self.metrics is not None:
+                    self.metrics.ended(self, choice)
+                yield choice, "end", rest
 
     def error(self) -> str | None:
         """The first sequence's failure, if any ended with one."""

@@ -48,6 +48,12 @@ class Options(Strict):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
 
 
+class ShowBody(Strict):
+    model: str | None = None
+    name: str | None = None               # the older field
+    verbose: bool | None = None
+
+
 class OllamaBody(Strict):
     model: str
     stream: bool | None = True
@@ -233,17 +239,61 @@ class OllamaRoutes:
         finally:
             job.close()
 
+    def _model(self) -> tuple[dict, int, int]:
+        """(Ollama's details of the served model, its parameters, its weights' bytes)."""
+        model = self.service.batcher.model
+        params = sum(p.numel() for p in model.parameters())
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        family = getattr(model.config, "model_type", "llama")
+        details = {"parent_model": "", "format": "safetensors", "family": family, "families": [family],
+                   "parameter_size": f"{params / 1e6:.1f}M",
+                   "quantization_level": str(next(model.parameters()).dtype).removeprefix("torch.")}
+        return details, params, size
+
     async def tags(self, _: HTTPRequest) -> JSONResponse:
         s = self.service
         at = datetime.fromtimestamp(s.created, timezone.utc).isoformat().replace("+00:00", "Z")
-        params = sum(p.numel() for p in s.batcher.model.parameters())
-        size = sum(p.numel() * p.element_size() for p in s.batcher.model.parameters())
-        details = {"format": "safetensors", "family": "llama", "families": ["llama"],
-                   "parameter_size": f"{params / 1e6:.1f}M", "quantization_level": str(
-                       next(s.batcher.model.parameters()).dtype).removeprefix("torch.")}
+        details, _, size = self._model()
         models = [{"name": name, "model": name, "modified_at": at, "size": size, "digest": "", "details": details}
                   for name in s.served]
         return JSONResponse({"models": models})
+
+    async def ps(self, _: HTTPRequest) -> JSONResponse:
+        """The model in memory: its weights and the KV cache, all of it where the server put it."""
+        s = self.service
+        details, _, size = self._model()
+        size += s.batcher.cache.nbytes
+        on_gpu = s.batcher.cache.device.type == "cuda"
+        models = [{"name": name, "model": name, "size": size, "digest": "", "details": details,
+                   "expires_at": "9999-12-31T23:59:59Z", "size_vram": size if on_gpu else 0,
+                   "context_length": s.context} for name in s.served]
+        return JSONResponse({"models": models})
+
+    async def show(self, http: HTTPRequest) -> Response:
+        s = self.service
+        try:
+            body = validated(ShowBody, await read_json(http, s.body_limits))
+            name = body.model or body.name
+            if name is None:
+                raise ApiError(400, "model is missing; name the model to show", param="model")
+            self.check_model(name)
+        except ClientGone:
+            return Response(status_code=499)
+        except ApiError as e:
+            return e.ollama_response()
+        details, params, _ = self._model()
+        cfg = s.batcher.model.config
+        family = details["family"]
+        info = {"general.architecture": family, "general.parameter_count": params,
+                f"{family}.context_length": s.context, f"{family}.block_count": cfg.num_hidden_layers,
+                f"{family}.attention.head_count": cfg.num_attention_heads,
+                f"{family}.attention.head_count_kv": cfg.num_key_value_heads,
+                f"{family}.embedding_length": cfg.hidden_size, f"{family}.vocab_size": cfg.vocab_size}
+        at = datetime.fromtimestamp(s.created, timezone.utc).isoformat().replace("+00:00", "Z")
+        template = s.template.template if s.template.hf is None else s.template.hf.chat_template
+        return JSONResponse({"modelfile": "", "parameters": "", "template": template or "",
+                             "details": details, "model_info": info, "modified_at": at,
+                             "capabilities": ["completion", "embedding"]})
 
     async def version(self, _: HTTPRequest) -> JSONResponse:
         return JSONResponse({"version": "0.0.0-bunsan"})
@@ -252,4 +302,6 @@ class OllamaRoutes:
         return [Route("/api/generate", self.generate, methods=["POST"]),
                 Route("/api/chat", self.chat, methods=["POST"]),
                 Route("/api/tags", self.tags, methods=["GET"]),
+                Route("/api/ps", self.ps, methods=["GET"]),
+                Route("/api/show", self.show, methods=["POST"]),
                 Route("/api/version", self.version, methods=["GET"])]

@@ -27,6 +27,7 @@ class ServedShape:
     """What the server and its KV cache read of the model, by bunsan's (LlamaConfig's) names."""
     model_type: str
     vocab_size: int
+    hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -40,7 +41,7 @@ class ServedShape:
         context = getattr(config, "max_position_embeddings", None)
         if not isinstance(context, int):
             raise ValueError(f"{config.model_type}'s config has no max_position_embeddings; pass --context")
-        return cls(config.model_type, config.vocab_size, config.num_hidden_layers, heads,
+        return cls(config.model_type, config.vocab_size, config.hidden_size, config.num_hidden_layers, heads,
                    getattr(config, "num_key_value_heads", None) or heads, head_dim, context)
 
 

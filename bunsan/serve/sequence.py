@@ -1,0 +1,50 @@
+"""What the batcher runs: a Request (one sequence a client asked for, and how it reports back) and, once
+admitted, its Sequence (its place in the paged KV cache)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from bunsan.serve.sampling import RowSampler, SamplingParams, Token
+
+
+@dataclass
+class Request:
+    """One sequence. `emit(Token)` is called for every new token, `finish(reason)` once at the end ("eos",
+    "length", "cancelled" or "error: ..."), `on_prompt(tokens)` with the prompt's log-probabilities when
+    `prompt_logprobs` asks for them; all from the batcher's thread."""
+    ids: list[int]
+    max_tokens: int
+    emit: callable
+    finish: callable
+    sampler: RowSampler | None = None          # None: greedy
+    eos: frozenset[int] = frozenset()
+    prompt_logprobs: int | None = None
+    on_prompt: callable = None
+    cancelled: bool = False
+    generated: int = 0
+    last: int = 0
+    seq: "Sequence | None" = None              # the batcher's: its place in the cache
+
+    def draw(self, logits: torch.Tensor) -> Token:
+        if self.sampler is None:
+            self.sampler = RowSampler(SamplingParams(), self.ids, logits.shape[-1])
+        return self.sampler.draw(logits)
+
+
+@dataclass
+class Sequence:
+    """A request's place in the cache: `tokens` to hold (the prompt, then each token fed back), the first
+    `cached` of them written into `blocks`; the first `registered` blocks are in the prefix cache, the last
+    of them under content id `parent`."""
+    request: Request
+    tokens: list[int]
+    admitted: int                               # admission order: the latest is preempted first
+    blocks: list[int] = field(default_factory=list)
+    cached: int = 0
+    registered: int = 0
+    parent: int = 0
+    resumed: bool = False                       # prefilled again after a preemption: no prompt logprobs
+    prompt_logits: list = field(default_factory=list)
