@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
     s.add_argument("--shutdown-grace", type=float, default=5.0,
                    help="on SIGTERM, seconds running requests may finish before they are answered with an error")
     s.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request's body may take to arrive")
+    s.add_argument("--keep-alive-timeout", type=float, default=75.0,
+                   help="seconds an idle keep-alive connection stays open (longer than clients keep theirs)")
     s.add_argument("--context", type=int, default=None,
                    help="tokens per request, prompt included (default: the model's max_position_embeddings)")
     s.add_argument("--max-tokens", type=int, default=1024, help="the most max_tokens one request may ask for")
@@ -184,7 +186,7 @@ def cmd_serve(args) -> int:
     batcher = Batcher(model, slots, context, kv_heads, leader, prefix_reuse=not args.no_prefix_reuse,
                       num_blocks=blocks, block_size=args.block_size)
     app, template = serve_app(args, model, tokenizer, name, context, batcher)
-    server = Server(app, args.host, args.port, grace_s=args.shutdown_grace)
+    server = Server(app, args.host, args.port, grace_s=args.shutdown_grace, keep_alive_s=args.keep_alive_timeout)
 
     def fatal(message: str) -> None:        # a tensor-parallel rank is gone: answer errors, then stop
         print(f"bunsan serve: {message}; shutting down", flush=True)

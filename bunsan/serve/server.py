@@ -10,15 +10,20 @@ import uvicorn
 from bunsan.serve.app import Service
 
 SEND_ERRORS_S = 5.0        # after the grace: for the errors to reach the clients
+# An idle keep-alive connection is closed after this long. uvicorn's 5 s equals httpx's (so openai's) pool
+# expiry: a client reusing a connection at 5 s idle races the server closing it and gets no answer. Longer
+# than the clients' expiry, the client always gives up on the connection first (nginx keeps 75 s too).
+KEEP_ALIVE_S = 75.0
 
 
 class Server(uvicorn.Server):
     def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 5.0,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", keep_alive_s: float = KEEP_ALIVE_S):
         self.service: Service = app.state.service
         self.grace_s = grace_s
         super().__init__(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                        timeout_graceful_shutdown=grace_s + SEND_ERRORS_S))
+                                        timeout_graceful_shutdown=grace_s + SEND_ERRORS_S,
+                                        timeout_keep_alive=keep_alive_s, backlog=4096))
 
     async def shutdown(self, sockets=None) -> None:
         await self.service.drain(self.grace_s)
