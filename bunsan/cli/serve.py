@@ -46,6 +46,14 @@ def add_parser(sub) -> None:
     s.add_argument("--device-map", choices=("auto", "balanced", "sequential"),
                    help="spread the model over devices, CPU and disk (a Llama by bunsan's placement, others by transformers')")
     s.add_argument("--max-memory", help="budgets for --device-map, e.g. 0=20GiB,cpu=64GiB")
+    s.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                   help="LoRA adapters (peft folders, or bunsan train's RUN/adapter) served by name beside the base")
+    s.add_argument("--max-loras", type=int, default=None,
+                   help="adapters loaded at once (default: those of --lora-modules, plus 4 with --allow-runtime-lora)")
+    s.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank (default: the largest "
+                                                                     "given, at least 16)")
+    s.add_argument("--allow-runtime-lora", action="store_true",
+                   help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) load and unload adapters")
     s.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="the weights' and the KV cache's dtype (sampling is fp32 whatever it is)")
 
@@ -154,7 +162,34 @@ def serve_app(args, model, tokenizer, name: str, context: int, batcher):
     limits = Limits(args.max_body_bytes, args.max_tokens, args.max_concurrent, args.body_timeout)
     aliases = tuple(args.served_model_name or ())
     return build_app(batcher, tokenizer, aliases[0] if aliases else name, limits, aliases=aliases,
-                     template=chat), chat.source
+                     template=chat, runtime_lora=args.allow_runtime_lora), chat.source
+
+
+def lora_adapters(args, model):
+    """The AdapterSet of --lora-modules / --allow-runtime-lora installed in `model` (serve/lora.py), or None."""
+    from bunsan.serve.lora import AdapterSet, parse_lora_modules
+    named = parse_lora_modules(args.lora_modules)
+    if not named and not args.allow_runtime_lora:
+        return None
+    if args.tp > 1:
+        raise ValueError("--lora-modules / --allow-runtime-lora with --tp: adapters are served in one process; "
+                         "merge the adapter into the model (bunsan convert --merge-lora) to serve it split")
+    if args.max_loras is not None and args.max_loras < max(1, len(named)):
+        raise ValueError(f"--max-loras {args.max_loras} is fewer than the {len(named)} adapters of --lora-modules")
+    ranks = [_adapter_rank(path) for _, path in named]
+    adapters = AdapterSet(model, args.max_loras or len(named) + 4 * args.allow_runtime_lora,
+                          args.max_lora_rank or max(ranks + [16]))
+    for name, path in named:
+        adapters.add(name, path)
+    return adapters
+
+
+def _adapter_rank(path: str) -> int:
+    from bunsan.checkpoint.adapter import adapter_dir, read_adapter
+    folder = adapter_dir(path)
+    if folder is None:
+        raise ValueError(f"--lora-modules {path}: no adapter_config.json + adapter_model.safetensors there")
+    return read_adapter(folder)[0]["r"]
 
 
 def cmd_serve(args) -> int:
@@ -184,7 +219,7 @@ def cmd_serve(args) -> int:
             return 0
         leader = Leader(shard.comm, shard.group, shard.device)
     batcher = Batcher(model, slots, context, kv_heads, leader, prefix_reuse=not args.no_prefix_reuse,
-                      num_blocks=blocks, block_size=args.block_size)
+                      num_blocks=blocks, block_size=args.block_size, adapters=lora_adapters(args, model))
     app, template = serve_app(args, model, tokenizer, name, context, batcher)
     server = Server(app, args.host, args.port, grace_s=args.shutdown_grace, keep_alive_s=args.keep_alive_timeout)
 

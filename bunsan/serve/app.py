@@ -26,6 +26,7 @@ from bunsan.serve.chat import ChatTemplate
 from bunsan.serve.embeddings import EmbeddingRoutes
 from bunsan.serve.errors import ApiError, http_error, server_error
 from bunsan.serve.jobs import Job
+from bunsan.serve.lora import LoraRoutes
 from bunsan.serve.metrics import ServeMetrics
 from bunsan.serve.ollama_routes import OllamaRoutes
 from bunsan.serve.openai_routes import SHUTDOWN, OpenAIRoutes
@@ -36,7 +37,8 @@ class Service:
     """One batcher, the thread it runs on, and what every endpoint needs to know about the model."""
 
     def __init__(self, batcher: Batcher, tokenizer, model_name: str, limits: Limits,
-                 aliases: tuple[str, ...] = (), template: ChatTemplate | None = None, root: str | None = None):
+                 aliases: tuple[str, ...] = (), template: ChatTemplate | None = None, root: str | None = None,
+                 runtime_lora: bool = False):
         self.batcher, self.tokenizer, self.limits = batcher, tokenizer, limits
         self.served = [model_name] + [a for a in aliases if a != model_name]
         self.model_name, self.root = self.served[0], root or model_name
@@ -50,11 +52,15 @@ class Service:
         self.created = int(time.time())
         self.grammar_tokenizer = None       # structured outputs' view of the tokenizer (structured.py)
         self.metrics = ServeMetrics(batcher, self.model_name)
+        self.adapters, self.runtime_lora = batcher.adapters, runtime_lora    # LoRA adapters (lora.py)
+        self.adapter_open: dict[str, int] = {}       # open sequences per adapter (not unloaded while any)
+        if self.adapters is not None:
+            self.served += [name for name in self.adapters.slots if name not in self.served]
 
     def alive(self) -> bool:
         return self.worker.is_alive() and not self.batcher.stopped
 
-    def start(self, gen: Generation, prefix: str) -> Job:
+    def start(self, gen: Generation, prefix: str, model: str | None = None) -> Job:
         """Admit a valid request and hand its sequences to the batcher; refuse one the server cannot take now:
         too many open (429), shutting down or no worker (503)."""
         if self.closing or not self.alive():
@@ -70,8 +76,12 @@ class Service:
                 ends = set(getattr(self.tokenizer, "stop_ids", None) or []) | self.eos
                 self.grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab, sorted(ends))
             constraint = lambda: Constraint(self.grammar_tokenizer, gen.grammar)   # noqa: E731
+        adapter = model if self.adapters is not None and model in self.adapters.slots else None
         job = Job(gen, self.tokenizer, self.vocab, self.eos | gen.stop_ids, prefix, self._release, constraint,
-                  self.metrics)
+                  self.metrics, (self.adapters.slots[adapter], self.adapters.roots[adapter]) if adapter else (0, 0))
+        job.adapter = adapter
+        if adapter is not None:
+            self.adapter_open[adapter] = self.adapter_open.get(adapter, 0) + gen.sequences
         self.metrics.accepted(job)
         self.open_sequences += gen.sequences
         job.submit(self.batcher)
@@ -79,6 +89,8 @@ class Service:
 
     def _release(self, job: Job) -> None:
         self.open_sequences -= job.gen.sequences
+        if job.adapter is not None:
+            self.adapter_open[job.adapter] -= job.gen.sequences
 
     async def health(self, _: HTTPRequest) -> JSONResponse:
         active, waiting = self.batcher.load()
@@ -117,11 +129,14 @@ class Service:
 
 
 def build_app(batcher: Batcher, tokenizer, model_name: str, limits: Limits | None = None, *,
-              aliases: tuple[str, ...] = (), template: ChatTemplate | None = None) -> Starlette:
+              aliases: tuple[str, ...] = (), template: ChatTemplate | None = None,
+              runtime_lora: bool = False) -> Starlette:
     """The app; `app.state.service` is its Service (bunsan serve's shutdown drains it)."""
-    service = Service(batcher, tokenizer, model_name, limits or Limits(), aliases, template)
+    service = Service(batcher, tokenizer, model_name, limits or Limits(), aliases, template,
+                      runtime_lora=runtime_lora)
     routes = [Route("/health", service.health), Route("/metrics", service.prometheus),
-              *OpenAIRoutes(service).routes(), *OllamaRoutes(service).routes(), *EmbeddingRoutes(service).routes()]
+              *OpenAIRoutes(service).routes(), *OllamaRoutes(service).routes(), *EmbeddingRoutes(service).routes(),
+              *LoraRoutes(service).routes()]
     app = Starlette(routes=routes, lifespan=service.lifespan,
                     exception_handlers={HTTPException: http_error, Exception: server_error})
     app.state.service = service

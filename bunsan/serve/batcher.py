@@ -38,12 +38,12 @@ class Batcher:
 
     def __init__(self, model, slots: int, max_len: int, kv_heads: int | None = None, leader=None,
                  prefix_reuse: bool = True, prefill_tokens: int = 2048, num_blocks: int | None = None,
-                 block_size: int = BLOCK_SIZE):
+                 block_size: int = BLOCK_SIZE, adapters=None):
         """`leader` (serve/tp.py): under tensor parallelism, announces every forward to the other ranks.
         `num_blocks`: the KV pool's blocks of `block_size` tokens (default: enough for `slots` sequences of
         `max_len`, plus block 0). `prefill_tokens`: the most prompt tokens (padding included) one prefill
-        forward takes."""
-        self.model, self.max_len, self.leader = model.eval(), max_len, leader
+        forward takes. `adapters`: the lora.AdapterSet installed in `model`, when it serves LoRA adapters."""
+        self.model, self.max_len, self.leader, self.adapters = model.eval(), max_len, leader, adapters
         self.slots, self.prefix_reuse, self.prefill_tokens = slots, prefix_reuse, max(prefill_tokens, 1)
         self.fatal: str | None = None       # a failure that ends serving (a tensor-parallel rank died)
         self.on_fatal = None                # called once with it (the server shuts down)
@@ -158,9 +158,15 @@ class Batcher:
         ids = ids.to(self.cache.device)      # where the model starts (a device map moves it on from there)
         if self.leader is not None:
             self._guard(self.leader.forward, tables, lengths, counts, ids)
-        with torch.no_grad():
-            view = self.cache.view(tables, lengths, counts, ids.shape[1])
-            return self._guard(lambda: self.model(ids, kv_cache=view))
+        if self.adapters is not None:        # each row's LoRA adapter (lora.py)
+            self.adapters.rows = torch.tensor([s.request.adapter for s in rows])
+        try:
+            with torch.no_grad():
+                view = self.cache.view(tables, lengths, counts, ids.shape[1])
+                return self._guard(lambda: self.model(ids, kv_cache=view))
+        finally:
+            if self.adapters is not None:
+                self.adapters.rows = None
 
     # -- blocks --------------------------------------------------------------------------------------------
     def _grow(self, s: Sequence, upto: int) -> bool:
@@ -188,7 +194,7 @@ class Batcher:
         else:
             self.prefilling.remove(s)
         self.pool.release(s.blocks)
-        s.blocks, s.cached, s.registered, s.parent = [], 0, 0, 0
+        s.blocks, s.cached, s.registered, s.parent = [], 0, 0, s.request.root
         s.resumed = s.resumed or bool(s.request.generated)
         s.prompt_logits = []
         self.preempted += 1
@@ -211,9 +217,9 @@ class Batcher:
     def _admit(self, r: Request, beside: list[Sequence]) -> Sequence | None:
         """`r`'s sequence holding the whole blocks of its prefix already cached; None when it should wait a step
         for a prompt prefilled `beside` it that will put more of its prefix in the cache."""
-        s = r.seq or Sequence(r, list(r.ids), 0)
+        s = r.seq or Sequence(r, list(r.ids), 0, parent=r.root)
         if self.prefix_reuse and (r.prompt_logprobs is None or s.resumed):   # echo needs every position
-            s.blocks, s.parent = self.pool.cached_prefix(s.tokens, len(s.tokens) - 1)
+            s.blocks, s.parent = self.pool.cached_prefix(s.tokens, len(s.tokens) - 1, r.root)
             s.registered = len(s.blocks)
             s.cached = s.registered * self.pool.block_size
             pending = max((common_prefix(s.tokens, o.tokens) for o in beside), default=0)
@@ -225,7 +231,7 @@ class Batcher:
     def _release(self, s: Sequence) -> None:
         """An admission that did not go ahead gives back the cached blocks it took."""
         self.pool.release(s.blocks)
-        s.blocks, s.cached, s.registered, s.parent = [], 0, 0, 0
+        s.blocks, s.cached, s.registered, s.parent = [], 0, 0, s.request.root
 
     def _plan_prefill(self) -> list[tuple[Sequence, int]]:
         """(sequence, tokens of it to prefill now): the ones under way first, then waiting ones admitted, all

@@ -60,10 +60,11 @@ class BlockPool:
             if self.refs[block] == 0:
                 self.free[block] = None
 
-    def cached_prefix(self, tokens: list[int], limit: int) -> tuple[list[int], int]:
+    def cached_prefix(self, tokens: list[int], limit: int, root: int = 0) -> tuple[list[int], int]:
         """(the blocks, their content id chain's last id) holding the longest run of whole blocks of `tokens`
-        from the start, at most `limit` tokens; each block taken (counted as held by the caller)."""
-        blocks, parent, bs = [], 0, self.block_size
+        from the start, at most `limit` tokens, in the chain that starts at `root` (the model's own keys and
+        values: 0, or a LoRA adapter's); each block taken (counted as held by the caller)."""
+        blocks, parent, bs = [], root, self.block_size
         for start in range(0, limit - bs + 1, bs):
             found = self.cached.get((parent, tuple(tokens[start:start + bs])))
             if found is None:
@@ -77,7 +78,7 @@ class BlockPool:
         return blocks, parent
 
     def register(self, block: int, parent: int, tokens: list[int]) -> int:
-        """`block` now holds `tokens` (a whole block) after the content `parent` (0: the sequence's start); its
+        """`block` now holds `tokens` (a whole block) after the content `parent` (a root: the sequence's start); its
         content id. Content already cached in another block keeps that block's id (this one stays private)."""
         key = (parent, tuple(tokens))
         if key in self.cached:

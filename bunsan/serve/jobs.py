@@ -84,10 +84,12 @@ class Job:
     """A request's sequences, their queue of events, its id and creation time."""
 
     def __init__(self, gen: Generation, tokenizer, vocab: int, eos: frozenset[int], prefix: str, on_release,
-                 constraint=None, metrics=None):
+                 constraint=None, metrics=None, adapter: tuple[int, int] = (0, 0)):
         """`constraint()`: a fresh structured.Constraint for each sequence of a request with a grammar;
-        `metrics`: the server's metrics.ServeMetrics, told of every token and end."""
+        `metrics`: the server's metrics.ServeMetrics, told of every token and end; `adapter`: the (slot,
+        prefix-cache root) of the LoRA adapter every sequence runs with (lora.py)."""
         self.gen, self.on_release, self.counted, self.metrics = gen, on_release, True, metrics
+        self.adapter: str | None = None          # the LoRA adapter's name, when the request names one
         self.accepted_at = time.monotonic()
         self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
         self.rid, self.created, self.started = f"{prefix}-{uuid.uuid4().hex[:24]}", int(time.time()), time.time()
@@ -98,7 +100,8 @@ class Job:
                 params = SamplingParams(**{**gen.sampling.__dict__, "seed": nth_seed(gen.sampling.seed, j)})
                 c.work = Request(ids=ids, max_tokens=gen.max_tokens[p], emit=self._callback(c, "token"),
                                  finish=self._callback(c, "end"), sampler=RowSampler(params, ids, vocab, constraint and constraint()), eos=eos,
-                                 prompt_logprobs=gen.prompt_logprobs, on_prompt=self._callback(c, "prompt"))
+                                 prompt_logprobs=gen.prompt_logprobs, on_prompt=self._callback(c, "prompt"),
+                                 adapter=adapter[0], root=adapter[1])
                 self.choices.append(c)
         self.ended = 0
 

@@ -190,7 +190,7 @@ class OllamaRoutes:
             gen, body = await parse(await read_json(http, self.service.body_limits))
             if gen is None:
                 return JSONResponse(self.line(body.model, field, "") | {"done": True, "done_reason": "load"})
-            job = self.service.start(gen, "ollama")
+            job = self.service.start(gen, "ollama", body.model.removesuffix(":latest"))
         except ClientGone:
             return Response(status_code=499)
         except ApiError as e:

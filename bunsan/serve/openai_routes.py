@@ -82,7 +82,7 @@ class OpenAIRoutes:
             body = await read_json(http, s.body_limits)
             asked = body.get("model")                 # answered under the name asked for (one served)
             gen = parse(body)
-            job = s.start(gen, fmt_type.prefix)
+            job = s.start(gen, fmt_type.prefix, asked if isinstance(asked, str) else None)
         except ClientGone:
             return Response(status_code=499)
         except ApiError as e:
@@ -113,16 +113,22 @@ class OpenAIRoutes:
         return {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "bunsan",
                 "root": s.root, "parent": None, "max_model_len": s.context}
 
+    def card_of(self, name: str) -> dict:
+        """A served name's card; a LoRA adapter's has the base model as its parent and its folder as root."""
+        adapters = self.service.adapters
+        if adapters is not None and name in adapters.slots:
+            return self.model_card() | {"id": name, "parent": self.service.model_name, "root": adapters.paths[name]}
+        return self.model_card() | {"id": name}
+
     async def models(self, _: HTTPRequest) -> JSONResponse:
-        cards = [self.model_card() | {"id": name} for name in self.service.served]
-        return JSONResponse({"object": "list", "data": cards})
+        return JSONResponse({"object": "list", "data": [self.card_of(name) for name in self.service.served]})
 
     async def model(self, http: HTTPRequest) -> JSONResponse:
         name = http.path_params["name"]
         if name not in self.service.served:
             return ApiError(404, f"the model {shown(name)} does not exist here; GET /v1/models lists the served "
                                  "ones", param="model", code="model_not_found").response()
-        return JSONResponse(self.model_card() | {"id": name})
+        return JSONResponse(self.card_of(name))
 
     def routes(self) -> list[Route]:
         return [Route("/v1/completions", self.completions, methods=["POST"]),

@@ -26,6 +26,8 @@ class Request:
     cancelled: bool = False
     generated: int = 0
     last: int = 0
+    adapter: int = 0                           # its LoRA adapter's slot (lora.py); 0: the base model
+    root: int = 0                              # where its prefix-cache chain starts (each adapter its own)
     seq: "Sequence | None" = None              # the batcher's: its place in the cache
 
     def draw(self, logits: torch.Tensor) -> Token:
