@@ -1,6 +1,6 @@
-"""`bunsan serve` under load: tokens/s and time to first token (p50/p99) at 1, 4, 16 and 64 concurrent
-clients, prefix reuse on and off, next to transformers' generation loop on the same requests (static batches
-of as many requests as there are clients).
+"""`bunsan serve` under load: tokens/s, time to first token and inter-token latency (p50/p99) at 1, 4, 16 and
+64 concurrent clients, prefix reuse on and off, next to transformers' generation loop on the same requests
+(static batches of as many requests as there are clients; its inter-token latency is a batch's decode step).
 
     python benchmarks/bench_serve.py [--requests-per-client 2] [--max-tokens 32] [--clients 1,4,16,64]
                                      [--markdown benchmarks/RESULTS.md]
@@ -67,23 +67,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _one(url: str, i: int, max_tokens: int) -> tuple[float, int, float]:
-    """(time to first token, tokens, total time) of one streamed completion."""
+def _one(url: str, i: int, max_tokens: int) -> tuple[float, int, float, list[float]]:
+    """(time to first token, tokens, total time, the gaps between streamed tokens) of one streamed completion."""
     import httpx
     body = {"prompt": _prompt(i), "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "logit_bias": ASCII_ONLY}
-    start, first, tokens = time.perf_counter(), None, 0
+    start, first, tokens, arrivals = time.perf_counter(), None, 0, []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
-            if chunk["choices"] and first is None:
-                first = time.perf_counter() - start
+            if chunk["choices"] and chunk["choices"][0].get("text"):
+                arrivals.append(time.perf_counter())
+                if first is None:
+                    first = arrivals[-1] - start
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    return first, tokens, time.perf_counter() - start
+    return first, tokens, time.perf_counter() - start, [b - a for a, b in zip(arrivals, arrivals[1:])]
 
 
 def _p(values: list[float], q: float) -> float:
@@ -118,9 +120,11 @@ def bunsan_rows(clients: list[int], per_client: int, max_tokens: int, prefix_reu
             wall = time.perf_counter() - start
             runs = [x for client in done for x in client]
             health = httpx.get(url + "/health", timeout=10).json()
-            ttft = [t for t, _, _ in runs]
+            ttft = [t for t, _, _, _ in runs]
+            gaps = [g for _, _, _, gs in runs for g in gs] or [float("nan")]
             rows.append([f"bunsan serve, prefix reuse {'on' if prefix_reuse else 'off'}", str(c), str(len(runs)),
-                         f"{sum(k for _, k, _ in runs) / wall:.1f}", f"{_p(ttft, 0.5):.3f}", f"{_p(ttft, 0.99):.3f}",
+                         f"{sum(k for _, k, _, _ in runs) / wall:.1f}", f"{_p(ttft, 0.5):.3f}", f"{_p(ttft, 0.99):.3f}",
+                         f"{_p(gaps, 0.5):.3f}", f"{_p(gaps, 0.99):.3f}",
                          f"{health.get('prefix_tokens_reused', 0)} reused so far"])
     finally:
         proc.terminate()
@@ -152,7 +156,7 @@ def transformers_rows(clients: list[int], per_client: int, max_tokens: int, tmp:
         hf.generate(torch.tensor([tok.encode(_prompt(0))]), max_new_tokens=4, do_sample=False, pad_token_id=0)
     rows = []
     for c in clients:
-        ttft, tokens, start = [], 0, time.perf_counter()
+        ttft, gaps, tokens, start = [], [], 0, time.perf_counter()
         for b in range(per_client):
             ids = [tok.encode(_prompt(b * c + k)) for k in range(c)]
             width = max(map(len, ids))
@@ -163,10 +167,12 @@ def transformers_rows(clients: list[int], per_client: int, max_tokens: int, tmp:
                 out = hf.generate(batch, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                   do_sample=False, logits_processor=LogitsProcessorList([first]), pad_token_id=0)
             ttft += [first.at - t0] * c
+            gaps.append((time.perf_counter() - first.at) / max(1, out.shape[1] - width - 1))   # the batch's steps
             tokens += (out.shape[1] - width) * c
         wall = time.perf_counter() - start
         rows.append(["transformers generate, static batches", str(c), str(c * per_client), f"{tokens / wall:.1f}",
-                     f"{_p(ttft, 0.5):.3f}", f"{_p(ttft, 0.99):.3f}", f"batches of {c}"])
+                     f"{_p(ttft, 0.5):.3f}", f"{_p(ttft, 0.99):.3f}", f"{_p(gaps, 0.5):.3f}",
+                     f"{_p(gaps, 0.99):.3f}", f"batches of {c}"])
     return rows
 
 
@@ -207,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
         with tempfile.TemporaryDirectory() as tmp:
             rows += transformers_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp))
-    header = ["contender", "clients", "requests", "tokens/s", "TTFT p50 s", "TTFT p99 s", "note"]
+    header = ["contender", "clients", "requests", "tokens/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 s", "ITL p99 s",
+              "note"]
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [f"## Serving: bunsan serve vs transformers ({a.max_tokens} new tokens, 256-token shared prefix)", "",
              f"- date: {now}", f"- commit: {commit()}", f"- machine: {machine()}",
