@@ -17,15 +17,13 @@ the whole run, preemptions.
 from __future__ import annotations
 
 import argparse
-import datetime
-import shlex
 import sys
 import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import SHAPE, commit, machine  # noqa: E402
+from bench_serve import SHAPE, write_table  # noqa: E402
 
 
 def _model(context: int):
@@ -85,18 +83,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append([str(context), name, str(r["peak"]), f"{r['peak'] / (budget / 2**30):.0f}",
                          f"{r['tokens_per_s']:.1f}", str(r["preempted"])])
     mean = sum(len(x) for x in requests) / len(requests)
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = ["context", "KV cache", "most sequences at once", "sequences per GiB", "output tokens/s", "preemptions"]
-    lines = [f"## KV cache capacity: paged vs slots ({a.budget_mib} MiB, {a.requests} requests, prompts 16-400 "
-             f"tokens (mean {mean:.0f}), {a.max_tokens} new tokens)", "",
-             f"- date: {now}", f"- commit: {commit()}", f"- machine: {machine()}",
-             f"- command: `python {shlex.join(sys.argv)}`", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    print("\n".join(lines))
-    if a.markdown:
-        with open(a.markdown, "a") as f:
-            f.write("\n".join(lines) + "\n\n")
+    write_table(f"KV cache capacity: paged vs slots ({a.budget_mib} MiB, {a.requests} requests, prompts 16-400 "
+                f"tokens (mean {mean:.0f}), {a.max_tokens} new tokens)", header, rows, a.markdown)
     return 0
 
 

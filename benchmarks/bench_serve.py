@@ -88,6 +88,34 @@ def _one(url: str, i: int, max_tokens: int) -> tuple[float, int, float, list[flo
     return first, tokens, time.perf_counter() - start, [b - a for a, b in zip(arrivals, arrivals[1:])]
 
 
+def wait_healthy(url: str, alive, why, timeout_s: float) -> None:
+    """Until the server at `url` answers GET /health; `why()` says what went wrong if it dies or times out."""
+    import httpx
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline and alive(), why()
+        time.sleep(0.3)
+
+
+def write_table(title: str, header: list[str], rows: list[list[str]], markdown: str | None, notes=()) -> None:
+    """A markdown section (title, date, commit, machine, command, `notes`, the table) printed, and appended to
+    `markdown` when given."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [f"## {title}", "", f"- date: {now}", f"- commit: {commit()}", f"- machine: {machine()}",
+             f"- command: `python {shlex.join(sys.argv)}`", *notes, "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    print("\n".join(lines))
+    if markdown:
+        with open(markdown, "a") as f:
+            f.write("\n".join(lines) + "\n\n")
+
+
 def _p(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
@@ -100,15 +128,7 @@ def bunsan_rows(clients: list[int], per_client: int, max_tokens: int, prefix_reu
         target=_serve, args=(port, max(clients), prefix_reuse, max_tokens), daemon=True)
     proc.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline and proc.is_alive(), "the server did not start"
-        time.sleep(0.3)
+    wait_healthy(url, proc.is_alive, lambda: "bunsan serve did not start", 120)
     rows = []
     try:
         _one(url, 0, 4)                                              # warm-up
@@ -169,7 +189,6 @@ def _one_vllm(url: str, i: int, max_tokens: int) -> tuple[float, int, float, lis
 def vllm_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path, venv: Path) -> list[list[str]]:
     """vLLM's CPU build serving the same weights (a Llama directory, no tokenizer: token ids in and out), its
     prefix caching on (its default)."""
-    import httpx
 
     from bunsan.models.hf import save_llama
     python = vllm_venv(venv)
@@ -183,15 +202,7 @@ def vllm_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path, v
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 600
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline and proc.poll() is None, (tmp / "vllm.log").read_text()[-3000:]
-            time.sleep(1)
+        wait_healthy(url, lambda: proc.poll() is None, lambda: (tmp / "vllm.log").read_text()[-3000:], 600)
         _one_vllm(url, 0, 4)                                         # warm-up
         rows = []
         for c in clients:
@@ -305,18 +316,10 @@ def main(argv: list[str] | None = None) -> int:
             rows += transformers_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp))
     header = ["contender", "clients", "requests", "tokens/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 s", "ITL p99 s",
               "note"]
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"## Serving: bunsan serve vs transformers ({a.max_tokens} new tokens, 256-token shared prefix)", "",
-             f"- date: {now}", f"- commit: {commit()}", f"- machine: {machine()}",
-             f"- command: `python {shlex.join(sys.argv)}`",
-             f"- load average (1 min) before and after: {load_before:.1f}, {os.getloadavg()[0]:.1f} (a shared machine: "
-             "other tenants' work slows every contender)", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    print("\n".join(lines))
-    if a.markdown:
-        with open(a.markdown, "a") as f:
-            f.write("\n".join(lines) + "\n\n")
+    load = (f"- load average (1 min) before and after: {load_before:.1f}, {os.getloadavg()[0]:.1f} (a shared "
+            "machine: other tenants' work slows every contender)")
+    write_table(f"Serving: bunsan serve vs the others ({a.max_tokens} new tokens, 256-token shared prefix)", header,
+                rows, a.markdown, [load])
     return 0
 
 

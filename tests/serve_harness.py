@@ -68,3 +68,18 @@ def offline(model, tokenizer, prompt, n):
     from bunsan.models import generate
     ids = torch.tensor([tokenizer.encode(prompt)])
     return tokenizer.decode(generate(model, ids, n)[0, ids.shape[1]:].tolist())
+
+
+def run_until_done(batcher, finished: list, count: int, timeout_s: float = 120) -> None:
+    """Run `batcher` on a thread until `count` requests reported to `finished`, then stop it; every one must
+    have ended at its token budget ("length")."""
+    worker = threading.Thread(target=batcher.run)
+    worker.start()
+    deadline = time.time() + timeout_s
+    try:
+        while len(finished) < count and time.time() < deadline:
+            worker.join(0.05)
+    finally:
+        batcher.stop()
+        worker.join()
+    assert finished == ["length"] * count, finished

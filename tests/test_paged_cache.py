@@ -5,12 +5,11 @@ many sequences at once as their real lengths allow."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from parity import tiny_model
+from serve_harness import run_until_done
 
 
 @pytest.fixture(scope="module")
@@ -53,17 +52,7 @@ def _serve(model, prompts, n, echo=None, **kw):
     for i, p in enumerate(prompts):
         batcher.submit(Request(p, n, emit=lambda t, i=i: emit(i, t), finish=finished.append, prompt_logprobs=echo,
                                on_prompt=lambda lp, i=i: prompt_lp.__setitem__(i, lp)))
-    worker = threading.Thread(target=batcher.run)
-    worker.start()
-    try:
-        for _ in range(1200):
-            if len(finished) == len(prompts):
-                break
-            worker.join(0.1)
-    finally:
-        batcher.stop()
-        worker.join()
-    assert finished == ["length"] * len(prompts), finished
+    run_until_done(batcher, finished, len(prompts))
     return got, batcher, prompt_lp, most[0]
 
 

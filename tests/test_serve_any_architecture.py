@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,7 +21,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from chat_tokenizer import save_chat_tokenizer  # noqa: E402
-from serve_harness import free_port, wait_until_healthy  # noqa: E402
+from serve_harness import free_port, run_until_done, wait_until_healthy  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -55,17 +54,7 @@ def _serve_in_process(model, prompts: list[list[int]], n: int, slots: int) -> li
     finished = []
     for i, p in enumerate(prompts):
         batcher.submit(Request(p, n, emit=lambda t, i=i: got[i].append(t.id), finish=finished.append))
-    worker = threading.Thread(target=batcher.run)
-    worker.start()
-    try:
-        for _ in range(600):
-            if len(finished) == len(prompts):
-                break
-            worker.join(0.1)
-    finally:
-        batcher.stop()
-        worker.join()
-    assert finished == ["length"] * len(prompts), finished
+    run_until_done(batcher, finished, len(prompts))
     assert batcher.reused_tokens > 0              # the shared prefix's blocks were taken, not prefilled again
     assert batcher.preempted > 0
     return got

@@ -17,6 +17,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from parity import tiny_model  # noqa: E402
+from serve_harness import run_until_done  # noqa: E402
 
 SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
@@ -54,15 +55,7 @@ def _run(batcher, work: list[tuple[list[int], int, int]], n: int) -> list[list[i
     for i, (ids, slot, root) in enumerate(work):
         batcher.submit(Request(ids, n, emit=lambda t, i=i: got[i].append(t.id), finish=ended.append, adapter=slot,
                                root=root))
-    worker = threading.Thread(target=batcher.run)
-    worker.start()
-    for _ in range(600):
-        if len(ended) == len(work):
-            break
-        worker.join(0.1)
-    batcher.stop()
-    worker.join()
-    assert ended == ["length"] * len(work)
+    run_until_done(batcher, ended, len(work))
     return got
 
 
