@@ -116,6 +116,20 @@ def write_table(title: str, header: list[str], rows: list[list[str]], markdown: 
             f.write("\n".join(lines) + "\n\n")
 
 
+def _clients(c: int, per_client: int, one) -> list[str]:
+    """`c` client threads, each sending `per_client` requests one after another through `one(request index)`:
+    [requests, tokens/s, TTFT p50, TTFT p99, ITL p50, ITL p99] as table cells."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(c) as pool:
+        done = list(pool.map(lambda k: [one(k * per_client + j) for j in range(per_client)], range(c)))
+    wall = time.perf_counter() - start
+    runs = [x for client in done for x in client]
+    ttft = [t for t, _, _, _ in runs]
+    gaps = [g for _, _, _, gs in runs for g in gs] or [float("nan")]
+    return [str(len(runs)), f"{sum(k for _, k, _, _ in runs) / wall:.1f}", f"{_p(ttft, 0.5):.3f}",
+            f"{_p(ttft, 0.99):.3f}", f"{_p(gaps, 0.5):.3f}", f"{_p(gaps, 0.99):.3f}"]
+
+
 def _p(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
@@ -133,18 +147,9 @@ def bunsan_rows(clients: list[int], per_client: int, max_tokens: int, prefix_reu
     try:
         _one(url, 0, 4)                                              # warm-up
         for c in clients:
-            start = time.perf_counter()
-            with ThreadPoolExecutor(c) as pool:
-                done = list(pool.map(lambda k: [_one(url, k * per_client + j, max_tokens)
-                                                for j in range(per_client)], range(c)))
-            wall = time.perf_counter() - start
-            runs = [x for client in done for x in client]
+            figures = _clients(c, per_client, lambda i: _one(url, i, max_tokens))
             health = httpx.get(url + "/health", timeout=10).json()
-            ttft = [t for t, _, _, _ in runs]
-            gaps = [g for _, _, _, gs in runs for g in gs] or [float("nan")]
-            rows.append([f"bunsan serve, prefix reuse {'on' if prefix_reuse else 'off'}", str(c), str(len(runs)),
-                         f"{sum(k for _, k, _, _ in runs) / wall:.1f}", f"{_p(ttft, 0.5):.3f}", f"{_p(ttft, 0.99):.3f}",
-                         f"{_p(gaps, 0.5):.3f}", f"{_p(gaps, 0.99):.3f}",
+            rows.append([f"bunsan serve, prefix reuse {'on' if prefix_reuse else 'off'}", str(c), *figures,
                          f"{health.get('prefix_tokens_reused', 0)} reused so far"])
     finally:
         proc.terminate()
@@ -204,20 +209,8 @@ def vllm_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path, v
     try:
         wait_healthy(url, lambda: proc.poll() is None, lambda: (tmp / "vllm.log").read_text()[-3000:], 600)
         _one_vllm(url, 0, 4)                                         # warm-up
-        rows = []
-        for c in clients:
-            start = time.perf_counter()
-            with ThreadPoolExecutor(c) as pool:
-                done = list(pool.map(lambda k: [_one_vllm(url, k * per_client + j, max_tokens)
-                                                for j in range(per_client)], range(c)))
-            wall = time.perf_counter() - start
-            runs = [x for client in done for x in client]
-            ttft = [t for t, _, _, _ in runs]
-            gaps = [g for _, _, _, gs in runs for g in gs] or [float("nan")]
-            rows.append(["vLLM 0.32 (CPU build), prefix caching on", str(c), str(len(runs)),
-                         f"{sum(k for _, k, _, _ in runs) / wall:.1f}", f"{_p(ttft, 0.5):.3f}", f"{_p(ttft, 0.99):.3f}",
-                         f"{_p(gaps, 0.5):.3f}", f"{_p(gaps, 0.99):.3f}", "its own venv"])
-        return rows
+        return [["vLLM 0.32 (CPU build), prefix caching on", str(c),
+                 *_clients(c, per_client, lambda i: _one_vllm(url, i, max_tokens)), "its own venv"] for c in clients]
     finally:
         proc.terminate()
         try:
