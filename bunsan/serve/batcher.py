@@ -6,9 +6,10 @@ Every loop runs one prefill forward, then one decode step over every running seq
   cache are taken, not computed; the rest goes in chunks of at most `prefill_tokens` tokens (padding
   included) per forward, so a long prompt never stalls the running sequences for more than one chunk.
 - decode: each running sequence feeds its last token; one that starts a new block takes one from the pool.
-  When the pool has none, the most recently admitted sequence is preempted: its blocks go back and it waits
-  at the head of the queue to be prefilled again from its prompt and the tokens it has produced (vLLM's
-  recompute preemption), so a full cache delays requests and never refuses them.
+  When the pool has none, the most recently admitted sequence (running, or still being prefilled) is
+  preempted: its blocks go back and it waits at the head of the queue to be prefilled again from its prompt
+  and the tokens it has produced (vLLM's recompute preemption), so a full cache delays requests and never
+  refuses them.
 A request leaves when it ends (length, end of sequence, cancelled: a cancelled one before the next step); its
 blocks go back to the pool, the whole ones still cached for a later prompt sharing them.
 """
@@ -268,9 +269,9 @@ class Batcher:
         return batch
 
     def _chunk(self, s: Sequence, batch: list, width: int) -> int:
-        """How many of `s`'s remaining tokens join this prefill: all that fit the token budget beside the rows
-        already in it (padding counted), at least one block's worth when alone; 0 when none fit or the pool
-        has no block for them."""
+        """How many of `s`'s remaining tokens join this prefill: all that fit the token budget and the context
+        beside the rows already in it (padding counted), else as many as the batch's width; 0 when none fit or
+        the pool has no block for them."""
         left = len(s.tokens) - s.cached
         rows = len(batch) + 1
         # every row is padded to the widest, and its padding still takes positions: they stay in the context
@@ -329,7 +330,8 @@ class Batcher:
             self._end(s.request, "cancelled")
         for s in sorted(self.running, key=lambda q: q.admitted):
             while s in self.running and not self._grow(s, s.cached + 1):
-                self._preempt(max(self.running, key=lambda q: q.admitted))    # possibly `s` itself
+                # the latest admitted gives way, a prompt still being prefilled included; possibly `s` itself
+                self._preempt(max(self.running + self.prefilling, key=lambda q: q.admitted))
         rows = list(self.running)
         if not rows:
             return
