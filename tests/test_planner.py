@@ -89,6 +89,24 @@ def test_cli_plan_writes_a_config_train_accepts(tmp_path, capsys):
     assert lay.global_batch == 32 and lay.seq_len == 1024
 
 
+def test_cli_plan_json_has_every_ranked_layout_and_its_terms(capsys):
+    import json
+    assert main(["plan", "--model", "llama-1b", "--gpus", "4", "--gpu", "a100", "--seq-len", "1024",
+                 "--global-batch", "32", "--tokens", "1e9", "--top", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["considered"] > 0 and len(out["ranked"]) == 5 and [c["rank"] for c in out["ranked"]] == [1, 2, 3, 4, 5]
+    totals = [c["step_seconds"]["total"] for c in out["ranked"]]
+    assert totals == sorted(totals)                                   # fastest first
+    first = out["ranked"][0]
+    terms = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "cp_comm", "bubble", "offload", "optimizer")
+    assert first["step_seconds"]["total"] == pytest.approx(sum(first["step_seconds"][t] for t in terms))
+    assert first["layout"]["dp"] * first["layout"]["tp"] * first["layout"]["pp"] * first["layout"]["cp"] == 4
+    assert first["peak_bytes"] <= out["gpu_memory_bytes"] * (1 - out["margin"]) and first["days"] > 0
+    assert main(["plan", "--model", "llama-70b", "--gpus", "1", "--gpu", "a10", "--host-memory", "8GB", "--json"]) == 1
+    empty = json.loads(capsys.readouterr().out)
+    assert empty["ranked"] == [] and empty["suggestions"]
+
+
 def test_cli_errors_exit_2(capsys):
     assert main(["plan", "--model", "tinny", "--gpus", "2"]) == 2
     assert "did you mean 'tiny'" in capsys.readouterr().err

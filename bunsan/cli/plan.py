@@ -94,13 +94,16 @@ def add_parsers(sub) -> None:
     p.add_argument("--recompute", help="recompute modes to search, e.g. full (default none,full,selective)")
     p.add_argument("--no-sp", action="store_true", help="leave sequence parallelism out of the search")
     p.add_argument("--constants", action="store_true", help="also print the cost model's constants and sources")
-    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), help="default: bf16 where the GPU has it")
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"),
+                   help="search this precision only (default: every one the GPU runs, fp32 included)")
     p.add_argument("--tokens", type=float, help="training tokens, for the time-to-train column (e.g. 1e12)")
     p.add_argument("--efficiency", type=float, help="fraction of the tensor-core peak a large GEMM reaches "
                    "(default 0.8: planner/constants.py)")
     p.add_argument("--margin", type=float, default=0.10, help="fraction of GPU memory kept free (default 0.10)")
     p.add_argument("--top", type=int, default=8, help="layouts to show")
     p.add_argument("--output", help="write the best layout's config here (JSON) and print its launch line per node")
+    p.add_argument("--json", action="store_true",
+                   help="print the search as JSON: every ranked layout (up to --top) with its priced terms")
 
 
 def _bytes(text: str | None) -> float | None:
@@ -255,6 +258,9 @@ def cmd_plan(args) -> int:
                   inter_node=inter, precision=args.precision, margin=args.margin, total_tokens=tokens,
                   efficiency=args.efficiency, host_memory=_bytes(args.host_memory), keep=max(args.top, 1),
                   attention=args.attention, space=_space(args))
+    if args.json:
+        print(json.dumps(plan_json(result, args.top), indent=2))
+        return 0 if result.ranked else 1
     console = _console()
     best = result.best
     lay0 = best.layout if best else None
@@ -299,6 +305,27 @@ def cmd_plan(args) -> int:
         for line in launch_lines(args.output, result.nodes, result.gpus // result.nodes):
             console.print("  " + line, soft_wrap=True, highlight=False)
     return 0
+
+
+def plan_json(result, top: int) -> dict:
+    """What `plan` prints, as data: the search's numbers, and per ranked layout its fields, its memory and, where
+    the step time is modelled, every priced term in seconds."""
+    import dataclasses
+
+    def candidate(rank: int, c) -> dict:
+        step = None
+        if c.step is not None:
+            step = {k: v for k, v in dataclasses.asdict(c.step).items() if k != "assumptions"}
+            step |= {"total": c.step.total, "tokens_per_s": c.step.tokens_per_s, "mfu": c.step.mfu,
+                     "assumptions": list(c.step.assumptions)}
+        return {"rank": rank, "layout": dataclasses.asdict(c.layout), "describe": c.layout.describe(),
+                "peak_bytes": c.peak, "host_bytes_per_node": c.estimate.host_per_node, "step_seconds": step,
+                "days": result.days(c) if result.total_tokens and c.step is not None else None, "why": c.why}
+    return {"model": result.model, "params": result.n_params, "gpus": result.gpus, "nodes": result.nodes,
+            "gpu": result.gpu.name, "gpu_memory_bytes": result.gpu_memory, "margin": result.margin,
+            "considered": result.considered, "too_big": result.too_big,
+            "ranked": [candidate(n, c) for n, c in enumerate(result.ranked[:top], 1)],
+            "suggestions": list(result.suggestions)}
 
 
 def launch_lines(config: str, nodes: int, per_node: int) -> list[str]:
