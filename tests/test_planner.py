@@ -107,6 +107,16 @@ def test_cli_plan_json_has_every_ranked_layout_and_its_terms(capsys):
     assert empty["ranked"] == [] and empty["suggestions"]
 
 
+def test_cli_plan_searches_the_cp_sizes_asked_for(capsys):
+    import json
+    assert main(["plan", "--model", "7b", "--gpus", "32", "--nodes", "4", "--gpu", "h100", "--seq-len", "65536",
+                 "--global-batch", "32", "--cp-sizes", "16", "--top", "3", "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert ranked and {c["layout"]["cp"] for c in ranked} == {16}        # beyond the default (1, 2, 4, 8)
+    assert main(["plan", "--model", "7b", "--gpus", "8", "--cp-sizes", "two"]) == 2
+    assert "--cp-sizes 'two': write sizes as 1,2,4,8,16" in capsys.readouterr().err
+
+
 def test_cli_errors_exit_2(capsys):
     assert main(["plan", "--model", "tinny", "--gpus", "2"]) == 2
     assert "did you mean 'tiny'" in capsys.readouterr().err

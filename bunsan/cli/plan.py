@@ -93,6 +93,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--zero-stages", help="ZeRO stages to search, e.g. 0,1 (default 0,1,2,3)")
     p.add_argument("--recompute", help="recompute modes to search, e.g. full (default none,full,selective)")
     p.add_argument("--no-sp", action="store_true", help="leave sequence parallelism out of the search")
+    p.add_argument("--cp-sizes", help="context-parallel sizes to search, e.g. 1,2,4,8,16 (default 1,2,4,8)")
     p.add_argument("--constants", action="store_true", help="also print the cost model's constants and sources")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"),
                    help="search this precision only (default: every one the GPU runs, fp32 included)")
@@ -242,6 +243,11 @@ def _space(args):
         fields["recompute"] = tuple(r.strip() for r in args.recompute.split(","))
     if args.no_sp:
         fields["sequence_parallel"] = (False,)
+    if args.cp_sizes:
+        try:
+            fields["cp"] = tuple(int(c) for c in args.cp_sizes.split(","))
+        except ValueError:
+            raise ValueError(f"--cp-sizes {args.cp_sizes!r}: write sizes as 1,2,4,8,16") from None
     return Space(**fields)
 
 
