@@ -117,7 +117,8 @@ def _generate_placed_transformers(args, folder: Path) -> int:
 
 def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=None):
     """(model, tokenizer) of `bunsan train`'s output directory (or its final/ folder, or a Hugging Face
-    directory: bunsan's Llama for a Llama, transformers' model for another causal LM), on the CPU, its weights in `dtype` (default fp32), every one checked (checkpoint/final.py)."""
+    directory: bunsan's Llama for a Llama, transformers' model for another causal LM), on the CPU, its weights
+    in `dtype` (default fp32), every one checked (checkpoint/final.py)."""
     import torch
 
     from bunsan.checkpoint.adapter import adapter_dir

@@ -1,6 +1,6 @@
 """`bunsan serve`: load a checkpoint (bunsan train's output, or a Hugging Face causal LM directory, optionally
-spread over devices, CPU and disk, or over tensor-parallel processes) and serve OpenAI- and Ollama-compatible completions and chat over HTTP with
-continuous batching."""
+spread over devices, CPU and disk, or over tensor-parallel processes) and serve OpenAI- and Ollama-compatible
+completions, chat and embeddings over HTTP with continuous batching over a paged KV cache."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def add_parser(sub) -> None:
     s.add_argument("--timeout", type=float, default=30.0,
                    help="seconds a tensor-parallel collective may take before serving stops with an error")
     s.add_argument("--device-map", choices=("auto", "balanced", "sequential"),
-                   help="spread the model over devices, CPU and disk (a Llama by bunsan's placement, others by transformers')")
+                   help="spread the model over devices, CPU and disk (a Llama by bunsan's placement, others by "
+                        "transformers')")
     s.add_argument("--max-memory", help="budgets for --device-map, e.g. 0=20GiB,cpu=64GiB")
     s.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                    help="LoRA adapters (peft folders, or bunsan train's RUN/adapter) served by name beside the base")
@@ -165,15 +166,19 @@ def serve_app(args, model, tokenizer, name: str, context: int, batcher):
                      template=chat, runtime_lora=args.allow_runtime_lora), chat.source
 
 
+def refuse_lora_with_tp(args) -> None:
+    if args.tp > 1 and (args.lora_modules or args.allow_runtime_lora):
+        raise ValueError("--lora-modules / --allow-runtime-lora with --tp: adapters are served in one process; "
+                         "merge the adapter into the model (bunsan convert --merge-lora) to serve it split")
+
+
 def lora_adapters(args, model):
     """The AdapterSet of --lora-modules / --allow-runtime-lora installed in `model` (serve/lora.py), or None."""
     from bunsan.serve.lora import AdapterSet, parse_lora_modules
     named = parse_lora_modules(args.lora_modules)
     if not named and not args.allow_runtime_lora:
         return None
-    if args.tp > 1:
-        raise ValueError("--lora-modules / --allow-runtime-lora with --tp: adapters are served in one process; "
-                         "merge the adapter into the model (bunsan convert --merge-lora) to serve it split")
+    refuse_lora_with_tp(args)
     if args.max_loras is not None and args.max_loras < max(1, len(named)):
         raise ValueError(f"--max-loras {args.max_loras} is fewer than the {len(named)} adapters of --lora-modules")
     ranks = [_adapter_rank(path) for _, path in named]
@@ -199,6 +204,7 @@ def cmd_serve(args) -> int:
         if value != "auto" and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} {value} must be at least 1")
     refuse_tp_with_device_map(args)
+    refuse_lora_with_tp(args)                # (before any process starts)
     if args.tp > 1 and not under_torchrun():
         return relaunch(args, args.tp)
     from bunsan.serve import Batcher, PagedCache
@@ -228,10 +234,12 @@ def cmd_serve(args) -> int:
         server.should_exit = True
     batcher.on_fatal = fatal
     served = app.state.service.served
-    print(f"bunsan serve: {', '.join(served)} on http://{args.host}:{args.port} ({slots} sequences, {context} tokens each"
+    print(f"bunsan serve: {', '.join(served)} on http://{args.host}:{args.port} ({slots} sequences, {context} "
+          "tokens each"
           + (f", tensor parallel over {args.tp} processes" if args.tp > 1 else "") + ")\n"
           f"  {cache_line}\n  chat: {template}; prefix reuse {'off' if args.no_prefix_reuse else 'on'}\n"
-          "  POST /v1/completions /v1/chat/completions /api/generate /api/chat; GET /v1/models /api/tags /health",
+          "  POST /v1/completions /v1/chat/completions /v1/embeddings /api/generate /api/chat /api/embed /api/show;"
+          " GET /v1/models /api/tags /api/ps /health /metrics",
           flush=True)
     server.run()
     return 1 if batcher.fatal else 0

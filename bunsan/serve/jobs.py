@@ -98,8 +98,9 @@ class Job:
             for j in range(gen.best_of):
                 c = Choice(len(self.choices), p, ids, tokenizer, gen.stop)
                 params = SamplingParams(**{**gen.sampling.__dict__, "seed": nth_seed(gen.sampling.seed, j)})
+                sampler = RowSampler(params, ids, vocab, constraint() if constraint else None)
                 c.work = Request(ids=ids, max_tokens=gen.max_tokens[p], emit=self._callback(c, "token"),
-                                 finish=self._callback(c, "end"), sampler=RowSampler(params, ids, vocab, constraint and constraint()), eos=eos,
+                                 finish=self._callback(c, "end"), sampler=sampler, eos=eos,
                                  prompt_logprobs=gen.prompt_logprobs, on_prompt=self._callback(c, "prompt"),
                                  adapter=adapter[0], root=adapter[1])
                 self.choices.append(c)
