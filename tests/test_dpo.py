@@ -247,3 +247,12 @@ def test_reference_log_probs_from_the_records_reach_the_batches(tmp_path):
     path.write_text(json.dumps({"prompt": "q", "chosen": "yes", "rejected": "no"}) + "\n")
     with pytest.raises(BadRecord, match=r"pairs.jsonl:1: dpo.reference records reads"):
         pair_rows(read_records([path]), renderer, 16, 0, "records")
+
+
+def test_a_reference_free_row_without_scored_tokens_is_refused():
+    engine = bunsan.initialize(tiny_model(0), {"train_batch_size": 2, "train": {"objective": "simpo"},
+                                               "optimizer": {"type": "SGD", "params": {"lr": LR}}})
+    batch = {k: v[:2].clone() for k, v in pair_batch().items()}
+    batch["labels"][1] = -100                           # the rejected response has no scored token
+    with pytest.raises(RuntimeError, match="simpo's mean token log-prob needs a response in every row"):
+        engine.train_batch(batch)

@@ -84,9 +84,9 @@ class PreferenceObjective(Objective):
         counts = (targets != -100).sum(-1).to(logps.dtype)
         if self.over is not None:
             counts = SumOverGroup.apply(counts, *self.over)
-        if bool((counts == 0).any()):
-            raise ValueError(f"a preference row with no scored token (rows {(counts == 0).nonzero().flatten().tolist()}"
-                             f" of the micro-batch): {self.kind}'s mean token log-prob needs a response in every row")
+        # checked where the counts live, without the host waiting for the device (raised at the next sync on a GPU)
+        torch._assert_async((counts > 0).all(), f"a preference row with no scored token (labels all -100): "
+                            f"{self.kind}'s mean token log-prob needs a response in every row")
         mean = logps / counts
         if self.kind == "simpo":
             return simpo_losses(mean, self.beta, self.gamma).sum()
