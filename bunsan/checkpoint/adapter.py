@@ -20,7 +20,7 @@ from bunsan.checkpoint.untrusted import read_small
 from bunsan.models.hf import hf_key
 from bunsan.models.tensor_file import TensorFileError, check_dtypes, checked_header
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_dir", "write_adapter", "merged_with_base"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_dir", "adapter_pairs", "write_adapter", "merged_with_base"]
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -88,26 +88,37 @@ def read_adapter(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return config, load_file(str(path))
 
 
-def merged_with_base(folder: Path, base_state: dict[str, torch.Tensor], bunsan_names: bool) -> dict:
-    """`base_state` with the adapter of `folder` merged in: W + (lora_alpha / r) B A for every adapted layer;
-    an adapter for a layer the base lacks, or of the wrong shape, is an error naming it."""
+def adapter_pairs(folder: Path, shapes: dict[str, tuple[int, int]]) -> tuple[float, dict]:
+    """(lora_alpha / r, {module name: (lora_A, lora_B)}) of the adapter in `folder`, every pair checked
+    against `shapes` (the base's adapted layers by transformers' module name: (out, in)); an adapter for a
+    layer the base lacks, or of the wrong shape, is an error naming it."""
     config, tensors = read_adapter(folder)
     scale = float(config.get("lora_alpha", config["r"])) / config["r"]
-    names = {_module_name(k[: -len(".weight")], bunsan_names): k for k in base_state if k.endswith(".weight")}
-    out = dict(base_state)
     stems = {k[len(PREFIX):].rsplit(".lora_", 1)[0] for k in tensors if k.startswith(PREFIX)}
     if len(stems) * 2 != len(tensors):
         raise CheckpointError(f"{folder / ADAPTER_WEIGHTS}: its tensors are not lora_A/lora_B pairs under "
                               f"{PREFIX!r}")
+    pairs = {}
     for stem in sorted(stems):
         a, b = tensors.get(f"{PREFIX}{stem}.lora_A.weight"), tensors.get(f"{PREFIX}{stem}.lora_B.weight")
-        key = names.get(stem)
-        if a is None or b is None or key is None:
+        if a is None or b is None or stem not in shapes:
             raise CheckpointError(f"{folder}: the adapter of {stem} has no lora_A/lora_B pair, or its base has "
                                   "no such layer: it is not an adapter of this base model")
-        w = base_state[key]
-        if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != tuple(w.shape) or b.shape[1] != a.shape[0]:
+        if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != tuple(shapes[stem]) or b.shape[1] != a.shape[0]:
             raise CheckpointError(f"{folder}: the adapter of {stem} (lora_A {list(a.shape)}, lora_B "
-                                  f"{list(b.shape)}) does not fit its base weight {list(w.shape)}")
-        out[key] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+                                  f"{list(b.shape)}) does not fit its base weight {list(shapes[stem])}")
+        pairs[stem] = (a, b)
+    return scale, pairs
+
+
+def merged_with_base(folder: Path, base_state: dict[str, torch.Tensor], bunsan_names: bool) -> dict:
+    """`base_state` with the adapter of `folder` merged in: W + (lora_alpha / r) B A for every adapted layer
+    (checked by adapter_pairs)."""
+    names = {_module_name(k[: -len(".weight")], bunsan_names): k for k in base_state
+             if k.endswith(".weight") and base_state[k].dim() == 2}
+    scale, pairs = adapter_pairs(folder, {stem: tuple(base_state[key].shape) for stem, key in names.items()})
+    out = dict(base_state)
+    for stem, (a, b) in pairs.items():
+        w = base_state[names[stem]]
+        out[names[stem]] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
     return out

@@ -17,6 +17,7 @@ from starlette.routing import Route
 
 from bunsan.serve.body import ClientGone, read_json
 from bunsan.serve.errors import ApiError, shown
+from bunsan.serve.paged import input_device
 from bunsan.serve.requests import Strict, check_model, check_text, prompt_ids, validated
 
 MAX_INPUTS = 256          # per request: each is a forward on the batcher's thread
@@ -29,8 +30,7 @@ def final_hidden(model, ids: list[int]) -> torch.Tensor:
     head = model.lm_head if hf is None else hf.get_output_embeddings()
     seen = []
     handle = head.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach()))
-    device = getattr(model, "input_device", None) or model.rope_cos.device
-    tokens = torch.tensor([ids], device=device)
+    tokens = torch.tensor([ids], device=input_device(model))
     try:
         with torch.no_grad():
             model(tokens) if hf is None else hf(input_ids=tokens, use_cache=False)

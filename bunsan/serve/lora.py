@@ -74,43 +74,30 @@ class AdapterSet:
 
     def add(self, name: str, folder: str) -> None:
         """Load the peft adapter `folder` under `name`; a clear error if it does not fit."""
-        from bunsan.checkpoint.adapter import PREFIX, adapter_dir, read_adapter
+        from bunsan.checkpoint.adapter import adapter_dir, adapter_pairs
         from bunsan.checkpoint.store import CheckpointError
         if name in self.slots:
             raise ValueError(f"an adapter named {name!r} is already loaded; unload it first or use another name")
         free = sorted(set(range(1, self.capacity + 1)) - set(self.slots.values()))
         if not free:
             raise ValueError(f"{self.capacity} adapters are loaded (--max-loras); unload one first")
+        shapes = {stem: (layer.base.out_features, layer.base.in_features) for stem, layer in self.layers.items()}
         try:
-            config, tensors = read_adapter(adapter_dir(folder) or Path(folder))
+            scale, pairs = adapter_pairs(adapter_dir(folder) or Path(folder), shapes)
         except (CheckpointError, OSError) as e:
-            raise ValueError(f"{folder} is not a LoRA adapter: {e}") from None
-        r = config["r"]
+            raise ValueError(f"{folder} is not a LoRA adapter of this model: {e}") from None
+        r = max(a.shape[0] for a, _ in pairs.values())
         if r > self.max_rank:
             raise ValueError(f"{folder}: rank {r} is above --max-lora-rank {self.max_rank}; restart with a larger one")
-        pairs = {}
-        for key, t in tensors.items():
-            stem, _, part = key.removeprefix(PREFIX).rpartition(".lora_")
-            layer = self.layers.get(stem)
-            if not key.startswith(PREFIX) or layer is None or part not in ("A.weight", "B.weight"):
-                raise ValueError(f"{folder}: {key} adapts no linear layer of the served model; it is not an "
-                                 "adapter of this base")
-            pairs.setdefault(stem, {})[part[0]] = t
         slot = free[0]
-        for stem, ab in pairs.items():
-            layer = self.layers[stem]
-            a, b = ab.get("A"), ab.get("B")
-            if a is None or b is None or tuple(a.shape) != (r, layer.base.in_features) \
-                    or tuple(b.shape) != (layer.base.out_features, r):
-                raise ValueError(f"{folder}: the adapter of {stem} does not fit its layer "
-                                 f"({layer.base.out_features} x {layer.base.in_features}, rank {r})")
         for layer in self.layers.values():           # (a slot reused: its old adapter's matrices go)
             layer.lora_a[slot].zero_()
             layer.lora_b[slot].zero_()
-        for stem, ab in pairs.items():
-            self.layers[stem].lora_a[slot, :r] = ab["A"].to(self.layers[stem].lora_a.dtype)
-            self.layers[stem].lora_b[slot, :, :r] = ab["B"].to(self.layers[stem].lora_b.dtype)
-        self.scales[slot] = float(config.get("lora_alpha", r)) / r
+        for stem, (a, b) in pairs.items():
+            layer = self.layers[stem]
+            layer.lora_a[slot, :a.shape[0]] = a.to(layer.lora_a.dtype)
+            layer.lora_b[slot, :, :a.shape[0]] = b.to(layer.lora_b.dtype)
+        self.scales[slot] = scale
         self.slots[name], self.roots[name], self.paths[name] = slot, next(self._roots), str(folder)
 
     def remove(self, name: str) -> None:

@@ -99,9 +99,8 @@ class TransformersLM(nn.Module):
 
     @property
     def input_device(self) -> torch.device:
-        embedding = self.hf_model.get_input_embeddings()
-        hook = getattr(embedding, "_hf_hook", None)          # placed by Accelerate: where it computes
-        return torch.device(getattr(hook, "execution_device", None) or embedding.weight.device)
+        from bunsan.inference.transformers_placed import input_device
+        return input_device(self.hf_model)
 
     def cache_devices(self) -> list[torch.device]:
         """Where each layer's keys and values sit: beside its attention (a device map spreads them)."""
