@@ -99,7 +99,8 @@ def _generate_placed_transformers(args, folder: Path) -> int:
     """--device-map for a transformers model that is not a Llama: transformers' own placement."""
     import torch
 
-    from bunsan.inference.transformers_placed import input_device, load_placed, placement_line
+    from bunsan.inference.transformers_placed import load_placed, placement_line
+    from bunsan.models.hf import input_device
     from bunsan.models import generate
     model = load_placed(folder, args.device_map, parse_max_memory(args.max_memory), torch_dtype(args.dtype))
     tokenizer = hf_tokenizer(folder, args.tokenizer, model.config.vocab_size)

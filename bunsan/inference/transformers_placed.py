@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from bunsan.memory.measure import host_available_bytes
+from bunsan.models.hf import input_device
 
 
 def load_placed(path, device_map: str, max_memory: dict | None, dtype: torch.dtype | None):
@@ -38,12 +39,6 @@ def load_placed(path, device_map: str, max_memory: dict | None, dtype: torch.dty
                          f"Accelerate ({e}): give --max-memory's CPU (or a GPU) more, so less goes to disk") from None
     return model
 
-
-def input_device(model) -> torch.device:
-    """Where the token ids go: where the embedding computes (Accelerate's execution device when placed)."""
-    embedding = model.get_input_embeddings()
-    hook = getattr(embedding, "_hf_hook", None)
-    return torch.device(getattr(hook, "execution_device", None) or embedding.weight.device)
 
 
 def placement_line(model) -> str:

@@ -1,10 +1,9 @@
 """KV cache and autoregressive generation for the reference Llama."""
 from __future__ import annotations
 
-import inspect
-
 import torch
 
+from bunsan.models.hf import cache_keyword
 from bunsan.models.llama import Llama, LlamaConfig
 
 
@@ -130,8 +129,7 @@ def generate(model: Llama, input_ids: torch.Tensor, max_new_tokens: int, tempera
 def _generate_hf(model, input_ids, max_new_tokens, temperature, top_k, eos_token_id, generator):
     """generate() for a transformers causal LM: its forward and key/value cache (past_key_values)."""
     past = None
-    # transformers 5 names the cache `cache` (`past_key_values` before it, deprecated since)
-    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    keyword = cache_keyword(model) or "past_key_values"
 
     def step(step_input, out):
         nonlocal past

@@ -250,3 +250,19 @@ def save_llama(state: dict[str, torch.Tensor], config: LlamaConfig, out_dir, dty
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     return out
+
+
+def input_device(model) -> torch.device:
+    """Where a transformers model takes its token ids: where its embedding computes (Accelerate's execution
+    device when a device map placed it, else the embedding's weights)."""
+    embedding = model.get_input_embeddings()
+    hook = getattr(embedding, "_hf_hook", None)
+    return torch.device(getattr(hook, "execution_device", None) or embedding.weight.device)
+
+
+def cache_keyword(model) -> str | None:
+    """The name a transformers model's forward takes its KV cache under: `cache` from transformers 5,
+    `past_key_values` before it; None when it takes neither."""
+    import inspect
+    params = inspect.signature(model.forward).parameters
+    return next((k for k in ("cache", "past_key_values") if k in params), None)

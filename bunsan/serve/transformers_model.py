@@ -12,11 +12,12 @@ transformers' own forward runs unchanged; three of its inputs carry the batch's 
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+
+from bunsan.models.hf import cache_keyword, input_device
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 ATTENTION_FUNCTIONS = ("sdpa", "eager")      # those that take an additive 4D mask as given
@@ -89,7 +90,7 @@ class TransformersLM(nn.Module):
 
     def __init__(self, hf: nn.Module):
         super().__init__()
-        if "cache" not in inspect.signature(hf.forward).parameters:
+        if cache_keyword(hf) != "cache":
             import transformers
             raise ValueError(f"serving a {hf.config.model_type} model needs transformers >= 5 (its forward's "
                              f"`cache` and per-kind masks); this is {transformers.__version__}: upgrade it")
@@ -99,7 +100,6 @@ class TransformersLM(nn.Module):
 
     @property
     def input_device(self) -> torch.device:
-        from bunsan.inference.transformers_placed import input_device
         return input_device(self.hf_model)
 
     def cache_devices(self) -> list[torch.device]:
