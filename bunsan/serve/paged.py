@@ -33,9 +33,12 @@ class _PagedLayer:
         table = w.on("tables", pool_k.device)
         n, nb = table.shape
 
-        def read(pool):       # [n, nb, bs, kv, hd] -> [n, kv, keys, hd], cut at the longest row's keys
-            return pool[table].reshape(n, nb * bs, kv, hd)[:, :w.keys].transpose(1, 2)
-        return read(pool_k), read(pool_v)
+        def read(pool, into):   # [n, nb, bs, kv, hd] -> [n, kv, keys, hd], cut at the longest row's keys
+            # index_select copies whole blocks (advanced indexing, pool[table], walks them element by element)
+            rows = torch.index_select(pool.view(blocks, -1), 0, table.reshape(-1), out=into)
+            return rows.view(n, nb * bs, kv, hd)[:, :w.keys].transpose(1, 2)
+        into_k, into_v = w.cache.gather_buffers(pool_k, n * nb)
+        return read(pool_k, into_k), read(pool_v, into_v)
 
 
 class PagedView:
@@ -88,6 +91,19 @@ class PagedCache:
         self.k = [torch.zeros(shape, device=d, dtype=dtype) for d in devices]
         self.v = [torch.zeros(shape, device=d, dtype=dtype) for d in devices]
         self.num_blocks, self.block_size = num_blocks, block_size
+        self._gathered: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def gather_buffers(self, pool: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where one layer's attention reads its rows' keys and values, `blocks` blocks each: two buffers per
+        device, grown to the largest read so far and reused by every layer and forward (a layer is done with
+        them before the next one reads). A fresh copy per layer would cost the host a page fault per 4 KiB
+        touched: the allocator hands big blocks back to the OS and maps them anew."""
+        have = self._gathered.get(pool.device)
+        if have is None or have[0].shape[0] < blocks:
+            shape = (blocks, pool[0].numel())
+            have = tuple(torch.empty(shape, device=pool.device, dtype=pool.dtype) for _ in range(2))
+            self._gathered[pool.device] = have
+        return have[0][:blocks], have[1][:blocks]
 
     @property
     def nbytes(self) -> int:
