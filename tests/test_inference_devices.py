@@ -77,9 +77,9 @@ def test_serving_a_placed_model_equals_serving_the_whole_one(monkeypatch):
             cache = PagedCache(model, 5, 4)
             for row, ids in enumerate(prompts):
                 n = ids.shape[1]
-                model(ids, kv_cache=cache.view(tables[row:row + 1], torch.tensor([0]), torch.tensor([n]), n))
-            outs.append(model(torch.tensor([[7], [9]]), kv_cache=cache.view(tables, torch.tensor([5, 3]),
-                                                                            torch.tensor([1, 1]), 1)))
+                model(ids, kv_cache=cache.view(tables[row:row + 1], torch.tensor([0]), torch.tensor([n])))
+            outs.append(model(torch.tensor([[7, 9]]), kv_cache=cache.view(tables, torch.tensor([5, 3]),
+                                                                          torch.tensor([1, 1]))))
     assert torch.allclose(outs[0], outs[1], atol=1e-5)
 
 
@@ -110,14 +110,16 @@ def test_the_serving_cache_moves_rows_and_positions_once_per_device(monkeypatch)
     meta = torch.device("meta")                   # stands in for a GPU holding every layer's cache
     cache.k = [torch.empty(k.shape, device=meta) for k in cache.k]
     cache.v = [torch.empty(v.shape, device=meta) for v in cache.v]
-    view = cache.view(torch.tensor([[1, 0], [2, 3]]), torch.tensor([3, 5]), torch.tensor([1, 1]), 1)
+    view = cache.view(torch.tensor([[1, 0], [2, 3]]), torch.tensor([3, 5]), torch.tensor([1, 1]))
     copies = _counting_copies(monkeypatch)
-    kv = torch.empty(2, model.config.num_key_value_heads, 1, model.config.head_dim, device=meta)
-    for i in range(model.config.num_hidden_layers):
-        k, v = view.layer(i).update(kv, kv)
-        assert k.shape[2] == 6
+    cfg = model.config
+    kv = torch.empty(1, cfg.num_key_value_heads, 2, cfg.head_dim, device=meta)
+    q = torch.empty(1, cfg.num_attention_heads, 2, cfg.head_dim, device=meta)
+    for i in range(cfg.num_hidden_layers):
+        assert view.layer(i).attend(q, kv, kv).shape == q.shape
     longs = [t for t in copies if t.dtype == torch.long]
-    assert len(longs) == 2, f"tables and token places moved {len(longs)} times for 4 layers on one device"
+    # the token places, the decoding rows' tokens and their block tables
+    assert len(longs) == 3, f"the forward's indices moved {len(longs)} times for 4 layers on one device"
     assert len([t for t in copies if t.dtype == torch.bool]) == 1    # and the attention mask once
 
 

@@ -108,3 +108,54 @@ def test_a_request_larger_than_the_pool_is_refused_at_once(model):
     batcher = Batcher(model, slots=2, max_len=96, num_blocks=5, block_size=8)
     with pytest.raises(ValueError, match="needs 5 KV blocks of 8 tokens; the cache holds 4"):
         batcher.submit(Request(list(range(30)), 10, emit=print, finish=print))
+
+
+@pytest.mark.parametrize("softcap,sdpa", [(None, True), (None, False), (5.0, False)], ids=["sdpa", "eager", "softcap"])
+def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_attention(softcap, sdpa):
+    """One forward of three decoding rows sharing their first two blocks (cascade attention: the shared
+    blocks read once) and two prompt chunks, one after a cached prefix: every token's output equals causal
+    attention over its own sequence's keys, grouped heads included."""
+    from bunsan.serve.paged import PagedCache
+    from bunsan.serve.transformers_model import ServedShape
+    torch.manual_seed(0)
+    heads, kv, hd, bs = 4, 2, 8, 4
+
+    class Shape(torch.nn.Module):          # what PagedCache reads of a model
+        config = ServedShape("x", 10, heads * hd, 1, heads, kv, hd, 64)
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.input_device = torch.device("cpu")
+
+        def cache_devices(self):
+            return [torch.device("cpu")]
+
+    cache = PagedCache(Shape(), 20, bs)
+    lengths, counts = [9, 11, 8, 0, 5], [1, 1, 1, 6, 3]
+    tables = torch.tensor([[1, 2, 3, 0], [1, 2, 4, 0], [1, 2, 5, 0], [6, 7, 0, 0], [8, 9, 0, 0]])
+    history = {j: (torch.randn(kv, lengths[j], hd), torch.randn(kv, lengths[j], hd)) for j in range(5)}
+    for j in (1, 2):                                          # rows 0-2 share blocks 1 and 2: their 8 tokens
+        for t in history[j]:
+            t[:, :8] = history[0][0 if t is history[j][0] else 1][:, :8]
+    for j, (k, v) in history.items():                       # the keys each row already holds
+        for p in range(lengths[j]):
+            block, at = int(tables[j, p // bs]), p % bs
+            cache.k[0][block, at], cache.v[0][block, at] = k[:, p], v[:, p]
+    n = sum(counts)
+    q, k, v = torch.randn(1, heads, n, hd), torch.randn(1, kv, n, hd), torch.randn(1, kv, n, hd)
+    view = cache.view(tables, torch.tensor(lengths), torch.tensor(counts))
+    assert view.shared == 2
+    out = view.layer(0).attend(q, k, v, None, softcap, sdpa)
+    start = 0
+    for j in range(5):
+        c = counts[j]
+        keys = torch.cat([history[j][0], k[0, :, start:start + c]], 1).repeat_interleave(heads // kv, 0)
+        values = torch.cat([history[j][1], v[0, :, start:start + c]], 1).repeat_interleave(heads // kv, 0)
+        scores = q[0, :, start:start + c] @ keys.transpose(1, 2) * hd ** -0.5
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        causal = torch.arange(lengths[j] + c)[None, :] <= lengths[j] + torch.arange(c)[:, None]
+        want = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ values
+        torch.testing.assert_close(out[0, :, start:start + c], want, rtol=1e-5, atol=1e-5)
+        start += c

@@ -193,9 +193,9 @@ def test_a_non_streaming_client_that_leaves_frees_its_slot_at_once(model):
         s.close()
 
 
-def test_waiting_requests_are_admitted_together_in_one_padded_prefill(model):
-    """Six prompts of different lengths waiting for six slots: one prefill forward for all, greedy output
-    equal to one process's (the padding is invisible)."""
+def test_waiting_requests_are_admitted_together_in_one_prefill(model):
+    """Six prompts of different lengths waiting for six slots: one prefill forward for all, their tokens
+    flattened into one row without padding, greedy output equal to one process's."""
     from bunsan.serve import Batcher, Request
     from bunsan.training.data import load_tokenizer
     tok = load_tokenizer(None)
@@ -216,7 +216,7 @@ def test_waiting_requests_are_admitted_together_in_one_padded_prefill(model):
         worker.join(10)
     finally:
         hook.remove()
-    assert shapes[0] == (6, max(len(tok.encode(p)) for p in PROMPTS[:6])) and len(shapes) == 8
+    assert shapes[0] == (1, sum(len(tok.encode(p)) for p in PROMPTS[:6])) and len(shapes) == 8
     assert [tok.decode(outs[i]) for i in range(6)] == [offline(model, tok, p, 8) for p in PROMPTS[:6]]
 
 

@@ -121,6 +121,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if hasattr(kv_cache_layer, "attend"):    # bunsan serve's paged cache attends over its blocks itself
+            return self.o_proj(kv_cache_layer.attend(q, k, v).transpose(1, 2).reshape(b, s, -1))
         if kv_cache_layer is not None:
             k, v = kv_cache_layer.update(k, v)  # all keys so far: [b, kv, past+s, hd]
         total = k.shape[2]
@@ -264,16 +266,16 @@ class Llama(nn.Module):
                 raise ValueError("documents (packed rows) are for training; generation takes one sequence per row")
             return packed_forward(self, input_ids, documents)
         s = input_ids.shape[1]
-        rows = getattr(kv_cache, "positions", None)    # a batch whose rows sit at their own positions
-        start = kv_cache.pos if kv_cache is not None and rows is None else 0
-        end = start + s if rows is None else int(rows.max()) + s   # host: serve's row positions live on the CPU
+        at = getattr(kv_cache, "at", None)     # every token's own position [b, s] (bunsan serve's rows)
+        start = kv_cache.pos if kv_cache is not None and at is None else 0
+        end = start + s if at is None else int(at.max()) + 1   # host: serve's positions live on the CPU
         if end > self.rope_cos.shape[0]:
             raise ValueError(f"sequence end {end} exceeds max_position_embeddings "
                              f"{self.rope_cos.shape[0]}; shorten the input or raise max_position_embeddings")
-        if rows is None:
+        if at is None:
             cos, sin = self.rope_cos[start:start + s], self.rope_sin[start:start + s]
         else:
-            at = (rows[:, None] + torch.arange(s, device=rows.device)).to(self.rope_cos.device)
+            at = at.to(self.rope_cos.device)
             cos, sin = self.rope_cos[at][:, None], self.rope_sin[at][:, None]
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):

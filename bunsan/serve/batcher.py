@@ -1,15 +1,16 @@
 """Continuous batching over the paged KV cache (paged.py, blocks.py): the model side of `bunsan serve`.
 
-Every loop runs one prefill forward, then one decode step over every running sequence:
-- prefill: the prompts still being prefilled continue, then waiting requests are admitted while there are
-  sequence places (`slots`) and blocks for their next chunk. A prompt's whole blocks already in the prefix
-  cache are taken, not computed; the rest goes in chunks of at most `prefill_tokens` tokens (padding
-  included) per forward, so a long prompt never stalls the running sequences for more than one chunk.
+Every loop runs one forward over every running sequence and the prompts being prefilled, their tokens
+flattened into one row (vLLM's mixed batches):
 - decode: each running sequence feeds its last token; one that starts a new block takes one from the pool.
   When the pool has none, the most recently admitted sequence (running, or still being prefilled) is
   preempted: its blocks go back and it waits at the head of the queue to be prefilled again from its prompt
   and the tokens it has produced (vLLM's recompute preemption), so a full cache delays requests and never
   refuses them.
+- prefill: the prompts still being prefilled continue, then waiting requests are admitted while there are
+  sequence places (`slots`) and blocks for their next chunk. A prompt's whole blocks already in the prefix
+  cache are taken, not computed; the rest goes in chunks, at most `prefill_tokens` prompt tokens per forward,
+  so a long prompt never stalls the running sequences for more than one chunk.
 A request leaves when it ends (length, end of sequence, cancelled: a cancelled one before the next step); its
 blocks go back to the pool, the whole ones still cached for a later prompt sharing them.
 """
@@ -106,7 +107,8 @@ class Batcher:
         self.wake.set()
 
     def run(self) -> None:
-        """The serving loop: a prefill forward, one decode step for all, until stopped."""
+        """The serving loop: one forward (every running sequence's next token, the next prompt chunks) after
+        another, until stopped."""
         beat = time.monotonic()
         try:
             while not self.stopped:
@@ -118,9 +120,7 @@ class Batcher:
                         beat = time.monotonic()
                         self._guard(self.leader.heartbeat)
                     continue
-                self._prefill()
-                if not self.stopped:
-                    self._step()
+                self._iterate()
         except Exception as e:          # never die silently: every request still gets its answer below
             self.fatal = self.fatal or f"the batcher failed: {type(e).__name__}: {e}"
             self.stopped = True
@@ -152,19 +152,20 @@ class Batcher:
                 self.on_fatal(self.fatal)
             raise
 
-    def _forward(self, rows: list[Sequence], counts: list[int], ids: torch.Tensor) -> torch.Tensor:
+    def _forward(self, rows: list[Sequence], counts: list[int], ids: list[int]) -> torch.Tensor:
+        """Logits [tokens, vocab] of the rows' `counts` new tokens `ids` (row after row)."""
         width = max(len(s.blocks) for s in rows)
         tables = torch.tensor([s.blocks + [BlockPool.TRASH] * (width - len(s.blocks)) for s in rows])
         lengths, counts = torch.tensor([s.cached for s in rows]), torch.tensor(counts)
-        ids = ids.to(self.cache.device)      # where the model starts (a device map moves it on from there)
+        ids = torch.tensor([ids]).to(self.cache.device)   # where the model starts (a device map moves it on)
         if self.leader is not None:
             self._guard(self.leader.forward, tables, lengths, counts, ids)
-        if self.adapters is not None:        # each row's LoRA adapter (lora.py)
-            self.adapters.rows = torch.tensor([s.request.adapter for s in rows])
+        if self.adapters is not None:        # each token's LoRA adapter (lora.py)
+            self.adapters.rows = torch.repeat_interleave(torch.tensor([s.request.adapter for s in rows]), counts)
         try:
             with torch.no_grad():
-                view = self.cache.view(tables, lengths, counts, ids.shape[1])
-                return self._guard(lambda: self.model(ids, kv_cache=view))
+                view = self.cache.view(tables, lengths, counts)
+                return self._guard(lambda: self.model(ids, kv_cache=view))[0]
         finally:
             if self.adapters is not None:
                 self.adapters.rows = None
@@ -235,22 +236,22 @@ class Batcher:
         s.blocks, s.cached, s.registered, s.parent = [], 0, 0, s.request.root
 
     def _plan_prefill(self) -> list[tuple[Sequence, int]]:
-        """(sequence, tokens of it to prefill now): the ones under way first, then waiting ones admitted, all
-        padded to the widest within `prefill_tokens`."""
+        """(sequence, tokens of it to prefill now): the ones under way first, then waiting ones admitted, within
+        `prefill_tokens` tokens in all."""
         for s in [s for s in self.prefilling if s.request.cancelled]:
             self._end(s.request, "cancelled")
-        batch, width = [], 0
+        batch, used = [], 0
         for s in list(self.prefilling):
-            count = self._chunk(s, batch, width)
+            count = self._chunk(s, used)
             if count:
                 batch.append((s, count))
-                width = max(width, count)
+                used += count
         while len(self.running) + len(self.prefilling) < self.slots:
             r = self._next_waiting()
             if r is None:
                 break
             s = self._admit(r, [b for b, _ in batch])
-            count = 0 if s is None else self._chunk(s, batch, width)
+            count = 0 if s is None else self._chunk(s, used)
             if not count:
                 if s is not None:
                     self._release(s)
@@ -262,49 +263,60 @@ class Batcher:
             self.reused_tokens += s.cached
             self.prefilling.append(s)
             batch.append((s, count))
-            width = max(width, count)
+            used += count
         if not batch and not self.running and self.prefilling:
             # prompts under way hold the blocks the others need, and nothing runs to free some: the latest waits
             self._preempt(max(self.prefilling, key=lambda q: q.admitted))
         return batch
 
-    def _chunk(self, s: Sequence, batch: list, width: int) -> int:
-        """How many of `s`'s remaining tokens join this prefill: all that fit the token budget and the context
-        beside the rows already in it (padding counted), else as many as the batch's width; 0 when none fit or
-        the pool has no block for them."""
-        left = len(s.tokens) - s.cached
-        rows = len(batch) + 1
-        # every row is padded to the widest, and its padding still takes positions: they stay in the context
-        furthest = max([b.cached for b, _ in batch] + [s.cached])
-        count = min(left, self.prefill_tokens, self.max_len - furthest)
-        if rows * max(width, count) > self.prefill_tokens or furthest + max(width, count) > self.max_len:
-            fits = rows * width <= self.prefill_tokens and furthest + width <= self.max_len
-            count = min(left, width) if fits else 0
+    def _chunk(self, s: Sequence, used: int) -> int:
+        """How many of `s`'s remaining tokens join this forward beside `used` prompt tokens: all that fit the
+        token budget; 0 when none do or the pool has no block for them."""
+        count = min(len(s.tokens) - s.cached, self.prefill_tokens - used)
         if count <= 0 or not self._grow(s, s.cached + count):
             return 0
         return count
 
-    def _prefill(self) -> None:
-        batch = self._plan_prefill()
-        if not batch:
+    # -- one forward ----------------------------------------------------------------------------------------
+    def _iterate(self) -> None:
+        for s in [s for s in self.running if s.request.cancelled]:     # blocks freed before the forward
+            self._end(s.request, "cancelled")
+        for s in sorted(self.running, key=lambda q: q.admitted):
+            while s in self.running and not self._grow(s, s.cached + 1):
+                # the latest admitted gives way, a prompt still being prefilled included; possibly `s` itself
+                self._preempt(max(self.running + self.prefilling, key=lambda q: q.admitted))
+        decoding = list(self.running)
+        chunks = self._plan_prefill()
+        rows = decoding + [s for s, _ in chunks]
+        if not rows:
             return
-        width = max(count for _, count in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)     # padding: written to block 0
-        for j, (s, count) in enumerate(batch):
-            ids[j, :count] = torch.tensor(s.tokens[s.cached:s.cached + count])
+        counts = [1] * len(decoding) + [count for _, count in chunks]
+        ids = [s.request.last for s in decoding]
+        for s, count in chunks:
+            ids += s.tokens[s.cached:s.cached + count]
         try:
-            logits = self._forward([s for s, _ in batch], [c for _, c in batch], ids)
-        except Exception as e:            # these requests fail; the running ones go on
-            for s, _ in batch:
+            logits = self._forward(rows, counts, ids)
+        except Exception as e:            # these requests fail; the server goes on
+            for s in rows:
                 self._end(s.request, f"error: {type(e).__name__}: {e}")
             return
-        last = logits[torch.arange(len(batch)), torch.tensor([c - 1 for _, c in batch])].float().cpu()
-        for j, (s, count) in enumerate(batch):
+        ends = torch.tensor(counts).cumsum(0) - 1
+        last = logits[ends].float().cpu()                # each row's last token's next-token logits
+        if decoding:
+            self.steps += 1
+        for j, s in enumerate(decoding):
+            s.tokens.append(s.request.last)     # its keys and values are in its blocks now
+            s.cached += 1
+            self._register(s)
+            try:
+                self._emit(s.request, s.request.draw(last[j]))
+            except Exception as e:        # a bad sample ends this request only
+                self._end(s.request, f"error: {type(e).__name__}: {e}")
+        for j, (s, count) in enumerate(chunks, start=len(decoding)):
             s.cached += count
             self._register(s)
-            r = s.request
-            if r.prompt_logprobs is not None and not s.resumed:
-                s.prompt_logits.append(logits[j, :count])
+            if s.request.prompt_logprobs is not None and not s.resumed:
+                s.prompt_logits.append(logits[int(ends[j]) - count + 1:int(ends[j]) + 1])
             if s.cached == len(s.tokens):
                 self.prefilling.remove(s)
                 self.running.append(s)
@@ -323,34 +335,6 @@ class Batcher:
             self._emit(r, r.draw(last))
         except Exception as e:            # this request's failure is its own; the others go on
             self._end(r, f"error: {type(e).__name__}: {e}")
-
-    # -- decode ---------------------------------------------------------------------------------------------
-    def _step(self) -> None:
-        for s in [s for s in self.running if s.request.cancelled]:     # blocks freed before the forward
-            self._end(s.request, "cancelled")
-        for s in sorted(self.running, key=lambda q: q.admitted):
-            while s in self.running and not self._grow(s, s.cached + 1):
-                # the latest admitted gives way, a prompt still being prefilled included; possibly `s` itself
-                self._preempt(max(self.running + self.prefilling, key=lambda q: q.admitted))
-        rows = list(self.running)
-        if not rows:
-            return
-        ids = torch.tensor([[s.request.last] for s in rows])
-        try:
-            logits = self._forward(rows, [1] * len(rows), ids)[:, -1].float().cpu()
-        except Exception as e:
-            for s in rows:
-                self._end(s.request, f"error: {type(e).__name__}: {e}")
-            return
-        self.steps += 1
-        for j, s in enumerate(rows):
-            s.tokens.append(s.request.last)     # its keys and values are in its blocks now
-            s.cached += 1
-            self._register(s)
-            try:
-                self._emit(s.request, s.request.draw(logits[j]))
-            except Exception as e:        # a bad sample ends this request only
-                self._end(s.request, f"error: {type(e).__name__}: {e}")
 
     def _emit(self, r: Request, token: Token) -> None:
         if r.cancelled:

@@ -4,8 +4,8 @@ included.
 
 Every nn.Linear of the decoder (not the head) becomes a MultiLoRALinear holding all adapters' A and B
 matrices stacked ([adapters, r, in] and [adapters, out, r], ranks zero-padded to --max-lora-rank; slot 0 is
-the base model, all zeros). Before each forward the batcher sets every row's adapter slot; a layer adds
-scale_i * B_i A_i x for row i, so rows of different adapters run in one batch. The KV cache's prefix cache
+the base model, all zeros). Before each forward the batcher sets every token's adapter slot; a layer adds
+scale_i * B_i A_i x to the tokens of adapter i, so rows of different adapters run in one batch. The KV cache's prefix cache
 keys each adapter's blocks apart (its `root`), since an adapter changes the keys and values too. Adapters load
 at start, or at run time through vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter when
 --allow-runtime-lora is given; an adapter still in use by an open request is not unloaded.
@@ -38,14 +38,19 @@ class MultiLoRALinear(nn.Module):
                                                    device=w.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, tokens, in]: each token adds its adapter's scale * B A x (the adapters' tokens in one matmul
+        each)."""
         y = self.base(x)
-        rows = self.adapters.rows
-        if rows is None or not bool(rows.any()):
+        slots = self.adapters.rows              # on the CPU, one per token
+        if slots is None or not bool(slots.any()):
             return y
-        rows = rows.to(x.device)
-        scale = self.adapters.scales.to(x.device, x.dtype)[rows][:, None, None]
-        xa = torch.einsum("nsi,nri->nsr", x, self.lora_a[rows])
-        return y + scale * torch.einsum("nsr,nor->nso", xa, self.lora_b[rows])
+        flat_x, flat_y = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        for slot in slots.unique().tolist():
+            if slot:
+                at = torch.nonzero(slots == slot).flatten().to(x.device)
+                delta = flat_x[at] @ self.lora_a[slot].T @ self.lora_b[slot].T
+                flat_y.index_add_(0, at, delta, alpha=float(self.adapters.scales[slot]))
+        return y
 
 
 class AdapterSet:
@@ -58,7 +63,7 @@ class AdapterSet:
         self.roots: dict[str, int] = {}            # adapter name -> its prefix-cache root (never reused)
         self.paths: dict[str, str] = {}
         self._roots = itertools.count(-1, -1)
-        self.rows: torch.Tensor | None = None      # [rows] slot per row of the forward about to run
+        self.rows: torch.Tensor | None = None      # [tokens] slot per token of the forward about to run
         hf = getattr(model, "hf_model", None)
         root = model if hf is None else hf
         head = root.get_output_embeddings() if hf is not None else model.lm_head

@@ -3,15 +3,20 @@
 (blocks.py hands them out). A sequence holds only the blocks its tokens fill, so the cache holds as many
 sequences as their real lengths allow, not `budget / context`.
 
-One forward runs rows (sequences) that each add up to `new` tokens at their own positions: a row's new keys
-and values are written into its blocks at those positions, and attention reads the row's blocks back in table
-order, with a mask that hides positions past each query (and other rows' lengths). Rows shorter than `new`
-(a batched prefill's padding) write their padding into block 0, which no sequence owns.
+One forward runs every row's new tokens flattened into one row of tokens ([1, tokens], no padding): a
+decoding sequence adds one, a prompt being prefilled a chunk. Each token's keys and values are written into
+its sequence's block at its position; attention then reads each sequence's blocks back in table order:
+- the decoding rows together, as a batch of one query each over their keys (a key mask hides what is past a
+  row's length and, on sliding-window layers, before its window);
+- each prefilling row on its own: its chunk's queries over its keys, causal.
+The model hands its attention to the cache (`layer(i).attend`): bunsan's Llama directly, a transformers model
+through the attention function transformers_model.py registers.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from bunsan.memory.measure import host_available_bytes
 from bunsan.models.generate import layer_devices
@@ -20,54 +25,175 @@ from bunsan.models.generate import layer_devices
 class _PagedLayer:
     def __init__(self, view: "PagedView", i: int):
         self.view, self.i = view, i
-        self.attn_mask = view.on("mask", view.cache.k[i].device)   # beside the layer (a device map spreads them)
+        self.window = view.windows[i] if view.windows else None
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write each row's new keys and values [n, kv, new, hd] into its blocks; all its keys so far
-        [n, kv, keys, hd], its blocks in table order (the mask hides what is past a query)."""
-        w, pool_k, pool_v = self.view, self.view.cache.k[self.i], self.view.cache.v[self.i]
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put the forward's new keys and values [1, kv, tokens, hd] at their tokens' slots."""
+        pool_k, pool_v = self.view.cache.k[self.i], self.view.cache.v[self.i]
         blocks, bs, kv, hd = pool_k.shape
-        slots = w.on("slots", pool_k.device)           # a token's place: block * block_size + offset
-        pool_k.view(blocks * bs, kv, hd)[slots] = k.transpose(1, 2).reshape(-1, kv, hd).to(pool_k.dtype)
-        pool_v.view(blocks * bs, kv, hd)[slots] = v.transpose(1, 2).reshape(-1, kv, hd).to(pool_v.dtype)
-        table = w.on("tables", pool_k.device)
-        n, nb = table.shape
+        slots = self.view.on("slots", pool_k.device)       # a token's place: block * block_size + offset
+        pool_k.view(blocks * bs, kv, hd)[slots] = k[0].transpose(0, 1).to(pool_k.device, pool_k.dtype)
+        pool_v.view(blocks * bs, kv, hd)[slots] = v[0].transpose(0, 1).to(pool_v.device, pool_v.dtype)
 
-        def read(pool, into):   # [n, nb, bs, kv, hd] -> [n, kv, keys, hd], cut at the longest row's keys
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+               softcap: float | None = None, sdpa: bool = True) -> torch.Tensor:
+        """Write the new keys and values, then every token's attention over its sequence's keys so far:
+        q [1, heads, tokens, hd] -> [1, heads, tokens, hd]. `sdpa`: PyTorch's fused kernel; else the eager form
+        (scores, `softcap`, fp32 softmax) some transformers models run."""
+        self.write(k, v)
+        w, pool_k, pool_v = self.view, self.view.cache.k[self.i], self.view.cache.v[self.i]
+        device, back = pool_k.device, q.device
+        q = q.to(device)
+        out = torch.empty_like(q)
+        if w.decoding.numel():
+            d = w.on("decoding", device)
+            rows = q[0, :, d].transpose(0, 1)[:, :, None]         # [rows, heads, 1, hd]
+            if w.shared and self.window is None:
+                got = self._cascade(rows, pool_k, pool_v, scale, softcap)
+            else:
+                keys, values = self._read(w.decode_tables, pool_k, pool_v)
+                got = _attention(rows, keys, values, w.key_mask(self.window, device), scale, softcap, sdpa)
+            out[0, :, d] = got[:, :, 0].transpose(0, 1)
+        for table, start, count, length in w.prefills:             # few per forward, each its own chunk
+            keys, values = self._read(table, pool_k, pool_v)
+            chunk = q[:, :, start:start + count]
+            mask = w.causal_mask(length, count, self.window, device)
+            out[:, :, start:start + count] = _attention(chunk, keys, values, mask, scale, softcap, sdpa)
+        return out.to(back)
+
+    def _cascade(self, rows: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, scale, softcap):
+        """The decoding rows' attention when they all start with the same `shared` blocks (a system prompt):
+        every row's query over those blocks read once, then each row's own blocks, the two softmaxes joined by
+        their log-sum-exps (FlashInfer's cascade attention). rows [n, heads, 1, hd] -> the same."""
+        w = self.view
+        n, heads, _, hd = rows.shape
+        kv = pool_k.shape[2]
+        q = rows.view(n, kv, heads // kv, hd).float()            # query head h reads kv head h // (heads / kv)
+        scale = hd ** -0.5 if scale is None else scale
+        shared = w.on("shared_blocks", pool_k.device)
+        pk, pv = (pool[shared].reshape(1, -1, kv, hd).permute(2, 0, 1, 3).float() for pool in (pool_k, pool_v))
+        # [kv, n * rep, hd] @ [kv, hd, keys]: one matmul per kv head over every row's queries
+        first = torch.matmul(q.permute(1, 0, 2, 3).reshape(kv, -1, hd), pk[:, 0].transpose(1, 2)) * scale
+        keys, values = self._read(w.own_tables, pool_k, pool_v)   # [n, kv, own keys, hd]
+        second = torch.matmul(q, keys.transpose(-1, -2).float()) * scale      # [n, kv, rep, own keys]
+        if softcap is not None:
+            first, second = (torch.tanh(x / softcap) * softcap for x in (first, second))
+        second = second.masked_fill(~w.on("own_mask", pool_k.device), float("-inf"))
+        rep = heads // kv
+        first = first.view(kv, n, rep, -1)                                   # [kv, n, rep, shared keys]
+        total = torch.stack([first.logsumexp(-1).transpose(0, 1), second.logsumexp(-1)]).logsumexp(0)
+        # each part's softmax over all of the row's keys, times its values: the shared one per kv head again
+        mine = torch.exp(first - total.transpose(0, 1)[..., None]).reshape(kv, n * rep, -1)
+        out = torch.matmul(mine, pv[:, 0]).view(kv, n, rep, hd).transpose(0, 1) + \
+            torch.matmul(torch.exp(second - total[..., None]), values.float())
+        return out.reshape(n, heads, 1, hd).to(rows.dtype)
+
+    def _read(self, table: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor):
+        """The keys and values of `table`'s rows, [rows, kv, blocks * bs, hd] each, in two reused buffers."""
+        blocks, bs, kv, hd = pool_k.shape
+        n, nb = table.shape
+        index = self.view.on(table, pool_k.device).reshape(-1)
+        into_k, into_v = self.view.cache.gather_buffers(pool_k, n * nb)
+
+        def read(pool, into):
             # index_select copies whole blocks (advanced indexing, pool[table], walks them element by element)
-            rows = torch.index_select(pool.view(blocks, -1), 0, table.reshape(-1), out=into)
-            return rows.view(n, nb * bs, kv, hd)[:, :w.keys].transpose(1, 2)
-        into_k, into_v = w.cache.gather_buffers(pool_k, n * nb)
+            got = torch.index_select(pool.view(blocks, -1), 0, index, out=into)
+            return got.view(n, nb * bs, kv, hd).transpose(1, 2)
         return read(pool_k, into_k), read(pool_v, into_v)
+
+
+def _attention(q, k, v, mask, scale, softcap, sdpa: bool) -> torch.Tensor:
+    """q [n, heads, s, hd] over k, v [n, kv, keys, hd] where `mask` [n or 1, 1, s, keys] is True."""
+    rep = q.shape[1] // k.shape[1]
+    if sdpa and softcap is None:
+        grouped = q.device.type == "cpu"       # the CPU kernel takes grouped heads; repeat elsewhere (llama.py)
+        if rep > 1 and not grouped:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=rep > 1 and grouped)
+    if sdpa:
+        raise ValueError("sdpa attention does not support softcap; load the model with attn_implementation='eager'")
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 class PagedView:
     """The cache as the model sees it for one forward: row j holds the blocks tables[j] (padded with block 0),
-    has lengths[j] tokens cached before it, and adds counts[j] of the forward's `new` tokens."""
+    has lengths[j] tokens cached before it, and adds counts[j] tokens, the forward's tokens being every row's in
+    row order. `windows`: each layer's sliding window (None: full attention), set by the model."""
 
-    def __init__(self, cache: "PagedCache", tables: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor,
-                 new: int):
-        self.cache, self.new = cache, new
-        self.positions = lengths                                       # where each row's new tokens start
-        self.at = lengths[:, None] + torch.arange(new)                 # [n, new] positions written
-        self.keys = int((lengths + counts).max())                      # the longest row's keys (not padding's)
-        bs = cache.block_size
-        if self.keys > tables.shape[1] * bs:
-            raise ValueError(f"a row's position {self.keys - 1} is past its {tables.shape[1]} blocks of {bs} tokens")
-        real = torch.arange(new)[None, :] < counts[:, None]
-        block = tables.gather(1, (self.at // bs).clamp(max=tables.shape[1] - 1))
-        self.slots = torch.where(real, block * bs + self.at % bs, self.at % bs).reshape(-1)   # padding: block 0
-        self.tables = tables[:, :(self.keys + bs - 1) // bs]
-        keys = torch.arange(self.keys)
-        self.mask = (keys[None, None, :] <= self.at[:, :, None])[:, None]    # [n, 1, new, keys]: causal
+    def __init__(self, cache: "PagedCache", tables: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor):
+        self.cache, bs = cache, cache.block_size
+        self.windows: list[int | None] | None = None
+        row = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        starts = torch.cumsum(counts, 0) - counts
+        self.tokens = int(counts.sum())
+        self.at = (lengths[row] + torch.arange(self.tokens) - starts[row])[None]    # [1, tokens] positions
+        ends = lengths + counts
+        if int(ends.max()) > tables.shape[1] * bs:
+            raise ValueError(f"a row's position {int(ends.max()) - 1} is past its {tables.shape[1]} blocks of {bs} "
+                             f"tokens")
+        at = self.at[0]
+        self.slots = tables[row, at // bs] * bs + at % bs
+        decode = counts == 1
+        self.decoding = starts[decode]                           # those rows' tokens
+        self.decode_at = lengths[decode]                          # and their positions
+        width = -(-int(ends[decode].max()) // bs) if self.decoding.numel() else 0
+        self.decode_tables = tables[decode, :width]
+        self.shared = self._shared_blocks()
+        if self.shared:                          # cascade attention (_PagedLayer._cascade): the common blocks
+            self.shared_blocks = self.decode_tables[0, :self.shared]
+            self.own_tables = self.decode_tables[:, self.shared:]
+            own = torch.arange(self.own_tables.shape[1] * bs)[None, :] + self.shared * bs
+            self.own_mask = (own <= self.decode_at[:, None])[:, None, None]    # [rows, 1, 1, own keys]
+        self.prefills = [(tables[j:j + 1, :-(-int(ends[j]) // bs)], int(starts[j]), int(counts[j]), int(lengths[j]))
+                         for j in torch.nonzero(~decode).flatten().tolist()]
         self.counts = counts
         self._on: dict = {}
 
-    def on(self, name: str, device: torch.device) -> torch.Tensor:
-        """`slots`, `tables` or `mask` (built on the CPU) on `device`: moved once per forward and device."""
-        key = (name, device)
+    def _shared_blocks(self) -> int:
+        """How many leading blocks every decoding row holds alike (the same blocks, so the same tokens), all of
+        them before every row's position; 0 below two rows (nothing to share)."""
+        t = self.decode_tables
+        if t.shape[0] < 2:
+            return 0
+        alike = (t == t[:1]).all(0).long().cumprod(0).sum()
+        return int(min(alike, self.decode_at.min() // self.cache.block_size))
+
+    def on(self, what, device: torch.device) -> torch.Tensor:
+        """A tensor built on the CPU (one of this view's, by name or itself) on `device`, moved once per forward."""
+        key = (what if isinstance(what, str) else id(what), device)
         if key not in self._on:
-            self._on[key] = getattr(self, name).to(device)
+            self._on[key] = (getattr(self, what) if isinstance(what, str) else what).to(device)
+        return self._on[key]
+
+    def key_mask(self, window: int | None, device: torch.device) -> torch.Tensor:
+        """[rows, 1, 1, keys]: the keys each decoding row's one query sees (its own included)."""
+        key = ("decode mask", window, device)
+        if key not in self._on:
+            keys = torch.arange(self.decode_tables.shape[1] * self.cache.block_size)[None, :]
+            at = self.decode_at[:, None]
+            seen = keys <= at
+            if window is not None:
+                seen &= keys > at - window                        # transformers' sliding_window_overlay
+            self._on[key] = seen[:, None, None].to(device)
+        return self._on[key]
+
+    def causal_mask(self, length: int, count: int, window: int | None, device: torch.device) -> torch.Tensor:
+        """[1, 1, count, keys]: a chunk of `count` queries after `length` cached tokens, each seeing up to
+        itself (the keys past the chunk, in its last block, are hidden too)."""
+        key = ("chunk mask", length, count, window, device)
+        if key not in self._on:
+            keys = torch.arange(-(-(length + count) // self.cache.block_size) * self.cache.block_size)[None, :]
+            at = length + torch.arange(count)[:, None]
+            seen = keys <= at
+            if window is not None:
+                seen &= keys > at - window
+            self._on[key] = seen[None, None].to(device)
         return self._on[key]
 
     def layer(self, i: int) -> _PagedLayer:
@@ -94,9 +220,9 @@ class PagedCache:
         self._gathered: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def gather_buffers(self, pool: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where one layer's attention reads its rows' keys and values, `blocks` blocks each: two buffers per
-        device, grown to the largest read so far and reused by every layer and forward (a layer is done with
-        them before the next one reads). A fresh copy per layer would cost the host a page fault per 4 KiB
+        """Where one attention reads its rows' keys and values, `blocks` blocks each: two buffers per device,
+        grown to the largest read so far and reused by every layer and forward (an attention is done with them
+        before the next one reads). A fresh copy per layer would cost the host a page fault per 4 KiB
         touched: the allocator hands big blocks back to the OS and maps them anew."""
         have = self._gathered.get(pool.device)
         if have is None or have[0].shape[0] < blocks:
@@ -109,8 +235,8 @@ class PagedCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def view(self, tables: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor, new: int) -> PagedView:
-        return PagedView(self, tables, lengths, counts, new)
+    def view(self, tables: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor) -> PagedView:
+        return PagedView(self, tables, lengths, counts)
 
 
 def input_device(model) -> torch.device:

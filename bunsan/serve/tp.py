@@ -4,6 +4,7 @@ the KV cache (heads split over the group, the same blocks on every rank). Only r
 gathers the logits.
 
     order:   [kind, rows, tokens, blocks] then [block tables..., lengths..., counts..., token ids...]
+             (tokens: every row's new ones, flattened; blocks: the widest row's table)
              kind: FORWARD, NOOP (heartbeat), STOP; the tables and lengths say where every row's keys go
 
 While idle rank 0 sends a heartbeat every HEARTBEAT_S, so a follower that hears nothing for its collective
@@ -30,7 +31,7 @@ class Leader:
 
     def forward(self, tables: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor, ids: torch.Tensor) -> None:
         n, nb = tables.shape
-        self._send([FORWARD, n, ids.shape[1], nb])
+        self._send([FORWARD, n, ids.numel(), nb])
         self._send(torch.cat([tables.reshape(-1), lengths, counts, ids.reshape(-1).cpu()]))
 
     def heartbeat(self) -> None:
@@ -46,13 +47,13 @@ def follow(model, cache, comm, group, device: torch.device) -> None:
     while True:
         header = torch.zeros(4, dtype=torch.long, device=device)
         comm.broadcast(header, 0, group)
-        kind, n, s, nb = header.tolist()
+        kind, n, tokens, nb = header.tolist()
         if kind == STOP:
             return
         if kind == NOOP:
             continue
-        payload = torch.zeros(n * nb + 2 * n + n * s, dtype=torch.long, device=device)
+        payload = torch.zeros(n * nb + 2 * n + tokens, dtype=torch.long, device=device)
         comm.broadcast(payload, 0, group)
-        tables, lengths, counts, ids = payload.cpu().split([n * nb, n, n, n * s])
+        tables, lengths, counts, ids = payload.cpu().split([n * nb, n, n, tokens])
         with torch.no_grad():
-            model(ids.view(n, s).to(cache.device), kv_cache=cache.view(tables.view(n, nb), lengths, counts, s))
+            model(ids.view(1, tokens).to(cache.device), kv_cache=cache.view(tables.view(n, nb), lengths, counts))

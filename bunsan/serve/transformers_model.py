@@ -1,26 +1,34 @@
 """A transformers causal LM (Qwen2/3, Mistral, Gemma 2/3, Phi-3, GPT-2, ...) behind the forward `bunsan serve`'s
-batcher calls on bunsan's Llama: `model(ids, kv_cache=view)` -> logits [rows, new, vocab], with every row at its
-own positions in the serving KV cache (paged.py).
+batcher calls on bunsan's Llama: `model(ids, kv_cache=view)` -> logits [1, tokens, vocab], every row's tokens
+flattened at their own positions in the serving KV cache (paged.py).
 
-transformers' own forward runs unchanged; three of its inputs carry the batch's layout:
-- `cache`: an object with transformers' `update(keys, values, layer_idx)` that writes each row's new keys and
-  values into its blocks of the serving cache and hands back all of the row's keys so far;
-- `position_ids`: each row's positions (rotary or learned), so a row's 10th token is at 10 whatever the others;
-- `attention_mask`: an additive 4D mask per attention kind the config's layer_types name (full, sliding window),
-  which hides other rows' lengths and the padding. transformers uses a 4D mask as given.
+transformers' own forward runs unchanged but for its attention kernel; its inputs carry the batch's layout:
+- the attention function: registered in transformers' AttentionInterface (`bunsan_paged_sdpa`, `_eager`) and
+  set on the model; within a serving forward it is the paged cache's attention over each row's blocks (with
+  the layer's scaling and softcap, and its sliding window from the config's layer_types), outside one the
+  model's own kernel;
+- `cache`: an object with transformers' `update(keys, values, layer_idx)`, which passes the new keys and values
+  on to the attention function;
+- `position_ids`: each token's position (rotary or learned), so a row's 10th token is at 10 whatever the others;
+- `attention_mask`: a placeholder 4D mask (used as given, so transformers builds none; the cache masks).
 """
 
 from __future__ import annotations
 
+import sys
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bunsan.models.hf import cache_keyword, input_device
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
-ATTENTION_FUNCTIONS = ("sdpa", "eager")      # those that take an additive 4D mask as given
+ATTENTION_FUNCTIONS = ("sdpa", "eager")      # the kernels the paged attention reproduces
+PAGED = "bunsan_paged_"                      # their serving forms' names in transformers' AttentionInterface
 
 
 @dataclass
@@ -46,6 +54,11 @@ class ServedShape:
                    getattr(config, "num_key_value_heads", None) or heads, head_dim, context)
 
 
+def attention_function(config) -> str:
+    """The attention kernel the model was loaded with ("sdpa", "eager", ...), also once served."""
+    return (getattr(config, "_attn_implementation", None) or "sdpa").removeprefix(PAGED)
+
+
 def attention_layout(config) -> tuple[list[str], int | None]:
     """(each layer's attention kind, the sliding window) from the config, refusing what the serving mask
     cannot express (chunked or linear attention layers, flash or flex kernels)."""
@@ -59,7 +72,7 @@ def attention_layout(config) -> tuple[list[str], int | None]:
                          f"{' and '.join(ATTENTION_KINDS)} layers); serve a model with those only")
     if "sliding_attention" in kinds and not window:
         raise ValueError(f"{config.model_type}: sliding_attention layers without a sliding_window in the config")
-    implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    implementation = attention_function(config)
     if implementation not in ATTENTION_FUNCTIONS:
         raise ValueError(f"{config.model_type} uses attn_implementation {implementation!r}; bunsan serve passes "
                          f"a 4D mask, which {' and '.join(ATTENTION_FUNCTIONS)} take: load it with one of those")
@@ -67,7 +80,8 @@ def attention_layout(config) -> tuple[list[str], int | None]:
 
 
 class _RowsCache:
-    """transformers' cache interface over one forward's view of the serving cache (paged.py's PagedView)."""
+    """transformers' cache interface over one forward's view of the serving cache (paged.py's PagedView): the
+    new keys and values pass through; the attention function below writes and reads the blocks."""
 
     is_compileable = False
 
@@ -75,13 +89,33 @@ class _RowsCache:
         self.view = view
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        # the cache lives beside its layer; a layer placed elsewhere (accelerate's hooks) gets its keys back there
-        layer = self.view.layer(layer_idx)
-        k, v = layer.update(keys, values)
-        return k.to(keys.device), v.to(values.device)
+        return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.view.positions.min())
+        return int(self.view.at.min())
+
+
+_serving: ContextVar = ContextVar("bunsan_serving_view", default=None)   # the view of the forward under way
+
+
+def _paged_attention(original: str):
+    """An attention function for transformers' AttentionInterface: within a serving forward, the paged cache's
+    attention over each row's blocks; outside one (an embeddings request's plain forward), the model's own."""
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        view = _serving.get()
+        if view is None:
+            own = ALL_ATTENTION_FUNCTIONS["sdpa"] if original == "sdpa" else \
+                sys.modules[type(module).__module__].eager_attention_forward
+            return own(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        out = view.layer(module.layer_idx).attend(query, key, value, scaling, kwargs.get("softcap"),
+                                                  sdpa=original == "sdpa")
+        return out.transpose(1, 2), None
+    return attention
+
+
+for _name in ATTENTION_FUNCTIONS:
+    ALL_ATTENTION_FUNCTIONS.register(f"{PAGED}{_name}", _paged_attention(_name))
+    ALL_MASK_ATTENTION_FUNCTIONS.register(f"{PAGED}{_name}", ALL_MASK_ATTENTION_FUNCTIONS[_name])
 
 
 class TransformersLM(nn.Module):
@@ -97,6 +131,8 @@ class TransformersLM(nn.Module):
         self.hf_model = hf.eval()
         self.config = ServedShape.of(hf.config)
         self.kinds, self.window = attention_layout(hf.config)
+        # its attention layers hand their work to the paged cache (_paged_attention), in its own kernel's form
+        hf.set_attn_implementation(f"{PAGED}{attention_function(hf.config)}")
 
     @property
     def input_device(self) -> torch.device:
@@ -115,28 +151,19 @@ class TransformersLM(nn.Module):
                         (torch.device("cpu") if p.is_meta else p.device)
         return [torch.device(devices.get(i, self.input_device)) for i in range(self.config.num_hidden_layers)]
 
-    def _masks(self, view, dtype: torch.dtype, device: torch.device):
-        """The additive mask per attention kind: 0 where a row's query sees a key, the dtype's lowest elsewhere
-        (never -inf: a padding query that sees nothing gets zeros, not NaN)."""
-        keys = torch.arange(view.keys)[None, None, :]
-        at = view.at[:, :, None]
-        out = {}
-        for kind in set(self.kinds):
-            visible = keys <= at
-            if kind == "sliding_attention":
-                visible &= keys > at - self.window          # transformers' sliding_window_overlay
-            blocked = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
-            out[kind] = blocked[:, None].to(device)
-        return out
-
     def forward(self, input_ids: torch.Tensor, kv_cache) -> torch.Tensor:
         view = kv_cache
-        dtype = self.hf_model.get_input_embeddings().weight.dtype
+        view.windows = [self.window if kind == "sliding_attention" else None for kind in self.kinds]
         device = input_ids.device
-        masks = self._masks(view, dtype, device)
-        # a model with layer_types reads the mask of each layer's kind from a dict; the others take one mask
-        mask = masks if getattr(self.hf_model.config, "layer_types", None) else masks[self.kinds[0]]
-        out = self.hf_model(input_ids=input_ids, position_ids=view.at.to(device), attention_mask=mask,
-                            cache=_RowsCache(view), use_cache=True)
+        # the paged attention masks each row itself; a 4D mask is used as given, so none is built per forward
+        placeholder = torch.zeros(1, 1, 1, 1, device=device)
+        mask = {kind: placeholder for kind in ATTENTION_KINDS} \
+            if getattr(self.hf_model.config, "layer_types", None) else placeholder
+        token = _serving.set(view)
+        try:
+            out = self.hf_model(input_ids=input_ids, position_ids=view.at.to(device), attention_mask=mask,
+                                cache=_RowsCache(view), use_cache=True)
+        finally:
+            _serving.reset(token)
         view.advance(input_ids.shape[1])
         return out.logits
