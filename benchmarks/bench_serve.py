@@ -3,7 +3,7 @@
 (static batches of as many requests as there are clients; its inter-token latency is a batch's decode step).
 
     python benchmarks/bench_serve.py [--requests-per-client 2] [--max-tokens 32] [--clients 1,4,16,64]
-                                     [--markdown benchmarks/RESULTS.md]
+                                     [--load N] [--markdown benchmarks/RESULTS.md]
 
 The model is a random bunsan Llama with a byte vocabulary (hidden 512, 8 layers, GQA 8/4, 23.5M parameters),
 greedy, fp32. Every prompt is a shared 256-token prefix (a system prompt) and a distinct tail; tokens at and
@@ -53,8 +53,11 @@ def _prompt(i: int) -> str:
 def _serve(port: int, slots: int, prefix_reuse: bool, max_tokens: int) -> None:
     """The server's process."""
     from bunsan.serve import Batcher, Limits, build_app
-    from bunsan.serve.server import Server
+    import torch
+
+    from bunsan.serve.server import Server, cpu_threads
     from bunsan.training.data import load_tokenizer
+    torch.set_num_threads(cpu_threads())           # as bunsan serve does: a core left for the event loop
     batcher = Batcher(_model(), slots, CONTEXT, prefix_reuse=prefix_reuse)
     app = build_app(batcher, load_tokenizer(None), "bench", Limits(max_concurrent=1024, max_tokens=max_tokens))
     Server(app, port=port, grace_s=0.0).run()
@@ -119,15 +122,41 @@ def write_table(title: str, header: list[str], rows: list[list[str]], markdown: 
 def _clients(c: int, per_client: int, one) -> list[str]:
     """`c` client threads, each sending `per_client` requests one after another through `one(request index)`:
     [requests, tokens/s, TTFT p50, TTFT p99, ITL p50, ITL p99] as table cells."""
-    start = time.perf_counter()
-    with ThreadPoolExecutor(c) as pool:
+    with BusyCores(LOAD[0]), ThreadPoolExecutor(c) as pool:
+        start = time.perf_counter()
         done = list(pool.map(lambda k: [one(k * per_client + j) for j in range(per_client)], range(c)))
-    wall = time.perf_counter() - start
+        wall = time.perf_counter() - start
     runs = [x for client in done for x in client]
     ttft = [t for t, _, _, _ in runs]
     gaps = [g for _, _, _, gs in runs for g in gs] or [float("nan")]
     return [str(len(runs)), f"{sum(k for _, k, _, _ in runs) / wall:.1f}", f"{_p(ttft, 0.5):.3f}",
             f"{_p(ttft, 0.99):.3f}", f"{_p(gaps, 0.5):.3f}", f"{_p(gaps, 0.99):.3f}"]
+
+
+def _spin(stop) -> None:
+    while not stop.is_set():
+        pass
+
+
+class BusyCores:
+    """`n` processes spinning on the CPU while the clients run: the "loaded cores" case (another tenant's job),
+    the same for every contender."""
+
+    def __init__(self, n: int):
+        self.n, self.procs = n, []
+
+    def __enter__(self):
+        ctx = multiprocessing.get_context("spawn")
+        self.stop = ctx.Event()
+        self.procs = [ctx.Process(target=_spin, args=(self.stop,), daemon=True) for _ in range(self.n)]
+        for p in self.procs:
+            p.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for p in self.procs:
+            p.join(10)
 
 
 def _p(values: list[float], q: float) -> float:
@@ -158,6 +187,7 @@ def bunsan_rows(clients: list[int], per_client: int, max_tokens: int, prefix_reu
 
 
 VLLM_VENV = Path("/tmp/bunsan-vllm-venv")
+LOAD = [0]          # --load: spinning processes beside every measurement
 
 
 def vllm_venv(path: Path) -> Path:
@@ -244,6 +274,7 @@ def transformers_rows(clients: list[int], per_client: int, max_tokens: int, tmp:
         hf.generate(torch.tensor([tok.encode(_prompt(0))]), max_new_tokens=4, do_sample=False, pad_token_id=0)
     rows = []
     for c in clients:
+        busy = BusyCores(LOAD[0]).__enter__()
         ttft, gaps, tokens, start = [], [], 0, time.perf_counter()
         for b in range(per_client):
             ids = [tok.encode(_prompt(b * c + k)) for k in range(c)]
@@ -258,6 +289,7 @@ def transformers_rows(clients: list[int], per_client: int, max_tokens: int, tmp:
             gaps.append((time.perf_counter() - first.at) / max(1, out.shape[1] - width - 1))   # the batch's steps
             tokens += (out.shape[1] - width) * c
         wall = time.perf_counter() - start
+        busy.__exit__()
         rows.append(["transformers generate, static batches", str(c), str(c * per_client), f"{tokens / wall:.1f}",
                      f"{_p(ttft, 0.5):.3f}", f"{_p(ttft, 0.99):.3f}", f"{_p(gaps, 0.5):.3f}",
                      f"{_p(gaps, 0.99):.3f}", f"batches of {c}"])
@@ -290,8 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contenders", default="reuse,noreuse,transformers",
                    help="of reuse, noreuse, transformers, vllm (vLLM's CPU build, in a venv of its own)")
     p.add_argument("--vllm-venv", type=Path, default=VLLM_VENV, help="where vLLM's venv is (made when missing)")
+    p.add_argument("--load", type=int, default=0, metavar="N",
+                   help="N processes spinning on the CPU while the clients run (loaded cores; default 0: quiet)")
     p.add_argument("--markdown", metavar="PATH", help="append a markdown section with the table to PATH")
     a = p.parse_args(argv)
+    LOAD[0] = a.load
     clients = [int(c) for c in a.clients.split(",")]
     contenders = a.contenders.split(",")
     load_before, rows = os.getloadavg()[0], []
@@ -309,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += transformers_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp))
     header = ["contender", "clients", "requests", "tokens/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 s", "ITL p99 s",
               "note"]
-    load = (f"- load average (1 min) before and after: {load_before:.1f}, {os.getloadavg()[0]:.1f} (a shared "
-            "machine: other tenants' work slows every contender)")
+    load = (f"- {a.load} spinning processes beside the clients ({'loaded' if a.load else 'quiet'} cores); load "
+            f"average (1 min) before and after: {load_before:.1f}, {os.getloadavg()[0]:.1f}")
     write_table(f"Serving: bunsan serve vs the others ({a.max_tokens} new tokens, 256-token shared prefix)", header,
                 rows, a.markdown, [load])
     return 0

@@ -286,3 +286,15 @@ def test_the_kv_cache_size_follows_its_budget_and_is_printed(model):
     args.kv_cache_memory = str(3 * per_block)
     with pytest.raises(ValueError, match="does not hold one request of --context 96 tokens"):
         cache_size(args, model, 96, None)
+
+
+def test_a_cpu_served_model_leaves_a_core_to_the_event_loop(monkeypatch):
+    import os
+
+    from bunsan.serve.server import cpu_threads
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert cpu_threads() == 3 and cpu_threads(4) == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert cpu_threads() == 1
+    with pytest.raises(ValueError, match="--threads 0 must be at least 1"):
+        cpu_threads(0)

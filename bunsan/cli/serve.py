@@ -57,6 +57,8 @@ def add_parser(sub) -> None:
                    help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) load and unload adapters")
     s.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="the weights' and the KV cache's dtype (sampling is fp32 whatever it is)")
+    s.add_argument("--threads", type=int, default=None,
+                   help="torch's threads for a model served on the CPU (default: all cores but one, for HTTP)")
 
 
 def _slots(text: str):
@@ -208,8 +210,13 @@ def cmd_serve(args) -> int:
     if args.tp > 1 and not under_torchrun():
         return relaunch(args, args.tp)
     from bunsan.serve import Batcher, PagedCache
-    from bunsan.serve.server import Server
+    from bunsan.serve.server import Server, cpu_threads
+    threads = cpu_threads(args.threads)
     model, tokenizer, name, context = load_model(args)
+    on_cpu = args.tp == 1 and all(p.device.type == "cpu" for p in model.parameters())
+    if on_cpu:                        # (torchrun gives each tensor-parallel rank its own thread count)
+        import torch
+        torch.set_num_threads(threads)
     leader, kv_heads, shard = None, None, None
     if args.tp > 1:
         from bunsan.inference.tp import split_over_ranks
@@ -237,7 +244,8 @@ def cmd_serve(args) -> int:
     print(f"bunsan serve: {', '.join(served)} on http://{args.host}:{args.port} ({slots} sequences, {context} "
           "tokens each"
           + (f", tensor parallel over {args.tp} processes" if args.tp > 1 else "") + ")\n"
-          f"  {cache_line}\n  chat: {template}; prefix reuse {'off' if args.no_prefix_reuse else 'on'}\n"
+          f"  {cache_line}\n  chat: {template}; prefix reuse {'off' if args.no_prefix_reuse else 'on'}"
+          + (f"; {threads} CPU threads for the model" if on_cpu else "") + "\n"
           "  POST /v1/completions /v1/chat/completions /v1/embeddings /api/generate /api/chat /api/embed /api/show;"
           " GET /v1/models /api/tags /api/ps /health /metrics",
           flush=True)

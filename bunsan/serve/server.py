@@ -5,6 +5,8 @@ later, cuts a client that does not even read its error."""
 
 from __future__ import annotations
 
+import os
+
 import uvicorn
 
 from bunsan.serve.app import Service
@@ -14,6 +16,18 @@ SEND_ERRORS_S = 5.0        # after the grace: for the errors to reach the client
 # expiry: a client reusing a connection at 5 s idle races the server closing it and gets no answer. Longer
 # than the clients' expiry, the client always gives up on the connection first (nginx keeps 75 s too).
 KEEP_ALIVE_S = 75.0
+
+
+def cpu_threads(requested: int | None = None) -> int:
+    """torch's threads for a model served on the CPU: `requested`, else every core this process may use but
+    one, which the event loop keeps (HTTP, tokens to text). With torch on every core the two take turns on
+    them, and each small op's parallel region waits for a thread the event loop has displaced."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--threads {requested} must be at least 1")
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
 
 
 class Server(uvicorn.Server):
