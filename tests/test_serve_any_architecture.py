@@ -71,6 +71,28 @@ def test_the_batcher_gives_transformers_greedy_tokens(kind):
     assert _serve_in_process(TransformersLM(hf), prompts, 14, slots=2) == want
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "gemma2", "gpt2"])
+def test_16_bit_weights_serve_transformers_greedy_tokens(kind, dtype):
+    """The weights and the KV cache in bf16 / fp16 (the sliding window, Gemma 2's eager softcap and GPT-2's
+    learned positions among them): four prompts batched give the tokens of transformers' greedy `generate` on
+    the same 16-bit model."""
+    from bunsan.serve.batcher import Batcher, Request
+    from bunsan.serve.transformers_model import TransformersLM
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(_config(kind)).eval().to(dtype)
+    shared = torch.randint(3, 320, (9,)).tolist()
+    prompts = [torch.randint(3, 320, (n,)).tolist() for n in (5, 12)] + [shared, shared + [7, 9]]
+    want = [_greedy(hf, p, 10) for p in prompts]
+    batcher = Batcher(TransformersLM(hf), slots=4, max_len=64, block_size=4)
+    assert {k.dtype for k in batcher.cache.k} == {dtype}
+    got, finished = [[] for _ in prompts], []
+    for i, p in enumerate(prompts):
+        batcher.submit(Request(p, 10, emit=lambda t, i=i: got[i].append(t.id), finish=finished.append))
+    run_until_done(batcher, finished, len(prompts))
+    assert got == want
+
+
 def test_what_the_serving_forward_cannot_mask_is_refused():
     from bunsan.serve.transformers_model import TransformersLM
     chunked = transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(**SMALL))
