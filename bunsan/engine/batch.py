@@ -24,6 +24,8 @@ from typing import Callable
 
 import torch
 
+from bunsan.engine.media import grouped, row_keys, split_media
+
 LM_KEYS = ("input_ids", "labels")
 DOCUMENTS = "document_ids"    # packed rows: each position's document (a model with takes_documents reads it)
 HF_TARGETS = ("labels", "shift_labels")
@@ -72,11 +74,17 @@ def tensors_of(batch) -> list[torch.Tensor]:
 
 
 def rows_of(batch) -> set[int]:
+    """The first dimensions of the tensors that hold one entry per row (a processor's flat patches do not)."""
+    if isinstance(batch, dict):
+        return {batch[k].shape[0] for k in row_keys(batch)}
     return {t.shape[0] for t in tensors_of(batch)}
 
 
 def split(batch, pieces: int, device: torch.device) -> list:
-    """`batch` on `device`, cut along dim 0 into `pieces` micro-batches of the same kind (dict or tuple)."""
+    """`batch` on `device`, cut along dim 0 into `pieces` micro-batches of the same kind (dict or tuple); a
+    processor's flat patches go with the rows whose images they are (media.py)."""
+    if isinstance(batch, dict) and grouped(batch):
+        return [{k: v.to(device, non_blocking=True) for k, v in mb.items()} for mb in split_media(batch, pieces)]
     if isinstance(batch, dict):
         chunks = {k: v.to(device, non_blocking=True).chunk(pieces) for k, v in batch.items()}
         return [{k: c[i] for k, c in chunks.items()} for i in range(len(next(iter(chunks.values()))))]

@@ -25,6 +25,7 @@ from bunsan.comm.rollcall import post_step
 from bunsan.context_parallel import shard_batch
 from bunsan.doctor.oom import OutOfMemory, explain, is_oom
 from bunsan.engine.batch import DOCUMENTS, Objective, rows_of, split
+from bunsan.engine.media import check_rows, refuse_media_under_cp
 from bunsan.engine.preference import objective_for
 from bunsan.engine.precision import LossScaler, cast_inputs_to_half, model_dtype
 from bunsan.memory.measure import measured_memory, reset_peak_memory
@@ -281,6 +282,8 @@ class Engine:
     def _split(self, batch) -> list:
         """A per-rank batch as gradient_accumulation_steps micro-batches (dim 0), on the device."""
         rows, expect = rows_of(batch), self.micro_batch * self.grad_accum
+        if isinstance(batch, dict) and "input_ids" in batch:
+            check_rows(batch, batch["input_ids"].shape[0])     # names a tensor that is not one entry per row
         if rows != {expect}:
             raise ValueError(f"batch has {sorted(rows)} rows per data-parallel rank; expected micro_batch "
                              f"{self.micro_batch} x gradient_accumulation_steps {self.grad_accum} = {expect} "
@@ -296,6 +299,7 @@ class Engine:
                              "(one example per row) or train without them")
         if self.cp is None:
             return micro
+        refuse_media_under_cp(micro)
         return [shard_batch(mb, self.cp.size, self.cp.rank) for mb in micro]
 
     def _lm_only(self, objective: Objective) -> None:

@@ -39,13 +39,25 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
     """bunsan's plan (module pattern -> style) from the model's own, with the parallel inputs it implies."""
     base_plan = getattr(model.config, "base_model_tp_plan", None) or {}
     head_plan = dict(getattr(type(model), "_tp_plan", None) or {})
-    if not base_plan:
+    # a composite model (LLaVA, Qwen2-VL, ...) keeps its language model's plan in text_config; transformers
+    # assembles the whole model's plan, full paths, on the instance; its encoders have none (they stay whole)
+    built = model.__dict__.get("_tp_plan") or {}
+    if not base_plan and not built:
         raise ValueError(f"{type(model).__name__} ships no tensor-parallel plan (config.base_model_tp_plan is "
                          "empty); pass tp_plan={module pattern: style} with bunsan's styles (column, row, "
                          "parallel_input, vocab_embedding, vocab_head, norm)")
     prefix = f"{model.base_model_prefix}." if getattr(model, model.base_model_prefix, None) is not model else ""
-    plan = {f"{prefix}{path}": _translated(path, style, False) for path, style in base_plan.items()}
-    plan |= {path: _translated(path, style, True) for path, style in head_plan.items()}
+    if base_plan:
+        plan = {f"{prefix}{path}": _translated(path, style, False) for path, style in base_plan.items()}
+        plan |= {path: _translated(path, style, True) for path, style in head_plan.items()}
+    else:
+        if sequence_parallel:
+            raise ValueError(f"tensor_parallel.sequence_parallel with {type(model).__name__}: its encoders (vision, "
+                             "audio) run whole on every rank and bunsan cuts no sequence inside a composite model; "
+                             "set sequence_parallel to false")
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        heads = {n for n, m in model.named_modules() if m is head and head is not None}
+        plan = {path: _translated(path, style, path in heads) for path, style in built.items()}
     for path, style in list(plan.items()):
         if style in ("column", "column_gather"):   # the module that calls q/k/v (gate/up) gets the block's input
             plan.setdefault(path.rpartition(".")[0], "parallel_input")

@@ -1,0 +1,150 @@
+"""Vision- and audio-language transformers models (tiny LLaVA: CLIP + Llama; Qwen2-VL; Qwen2.5-VL; Qwen2-Audio)
+trained through bunsan against the plain single-process HF loop, batches as their processors make them
+(Qwen2-VL's flat patches with their grids): tensor parallelism from the plan transformers assembles on the
+instance (the language model split, the encoders whole on every rank), and gradient accumulation cutting the
+flat patches by image. SGD without clipping, fp32, rtol 1e-5."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bunsan
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128)
+MROPE = {"type": "mrope", "mrope_section": [2, 2, 4]}
+ROWS, SEQ, STEPS, LR = 4, 24, 3, 0.5
+IMAGE, START, END = 300, 301, 302
+
+
+def build(kind: str):
+    torch.manual_seed(0)
+    if kind == "llava":
+        vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=2, image_size=32, patch_size=8)
+        return transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+            text_config=transformers.LlamaConfig(**TEXT), vision_config=vision, image_token_index=IMAGE))
+    if kind == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                      temporal_patch_size=2, in_chans=3)
+        return transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(
+            text_config=dict(**TEXT, rope_scaling=MROPE), vision_config=vision, image_token_id=IMAGE,
+            vision_start_token_id=START, vision_end_token_id=END))
+    if kind == "qwen2_5_vl":
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=2, patch_size=4,
+                      spatial_merge_size=2, temporal_patch_size=2, in_chans=3, window_size=8,
+                      fullatt_block_indexes=[1])
+        return transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+            text_config=dict(**TEXT, rope_scaling=MROPE), vision_config=vision, image_token_id=IMAGE,
+            vision_start_token_id=START, vision_end_token_id=END))
+    audio = dict(d_model=32, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=64, num_mel_bins=16,
+                 max_source_positions=16)
+    return transformers.Qwen2AudioForConditionalGeneration(transformers.Qwen2AudioConfig(
+        audio_config=audio, text_config=dict(model_type="qwen2", **TEXT), audio_token_index=IMAGE))
+
+
+def batches(kind: str, steps: int = STEPS) -> list[dict]:
+    """As the model's processor lays them out: LLaVA one image per row (16 patch tokens); Qwen2-VL and 2.5-VL
+    a different number of images per row (0 to 2, 4 tokens each: 16 flat patches merged 2x2), their patches
+    flat in image order with each image's grid; Qwen2-Audio one clip per row (8 tokens)."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, IMAGE, (ROWS, SEQ), generator=g)
+        b = {"input_ids": ids}
+        if kind == "llava":
+            ids[:, 2:18] = IMAGE
+            b["pixel_values"] = torch.randn(ROWS, 3, 32, 32, generator=g)
+        elif kind == "qwen2_audio":
+            ids[:, 2:10] = IMAGE
+            b["input_features"] = torch.randn(ROWS, 16, 32, generator=g)
+            b["feature_attention_mask"] = torch.ones(ROWS, 32, dtype=torch.long)
+        else:
+            images = 0
+            for row, count in enumerate((1, 2, 0, 1)):
+                for i in range(count):
+                    at = 2 + 7 * i
+                    ids[row, at], ids[row, at + 1:at + 5], ids[row, at + 5] = START, IMAGE, END
+                images += count
+            b["pixel_values"] = torch.randn(images * 16, 96, generator=g)
+            b["image_grid_thw"] = torch.tensor([[1, 4, 4]] * images)
+            b["mm_token_type_ids"] = (ids == IMAGE).long()
+        b["labels"] = ids.masked_fill(ids >= IMAGE, -100)
+        out.append(b)
+    return out
+
+
+def reference(kind: str, data: list[dict]):
+    model = build(kind)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for b in data:
+        loss = model(**b).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _cfg(tp: int = 1, ga: int = 1) -> dict:
+    return {"train_batch_size": ROWS, "gradient_accumulation_steps": ga, "steps_per_print": 100,
+            "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": 0},
+            "tensor_parallel": {"size": tp}}
+
+
+def _train(rank, world, kind, cfg, data):
+    engine = bunsan.initialize(build(kind), cfg)
+    losses = [engine.train_batch(b) for b in data]
+    split = sorted({type(m).__name__ for m in engine.module.modules() if hasattr(m, "tp_split")})
+    return losses, engine.consolidated_state_dict(), split
+
+
+def _check(results, ref_losses, ref_state):
+    for losses, state, _ in results:
+        for i, (a, b) in enumerate(zip(losses, ref_losses)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"step {i}: {a} vs {b}"
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+KINDS = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tensor_parallel_from_the_plan_transformers_assembles(pools, kind):
+    data = batches(kind)
+    results = pools.run(2, _train, 2, kind, _cfg(tp=2), data)
+    _check(results, *reference(kind, data))
+    assert "ColumnParallelLinear" in results[0][2] and "RowParallelLinear" in results[0][2]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_micro_batches_cut_the_processors_tensors_by_row(kind):
+    """Gradient accumulation of 2 (and 4: rows without an image): every tensor cut with its rows, the flat
+    patches by the images each row holds."""
+    data = batches(kind)
+    for ga in (2, 4):
+        engine = bunsan.initialize(build(kind), _cfg(ga=ga))
+        _check([([engine.train_batch(b) for b in data], engine.consolidated_state_dict(), None)],
+               *reference(kind, data))
+
+
+def test_composite_models_refuse_sequence_parallelism():
+    from bunsan.comm.collectives import Comm
+    from bunsan.comm.work import Group
+    from bunsan.tensor_parallel import TPContext, apply_tensor_parallel
+    ctx = TPContext(Comm(), Group("tp", None, 1, 0, (0,)), sequence_parallel=True)
+    with pytest.raises(ValueError, match="encoders .* run whole on every rank"):
+        apply_tensor_parallel(build("llava"), ctx)
+
+
+def test_a_tensor_that_is_not_one_entry_per_row_and_has_no_grouping_is_refused_by_name():
+    engine = bunsan.initialize(build("llava"), _cfg(ga=2))
+    b = batches("llava", 1)[0]
+    b["pixel_values"] = torch.randn(3, 3, 32, 32)          # 3 images for 4 rows of one image each
+    with pytest.raises(ValueError, match="pixel_values"):
+        engine.train_batch(b)
