@@ -77,9 +77,22 @@ def batches(kind: str, steps: int = STEPS) -> list[dict]:
     return out
 
 
-def reference(kind: str, data: list[dict]):
+def encoder(model):
+    """The vision or audio tower (LLaVA's vision_tower, Qwen2-VL's visual, Qwen2-Audio's audio_tower)."""
+    return next(getattr(model.model, name) for name in ("vision_tower", "visual", "audio_tower")
+                if hasattr(model.model, name))
+
+
+def built(kind: str, frozen: bool = False):
     model = build(kind)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    if frozen:
+        encoder(model).requires_grad_(False)
+    return model
+
+
+def reference(kind: str, data: list[dict], frozen: bool = False):
+    model = built(kind, frozen)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for b in data:
         loss = model(**b).loss
@@ -103,6 +116,13 @@ def _train(rank, world, kind, cfg, data):
     return losses, engine.consolidated_state_dict(), split
 
 
+def _train_dp(rank, world, kind, cfg, data, frozen):
+    from bunsan.engine.media import split_media
+    engine = bunsan.initialize(built(kind, frozen), cfg)
+    losses = [engine.train_batch(split_media(b, world)[rank]) for b in data]
+    return losses, engine.consolidated_state_dict(), None
+
+
 def _check(results, ref_losses, ref_state):
     for losses, state, _ in results:
         for i, (a, b) in enumerate(zip(losses, ref_losses)):
@@ -120,6 +140,23 @@ def test_tensor_parallel_from_the_plan_transformers_assembles(pools, kind):
     results = pools.run(2, _train, 2, kind, _cfg(tp=2), data)
     _check(results, *reference(kind, data))
     assert "ColumnParallelLinear" in results[0][2] and "RowParallelLinear" in results[0][2]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("stage,frozen,offload", [(2, False, False), (3, False, False), (3, True, False),
+                                                  (3, False, True)],
+                         ids=["zero2", "zero3", "zero3-frozen", "zero3-offload"])
+def test_zero_on_two_ranks_each_its_rows(pools, kind, stage, frozen, offload):
+    """Each data-parallel rank takes its half of the rows (Qwen2-VL's flat patches with them); ZeRO-3 with
+    the encoder frozen (its weights never move, the language model's train) and with the optimizer on the
+    CPU."""
+    data = batches(kind)
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero |= {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    cfg = {**_cfg(), "train_batch_size": ROWS, "zero_optimization": zero}
+    results = pools.run(2, _train_dp, 2, kind, cfg, data, frozen)
+    _check(results, *reference(kind, data, frozen))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -148,3 +185,39 @@ def test_a_tensor_that_is_not_one_entry_per_row_and_has_no_grouping_is_refused_b
     b["pixel_values"] = torch.randn(3, 3, 32, 32)          # 3 images for 4 rows of one image each
     with pytest.raises(ValueError, match="pixel_values"):
         engine.train_batch(b)
+
+
+LORA = {"enabled": True, "r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+def _train_lora(rank, world, kind, cfg, data):
+    from bunsan.engine.media import split_media
+    engine = bunsan.initialize(build(kind), cfg)
+    dp, dp_rank = engine.mesh.dp, engine.mesh.dp_rank
+    losses = [engine.train_batch(split_media(b, dp)[dp_rank]) for b in data]
+    return losses, engine.consolidated_state_dict(), None
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(stage=3)], ids=["tp2", "dp2-zero3"])
+def test_lora_on_a_multimodal_model_matches_the_plain_loop_over_the_same_adapters(pools, kind, layout):
+    """Adapters on the language model's (and LLaVA's CLIP tower's) q/v/down projections, base frozen."""
+    from bunsan.config.root import Config
+    from bunsan.transforms.lora import apply_lora
+    data = batches(kind)
+    cfg = {**_cfg(tp=layout.get("tp", 1)), "lora": LORA, "train": {"seed": 0},
+           "zero_optimization": {"stage": layout.get("stage", 0), "stage3_param_persistence_threshold": 0}}
+    results = pools.run(2, _train_lora, 2, kind, cfg, data)
+    model = build(kind)
+    apply_lora(model, Config.load({"lora": LORA}).lora, seed=0)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    ref_losses = []
+    for b in data:
+        loss = model(**b).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert any(".lora_A." in k and ("vision" in k or "visual" in k) for k in state) == (kind == "llava")
+    _check(results, ref_losses, state)
