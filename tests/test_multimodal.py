@@ -1,8 +1,9 @@
 """Vision- and audio-language transformers models (tiny LLaVA: CLIP + Llama; Qwen2-VL; Qwen2.5-VL; Qwen2-Audio)
 trained through bunsan against the plain single-process HF loop, batches as their processors make them
 (Qwen2-VL's flat patches with their grids): tensor parallelism from the plan transformers assembles on the
-instance (the language model split, the encoders whole on every rank), and gradient accumulation cutting the
-flat patches by image. SGD without clipping, fp32, rtol 1e-5."""
+instance (the language model split, the encoders whole on every rank), ZeRO 2/3 with offload and a frozen
+encoder, LoRA, pipeline stages (the encoders first), and gradient accumulation cutting the flat patches by
+image. SGD without clipping, fp32, rtol 1e-5."""
 
 from __future__ import annotations
 
@@ -221,3 +222,26 @@ def test_lora_on_a_multimodal_model_matches_the_plain_loop_over_the_same_adapter
     state = {k: v.clone() for k, v in model.state_dict().items()}
     assert any(".lora_A." in k and ("vision" in k or "visual" in k) for k in state) == (kind == "llava")
     _check(results, ref_losses, state)
+
+
+def _train_pp(rank, world, kind, cfg, data):
+    engine = bunsan.initialize(build(kind), cfg)
+    losses = [engine.train_batch(b) for b in data]
+    return losses, engine.consolidated_state_dict(), sorted(n for n, _ in engine.module.named_parameters())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", [dict(schedule="1f1b"), dict(schedule="gpipe", tp=2)], ids=["pp2", "pp2-tp2"])
+def test_pipeline_stages_the_encoders_first(pools, kind, layout):
+    """PP 2 over 2 micro-batches: the encoder, projector and embedding on the first stage with the first
+    decoder layer; every stage gets the batch's keys (the later one recomputes Qwen2-VL's 3D positions)."""
+    data = batches(kind)
+    tp = layout.get("tp", 1)
+    cfg = {**_cfg(tp=tp, ga=2), "pipeline": {"stages": 2, "schedule": layout["schedule"]}}
+    results = pools.run(2 * tp, _train_pp, 2 * tp, kind, cfg, data)
+    _check(results, *reference(kind, data))
+    first, last = results[0][2], results[-1][2]
+    tower = next(f"model.{n.split('.')[1]}." for n in first
+                 if n.startswith(("model.vision_tower.", "model.visual.", "model.audio_tower.")))
+    assert not any(n.startswith(tower) for n in last)
+    assert "lm_head.weight" in last and not any(".layers.1." in n and "language_model" in n for n in first)

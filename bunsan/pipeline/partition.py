@@ -4,6 +4,8 @@ A model is seen as an ordered list of layers, each a group of module paths:
 
     Llama:        [embed_tokens] [layers.0] ... [layers.L-1] [norm, lm_head]
     Hugging Face: [model.embed_tokens] [model.layers.0] ... [model.norm, lm_head]   (a decoder-only LM)
+    multimodal:   [model.vision_tower, model.multi_modal_projector, model.language_model.embed_tokens]
+                  [model.language_model.layers.0] ... [model.language_model.norm, lm_head]   (LLaVA, Qwen2-VL)
     nn.Sequential: [0] [1] ... [n-1]
 
 The list is cut into p x v contiguous chunks (p ranks, v virtual chunks each; chunk
@@ -15,6 +17,7 @@ plans, checkpoints, ZeRO) see the original names.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -48,15 +51,38 @@ def is_llama(model: nn.Module) -> bool:
     return all(hasattr(model, a) for a in ("embed_tokens", "layers", "norm", "lm_head", "rope_cos"))
 
 
+def _decoder_shaped(base) -> bool:
+    has = all(isinstance(getattr(base, a, None), nn.Module) for a in ("embed_tokens", "norm", "rotary_emb"))
+    return has and isinstance(getattr(base, "layers", None), nn.ModuleList)
+
+
 def hf_decoder_prefix(model: nn.Module) -> str | None:
-    """The base model's attribute of a Hugging Face decoder-only LM laid out as Llama's (embed_tokens, layers,
-    norm, rotary_emb under it; lm_head beside it), else None."""
+    """The path of a Hugging Face LM's decoder laid out as Llama's (embed_tokens, layers, norm, rotary_emb
+    under it; lm_head beside the base model): the base model itself ("model"), or a multimodal model's
+    language model inside it ("model.language_model", beside its encoders: hf_composite_base); else None."""
     prefix = getattr(model, "base_model_prefix", None)
     base = getattr(model, prefix, None) if isinstance(prefix, str) else None
     if base is None or not isinstance(getattr(model, "lm_head", None), nn.Module):
         return None
-    has = all(isinstance(getattr(base, a, None), nn.Module) for a in ("embed_tokens", "norm", "rotary_emb"))
-    return prefix if has and isinstance(getattr(base, "layers", None), nn.ModuleList) else None
+    if _decoder_shaped(base):
+        return prefix
+    return f"{prefix}.language_model" if _decoder_shaped(getattr(base, "language_model", None)) else None
+
+
+def hf_composite_base(model: nn.Module) -> str | None:
+    """A multimodal model's base (LLaVA's, Qwen2-VL's: encoders, projector and a language model) path, else None."""
+    prefix = hf_decoder_prefix(model)
+    return prefix.rpartition(".")[0] if prefix and prefix.endswith(".language_model") else None
+
+
+def encoder_paths(model: nn.Module) -> list[str]:
+    """A multimodal model's modules beside its language model (vision or audio tower, projector): the first
+    pipeline layer's, with the embedding, since they make the decoder's input."""
+    base = hf_composite_base(model)
+    if base is None:
+        return []
+    return [f"{base}.{n}" for n, m in model.get_submodule(base).named_children()
+            if n != "language_model" and any(True for _ in m.parameters())]
 
 
 def model_layers(model: nn.Module) -> list[Layer]:
@@ -65,9 +91,9 @@ def model_layers(model: nn.Module) -> list[Layer]:
     if is_llama(model):
         groups = [("embed_tokens",)] + [(f"layers.{i}",) for i in range(len(model.layers))] + [("norm", "lm_head")]
     elif hf is not None:
-        blocks = getattr(model, hf).layers
-        groups = [(f"{hf}.embed_tokens",)] + [(f"{hf}.layers.{i}",) for i in range(len(blocks))] + \
-            [(f"{hf}.norm", "lm_head")]
+        blocks = model.get_submodule(hf).layers
+        groups = [(*encoder_paths(model), f"{hf}.embed_tokens")] + \
+            [(f"{hf}.layers.{i}",) for i in range(len(blocks))] + [(f"{hf}.norm", "lm_head")]
     elif isinstance(model, nn.Sequential):
         groups = [(name,) for name, _ in model.named_children()]
     else:
@@ -78,7 +104,7 @@ def model_layers(model: nn.Module) -> list[Layer]:
     out = []
     for paths in groups:
         mods = [model.get_submodule(p) for p in paths]
-        repeated = ".layers." in f".{paths[0]}" if is_llama(model) or hf is not None else True
+        repeated = ".layers." in f".{paths[-1]}" if is_llama(model) or hf is not None else True
         out.append(Layer(paths, _numel(mods, False), _numel(mods, True), repeated))
     return out
 
@@ -174,12 +200,17 @@ class StageModule(nn.Module):
         if self.llama:
             self.register_buffer("rope_cos", model.rope_cos, persistent=False)
             self.register_buffer("rope_sin", model.rope_sin, persistent=False)
-        self.hf_prefix = hf_decoder_prefix(model)
+        self.hf_prefix, self.hf_composite = hf_decoder_prefix(model), hf_composite_base(model)
         self.keyword_inputs = None    # a Hugging Face decoder's stages take these batch keys (engine/batch.py)
         if self.hf_prefix is not None:
             self.keyword_inputs = HF_STAGE_INPUTS
             object.__setattr__(self, "_hf_views", _hf_views(self, model, self.hf_prefix, chunks, n_stages,
                                                             stage_ids))
+        if self.hf_composite is not None:     # every key the model's forward takes reaches the stages
+            self.keyword_inputs = tuple(composite_inputs(model))
+            outer = copy.copy(model.get_submodule(self.hf_composite))
+            outer.__dict__["_modules"] = {}                      # the stage's, at each run
+            object.__setattr__(self, "_outer", outer)
         self._init_parameter = getattr(model, "init_parameter", None)
         self._init_buffer = getattr(model, "init_buffer", None)      # (name, tensor): buffers drawn by name
         self._init_weights = getattr(model, "init_weights", None)
@@ -228,7 +259,7 @@ def _hf_views(stage: StageModule, model: nn.Module, prefix: str, chunks: list[li
     for the chunk from its input, as it does for the whole model; a chunk after the first is fed the
     hidden states as inputs_embeds, and only the last one applies the final norm (and, beside it, the head).
     """
-    base = getattr(model, prefix)
+    base = model.get_submodule(prefix)
     extra = [n for n, m in base.named_children() if n not in ("embed_tokens", "layers", "norm", "rotary_emb")
              and any(True for _ in m.parameters())]
     if extra:
@@ -265,6 +296,36 @@ def _run_hf(stage: StageModule, c: int, x: torch.Tensor, mb) -> torch.Tensor:
     view._modules["embed_tokens"] = stage.get_submodule(f"{prefix}.embed_tokens") if first else None
     view._modules["norm"] = stage.get_submodule(f"{prefix}.norm") if last else _IDENTITY
     passed = {k: mb[k] for k in ("attention_mask", "position_ids") if isinstance(mb, dict) and k in mb}
-    inputs = {"input_ids": x} if first else {"inputs_embeds": x}
-    hidden = view(**inputs, **passed, use_cache=False).last_hidden_state
+    if stage.hf_composite is not None:
+        hidden = _run_composite(stage, view, stage.chunk_layers[c][0] if first else None, x, mb, passed)
+    else:
+        inputs = {"input_ids": x} if first else {"inputs_embeds": x}
+        hidden = view(**inputs, **passed, use_cache=False).last_hidden_state
     return stage.get_submodule("lm_head")(hidden) if last else hidden
+
+
+def composite_inputs(model: nn.Module) -> list[str]:
+    params = inspect.signature(model.forward).parameters.values()
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def _run_composite(stage: StageModule, view: nn.Module, first: tuple | None, x: torch.Tensor, mb, passed: dict):
+    """A multimodal model's chunk. The first runs the model's own base forward (its encoders, their features
+    put in place of the image or audio tokens, its positions: Qwen2-VL's 3D ones) over a language model of the
+    chunk's layers; a later one runs its layers on the hidden states, at the positions the base computes
+    from the batch as the first did. `first`: the first layer's paths (encoders, projector, embedding) on
+    the first stage."""
+    outer = stage._outer
+    outer._modules["language_model"] = view
+    if first:
+        for path in first[:-1]:                                      # the encoders and the projector
+            outer._modules[path.rsplit(".", 1)[1]] = stage.get_submodule(path)
+        keys = {k: v for k, v in mb.items() if k not in ("labels", "shift_labels", "input_ids")}
+        return outer(input_ids=x, **keys, use_cache=False).last_hidden_state
+    if "position_ids" not in passed and hasattr(outer, "compute_3d_position_ids"):
+        wants = inspect.signature(outer.compute_3d_position_ids).parameters
+        given = {"input_ids": mb["input_ids"], "inputs_embeds": x, "cache": None,
+                 **{k: mb.get(k) for k in ("image_grid_thw", "video_grid_thw", "attention_mask",
+                                            "mm_token_type_ids", "second_per_grid_ts")}}
+        passed["position_ids"] = outer.compute_3d_position_ids(**{k: v for k, v in given.items() if k in wants})
+    return view(inputs_embeds=x, **passed, use_cache=False).last_hidden_state
