@@ -245,3 +245,23 @@ def test_pipeline_stages_the_encoders_first(pools, kind, layout):
                  if n.startswith(("model.vision_tower.", "model.visual.", "model.audio_tower.")))
     assert not any(n.startswith(tower) for n in last)
     assert "lm_head.weight" in last and not any(".layers.1." in n and "language_model" in n for n in first)
+
+
+def _train_and_save(rank, world, kind, cfg, data, folder):
+    engine = bunsan.initialize(build(kind), cfg)
+    losses = [engine.train_batch(b) for b in data]
+    engine.save_checkpoint(folder)
+    return losses
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+def test_a_checkpoint_saved_across_pipeline_stages_resumes_in_one_process(pools, kind, tmp_path):
+    """Two steps at PP 2, saved by each stage, the third in one process from the checkpoint (the
+    layout resharded, the optimizer's state with it): the loop's three steps."""
+    data = batches(kind)
+    cfg = {**_cfg(tp=1, ga=2), "pipeline": {"stages": 2}}
+    first = pools.run(2, _train_and_save, 2, kind, cfg, data[:2], str(tmp_path))
+    engine = bunsan.initialize(build(kind), _cfg(ga=2))
+    engine.load_checkpoint(str(tmp_path))
+    losses = first[-1] + [engine.train_batch(data[2])]
+    _check([(losses, engine.consolidated_state_dict(), None)], *reference(kind, data))
