@@ -38,12 +38,12 @@ class Server:
     """`slots` x `context` of KV cache; `limits` are Limits' fields; `app` takes build_app's keywords."""
 
     def __init__(self, model, slots=3, context=96, grace_s=0.0, tokenizer=None, prefix_reuse=True, app=None,
-                 **limits):
+                 num_blocks=None, **limits):
         from bunsan.training.data import load_tokenizer
         from bunsan.serve import Batcher, Limits, build_app
         from bunsan.serve.server import Server as Uvicorn
         self.tokenizer = tokenizer or load_tokenizer(None)
-        self.batcher = Batcher(model, slots, context, prefix_reuse=prefix_reuse)
+        self.batcher = Batcher(model, slots, context, prefix_reuse=prefix_reuse, num_blocks=num_blocks)
         self.app = build_app(self.batcher, self.tokenizer, "tiny", Limits(**limits), **(app or {}))
         self.port = free_port()
         self.server = Uvicorn(self.app, port=self.port, grace_s=grace_s)

@@ -193,6 +193,20 @@ def test_a_non_streaming_client_that_leaves_frees_its_slot_at_once(model):
         s.close()
 
 
+def test_a_request_the_kv_pool_could_never_hold_is_a_400_and_frees_its_count(model):
+    """Within the context but past the pool (4 blocks of 16 tokens): a 400 naming the blocks, n=2 included, and
+    the open count given back (a later request is not refused as too many)."""
+    s = Server(model, slots=2, context=96, num_blocks=5, max_concurrent=2)
+    try:
+        for n in (1, 2):
+            r = s.post({**GOOD, "max_tokens": 70, "n": n})
+            assert r.status_code == 400 and "KV blocks" in r.json()["error"]["message"], r.text
+        assert s.app.state.service.open_sequences == 0
+        assert s.post({**GOOD, "n": 2}).status_code == 200
+    finally:
+        s.close()
+
+
 def test_waiting_requests_are_admitted_together_in_one_prefill(model):
     """Six prompts of different lengths waiting for six slots: one prefill forward for all, their tokens
     flattened into one row without padding, greedy output equal to one process's."""

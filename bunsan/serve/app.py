@@ -82,9 +82,13 @@ class Service:
         job.adapter = adapter
         if adapter is not None:
             self.adapter_open[adapter] = self.adapter_open.get(adapter, 0) + gen.sequences
-        self.metrics.accepted(job)
         self.open_sequences += gen.sequences
-        job.submit(self.batcher)
+        try:
+            job.submit(self.batcher)
+        except ValueError as e:           # the batcher refuses what its KV pool could never hold
+            job.close()                    # its sequences already queued are cancelled, the count given back
+            raise ApiError(400, str(e), param="max_tokens") from None
+        self.metrics.accepted(job)
         return job
 
     def _release(self, job: Job) -> None:
