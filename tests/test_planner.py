@@ -117,6 +117,35 @@ def test_cli_plan_searches_the_cp_sizes_asked_for(capsys):
     assert "--cp-sizes 'two': write sizes as 1,2,4,8,16" in capsys.readouterr().err
 
 
+def test_plan_explain_prices_a_named_layout_as_the_first_choice_and_compares_term_by_term(capsys):
+    """The first choice explained against itself differs in nothing; a TP-8 layout across the search's
+    first choice loses on tensor-parallel traffic, priced as the search prices it; a layout past the memory
+    is said to be dropped for memory; a bad spec is an error naming it."""
+    import json
+    from bunsan.planner.explain import explain
+    from bunsan.planner.search import plan
+    result = plan("7b", 16, gpu="h100", nodes=2, seq_len=4096, global_batch=32, keep=3)
+    best = result.best.layout
+    same = explain(result, f"dp={best.dp},tp={best.tp},pp={best.pp},cp={best.cp},zero={best.zero},"
+                           f"mb={best.micro_batch},recompute={best.checkpointing},sp={best.sequence_parallel},"
+                           f"schedule={best.schedule},v={best.virtual_stages},pipeline_gather={best.pipeline_gather}")
+    assert same.asked.step.total == pytest.approx(same.best.step.total) and same.asked.peak == pytest.approx(
+        same.best.peak)
+    tp8 = explain(result, "tp=8,pp=2,zero=1,mb=1,recompute=selective,sp=true")
+    assert tp8.asked.layout.dp == 1 and tp8.asked.layout.grad_accum == 32
+    assert "most from tp_comm" in tp8.decided_by() and tp8.asked.step.total > tp8.best.step.total
+    huge = explain(result, "dp=16,zero=0,mb=2")
+    assert huge.decided_by().startswith("memory: it peaks at")
+    with pytest.raises(ValueError, match=r"--explain 'tp8': expected KEY=VALUE"):
+        explain(result, "tp8")
+    with pytest.raises(ValueError, match="tp x pp x cp = 3 does not divide the 16 GPUs"):
+        explain(result, "tp=3")
+    assert main(["plan", "--model", "7b", "--gpus", "16", "--nodes", "2", "--seq-len", "4096", "--global-batch",
+                 "32", "--top", "2", "--json", "--explain", "tp=8,pp=2,zero=1"]) == 0
+    out = json.loads(capsys.readouterr().out)["explain"]
+    assert out["asked"].startswith("dp1 tp8") and "tp_comm" in out["terms_s"] and out["decided_by"]
+
+
 def test_cli_errors_exit_2(capsys):
     assert main(["plan", "--model", "tinny", "--gpus", "2"]) == 2
     assert "did you mean 'tiny'" in capsys.readouterr().err

@@ -41,6 +41,31 @@ class Candidate:
 
 
 @dataclass
+class Pricing:
+    """What the search priced every layout against (the model, the GPU, its memory and links), so that any
+    other layout can be priced alike (`plan --explain`)."""
+    shape: ModelShape
+    gpu: GPU
+    memory: float
+    margin: float
+    nodes: int
+    per_node: int
+    intra: Interconnect
+    inter: Interconnect
+    efficiency: float | None
+    attention: str
+    device_type: str
+
+    def price(self, lay: Layout) -> Candidate:
+        est = estimate_layout(self.shape, lay, nodes=self.nodes, gpu_memory=self.memory, device_type=self.device_type)
+        step = None
+        if self.shape.llama is not None:
+            step = step_time(self.shape.llama, lay, self.gpu, self.intra, self.inter, self.per_node, self.efficiency,
+                             self.attention)
+        return Candidate(lay, est, step)
+
+
+@dataclass
 class Plan:
     model: str
     n_params: int
@@ -55,6 +80,7 @@ class Plan:
     smallest: Candidate | None = None             # the least memory of all candidates (when none fits)
     suggestions: list[str] = field(default_factory=list)
     total_tokens: int | None = None
+    pricing: Pricing | None = None
 
     @property
     def best(self) -> Candidate | None:
@@ -132,7 +158,9 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
         fits.append(cand)
     fits.sort(key=_order)
     result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, margin, fits[:keep or None], considered,
-                  too_big, smallest, total_tokens=total_tokens)
+                  too_big, smallest, total_tokens=total_tokens,
+                  pricing=Pricing(shape, spec, memory, margin, nodes, per_node, intra, inter, efficiency, attention,
+                                  device_type))
     for cand in result.ranked:
         cand.why = _why(cand, result.ranked[0]) if cand.step else "fits"
     if not fits:
