@@ -1,8 +1,8 @@
 """`initialize`: a plain model becomes a training engine through transforms applied in one visible order,
 
-    (tensor-parallel plan) -> pipeline cut -> LoRA -> materialise -> tensor parallel -> context parallel ->
-    activation checkpointing (full or selective) and offload -> compile -> data parallel (the ZeRO strategy)
-    -> Engine
+    (tensor-parallel plan) -> pipeline cut -> LoRA -> materialise -> saving forms -> tensor parallel ->
+    context parallel -> activation checkpointing (full or selective) and offload -> compile -> data parallel
+    (the ZeRO strategy) -> Engine
 
 torchtitan's order. Each transform below is a function with one job; the model code never learns about
 any of them (parameter names and state-dict keys stay those of the plain model).
@@ -36,6 +36,7 @@ from bunsan.transforms.checkpointing import apply_activation_checkpointing
 from bunsan.transforms.compile import apply_compile
 from bunsan.transforms.lora import adapter_aware, apply_lora, check_targets
 from bunsan.transforms.offload import apply_activation_offload
+from bunsan.transforms.saving_forms import apply_saving_forms
 from bunsan.transforms.selective import apply_selective_recompute
 from bunsan.zero import OtherDims, make_strategy
 
@@ -74,6 +75,8 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
     model, pipe = cut_pipeline(model, at)
     add_lora(model, at.cfg)
     materialize(model, at)
+    if at.cfg.train.saving_forms:     # a transformers model's norms and MLPs save what bunsan's Llama saves
+        apply_saving_forms(model)
     model, tp = tensor_parallel(model, at, tp_plan, pipe)
     cp = context_parallel(model, at)
     recompute(model, at.cfg, pipe)

@@ -123,3 +123,60 @@ def test_logits_and_gradients_equal_the_eager_forms():
     torch.testing.assert_close(saving[0], eager[0], rtol=1e-6, atol=0)
     for a, b in zip(saving[1], eager[1]):    # (relative to each gradient's scale: fp32 rounding of sums)
         assert (a - b).abs().max() <= 1e-6 * b.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_transformers_blocks_in_the_saving_forms_save_within_ten_percent_of_the_bound(arch, dtype):
+    """A transformers decoder layer saves 1.3-1.5x the bound as transformers runs it; with its RMSNorms and SiLU
+    MLP in bunsan's saving forms (what bunsan.initialize applies: train.saving_forms), within 10% of it, the
+    same forward bit for bit and the backward within fp32 rounding."""
+    import copy
+    transformers = pytest.importorskip("transformers")
+    from bunsan.transforms.saving_forms import apply_saving_forms
+    c = config(2)
+    kinds = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+             "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}
+    cls_cfg, cls_model = kinds[arch]
+    torch.manual_seed(0)
+    plain = cls_model(cls_cfg(vocab_size=64, hidden_size=256, intermediate_size=704, num_hidden_layers=1,
+                              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=S)).to(dtype)
+    saving = copy.deepcopy(plain)
+    assert apply_saving_forms(saving) == {"norms": 3, "mlps": 1}       # two in the block, the final norm
+    ids = torch.randint(0, 64, (B, S))
+
+    def run(model):
+        x = model.model.embed_tokens(ids).detach().requires_grad_(True)
+        rope = model.model.rotary_emb(x, torch.arange(S)[None].expand(B, -1))
+        layer = model.model.layers[0]
+        got, out = saved_bytes(lambda: layer(x, position_embeddings=rope, attention_mask=None),
+                               list(model.parameters()) + list(model.buffers()))
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().sum().backward()
+        return got / (B * S), out, x.grad
+    want = bound(c, torch.finfo(dtype).bits // 8)
+    before, out_plain, grad_plain = run(plain)
+    after, out_saving, grad_saving = run(saving)
+    assert before > 1.25 * want
+    assert want <= after <= 1.10 * want, f"{after:.0f} bytes per token saved; the bound is {want:.0f}"
+    assert torch.equal(out_plain, out_saving)
+    if dtype == torch.float32:
+        torch.testing.assert_close(grad_saving, grad_plain, rtol=1e-5, atol=1e-5)
+
+
+def test_initialize_applies_the_saving_forms_unless_told_not_to():
+    transformers = pytest.importorskip("transformers")
+    import bunsan
+    from bunsan.transforms import saving_forms
+
+    def model():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=S))
+    cfg = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    on = bunsan.initialize(model(), cfg).module
+    off = bunsan.initialize(model(), {**cfg, "train": {"saving_forms": False}}).module
+    assert on.model.norm.forward.__func__ is saving_forms._norm_forward
+    assert "forward" not in vars(off.model.norm) and "forward" not in vars(off.model.layers[0].mlp)

@@ -192,6 +192,8 @@ class Train(Section):
     objective: Literal["lm", "dpo", "simpo", "orpo"] = Field("lm", description="lm: next-token loss; dpo, simpo, "
                                                              "orpo: preference pairs (the section of that name)")
     compile: bool = Field(False, description="torch.compile each transformer block (after activation checkpointing)")
+    saving_forms: bool = Field(True, description="Run a transformers model's Llama-form RMSNorms and SiLU MLPs as "
+                                                 "bunsan's (same forward; backward keeps only what it needs)")
     tf32: bool = Field(True, description="Allow TF32 matmuls and convolutions on CUDA")
     eval_interval: Int = Field(0, ge=0, description="Optimizer steps between validation losses; 0 = only at the end")
     eval_batches: Int = Field(4, ge=1, description="Validation batches per validation loss")
