@@ -71,12 +71,16 @@ def vllm_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path, v
         return [["vLLM 0.32 (CPU build), prefix caching on", str(c),
                  *measure(c, per_client, lambda i: _one_vllm(url, i, max_tokens)), "its own venv"] for c in clients]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        _stop(proc, log)
+
+
+def _stop(proc, log) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
 
 
 def _byte_tokenizer(folder: Path) -> None:
@@ -133,9 +137,4 @@ def transformers_serve_rows(clients: list[int], per_client: int, max_tokens: int
         return [[name, str(c), *measure(c, per_client, lambda i: _one_transformers(url, str(tmp), i, max_tokens)),
                  "its own venv; no logit_bias"] for c in clients]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        _stop(proc, log)

@@ -92,7 +92,11 @@ def built(kind: str, frozen: bool = False):
 
 
 def reference(kind: str, data: list[dict], frozen: bool = False):
-    model = built(kind, frozen)
+    return reference_from(built(kind, frozen), data)
+
+
+def reference_from(model, data: list[dict]):
+    """The plain loop: SGD on the trainable parameters, the model's own loss over each whole batch."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for b in data:
@@ -211,15 +215,7 @@ def test_lora_on_a_multimodal_model_matches_the_plain_loop_over_the_same_adapter
     results = pools.run(2, _train_lora, 2, kind, cfg, data)
     model = build(kind)
     apply_lora(model, Config.load({"lora": LORA}).lora, seed=0)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
-    ref_losses = []
-    for b in data:
-        loss = model(**b).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ref_losses.append(loss.item())
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_losses, state = reference_from(model, data)
     assert any(".lora_A." in k and ("vision" in k or "visual" in k) for k in state) == (kind == "llava")
     _check(results, ref_losses, state)
 
