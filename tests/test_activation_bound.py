@@ -185,3 +185,39 @@ def test_initialize_applies_the_saving_forms_unless_told_not_to():
     off = bunsan.initialize(model(), {**cfg, "train": {"saving_forms": False}}).module
     assert on.model.norm.forward.__func__ is saving_forms._norm_forward
     assert "forward" not in vars(off.model.norm) and "forward" not in vars(off.model.layers[0].mlp)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gemma"])
+def test_the_estimator_prices_transformers_blocks_in_the_saving_forms_as_measured(arch):
+    """`estimate` of a Qwen2 / Mistral / Gemma model: each decoder layer's activations within 5% of what the
+    layer, in the saving forms, is measured to save (bf16); with train.saving_forms off they are unpriced
+    (said in the table), not priced as what they are not."""
+    transformers = pytest.importorskip("transformers")
+    from bunsan.estimator import estimate
+    from bunsan.transforms.saving_forms import apply_saving_forms
+    classes = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+               "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM)}[arch]
+
+    def model(layers: int):
+        torch.manual_seed(0)
+        return classes[1](classes[0](vocab_size=64, hidden_size=256, intermediate_size=704,
+                                     num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+                                     max_position_embeddings=S, head_dim=32))
+    cfg = {"train_batch_size": B, "bf16": {"enabled": True}, "data": {"seq_len": S}}
+
+    def kept(layers: int, **extra) -> float:
+        e = estimate(model(layers), {**cfg, **extra}, device_type="cpu")
+        return next(i for i in e.items if i.name == "activations")
+    per_block = kept(2).device - kept(1).device
+    m = model(1).to(torch.bfloat16)
+    apply_saving_forms(m)
+    ids = torch.randint(0, 64, (B, S))
+    x = m.model.embed_tokens(ids).detach().requires_grad_(True)
+    rope = m.model.rotary_emb(x, torch.arange(S)[None].expand(B, -1))
+    measured, _ = saved_bytes(lambda: m.model.layers[0](x, position_embeddings=rope, attention_mask=None),
+                              list(m.parameters()) + list(m.buffers()))
+    assert per_block == pytest.approx(measured, rel=0.05)
+    assert "transformers blocks priced as a Llama block" in kept(1).note
+    off = kept(1, train={"saving_forms": False})
+    assert off.device == 0 and "NOT PRICED" in off.note

@@ -131,8 +131,9 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
     st = with_frozen_base(st, frozen, layout.shard_ranks, layout.zero, layout.dtype_bytes)
     items = (_process_items(layout, runtime, on_cpu)
              + _model_state_items(st, rp, frozen, layout, on_cpu)
-             + (_unpriced_activations(shape) if shape.llama is None and not shape.bare else
-                _activation_items(None if shape.bare else shape.llama, rp, rank, layout, on_cpu))
+             + (_unpriced_activations(shape) if shape.priced_as is None and not shape.bare else
+                _activation_items(None if shape.bare else shape.priced_as, rp, rank, layout, on_cpu,
+                                  shape.llama is None))
              + _backward_buffer_items(shape, rp, base, layout, bucket)
              + _step_items(shape, rp, st, layout, zero, on_cpu))
     return items, st
@@ -184,8 +185,9 @@ def _model_state_items(st: dict, rp: RankParams, frozen: int, layout: Layout, on
 
 
 def _activation_items(c: LlamaConfig | None, rp: RankParams, rank: int, layout: Layout,
-                      on_cpu: bool) -> list[Item]:
-    """A Llama's activations kept for backward, the transient at its start, and under PP the stage's messages."""
+                      on_cpu: bool, transformers_blocks: bool = False) -> list[Item]:
+    """A Llama's activations kept for backward, the transient at its start, and under PP the stage's messages.
+    `transformers_blocks`: a transformers model's Llama-form blocks, priced as a Llama block of their shape."""
     if c is None:
         return []
     micro = Micro(layout.micro_batch, layout.rank_tokens, layout.dtype_bytes, layout.tp, layout.sequence_parallel,
@@ -198,8 +200,11 @@ def _activation_items(c: LlamaConfig | None, rp: RankParams, rank: int, layout: 
     act = stage_bytes(c, micro, blocks, rp.has_embedding, rp.has_head, layout.checkpointing, flight,
                       layout.recompute_ops, offload)
     what = KEPT_UNDER[layout.checkpointing]
-    items = [Item("activations", device=act["kept"], phase="backward",
-                  note=f"{what}, {flight} micro-batch(es) in flight" if layout.pp > 1 else what)]
+    note = f"{what}, {flight} micro-batch(es) in flight" if layout.pp > 1 else what
+    if transformers_blocks:
+        note += ("; transformers blocks priced as a Llama block of their shape (train.saving_forms on; an "
+                 "attention mask of padding, when the batch has one, is not counted)")
+    items = [Item("activations", device=act["kept"], phase="backward", note=note)]
     if layout.cp > 1:    # chunks r and 2cp-1-r of c = s/(2cp) queries, against (r+1)c and (2cp-r)c keys
         chunk = layout.seq_len // (2 * layout.cp)
         items.append(Item("context-parallel mask", device=layout.dtype_bytes * chunk * chunk * (2 * layout.cp + 1),
@@ -318,6 +323,9 @@ def estimate(model, config=None, *, gpus: int | None = None, nodes: int = 1, gpu
     layout = Layout.from_config(cfg, world).replace(loss_fn=loss_fn)
     if device_type is None:
         device_type = "cuda"
+    if not cfg.train.saving_forms:     # a transformers model's blocks then save what transformers saves
+        import dataclasses
+        model = dataclasses.replace(load_shape(model), blocks_as=None)
     return estimate_layout(model, layout, nodes=nodes, gpu_memory=gpu_memory, device_type=device_type,
                            runtime_bytes=runtime_bytes, zero=cfg.zero_optimization.model_dump(),
                            optimizer_params=cfg.optimizer.params, partition=cfg.pipeline.partition,

@@ -34,6 +34,14 @@ class ModelShape:
     module: nn.Module                 # on the meta device
     llama: LlamaConfig | None = None  # the shape activations are computed from; None for other modules
     bare: bool = False                # known only by its parameter count: model states only, no activations
+    # a transformers model whose blocks save what a Llama block of this shape saves (transforms/saving_forms.py
+    # puts them in bunsan's forms): its activations are priced as that Llama's
+    blocks_as: LlamaConfig | None = None
+
+    @property
+    def priced_as(self) -> LlamaConfig | None:
+        """The Llama shape whose activations this model's are (bunsan's Llama, or blocks_as)."""
+        return self.llama or self.blocks_as
 
     @functools.cached_property
     def n_params(self) -> int:     # (cached: the planner asks once per layout; the module is not changed)
@@ -104,7 +112,9 @@ def load_shape(model, overrides: dict | None = None) -> ModelShape:
         return _llama_shape(model, "llama")
     if isinstance(model, nn.Module):
         cfg = getattr(model, "config", None)
-        return ModelShape(type(model).__name__, model, cfg if isinstance(cfg, LlamaConfig) else None)
+        if isinstance(cfg, LlamaConfig):
+            return ModelShape(type(model).__name__, model, cfg)
+        return ModelShape(type(model).__name__, model, None, blocks_as=_llama_form_blocks(cfg))
     if not isinstance(model, (str, Path)):
         raise TypeError(f"model must be a preset name, a config.json path, a LlamaConfig or an nn.Module, "
                         f"got {type(model).__name__}")
@@ -161,8 +171,27 @@ def _transformers_shape(d: dict, path: Path, overrides: dict | None) -> ModelSha
             except ValueError:
                 continue
             if model is not None:
-                return ModelShape(type(model).__name__, model, None)
+                return ModelShape(type(model).__name__, model, None, blocks_as=_llama_form_blocks(model.config))
     raise ValueError(f"{path}: transformers builds no model for model_type {kind!r}; bunsan cannot price it")
+
+
+# model types whose decoder layers, in the saving forms, save a Llama block's bytes (measured within 2%:
+# tests/test_activation_bound.py); Gemma 2's eager softcapped attention and Qwen3's q/k norms save more
+LLAMA_FORM_BLOCKS = ("qwen2", "mistral", "gemma")
+
+
+def _llama_form_blocks(config) -> LlamaConfig | None:
+    """The Llama shape of a LLAMA_FORM_BLOCKS model's blocks; None for any other model, or a head_dim apart from
+    hidden / heads (which bunsan's Llama cannot express)."""
+    if getattr(config, "model_type", None) not in LLAMA_FORM_BLOCKS:
+        return None
+    heads = config.num_attention_heads
+    if getattr(config, "head_dim", None) not in (None, config.hidden_size // heads):
+        return None
+    return LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                       intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
+                       num_attention_heads=heads, num_key_value_heads=getattr(config, "num_key_value_heads", None),
+                       max_position_embeddings=config.max_position_embeddings)
 
 
 # -- what one rank holds ---------------------------------------------------------------------------
@@ -258,8 +287,9 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
                 blocks[block] = blocks.get(block, 0) + n
             else:
                 root += n
-        has_emb = shape.llama is not None and (pp == 1 or "embed_tokens" in paths[r])
-        has_head = shape.llama is not None and (pp == 1 or "lm_head" in paths[r])
+        ends = [p.rsplit(".", 1)[-1] for p in paths[r]]
+        has_emb = shape.priced_as is not None and (pp == 1 or "embed_tokens" in ends)
+        has_head = shape.priced_as is not None and (pp == 1 or "lm_head" in ends)
         out.append(RankParams(shapes, list(blocks.values()), root, len(blocks), has_emb, has_head, tied))
     return out
 
@@ -273,6 +303,6 @@ def lora_rank_params(shape: ModelShape, lora, tp: int = 1, pp: int = 1, virtual_
     from bunsan.transforms.lora import apply_lora
     module = copy.deepcopy(shape.module)    # on meta: nothing is allocated, and the shape stays plain
     apply_lora(module, lora)
-    with_adapters = ModelShape(shape.name, module, shape.llama, shape.bare)
+    with_adapters = ModelShape(shape.name, module, shape.llama, shape.bare, shape.blocks_as)
     return (rank_params(with_adapters, tp, pp, virtual_stages, partition_method),
             rank_params(with_adapters, tp, pp, virtual_stages, partition_method, trainable=False))
