@@ -105,6 +105,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--output", help="write the best layout's config here (JSON) and print its launch line per node")
     p.add_argument("--json", action="store_true",
                    help="print the search as JSON: every ranked layout (up to --top) with its priced terms")
+    p.add_argument("--calibrate", metavar="FILE",
+                   help="JSON list of measured runs ({\"layout\": \"tp=8,pp=2\", \"step_s\": 1.4} or tokens_per_s) "
+                        "of this model, GPUs, sequence and batch: fit the compute and link scales, then plan")
     p.add_argument("--explain", metavar="LAYOUT",
                    help="price this layout as the first choice was and compare them term by term, e.g. "
                         "tp=8,pp=4,zero=1,mb=1,recompute=selective,sp=true (the rest from the first choice)")
@@ -261,12 +264,22 @@ def cmd_plan(args) -> int:
 
     tokens = int(args.tokens) if args.tokens else None
     intra, inter = _links(args)
-    result = plan(args.model, args.gpus, _bytes(args.gpu_memory), gpu=_gpu(args),
-                  nodes=nodes_for(args.gpus, args.nodes),
-                  seq_len=args.seq_len, global_batch=args.global_batch, interconnect_name=intra,
-                  inter_node=inter, precision=args.precision, margin=args.margin, total_tokens=tokens,
-                  efficiency=args.efficiency, host_memory=_bytes(args.host_memory), keep=max(args.top, 1),
-                  attention=args.attention, space=_space(args))
+
+    def search(efficiency, intra, inter):
+        return plan(args.model, args.gpus, _bytes(args.gpu_memory), gpu=_gpu(args),
+                    nodes=nodes_for(args.gpus, args.nodes),
+                    seq_len=args.seq_len, global_batch=args.global_batch, interconnect_name=intra,
+                    inter_node=inter, precision=args.precision, margin=args.margin, total_tokens=tokens,
+                    efficiency=efficiency, host_memory=_bytes(args.host_memory), keep=max(args.top, 1),
+                    attention=args.attention, space=_space(args))
+    result = search(args.efficiency, intra, inter)
+    calibration = None
+    if args.calibrate:
+        from bunsan.planner.calibrate import fit, read_runs, scaled_links
+        runs = read_runs(args.calibrate)
+        calibration = fit(result, runs, args.efficiency)
+        result = search(calibration.efficiency, *scaled_links(result, calibration.comm_scale))
+    from bunsan.cli.plan_report import print_calibration, print_comparison, runs_after
     comparison = None
     if args.explain:
         from bunsan.planner.explain import explain
@@ -275,6 +288,8 @@ def cmd_plan(args) -> int:
         out = plan_json(result, args.top)
         if comparison is not None:
             out["explain"] = comparison.to_json()
+        if calibration is not None:
+            out["calibration"] = calibration.to_json() | {"runs_after_step_s": runs_after(result, runs)}
         print(json.dumps(out, indent=2))
         return 0 if result.ranked else 1
     console = _console()
@@ -309,8 +324,10 @@ def cmd_plan(args) -> int:
     else:
         console.print(f"{result.ranked[0].estimate.model}: not bunsan's Llama, so neither its step time nor its "
                       "activations are modelled: layouts are ranked by memory, and the peaks leave activations out")
+    if calibration is not None:
+        print_calibration(console, calibration, runs_after(result, runs))
     if comparison is not None:
-        _print_comparison(console, comparison)
+        print_comparison(console, comparison)
     if args.constants:
         from bunsan.planner.constants import table as constants_table
         console.print("constants (bunsan/planner/constants.py, bunsan/estimator/hardware.py):\n"
@@ -366,19 +383,3 @@ def _model_section(model: str) -> dict:
               "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
     return {"model": {"preset": "small", **{f: getattr(c, f) for f in fields}}}
 
-
-def _print_comparison(console, comparison) -> None:
-    from rich.table import Table
-    best, asked = comparison.best, comparison.asked
-    table = Table(title=f"--explain: {asked.layout.describe()} against the first choice {best.layout.describe()}")
-    for col in ("term", "first choice s", "asked s", "difference s"):
-        table.add_column(col, justify="left" if col == "term" else "right")
-    for name, b, a in comparison.rows():
-        table.add_row(name, f"{b:.4g}", f"{a:.4g}", f"{a - b:+.3g}")
-    table.add_row("step", f"{best.step.total:.4g}", f"{asked.step.total:.4g}", f"{asked.step.total - best.step.total:+.3g}")
-    table.add_row("tokens/s", f"{best.step.tokens_per_s:,.0f}", f"{asked.step.tokens_per_s:,.0f}", "")
-    table.add_row("MFU", f"{best.step.mfu:.1%}", f"{asked.step.mfu:.1%}", "")
-    table.add_row("peak GiB", f"{best.peak / GiB:.1f}", f"{asked.peak / GiB:.1f}",
-                  f"usable {comparison.usable / GiB:.1f}")
-    console.print(table)
-    console.print(f"decided by {comparison.decided_by()}")
