@@ -18,8 +18,8 @@ VLLM_VENV = Path("/tmp/bunsan-vllm-venv")
 
 def vllm_venv(path: Path) -> Path:
     """vLLM's CPU build (and accelerate, for transformers serve) in a venv of its own (it pins other numpy and
-    transformers than bunsan's set): made here when missing. torchvision/torchaudio come as CUDA builds beside the CPU torch and break its import (a text
-    model needs neither), so they go."""
+    transformers than bunsan's set): made here when missing. torchvision/torchaudio come as CUDA builds beside
+    the CPU torch and break its import (a text model needs neither), so they go."""
     python = path / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)

@@ -6,8 +6,8 @@ Every nn.Linear of the decoder (not the head) becomes a MultiLoRALinear holding 
 matrices stacked ([adapters, r, in] and [adapters, out, r], ranks zero-padded to --max-lora-rank; slot 0 is
 the base model, all zeros). Before each forward the batcher sets every token's adapter slot; a layer adds
 scale_i * B_i A_i x to the tokens of adapter i, so rows of different adapters run in one batch. The KV cache's
-prefix cache keys each adapter's blocks apart (its `root`), since an adapter changes the keys and values too. Adapters load
-at start, or at run time through vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter when
+prefix cache keys each adapter's blocks apart (its `root`), since an adapter changes the keys and values too.
+Adapters load at start, or at run time through vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter when
 --allow-runtime-lora is given; an adapter still in use by an open request is not unloaded.
 """
 
