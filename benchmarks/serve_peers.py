@@ -31,22 +31,29 @@ def vllm_venv(path: Path) -> Path:
     return python
 
 
-def _one_vllm(url: str, i: int, max_tokens: int) -> tuple[float, int, float, list[float]]:
-    """_one against vLLM without its tokenizer: the prompt's bytes as token ids, one streamed chunk per token."""
+def _stream(url: str, body: dict, arrived) -> tuple[float, int, float, list[float]]:
+    """(time to first chunk, tokens by the usage, total time, gaps between chunks) of one streamed completion;
+    `arrived(chunk)`: whether a chunk brings tokens."""
     import httpx
-    body = {"model": "bench", "prompt": list(_prompt(i).encode()), "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "logit_bias": ASCII_ONLY}
     start, arrivals, tokens = time.perf_counter(), [], 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
-                if chunk["choices"]:
+                if arrived(chunk):
                     arrivals.append(time.perf_counter())
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
-    return arrivals[0] - start, tokens, time.perf_counter() - start, [b - a for a, b in zip(arrivals, arrivals[1:])]
+    first = arrivals[0] - start if arrivals else float("nan")
+    return first, tokens, time.perf_counter() - start, [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+def _one_vllm(url: str, i: int, max_tokens: int) -> tuple[float, int, float, list[float]]:
+    """_one against vLLM without its tokenizer: the prompt's bytes as token ids, one streamed chunk per token."""
+    body = {"model": "bench", "prompt": list(_prompt(i).encode()), "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "logit_bias": ASCII_ONLY}
+    return _stream(url, body, lambda chunk: bool(chunk["choices"]))
 
 
 def vllm_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path, venv: Path,
@@ -100,20 +107,8 @@ def _byte_tokenizer(folder: Path) -> None:
 def _one_transformers(url: str, model: str, i: int, max_tokens: int) -> tuple[float, int, float, list[float]]:
     """_one against transformers serve: it takes no logit_bias, so chunks are the text of one or more tokens;
     the tokens are its usage's count, the gaps those between chunks."""
-    import httpx
     body = {"model": model, "prompt": _prompt(i), "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    start, arrivals, tokens = time.perf_counter(), [], 0
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    arrivals.append(time.perf_counter())
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-    first = arrivals[0] - start if arrivals else float("nan")
-    return first, tokens, time.perf_counter() - start, [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return _stream(url, body, lambda chunk: bool(chunk.get("choices") and chunk["choices"][0].get("text")))
 
 
 def transformers_serve_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path, venv: Path,
