@@ -82,6 +82,11 @@ class OffsetRMSNormFunction(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if not torch.is_grad_enabled():       # generation: the same ops, without an autograd Function's dispatch
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        normed = xf.mul_(rstd) if xf is not x else xf * rstd      # (in place on a 16-bit input's fp32 copy)
+        return weight * normed.to(x.dtype)
     return RMSNormFunction.apply(x, weight, eps)
 
 
