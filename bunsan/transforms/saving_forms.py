@@ -58,6 +58,8 @@ def _activation(act) -> str | None:
 def apply_saving_forms(model: nn.Module) -> dict[str, int]:
     """Swap the forwards of `model`'s Llama- and Gemma-form RMSNorms and SiLU / tanh-GELU gated MLPs for the
     saving forms; how many of each."""
+    if not any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+        return {"norms": 0, "mlps": 0}       # (and transformers' modeling code is never imported for it)
     try:
         from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
         from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
