@@ -30,10 +30,12 @@ def row_keys(batch) -> list[str]:
     return [k for k in batch if k not in skip] if isinstance(batch, dict) else []
 
 
-def check_rows(batch, rows: int) -> None:
-    """Every tensor holds one entry per row, or is flat patches with a grid and per-row image runs."""
-    if not isinstance(batch, dict):
+def check_rows(batch) -> None:
+    """Every tensor but the flat patches and their grids holds one entry per row of input_ids (shapes only:
+    the patches' grouping is checked where they are cut, split_media)."""
+    if not isinstance(batch, dict) or "input_ids" not in batch:
         return
+    rows = batch["input_ids"].shape[0]
     odd = sorted(k for k in row_keys(batch) if batch[k].shape[0] != rows)
     if odd:
         shapes = ", ".join(f"{k} {list(batch[k].shape)}" for k in odd)
@@ -41,8 +43,6 @@ def check_rows(batch, rows: int) -> None:
                          "by row and knows one other layout: flat patches with their grids (pixel_values with "
                          "image_grid_thw, and mm_token_type_ids, as Qwen2-VL's processor makes them); give one "
                          "entry per row (one image per row), or gradient_accumulation_steps 1 with one rank")
-    for key, grid in grouped(batch).items():
-        images_per_row(batch, key)                     # refuses what does not add up
 
 
 def images_per_row(batch: dict, key: str) -> torch.Tensor:
@@ -53,12 +53,14 @@ def images_per_row(batch: dict, key: str) -> torch.Tensor:
                          "which the batch lacks; pass the processor's mm_token_type_ids with the batch")
     marked = batch["mm_token_type_ids"] == mark
     starts = marked & ~torch.nn.functional.pad(marked[:, :-1], (1, 0))
-    counts = starts.sum(1).cpu()
+    # the cut is made on the host, before the micro-batches go to the device (a loader's CPU tensors)
+    counts = starts.sum(1).cpu()                 # host: the images per row decide the cut
     grids = batch[grid]
-    patches = int(grids.prod(-1).sum())
-    if int(counts.sum()) != grids.shape[0] or patches != batch[key].shape[0]:
+    patches = int(grids.prod(-1).sum())          # host: (as above)
+    images = int(counts.sum())                   # host: (as above)
+    if images != grids.shape[0] or patches != batch[key].shape[0]:
         raise ValueError(f"{key} {list(batch[key].shape)} with {grid} {list(grids.shape)}: the rows' "
-                         f"mm_token_type_ids hold {int(counts.sum())} runs of {mark}s (one per image), the grids "
+                         f"mm_token_type_ids hold {images} runs of {mark}s (one per image), the grids "
                          f"{grids.shape[0]} images of {patches} patches in all; they must agree")
     return counts
 
@@ -67,14 +69,15 @@ def split_media(batch: dict, pieces: int) -> list[dict]:
     """`batch` cut along its rows into `pieces`: the per-row tensors by row, the flat patches and grids by the
     images of each piece's rows (a piece whose rows hold none gets neither key: it is text only)."""
     rows = next(batch[k].shape[0] for k in row_keys(batch))
-    bounds = [len(c) for c in torch.arange(rows).chunk(pieces)]
+    size = -(-rows // pieces)                    # torch.chunk's pieces: ceil(rows / pieces) rows each
+    bounds = [min(size, rows - start) for start in range(0, rows, size)]
     out = [{k: c for k, c in zip(row_keys(batch), parts)}
            for parts in zip(*(batch[k].split(bounds) for k in row_keys(batch)))]
     for key, grid in grouped(batch).items():
         per_row = images_per_row(batch, key)
-        images = [int(c.sum()) for c in per_row.split(bounds)]
+        images = [int(c.sum()) for c in per_row.split(bounds)]          # host: counts on the host already
         grids = batch[grid].split(images)
-        patch_counts = [int(g.prod(-1).sum()) for g in grids]
+        patch_counts = [int(g.prod(-1).sum()) for g in grids]           # host: the grids, before the move
         for piece, g, p in zip(out, grids, batch[key].split(patch_counts)):
             if g.shape[0]:
                 piece[key], piece[grid] = p, g
