@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from bunsan.engine.media import grouped, row_keys, split_media
+from bunsan.engine.media import grouped, refuse_media_under_cp, row_keys, split_media
 
 LM_KEYS = ("input_ids", "labels")
 DOCUMENTS = "document_ids"    # packed rows: each position's document (a model with takes_documents reads it)
@@ -90,6 +90,18 @@ def split(batch, pieces: int, device: torch.device) -> list:
         return [{k: c[i] for k, c in chunks.items()} for i in range(len(next(iter(chunks.values()))))]
     chunks = [t.to(device, non_blocking=True).chunk(pieces) for t in batch]
     return [tuple(c[i] for c in chunks) for i in range(len(chunks[0]))]
+
+
+def check_cut(micro: list, context_parallel: bool, sequence_parallel: bool) -> None:
+    """What cannot be cut along the sequence: packed rows (their documents' attention needs the whole row)
+    under context or sequence parallelism, and a multimodal batch's media under context parallelism."""
+    packed = any(isinstance(mb, dict) and DOCUMENTS in mb for mb in micro)
+    if packed and (context_parallel or sequence_parallel):
+        raise ValueError("packed rows (document_ids) under context parallelism or sequence parallelism: "
+                         "their attention would need the whole row's documents; set data.packing to false "
+                         "(one example per row) or train without them")
+    if context_parallel:
+        refuse_media_under_cp(micro)
 
 
 def target(mb) -> torch.Tensor:

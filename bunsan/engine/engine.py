@@ -24,8 +24,8 @@ from bunsan.comm.mesh import Mesh
 from bunsan.comm.rollcall import post_step
 from bunsan.context_parallel import shard_batch
 from bunsan.doctor.oom import OutOfMemory, explain, is_oom
-from bunsan.engine.batch import DOCUMENTS, Objective, rows_of, split
-from bunsan.engine.media import check_rows, refuse_media_under_cp
+from bunsan.engine.batch import Objective, check_cut, rows_of, split
+from bunsan.engine.media import check_rows
 from bunsan.engine.preference import objective_for
 from bunsan.engine.precision import LossScaler, cast_inputs_to_half, model_dtype
 from bunsan.memory.measure import measured_memory, reset_peak_memory
@@ -281,9 +281,8 @@ class Engine:
 
     def _split(self, batch) -> list:
         """A per-rank batch as gradient_accumulation_steps micro-batches (dim 0), on the device."""
+        check_rows(batch)                     # names a tensor that is not one entry per row
         rows, expect = rows_of(batch), self.micro_batch * self.grad_accum
-        if isinstance(batch, dict) and "input_ids" in batch:
-            check_rows(batch, batch["input_ids"].shape[0])     # names a tensor that is not one entry per row
         if rows != {expect}:
             raise ValueError(f"batch has {sorted(rows)} rows per data-parallel rank; expected micro_batch "
                              f"{self.micro_batch} x gradient_accumulation_steps {self.grad_accum} = {expect} "
@@ -292,14 +291,9 @@ class Engine:
 
     def _cut(self, micro: list) -> list:
         """Context parallelism: each micro-batch's rows cut to this rank's tokens (its two balanced chunks)."""
-        packed = any(isinstance(mb, dict) and DOCUMENTS in mb for mb in micro)
-        if packed and (self.cp is not None or self.cfg.tensor_parallel.sequence_parallel):
-            raise ValueError("packed rows (document_ids) under context parallelism or sequence parallelism: "
-                             "their attention would need the whole row's documents; set data.packing to false "
-                             "(one example per row) or train without them")
+        check_cut(micro, self.cp is not None, self.cfg.tensor_parallel.sequence_parallel)
         if self.cp is None:
             return micro
-        refuse_media_under_cp(micro)
         return [shard_batch(mb, self.cp.size, self.cp.rank) for mb in micro]
 
     def _lm_only(self, objective: Objective) -> None:
