@@ -359,3 +359,13 @@ def assert_same_on_every_rank(runs) -> None:
     first = _pair(runs[0])[0]
     for r, run in enumerate(runs[1:], 1):
         assert _pair(run)[0] == first, f"rank {r} losses {_pair(run)[0]} vs rank 0's {first}"
+
+
+def check_runs(results, ref_losses, ref_state) -> None:
+    """(losses, state dict, anything) per rank against the plain loop's: losses within 1e-5 relative, every
+    reference tensor within rtol 1e-5 (torch tensors, as the engine's consolidated_state_dict gives)."""
+    for losses, state, _ in results:
+        for i, (a, b) in enumerate(zip(losses, ref_losses)):
+            assert abs(a - b) <= 1e-5 * abs(b), f"step {i}: {a} vs {b}"
+        for k, v in ref_state.items():
+            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import bunsan
+from parity import check_runs
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,20 +79,12 @@ def _train(rank, world, arch, cfg, batches, key):
     return losses, engine.consolidated_state_dict(), units
 
 
-def _check(results, ref_losses, ref_state):
-    for losses, state, _ in results:
-        for i, (a, b) in enumerate(zip(losses, ref_losses)):
-            assert abs(a - b) <= 1e-5 * abs(b), f"step {i}: {a} vs {b}"
-        for k, v in ref_state.items():
-            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("stage", [0, 3])
 def test_hf_model_on_zero_matches_the_hf_loop(pools, arch, stage):
     batches = data()
     results = pools.run(2, _train, 2, arch, _cfg(stage), batches, "labels")
-    _check(results, *reference(arch, batches))
+    check_runs(results, *reference(arch, batches))
     if stage == 3:
         assert results[0][2] == 2, "one ZeRO-3 unit per decoder layer (from _no_split_modules)"
 
@@ -99,7 +92,7 @@ def test_hf_model_on_zero_matches_the_hf_loop(pools, arch, stage):
 def test_accumulation_recompute_and_shift_labels(pools):
     batches = data()
     results = pools.run(2, _train, 2, "llama", _cfg(3, ga=2, ckpt=True), batches, "shift_labels")
-    _check(results, *reference("llama", batches))
+    check_runs(results, *reference("llama", batches))
 
 
 def test_the_mask_reaches_the_model():
@@ -142,7 +135,7 @@ def test_hf_plan_tensor_parallel_matches_the_hf_loop(pools, arch, sp):
     batches = data()
     results = pools.run(2, _train_tp, 2, arch, _tp_cfg(2, 2, sp), batches)
     ref_losses, ref_state = reference(arch, batches)
-    _check([(r[0], r[1], None) for r in results], ref_losses, ref_state)
+    check_runs([(r[0], r[1], None) for r in results], ref_losses, ref_state)
     assert results[0][2] == ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
                              "VocabParallelHead"]
 
@@ -151,7 +144,7 @@ def test_hf_plan_tensor_parallel_matches_the_hf_loop(pools, arch, sp):
 def test_hf_plan_tp2_x_dp2(pools, arch):
     batches = data()
     results = pools.run(4, _train_tp, 4, arch, _tp_cfg(2, 4), batches)
-    _check([(r[0], r[1], None) for r in results], *reference(arch, batches))
+    check_runs([(r[0], r[1], None) for r in results], *reference(arch, batches))
 
 
 def test_tp_plan_guards():
@@ -182,7 +175,7 @@ def test_hf_decoder_pipeline_matches_the_hf_loop(pools, arch):
     batches = data()
     cfg = {**_cfg(0, ga=2), "pipeline": {"stages": 2}}
     results = pools.run(2, _train_pp, 2, arch, cfg, batches)
-    _check([(r[0], r[1], None) for r in results], *reference(arch, batches))
+    check_runs([(r[0], r[1], None) for r in results], *reference(arch, batches))
     first, last = results[0][2], results[1][2]
     assert "model.embed_tokens.weight" in first and "lm_head.weight" in last
     assert not any(n.startswith("model.layers.1.") for n in first)
@@ -193,7 +186,7 @@ def test_hf_decoder_pp2_x_tp2(pools, arch):
     batches = data()
     cfg = {**_cfg(0, ga=2), "pipeline": {"stages": 2}, "tensor_parallel": {"size": 2}}
     results = pools.run(4, _train_pp, 4, arch, cfg, batches)
-    _check([(r[0], r[1], None) for r in results], *reference(arch, batches))
+    check_runs([(r[0], r[1], None) for r in results], *reference(arch, batches))
 
 
 def _gpt2():
@@ -222,7 +215,7 @@ def test_gpt2_on_zero3(pools):
         loss.backward()
         opt.step()
         ref_losses.append(loss.item())
-    _check([(r[0], r[1], None) for r in results], ref_losses, model.state_dict())
+    check_runs([(r[0], r[1], None) for r in results], ref_losses, model.state_dict())
     assert results[0][2] == 2, "one unit per GPT2Block"
 
 
@@ -278,7 +271,7 @@ def _train_zero_init(rank, world, cfg, batches):
 def test_hf_model_built_under_zero_init(pools):
     batches = data()
     results = pools.run(2, _train_zero_init, 2, _cfg(3), batches)
-    _check([(r[0], r[1], None) for r in results], *reference("llama", batches))
+    check_runs([(r[0], r[1], None) for r in results], *reference("llama", batches))
     torch.testing.assert_close(results[0][2], tiny("llama").model.rotary_emb.inv_freq)
 
 
@@ -311,7 +304,7 @@ def test_hf_model_built_on_meta_equals_a_normal_build(pools, tie):
         assert pieces.keys() == sizes.keys()
         assert all(pieces[n] <= (sizes[n] + 1) // 2 for n in sizes)           # each rank kept half
         torch.testing.assert_close(inv_freq, inv_freq_built, rtol=0, atol=0)
-        _check([(losses, state, None)], *ref)
+        check_runs([(losses, state, None)], *ref)
 
 
 def test_hf_meta_build_refuses_what_it_cannot_replay():

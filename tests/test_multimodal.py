@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import bunsan
+from parity import check_runs
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,14 +129,6 @@ def _train_dp(rank, world, kind, cfg, data, frozen):
     return losses, engine.consolidated_state_dict(), None
 
 
-def _check(results, ref_losses, ref_state):
-    for losses, state, _ in results:
-        for i, (a, b) in enumerate(zip(losses, ref_losses)):
-            assert abs(a - b) <= 1e-5 * abs(b), f"step {i}: {a} vs {b}"
-        for k, v in ref_state.items():
-            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=k)
-
-
 KINDS = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"]
 
 
@@ -143,7 +136,7 @@ KINDS = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"]
 def test_tensor_parallel_from_the_plan_transformers_assembles(pools, kind):
     data = batches(kind)
     results = pools.run(2, _train, 2, kind, _cfg(tp=2), data)
-    _check(results, *reference(kind, data))
+    check_runs(results, *reference(kind, data))
     assert "ColumnParallelLinear" in results[0][2] and "RowParallelLinear" in results[0][2]
 
 
@@ -161,7 +154,7 @@ def test_zero_on_two_ranks_each_its_rows(pools, kind, stage, frozen, offload):
         zero |= {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
     cfg = {**_cfg(), "train_batch_size": ROWS, "zero_optimization": zero}
     results = pools.run(2, _train_dp, 2, kind, cfg, data, frozen)
-    _check(results, *reference(kind, data, frozen))
+    check_runs(results, *reference(kind, data, frozen))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -171,7 +164,7 @@ def test_micro_batches_cut_the_processors_tensors_by_row(kind):
     data = batches(kind)
     for ga in (2, 4):
         engine = bunsan.initialize(build(kind), _cfg(ga=ga))
-        _check([([engine.train_batch(b) for b in data], engine.consolidated_state_dict(), None)],
+        check_runs([([engine.train_batch(b) for b in data], engine.consolidated_state_dict(), None)],
                *reference(kind, data))
 
 
@@ -217,7 +210,7 @@ def test_lora_on_a_multimodal_model_matches_the_plain_loop_over_the_same_adapter
     apply_lora(model, Config.load({"lora": LORA}).lora, seed=0)
     ref_losses, state = reference_from(model, data)
     assert any(".lora_A." in k and ("vision" in k or "visual" in k) for k in state) == (kind == "llava")
-    _check(results, ref_losses, state)
+    check_runs(results, ref_losses, state)
 
 
 def _train_pp(rank, world, kind, cfg, data):
@@ -235,7 +228,7 @@ def test_pipeline_stages_the_encoders_first(pools, kind, layout):
     tp = layout.get("tp", 1)
     cfg = {**_cfg(tp=tp, ga=2), "pipeline": {"stages": 2, "schedule": layout["schedule"]}}
     results = pools.run(2 * tp, _train_pp, 2 * tp, kind, cfg, data)
-    _check(results, *reference(kind, data))
+    check_runs(results, *reference(kind, data))
     first, last = results[0][2], results[-1][2]
     tower = next(f"model.{n.split('.')[1]}." for n in first
                  if n.startswith(("model.vision_tower.", "model.visual.", "model.audio_tower.")))
@@ -260,4 +253,4 @@ def test_a_checkpoint_saved_across_pipeline_stages_resumes_in_one_process(pools,
     engine = bunsan.initialize(build(kind), _cfg(ga=2))
     engine.load_checkpoint(str(tmp_path))
     losses = first[-1] + [engine.train_batch(data[2])]
-    _check([(losses, engine.consolidated_state_dict(), None)], *reference(kind, data))
+    check_runs([(losses, engine.consolidated_state_dict(), None)], *reference(kind, data))
