@@ -140,8 +140,8 @@ def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=No
         meta, state = (checked_final(ckpt), None) if other else read_final(ckpt)
         recorded = Config.load(meta.get("bunsan_config", {})).data.tokenizer
     if other:                                 # a transformers model that is not a Llama
-        import transformers
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32)
+        from bunsan.models.hf import pretrained_lm
+        model = pretrained_lm(ckpt, dtype=torch.float32)
     elif is_final(ckpt):
         model = Llama(LlamaConfig.from_hf(meta["model"]))
         load_exactly(model, state, ckpt)

@@ -57,6 +57,8 @@ def add_parser(sub) -> None:
                    help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) load and unload adapters")
     s.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="the weights' and the KV cache's dtype (sampling is fp32 whatever it is)")
+    s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="a vision model's requests may name image files under DIR (default: data: URLs only)")
     s.add_argument("--threads", type=int, default=None,
                    help="torch's threads for a model served on the CPU (default: all cores but one, for HTTP)")
 
@@ -152,6 +154,22 @@ def _agreed(shard, slots: int, blocks: int) -> tuple[int, int]:
     return tuple(counts.tolist())
 
 
+def vision_inputs(args, model, folder: Path):
+    """(a vision-language model's media.VisionInputs, the line bunsan serve prints about images); (None, that
+    line) for a text model or a folder without the processor's files."""
+    if getattr(model, "composite", None) is None:
+        if args.allowed_local_media_path:
+            raise ValueError("--allowed-local-media-path: this model takes no images (not a vision-language model)")
+        return None, None
+    from bunsan.serve.media import ImageReader, VisionInputs
+    if not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
+        return None, f"images: off ({folder} has no preprocessor_config.json for the model's processor)"
+    vision = VisionInputs(folder, ImageReader(args.allowed_local_media_path), model.image_token_id)
+    where = f"data: URLs, files under {args.allowed_local_media_path}" if args.allowed_local_media_path else \
+        "data: URLs (files: --allowed-local-media-path)"
+    return vision, f"images: {type(vision.processor).__name__}, {where}"
+
+
 def serve_app(args, model, tokenizer, name: str, context: int, batcher):
     from bunsan.checkpoint.adapter import adapter_dir
     from bunsan.checkpoint.final import final_dir
@@ -164,8 +182,9 @@ def serve_app(args, model, tokenizer, name: str, context: int, batcher):
     chat = ChatTemplate(tokenizer, folder, template)
     limits = Limits(args.max_body_bytes, args.max_tokens, args.max_concurrent, args.body_timeout)
     aliases = tuple(args.served_model_name or ())
+    vision, vision_line = vision_inputs(args, model, model_folder)
     return build_app(batcher, tokenizer, aliases[0] if aliases else name, limits, aliases=aliases,
-                     template=chat, runtime_lora=args.allow_runtime_lora), chat.source
+                     template=chat, runtime_lora=args.allow_runtime_lora, vision=vision), chat.source, vision_line
 
 
 def refuse_lora_with_tp(args) -> None:
@@ -233,7 +252,7 @@ def cmd_serve(args) -> int:
         leader = Leader(shard.comm, shard.group, shard.device)
     batcher = Batcher(model, slots, context, kv_heads, leader, prefix_reuse=not args.no_prefix_reuse,
                       num_blocks=blocks, block_size=args.block_size, adapters=lora_adapters(args, model))
-    app, template = serve_app(args, model, tokenizer, name, context, batcher)
+    app, template, vision_line = serve_app(args, model, tokenizer, name, context, batcher)
     server = Server(app, args.host, args.port, grace_s=args.shutdown_grace, keep_alive_s=args.keep_alive_timeout)
 
     def fatal(message: str) -> None:        # a tensor-parallel rank is gone: answer errors, then stop
@@ -246,6 +265,7 @@ def cmd_serve(args) -> int:
           + (f", tensor parallel over {args.tp} processes" if args.tp > 1 else "") + ")\n"
           f"  {cache_line}\n  chat: {template}; prefix reuse {'off' if args.no_prefix_reuse else 'on'}"
           + (f"; {threads} CPU threads for the model" if on_cpu else "") + "\n"
+          + (f"  {vision_line}\n" if vision_line else "") +
           "  POST /v1/completions /v1/chat/completions /v1/embeddings /api/generate /api/chat /api/embed /api/show;"
           " GET /v1/models /api/tags /api/ps /health /metrics",
           flush=True)

@@ -12,22 +12,21 @@ from pathlib import Path
 import torch
 
 from bunsan.memory.measure import host_available_bytes
-from bunsan.models.hf import input_device
+from bunsan.models.hf import input_device, pretrained_lm
 
 
 def load_placed(path, device_map: str, max_memory: dict | None, dtype: torch.dtype | None):
     """The model of the Hugging Face directory `path`, placed by `device_map` ("auto", "balanced",
     "sequential") within `max_memory` ({gpu index or "cpu": bytes}; default: the CPU only, as bunsan's Llama
     placement). Blocks past every budget go to disk (a temporary offload folder)."""
-    import transformers
     budgets = dict(max_memory) if max_memory else {"cpu": host_available_bytes()}
     unknown = sorted(str(k) for k in budgets if not (isinstance(k, int) or k == "cpu"))
     if unknown:
         raise ValueError(f"--max-memory keys {unknown} are not devices; name GPU indices and cpu, e.g. "
                          "0=20GiB,cpu=64GiB (what does not fit goes to disk)")
     offload = tempfile.mkdtemp(prefix="bunsan-offload-")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(Path(path)), dtype=dtype or torch.float32, device_map=device_map, max_memory=budgets,
+    model = pretrained_lm(
+        Path(path), dtype=dtype or torch.float32, device_map=device_map, max_memory=budgets,
         offload_folder=offload).eval()
     # Accelerate cannot read back every placement from disk (a buffer built with the model, a weight tied
     # across modules on disk): one token through the model says so now, not at the first request

@@ -266,3 +266,14 @@ def cache_keyword(model) -> str | None:
     import inspect
     params = inspect.signature(model.forward).parameters
     return next((k for k in ("cache", "past_key_values") if k in params), None)
+
+
+def pretrained_lm(path, **kwargs):
+    """transformers' model of the Hugging Face directory `path` that writes text: its causal LM, or for a
+    vision-language model (LLaVA, Qwen2-VL: a config with a vision_config) the image-text-to-text model."""
+    import transformers
+    cls = transformers.AutoModelForCausalLM
+    config = Path(path) / "config.json"
+    if config.is_file() and "vision_config" in json.loads(config.read_text()):
+        cls = transformers.AutoModelForImageTextToText
+    return cls.from_pretrained(str(path), **kwargs)

@@ -38,8 +38,9 @@ class Service:
 
     def __init__(self, batcher: Batcher, tokenizer, model_name: str, limits: Limits,
                  aliases: tuple[str, ...] = (), template: ChatTemplate | None = None, root: str | None = None,
-                 runtime_lora: bool = False):
-        self.batcher, self.tokenizer, self.limits = batcher, tokenizer, limits
+                 runtime_lora: bool = False, vision=None):
+        """`vision`: a vision-language model's media.VisionInputs (its processor, the image reader), else None."""
+        self.batcher, self.tokenizer, self.limits, self.vision = batcher, tokenizer, limits, vision
         self.served = [model_name] + [a for a in aliases if a != model_name]
         self.model_name, self.root = self.served[0], root or model_name
         self.vocab, self.context = batcher.model.config.vocab_size, batcher.max_len
@@ -56,6 +57,20 @@ class Service:
         self.adapter_open: dict[str, int] = {}       # open sequences per adapter (not unloaded while any)
         if self.adapters is not None:
             self.served += [name for name in self.adapters.slots if name not in self.served]
+
+    @property
+    def read_image(self):
+        """The image reader of a vision model's requests (media.ImageReader.url); None: images are refused."""
+        return self.vision.reader.url if self.vision is not None else None
+
+    def render(self, messages: list[dict], images: list) -> tuple[list[int], object]:
+        """The prompt of chat `messages`: (its token ids, its images as media.Media, or None without any)."""
+        if not images:
+            return self.template.render(messages), None
+        if self.batcher.leader is not None:
+            raise ApiError(400, "images are not served under tensor parallelism (--tp); serve the model in one "
+                                "process for them", param="messages")
+        return self.vision.layout(self.template.text(messages, self.vision.placeholder), images)
 
     def alive(self) -> bool:
         return self.worker.is_alive() and not self.batcher.stopped
@@ -134,10 +149,10 @@ class Service:
 
 def build_app(batcher: Batcher, tokenizer, model_name: str, limits: Limits | None = None, *,
               aliases: tuple[str, ...] = (), template: ChatTemplate | None = None,
-              runtime_lora: bool = False) -> Starlette:
+              runtime_lora: bool = False, vision=None) -> Starlette:
     """The app; `app.state.service` is its Service (bunsan serve's shutdown drains it)."""
     service = Service(batcher, tokenizer, model_name, limits or Limits(), aliases, template,
-                      runtime_lora=runtime_lora)
+                      runtime_lora=runtime_lora, vision=vision)
     routes = [Route("/health", service.health), Route("/metrics", service.prometheus),
               *OpenAIRoutes(service).routes(), *OllamaRoutes(service).routes(), *EmbeddingRoutes(service).routes(),
               *LoraRoutes(service).routes()]

@@ -26,6 +26,7 @@ import torch
 
 from bunsan.serve.blocks import BlockPool
 from bunsan.serve.embeddings import final_hidden
+from bunsan.serve.media import overlay
 from bunsan.serve.paged import PagedCache
 from bunsan.serve.prefix import common_prefix
 from bunsan.serve.sampling import END, Token, prompt_logprobs
@@ -165,6 +166,9 @@ class Batcher:
         try:
             with torch.no_grad():
                 view = self.cache.view(tables, lengths, counts)
+                if any(s.request.media is not None for s in rows):     # image tokens' embeddings (media.py)
+                    view.media = overlay([(s.request.media, s.cached, c) for s, c in zip(rows, counts.tolist())],
+                                         view.at[0])
                 return self._guard(lambda: self.model(ids, kv_cache=view))[0]
         finally:
             if self.adapters is not None:
@@ -184,7 +188,7 @@ class Batcher:
         bs = self.pool.block_size
         while self.prefix_reuse and (s.registered + 1) * bs <= s.cached:
             i = s.registered
-            s.parent = self.pool.register(s.blocks[i], s.parent, s.tokens[i * bs:(i + 1) * bs])
+            s.parent = self.pool.register(s.blocks[i], s.parent, s.keys(i * bs, (i + 1) * bs))
             s.registered += 1
 
     def _preempt(self, s: Sequence) -> None:
@@ -221,14 +225,31 @@ class Batcher:
         for a prompt prefilled `beside` it that will put more of its prefix in the cache."""
         s = r.seq or Sequence(r, list(r.ids), 0, parent=r.root)
         if self.prefix_reuse and (r.prompt_logprobs is None or s.resumed):   # echo needs every position
-            s.blocks, s.parent = self.pool.cached_prefix(s.tokens, len(s.tokens) - 1, r.root)
+            keys = s.keys()
+            s.blocks, s.parent = self.pool.cached_prefix(keys, len(keys) - 1, r.root)
             s.registered = len(s.blocks)
             s.cached = s.registered * self.pool.block_size
-            pending = max((common_prefix(s.tokens, o.tokens) for o in beside), default=0)
+            pending = max((common_prefix(keys, o.keys()) for o in beside), default=0)
             if pending >= s.cached + self.pool.block_size:
                 self._release(s)
                 return None
         return s
+
+    def _encoded(self, r: Request) -> bool:
+        """`r`'s images are encoded (once for a prompt's sequences); False when that failed (`r` has ended)."""
+        media = r.media
+        if media is not None and media.encoded is None and media.failed is None:
+            try:
+                media.encoded = self.model.encode(r.ids, media.inputs)
+            except Exception as e:        # this prompt's failure is its own
+                media.failed = f"error: encoding the images failed: {type(e).__name__}: {e}"
+            media.inputs = {}
+        if media is not None and media.failed is not None:
+            with self.lock:
+                self.waiting.popleft()
+            self._end(r, media.failed)
+            return False
+        return True
 
     def _release(self, s: Sequence) -> None:
         """An admission that did not go ahead gives back the cached blocks it took."""
@@ -250,6 +271,8 @@ class Batcher:
             r = self._next_waiting()
             if r is None:
                 break
+            if not self._encoded(r):
+                continue
             s = self._admit(r, [b for b, _ in batch])
             count = 0 if s is None else self._chunk(s, used)
             if not count:

@@ -42,8 +42,14 @@ class ChatTemplate:
         self.source = ("the checkpoint's chat template" if self.hf is not None else
                        "the default ChatML template" if self.template == DEFAULT_TEMPLATE else "--chat-template")
 
-    def text(self, messages: list[dict]) -> str:
+    def text(self, messages: list[dict], image: str | None = None) -> str:
+        """The prompt's text. Messages with image parts (lists of {"type": "text"|"image"}) go as they are to
+        the checkpoint's template (a vision model's renders them); the default template gets their text with
+        `image` (the processor's image token) where each image is."""
         from jinja2.exceptions import TemplateError
+        if self.template == DEFAULT_TEMPLATE:
+            messages = [m | {"content": "".join(p.get("text", image or "") for p in m["content"])}
+                        if isinstance(m["content"], list) else m for m in messages]
         try:
             if self.hf is not None:
                 return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -102,7 +102,8 @@ class Job:
                 c.work = Request(ids=ids, max_tokens=gen.max_tokens[p], emit=self._callback(c, "token"),
                                  finish=self._callback(c, "end"), sampler=sampler, eos=eos,
                                  prompt_logprobs=gen.prompt_logprobs, on_prompt=self._callback(c, "prompt"),
-                                 adapter=adapter[0], root=adapter[1])
+                                 adapter=adapter[0], root=adapter[1],
+                                 media=gen.media[p] if gen.media else None)
                 self.choices.append(c)
         self.ended = 0
 

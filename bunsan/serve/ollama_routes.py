@@ -103,11 +103,20 @@ def options(raw: dict | None) -> Options:
     return opts
 
 
-def refuse_features(body: OllamaBody, images: bool) -> None:
+def refuse_features(body: OllamaBody) -> None:
     if body.think:
         raise ApiError(400, "think is not supported (the model has no separate reasoning); remove it", param="think")
-    if images:
-        raise ApiError(400, "images are not supported (a text model); remove them", param="images")
+
+
+def with_images(message: dict, images: list | None, where: str, service, read: list) -> dict:
+    """An Ollama message's `images` (base64 strings) as image parts before its text, each read into `read`."""
+    if not images:
+        return message
+    if service.vision is None:
+        raise ApiError(400, f"{where} holds images; this server's model takes text only: remove them", param=where)
+    read += [service.vision.reader.base64(image, f"{where}[{j}]") for j, image in enumerate(images)]
+    text = [{"type": "text", "text": message["content"]}] if message["content"] else []
+    return message | {"content": [{"type": "image"} for _ in images] + text}
 
 
 def ollama_grammar(format_) -> str | None:
@@ -122,7 +131,7 @@ def ollama_grammar(format_) -> str | None:
     raise ApiError(400, f"format {shown(format_)} is neither \"json\" nor a JSON schema", param="format")
 
 
-def generation(body: OllamaBody, prompt: list[int], opts: Options, service) -> Generation:
+def generation(body: OllamaBody, prompt: list[int], opts: Options, service, media=None) -> Generation:
     fields = SamplingFields(temperature=0.8 if opts.temperature is None else opts.temperature,
                             top_k=40 if opts.top_k is None else opts.top_k, top_p=opts.top_p or 0.9,
                             min_p=opts.min_p, presence_penalty=opts.presence_penalty,
@@ -130,7 +139,7 @@ def generation(body: OllamaBody, prompt: list[int], opts: Options, service) -> G
                             seed=opts.seed)
     gen = Generation(prompts=[prompt], max_tokens=[], sampling=sampling_params(fields, service.vocab, None),
                      stop=stop_strings(opts.stop, service.limits), stream=body.stream is not False,
-                     grammar=ollama_grammar(body.format))
+                     grammar=ollama_grammar(body.format), media=[media])
     asked = opts.num_predict if opts.num_predict and opts.num_predict > 0 else None
     fit_context(gen, asked, service.limits, service.context, "options.num_predict")
     return gen
@@ -145,41 +154,51 @@ class OllamaRoutes:
             raise ApiError(404, f"model {shown(name)} not found; this server serves "
                                 f"{', '.join(self.service.served)} (GET /api/tags)", param="model")
 
-    def _generate_prompt(self, body: GenerateBody) -> list[int]:
+    def _generate_prompt(self, body: GenerateBody) -> tuple[list[int], object]:
+        """(the prompt's ids, its images as media.Media or None)."""
         s = self.service
         if body.suffix:
             raise ApiError(400, "suffix (fill-in-the-middle) is not supported; remove it", param="suffix")
         text = check_text(body.prompt, "prompt")
-        if not body.raw and s.template.source != "the default ChatML template":   # the model's own chat format
+        if body.images and (body.raw or body.context):
+            raise ApiError(400, "images with raw or context: the image tokens are laid out by the chat template; "
+                                "send them without raw and context", param="images")
+        if body.images or not body.raw and s.template.source != "the default ChatML template":
+            images: list = []                         # the model's own chat format
             messages = ([{"role": "system", "content": body.system}] if body.system else []) + \
-                [{"role": "user", "content": text}]
-            return list(body.context or []) + s.template.render(messages)
+                [with_images({"role": "user", "content": text}, body.images, "images", s, images)]
+            ids, media = s.render(messages, images)
+            return list(body.context or []) + ids, media
         text = f"{check_text(body.system, 'system')}\n\n{text}" if body.system else text
-        return list(body.context or []) + s.tokenizer.encode(text)
+        return list(body.context or []) + s.tokenizer.encode(text), None
 
     async def generate(self, http: HTTPRequest) -> Response:
         async def parse(raw: dict):
             body = validated(GenerateBody, raw)
             self.check_model(body.model)
-            refuse_features(body, bool(body.images))
-            if not body.prompt and not body.system:      # Ollama's "load the model": nothing to generate
+            refuse_features(body)
+            if not body.prompt and not body.system and not body.images:   # Ollama's "load the model"
                 return None, body
             if any(not 0 <= t < self.service.vocab for t in body.context or []):
                 raise ApiError(400, f"context holds a token id outside 0..{self.service.vocab - 1}", param="context")
-            return generation(body, self._generate_prompt(body), options(body.options), self.service), body
+            ids, media = self._generate_prompt(body)
+            return generation(body, ids, options(body.options), self.service, media), body
         return await self._answer(http, parse, "response")
 
     async def chat(self, http: HTTPRequest) -> Response:
         async def parse(raw: dict):
             body = validated(ChatBody, raw)
             self.check_model(body.model)
-            refuse_features(body, any(m.images for m in body.messages))
+            refuse_features(body)
             if body.tools:
                 raise ApiError(400, "tools are not supported; remove them", param="tools")
             if not body.messages:
                 return None, body
-            messages = chat_messages(body.messages)
-            gen = generation(body, self.service.template.render(messages), options(body.options), self.service)
+            images: list = []
+            messages = [with_images(m, body.messages[i].images, f"messages[{i}].images", self.service, images)
+                        for i, m in enumerate(chat_messages(body.messages))]
+            ids, media = self.service.render(messages, images)
+            gen = generation(body, ids, options(body.options), self.service, media)
             gen.stop += [x for x in self.service.template.stop if x not in gen.stop]
             gen.stop_ids = frozenset(self.service.template.eos_ids)
             return gen, body
@@ -293,7 +312,7 @@ class OllamaRoutes:
         template = s.template.template if s.template.hf is None else s.template.hf.chat_template
         return JSONResponse({"modelfile": "", "parameters": "", "template": template or "",
                              "details": details, "model_info": info, "modified_at": at,
-                             "capabilities": ["completion", "embedding"]})
+                             "capabilities": ["completion", "embedding"] + ["vision"] * (s.vision is not None)})
 
     async def version(self, _: HTTPRequest) -> JSONResponse:
         return JSONResponse({"version": "0.0.0-bunsan"})

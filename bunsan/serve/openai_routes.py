@@ -102,7 +102,7 @@ class OpenAIRoutes:
         s = self.service
 
         def parse(body: dict):
-            gen = chat_request(body, s.limits, s.template.render, s.vocab, s.context, s.served)
+            gen = chat_request(body, s.limits, s.render, s.vocab, s.context, s.served, s.read_image)
             gen.stop += [x for x in s.template.stop if x not in gen.stop]
             gen.stop_ids = frozenset(s.template.eos_ids)
             return gen

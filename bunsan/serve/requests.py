@@ -102,6 +102,7 @@ class Generation:
     prompt_logprobs: int | None = None     # echo with logprobs: the prompt's too
     stop_ids: frozenset[int] = frozenset()  # tokens that end a sequence besides the tokenizer's end of text
     grammar: str | None = None             # llguidance's grammar every sequence's tokens follow (structured.py)
+    media: list = field(default_factory=list)   # each prompt's images (media.Media), or none: text only
 
     @property
     def sequences(self) -> int:
@@ -287,7 +288,7 @@ def completion_request(body: dict, limits: Limits, tokenizer, vocab: int, contex
 
 class Message(Strict):
     role: str
-    content: str | list[dict] | None = None     # text, or content parts (only {"type": "text", "text": ...})
+    content: str | list[dict] | None = None     # text, or content parts (text, and image_url for a vision model)
     name: str | None = None
 
 
@@ -302,31 +303,49 @@ class ChatBody(SamplingFields):
 ROLES = ("system", "developer", "user", "assistant")
 
 
-def chat_messages(messages: list[Message]) -> list[dict]:
+def _part(part, where: str, read_image, images: list) -> dict:
+    """One content part as a chat template reads it: {"type": "text", "text"} or {"type": "image"} (its image
+    read into `images`)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and set(part) == {"type", "text"} and isinstance(part["text"], str):
+        return {"type": "text", "text": check_text(part["text"], where)}
+    if kind == "image_url" and read_image is not None and set(part) == {"type", "image_url"}:
+        url = part["image_url"]
+        url = url.get("url") if isinstance(url, dict) and set(url) <= {"url", "detail"} else url
+        images.append(read_image(url, where))
+        return {"type": "image"}
+    if kind in ("image_url", "input_image", "image") and read_image is None:
+        raise ApiError(400, f"{where} is an image; this server's model takes text only", param=where)
+    accepted = '{"type": "text", "text": "..."}' + \
+        (' and {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}' if read_image else "")
+    raise ApiError(400, f"{where} is {shown(part)}; the content parts taken are {accepted}", param=where)
+
+
+def chat_messages(messages: list, read_image=None, images: list | None = None) -> list[dict]:
     """The messages as a chat template reads them: role and text content (text parts joined); developer is
-    OpenAI's newer name for system."""
+    OpenAI's newer name for system. With `read_image` (a vision model's media.ImageReader.url), a message with
+    image parts keeps its parts as a list, text and {"type": "image"}, the images read into `images` in order."""
     out = []
     for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise ApiError(400, f"messages[{i}].role {shown(m.role)} is not one of {', '.join(ROLES)} (tools are "
                                 "not supported)", param=f"messages[{i}].role")
-        parts = [m.content] if isinstance(m.content, str) else m.content or []
-        for j, part in enumerate(parts):
-            if not isinstance(part, str) and (part.get("type") != "text" or set(part) != {"type", "text"}
-                                              or not isinstance(part["text"], str)):
-                raise ApiError(400, f"messages[{i}].content[{j}] is {shown(part)}; only text parts, "
-                                    '{"type": "text", "text": "..."}, are supported', param=f"messages[{i}].content")
-        text = "".join(p if isinstance(p, str) else p["text"] for p in parts)
-        message = {"role": "system" if m.role == "developer" else m.role,
-                   "content": check_text(text, f"messages[{i}].content")}
+        if isinstance(m.content, str) or not m.content:
+            content = check_text(m.content or "", f"messages[{i}].content")
+        else:
+            parts = [_part(p, f"messages[{i}].content[{j}]", read_image, images) for j, p in enumerate(m.content)]
+            content = "".join(p["text"] for p in parts) if all(p["type"] == "text" for p in parts) else parts
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if getattr(m, "name", None) is not None:
             message["name"] = check_text(m.name, f"messages[{i}].name")
         out.append(message)
     return out
 
 
-def chat_request(body: dict, limits: Limits, render, vocab: int, context: int, served: list[str]) -> Generation:
-    """`render(messages)` is the chat template: messages -> token ids."""
+def chat_request(body: dict, limits: Limits, render, vocab: int, context: int, served: list[str],
+                 read_image=None) -> Generation:
+    """`render(messages, images)` is the chat template: messages -> (token ids, media.Media or None);
+    `read_image`: a vision model's image reader (media.ImageReader.url), else None (images are refused)."""
     req = validated(ChatBody, body)
     check_model(req.model, served)
     if req.top_logprobs is not None and not req.logprobs:
@@ -337,7 +356,9 @@ def chat_request(body: dict, limits: Limits, render, vocab: int, context: int, s
         raise ApiError(400, f"max_tokens {req.max_tokens} and max_completion_tokens {req.max_completion_tokens} "
                             "differ; send one", param="max_completion_tokens")
     asked = req.max_completion_tokens or req.max_tokens
-    gen = Generation(prompts=[render(chat_messages(req.messages))], max_tokens=[],
+    images: list = []
+    prompt, media = render(chat_messages(req.messages, read_image, images), images)
+    gen = Generation(prompts=[prompt], max_tokens=[], media=[media],
                      sampling=sampling_params(req, vocab, (req.top_logprobs or 0) if req.logprobs else None),
                      stop=stop_strings(req.stop, limits), n=n, best_of=n, stream=bool(req.stream),
                      include_usage=bool(req.stream_options and req.stream_options.include_usage),

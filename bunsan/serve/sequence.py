@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bunsan.serve.media import Media
 from bunsan.serve.sampling import RowSampler, SamplingParams, Token
 
 
@@ -28,6 +29,7 @@ class Request:
     last: int = 0
     adapter: int = 0                           # its LoRA adapter's slot (lora.py); 0: the base model
     root: int = 0                              # where its prefix-cache chain starts (each adapter its own)
+    media: "Media | None" = None               # the prompt's images (media.py), shared by a prompt's sequences
     seq: "Sequence | None" = None              # the batcher's: its place in the cache
 
     def draw(self, logits: torch.Tensor) -> Token:
@@ -50,3 +52,11 @@ class Sequence:
     parent: int = 0
     resumed: bool = False                       # prefilled again after a preemption: no prompt logprobs
     prompt_logits: list = field(default_factory=list)
+
+    def keys(self, start: int = 0, end: int | None = None) -> list:
+        """Its tokens start..end as the prefix cache keys them: an image's tokens by the image (media.py)."""
+        media = self.request.media
+        if media is None:
+            return self.tokens[start:end]
+        end = len(self.tokens) if end is None else end
+        return media.keys[start:min(end, media.length)] + self.tokens[max(start, media.length):end]

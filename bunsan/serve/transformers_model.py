@@ -11,6 +11,10 @@ transformers' own forward runs unchanged but for its attention kernel; its input
   on to the attention function;
 - `position_ids`: each token's position (rotary or learned), so a row's 10th token is at 10 whatever the others;
 - `attention_mask`: a placeholder 4D mask (used as given, so transformers builds none; the cache masks).
+
+A vision-language model (LLaVA, Qwen2-VL, ...) serves the same way, its language model's attention paged; a
+forward holding image tokens passes `inputs_embeds` with their embeddings in (and Qwen2-VL's 3D positions),
+which `encode` takes from the model's own base forward, stopped where it hands them to its language model.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bunsan.models.hf import cache_keyword, input_device
+from bunsan.pipeline.partition import hf_composite_base, hf_decoder_prefix
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 ATTENTION_FUNCTIONS = ("sdpa", "eager")      # the kernels the paged attention reproduces
@@ -118,9 +123,20 @@ for _name in ATTENTION_FUNCTIONS:
     ALL_MASK_ATTENTION_FUNCTIONS.register(f"{PAGED}{_name}", ALL_MASK_ATTENTION_FUNCTIONS[_name])
 
 
+class _Handed(Exception):
+    """Stops a base forward where it calls its language model (encode)."""
+
+
+def _text_config_key(config) -> str | None:
+    """The name under which a composite config keeps its language model's (LLaVA's, Qwen2-VL's text_config)."""
+    text = config.get_text_config()
+    return next((k for k in getattr(config, "sub_configs", {}) if getattr(config, k, None) is text), None) \
+        if text is not config else None
+
+
 class TransformersLM(nn.Module):
-    """`hf` (a transformers causal LM, eval mode) as bunsan serve runs it. `hf_model` is the model itself (tensor
-    parallelism splits it where the plan names its modules)."""
+    """`hf` (a transformers causal LM, or a vision-language model, eval mode) as bunsan serve runs it. `hf_model`
+    is the model itself (tensor parallelism splits it where the plan names its modules)."""
 
     def __init__(self, hf: nn.Module):
         super().__init__()
@@ -129,10 +145,18 @@ class TransformersLM(nn.Module):
             raise ValueError(f"serving a {hf.config.model_type} model needs transformers >= 5 (its forward's "
                              f"`cache` and per-kind masks); this is {transformers.__version__}: upgrade it")
         self.hf_model = hf.eval()
-        self.config = ServedShape.of(hf.config)
-        self.kinds, self.window = attention_layout(hf.config)
-        # its attention layers hand their work to the paged cache (_paged_attention), in its own kernel's form
-        hf.set_attn_implementation(f"{PAGED}{attention_function(hf.config)}")
+        text = hf.config.get_text_config()
+        self.config = ServedShape.of(text)
+        self.kinds, self.window = attention_layout(text)
+        # a vision-language model's base (its encoders, projector and language model), else None
+        self.composite = hf_composite_base(hf)
+        self.image_token_id = (getattr(hf.config, "image_token_id", None) or
+                               getattr(hf.config, "image_token_index", None)) if self.composite else None
+        # its attention layers hand their work to the paged cache (_paged_attention), in its own kernel's form;
+        # a vision-language model's language model only (its encoders keep their kernels)
+        paged = f"{PAGED}{attention_function(text)}"
+        key = _text_config_key(hf.config)
+        hf.set_attn_implementation({key: paged} if key else paged)
 
     @property
     def input_device(self) -> torch.device:
@@ -151,6 +175,45 @@ class TransformersLM(nn.Module):
                         (torch.device("cpu") if p.is_meta else p.device)
         return [torch.device(devices.get(i, self.input_device)) for i in range(self.config.num_hidden_layers)]
 
+    def encode(self, ids: list[int], inputs: dict):
+        """A prompt's images as its language model reads them (media.Encoded): the model's base forward runs
+        its encoders and projector over `inputs` (the processor's pixel_values, image_grid_thw, ...) and is
+        stopped as it calls its language model, whose inputs are kept: the prompt positions whose embedding is
+        not the token's own, those embeddings, and 3D positions when the model computes some."""
+        from bunsan.serve.media import Encoded
+        if self.composite is None:
+            raise ValueError(f"{self.config.model_type} takes no images")
+        base = self.hf_model.get_submodule(self.composite)
+        language = self.hf_model.get_submodule(hf_decoder_prefix(self.hf_model))
+        handed = {}
+
+        def stop(_module, _args, kwargs):
+            handed.update(kwargs)
+            raise _Handed
+        device = self.input_device
+        tokens = torch.tensor([ids], device=device)
+        handle = language.register_forward_pre_hook(stop, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                base(input_ids=tokens, attention_mask=torch.ones_like(tokens),
+                     **{k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()})
+        except _Handed:
+            pass
+        finally:
+            handle.remove()
+        if "inputs_embeds" not in handed:
+            raise ValueError(f"{self.config.model_type}'s base forward never called its language model")
+        with torch.no_grad():
+            embeds = handed["inputs_embeds"][0]
+            rows = torch.nonzero((embeds != self.hf_model.get_input_embeddings()(tokens)[0]).any(-1)).flatten()
+        positions, delta = handed.get("position_ids"), 0
+        if positions is not None and positions.ndim == 3:     # [3 (or text + 3), 1, prompt]
+            positions = positions[-3:, 0].cpu()
+            delta = int(positions.max()) + 1 - len(ids)
+        else:
+            positions = None
+        return Encoded(rows.cpu(), embeds[rows].cpu(), positions, delta)
+
     def forward(self, input_ids: torch.Tensor, kv_cache) -> torch.Tensor:
         view = kv_cache
         view.windows = [self.window if kind == "sliding_attention" else None for kind in self.kinds]
@@ -158,11 +221,19 @@ class TransformersLM(nn.Module):
         # the paged attention masks each row itself; a 4D mask is used as given, so none is built per forward
         placeholder = torch.zeros(1, 1, 1, 1, device=device)
         mask = {kind: placeholder for kind in ATTENTION_KINDS} \
-            if getattr(self.hf_model.config, "layer_types", None) else placeholder
+            if getattr(self.hf_model.config.get_text_config(), "layer_types", None) else placeholder
+        media = getattr(view, "media", None)       # (token indices, their embeddings, 3D positions or None)
+        inputs = {"input_ids": input_ids, "position_ids": view.at.to(device)}
+        if media is not None:
+            index, embeddings, positions = media
+            with torch.no_grad():
+                embeds = self.hf_model.get_input_embeddings()(input_ids)
+                embeds[0, index.to(device)] = embeddings.to(embeds.device, embeds.dtype)
+            inputs = {"inputs_embeds": embeds, "position_ids":
+                      view.at.to(device) if positions is None else positions[:, None].to(device)}
         token = _serving.set(view)
         try:
-            out = self.hf_model(input_ids=input_ids, position_ids=view.at.to(device), attention_mask=mask,
-                                cache=_RowsCache(view), use_cache=True)
+            out = self.hf_model(**inputs, attention_mask=mask, cache=_RowsCache(view), use_cache=True)
         finally:
             _serving.reset(token)
         view.advance(input_ids.shape[1])
