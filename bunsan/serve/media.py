@@ -10,6 +10,7 @@ placeholder token every image shares: two prompts that differ only in their imag
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -24,6 +25,25 @@ from bunsan.serve.errors import ApiError, shown
 
 MAX_PIXELS = 40_000_000          # an image's width x height, read from its header before it is decoded
 DATA_URL = re.compile(r"data:(image/[\w.+-]+)?(;[\w-]+=[\w.-]+)*;base64,(.*)", re.DOTALL)
+
+
+def holds_images(body) -> bool:
+    """Whether a request's body carries images (chat parts that are not text, Ollama's `images`)."""
+    if not isinstance(body, dict):
+        return False
+    messages = body.get("messages")
+    messages = messages if isinstance(messages, list) else []
+    return bool(body.get("images")) or any(
+        isinstance(m, dict) and (m.get("images") or isinstance(m.get("content"), list) and any(
+            isinstance(p, dict) and p.get("type") != "text" for p in m["content"])) for m in messages)
+
+
+async def parsed(parse, body, service):
+    """`parse(body)`, on a worker thread when a vision model's request carries images (decoding them and the
+    processor's work would hold up every other stream on the event loop), else here."""
+    if service.vision is not None and holds_images(body):
+        return await asyncio.to_thread(parse, body)
+    return parse(body)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from starlette.routing import Route
 from bunsan.serve.body import ClientGone, read_json
 from bunsan.serve.errors import ApiError, shown
 from bunsan.serve.jobs import Job
+from bunsan.serve.media import parsed
 from bunsan.serve.requests import (INT64, Generation, SamplingFields, Strict, chat_messages, check_text,
                                    fit_context, sampling_params, stop_strings, validated)
 
@@ -173,7 +174,7 @@ class OllamaRoutes:
         return list(body.context or []) + s.tokenizer.encode(text), None
 
     async def generate(self, http: HTTPRequest) -> Response:
-        async def parse(raw: dict):
+        def parse(raw: dict):
             body = validated(GenerateBody, raw)
             self.check_model(body.model)
             refuse_features(body)
@@ -186,7 +187,7 @@ class OllamaRoutes:
         return await self._answer(http, parse, "response")
 
     async def chat(self, http: HTTPRequest) -> Response:
-        async def parse(raw: dict):
+        def parse(raw: dict):
             body = validated(ChatBody, raw)
             self.check_model(body.model)
             refuse_features(body)
@@ -206,7 +207,7 @@ class OllamaRoutes:
 
     async def _answer(self, http: HTTPRequest, parse, field: str) -> Response:
         try:
-            gen, body = await parse(await read_json(http, self.service.body_limits))
+            gen, body = await parsed(parse, await read_json(http, self.service.body_limits), self.service)
             if gen is None:
                 return JSONResponse(self.line(body.model, field, "") | {"done": True, "done_reason": "load"})
             job = self.service.start(gen, "ollama", body.model.removesuffix(":latest"))

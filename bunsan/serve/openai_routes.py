@@ -14,6 +14,7 @@ from starlette.routing import Route
 from bunsan.serve.body import ClientGone, read_json
 from bunsan.serve.errors import ApiError, shown
 from bunsan.serve.jobs import Job
+from bunsan.serve.media import parsed
 from bunsan.serve.openai_format import ChatFormat, CompletionFormat
 from bunsan.serve.requests import chat_request, completion_request
 
@@ -81,7 +82,7 @@ class OpenAIRoutes:
         try:
             body = await read_json(http, s.body_limits)
             asked = body.get("model")                 # answered under the name asked for (one served)
-            gen = parse(body)
+            gen = await parsed(parse, body, s)
             job = s.start(gen, fmt_type.prefix, asked if isinstance(asked, str) else None)
         except ClientGone:
             return Response(status_code=499)
