@@ -177,3 +177,34 @@ def test_the_server_loads_a_transformers_directory_with_its_end_tokens(qwen2_dir
     model, tokenizer, name, context = load_model(args)
     assert type(model).__name__ == "TransformersLM" and context == 128 and name == "m"
     assert eot in tokenizer.stop_ids
+
+
+@pytest.mark.parametrize("kind", ["bunsan", "qwen2"])
+def test_the_head_computes_only_the_logits_the_batcher_reads(kind):
+    """A prefill chunk's logits are read at its last token only (but when its prompt is echoed with
+    log-probabilities): the head sees one row per sequence, never every prompt token, and the tokens still
+    equal transformers' greedy ones."""
+    from bunsan.models import Llama, LlamaConfig
+    from bunsan.serve.batcher import Batcher, Request
+    from bunsan.serve.transformers_model import TransformersLM
+    torch.manual_seed(0)
+    if kind == "bunsan":
+        model = Llama(LlamaConfig(**{k: v for k, v in SMALL.items()})).eval()
+        head, want = model.lm_head, None
+    else:
+        hf = transformers.AutoModelForCausalLM.from_config(_config("qwen2")).eval()
+        model, head = TransformersLM(hf), hf.lm_head
+    prompts = [torch.randint(3, 320, (n,)).tolist() for n in (23, 9, 30)]
+    if kind == "qwen2":
+        want = [_greedy(hf, p, 6) for p in prompts]
+    rows = []
+    handle = head.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[1]))
+    batcher = Batcher(model, slots=3, max_len=64, block_size=4)
+    got, finished = [[] for _ in prompts], []
+    for i, p in enumerate(prompts):
+        batcher.submit(Request(p, 6, emit=lambda t, i=i: got[i].append(t.id), finish=finished.append))
+    run_until_done(batcher, finished, len(prompts))
+    handle.remove()
+    assert rows and max(rows) <= len(prompts), rows
+    if want is not None:
+        assert got == want

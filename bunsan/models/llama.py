@@ -255,7 +255,7 @@ class Llama(nn.Module):
     takes_documents = True     # the engine may feed packed rows' document_ids (engine/batch.py)
 
     def forward(self, input_ids: torch.Tensor, kv_cache=None, documents: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [b, s] -> logits [b, s, vocab].
+        """input_ids [b, s] -> logits [b, s, vocab] (at kv_cache.keep's positions only, when it has some).
 
         ``kv_cache`` (see ``bunsan.models.generate.KVCache``) needs ``pos``,
         ``layer(i)`` returning an object with ``update(k, v)``, and ``advance(n)``.
@@ -282,4 +282,7 @@ class Llama(nn.Module):
             x = layer(x, cos, sin, kv_cache.layer(i) if kv_cache is not None else None)
         if kv_cache is not None:
             kv_cache.advance(s)
+        keep = getattr(kv_cache, "keep", None)   # bunsan serve reads the logits of a few tokens only
+        if keep is not None:
+            x = x[:, keep.to(x.device)]
         return self.lm_head(self.norm(x))

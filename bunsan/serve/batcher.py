@@ -153,8 +153,10 @@ class Batcher:
                 self.on_fatal(self.fatal)
             raise
 
-    def _forward(self, rows: list[Sequence], counts: list[int], ids: list[int]) -> torch.Tensor:
-        """Logits [tokens, vocab] of the rows' `counts` new tokens `ids` (row after row)."""
+    def _forward(self, rows: list[Sequence], counts: list[int], ids: list[int], keep: list[int]) -> torch.Tensor:
+        """Logits [len(keep), vocab] at the tokens `keep` (ascending) of the rows' `counts` new tokens `ids` (row
+        after row). The model's head computes only those, but under tensor parallelism (every rank runs the
+        same forward)."""
         width = max(len(s.blocks) for s in rows)
         tables = torch.tensor([s.blocks + [BlockPool.TRASH] * (width - len(s.blocks)) for s in rows])
         lengths, counts = torch.tensor([s.cached for s in rows]), torch.tensor(counts)
@@ -166,10 +168,13 @@ class Batcher:
         try:
             with torch.no_grad():
                 view = self.cache.view(tables, lengths, counts)
+                keep = torch.tensor(keep)
+                view.keep = keep if self.leader is None and len(keep) < len(ids[0]) else None
                 if any(s.request.media is not None for s in rows):     # image tokens' embeddings (media.py)
                     view.media = overlay([(s.request.media, s.cached, c) for s, c in zip(rows, counts.tolist())],
                                          view.at[0])
-                return self._guard(lambda: self.model(ids, kv_cache=view))[0]
+                logits = self._guard(lambda: self.model(ids, kv_cache=view))[0]
+                return logits if view.keep is not None or len(keep) == len(logits) else logits[keep.to(logits.device)]
         finally:
             if self.adapters is not None:
                 self.adapters.rows = None
@@ -317,14 +322,24 @@ class Batcher:
         ids = [s.request.last for s in decoding]
         for s, count in chunks:
             ids += s.tokens[s.cached:s.cached + count]
+        # the tokens whose logits are read: each row's last, and every prompt token of a prompt echoed with its
+        # log-probabilities (`spans`: where those are among them); the head computes only these
+        keep, lasts, spans, end = [], [], {}, -1
+        for j, (s, count) in enumerate(zip(rows, counts)):
+            end += count
+            if j >= len(decoding) and s.request.prompt_logprobs is not None and not s.resumed:
+                spans[j] = (len(keep), len(keep) + count)
+                keep += range(end - count + 1, end + 1)
+            else:
+                keep.append(end)
+            lasts.append(len(keep) - 1)
         try:
-            logits = self._forward(rows, counts, ids)
+            logits = self._forward(rows, counts, ids, keep)
         except Exception as e:            # these requests fail; the server goes on
             for s in rows:
                 self._end(s.request, f"error: {type(e).__name__}: {e}")
             return
-        ends = torch.tensor(counts).cumsum(0) - 1
-        last = logits[ends].float().cpu()                # each row's last token's next-token logits
+        last = logits[lasts].float().cpu()                # each row's last token's next-token logits
         if decoding:
             self.steps += 1
         for j, s in enumerate(decoding):
@@ -338,8 +353,8 @@ class Batcher:
         for j, (s, count) in enumerate(chunks, start=len(decoding)):
             s.cached += count
             self._register(s)
-            if s.request.prompt_logprobs is not None and not s.resumed:
-                s.prompt_logits.append(logits[int(ends[j]) - count + 1:int(ends[j]) + 1])
+            if j in spans:
+                s.prompt_logits.append(logits[spans[j][0]:spans[j][1]])
             if s.cached == len(s.tokens):
                 self.prefilling.remove(s)
                 self.running.append(s)

@@ -129,6 +129,8 @@ class PagedView:
     def __init__(self, cache: "PagedCache", tables: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor):
         self.cache, bs = cache, cache.block_size
         self.windows: list[int | None] | None = None
+        self.keep: torch.Tensor | None = None    # the tokens whose logits the head computes (None: every one)
+        self.media = None                        # image tokens' embeddings (media.overlay), set by the batcher
         row = torch.repeat_interleave(torch.arange(len(counts)), counts)
         starts = torch.cumsum(counts, 0) - counts
         self.tokens = int(counts.sum())

@@ -19,6 +19,7 @@ which `encode` takes from the model's own base forward, stopped where it hands t
 
 from __future__ import annotations
 
+import inspect
 import sys
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -154,6 +155,7 @@ class TransformersLM(nn.Module):
                                getattr(hf.config, "image_token_index", None)) if self.composite else None
         # its attention layers hand their work to the paged cache (_paged_attention), in its own kernel's form;
         # a vision-language model's language model only (its encoders keep their kernels)
+        self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(hf.forward).parameters
         paged = f"{PAGED}{attention_function(text)}"
         key = _text_config_key(hf.config)
         hf.set_attn_implementation({key: paged} if key else paged)
@@ -222,14 +224,16 @@ class TransformersLM(nn.Module):
         placeholder = torch.zeros(1, 1, 1, 1, device=device)
         mask = {kind: placeholder for kind in ATTENTION_KINDS} \
             if getattr(self.hf_model.config.get_text_config(), "layer_types", None) else placeholder
-        media = getattr(view, "media", None)       # (token indices, their embeddings, 3D positions or None)
+        media = view.media                         # (token indices, their embeddings, 3D positions or None)
         inputs = {"input_ids": input_ids, "position_ids": view.at.to(device)}
+        if view.keep is not None and self.takes_logits_to_keep:    # the head at those tokens only
+            inputs["logits_to_keep"] = view.keep.to(device)
         if media is not None:
             index, embeddings, positions = media
             with torch.no_grad():
                 embeds = self.hf_model.get_input_embeddings()(input_ids)
                 embeds[0, index.to(device)] = embeddings.to(embeds.device, embeds.dtype)
-            inputs = {"inputs_embeds": embeds, "position_ids":
+            inputs = {**inputs, "inputs_embeds": embeds, "input_ids": None, "position_ids":
                       view.at.to(device) if positions is None else positions[:, None].to(device)}
         token = _serving.set(view)
         try:
@@ -237,4 +241,6 @@ class TransformersLM(nn.Module):
         finally:
             _serving.reset(token)
         view.advance(input_ids.shape[1])
+        if view.keep is not None and not self.takes_logits_to_keep:
+            return out.logits[:, view.keep.to(out.logits.device)]
         return out.logits
