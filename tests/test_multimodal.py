@@ -1,11 +1,14 @@
-"""Vision- and audio-language transformers models (tiny LLaVA: CLIP + Llama; Qwen2-VL; Qwen2.5-VL; Qwen2-Audio)
-trained through bunsan against the plain single-process HF loop, batches as their processors make them
-(Qwen2-VL's flat patches with their grids): tensor parallelism from the plan transformers assembles on the
-instance (the language model split, the encoders whole on every rank), ZeRO 2/3 with offload and a frozen
-encoder, LoRA, pipeline stages (the encoders first), and gradient accumulation cutting the flat patches by
-image. SGD without clipping, fp32, rtol 1e-5."""
+"""Vision- and audio-language transformers models (tiny LLaVA: CLIP + Llama, and SigLIP + Llama; Qwen2-VL;
+Qwen2.5-VL; Qwen2-Audio) trained through bunsan against the plain single-process HF loop, batches as their
+processors make them (Qwen2-VL's flat patches with their grids): tensor parallelism from the plan transformers
+assembles on the instance (the language model split, the encoders whole on every rank), ZeRO 2/3 with offload
+and a frozen encoder, LoRA, pipeline stages (the encoders first), and gradient accumulation cutting the flat
+patches by image. SGD without clipping, fp32, rtol 1e-5."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -29,6 +32,12 @@ def build(kind: str):
                                                num_attention_heads=2, image_size=32, patch_size=8)
         return transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
             text_config=transformers.LlamaConfig(**TEXT), vision_config=vision, image_token_index=IMAGE))
+    if kind == "llava_siglip":          # SigLIP's tower (no CLS token: every patch's feature, as PaliGemma's)
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=2, image_size=32, patch_size=8)
+        return transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+            text_config=transformers.LlamaConfig(**TEXT), vision_config=vision, image_token_index=IMAGE,
+            vision_feature_select_strategy="full", vision_feature_layer=-1))
     if kind == "qwen2_vl":
         vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
                       temporal_patch_size=2, in_chans=3)
@@ -57,7 +66,7 @@ def batches(kind: str, steps: int = STEPS) -> list[dict]:
     for _ in range(steps):
         ids = torch.randint(0, IMAGE, (ROWS, SEQ), generator=g)
         b = {"input_ids": ids}
-        if kind == "llava":
+        if kind in ("llava", "llava_siglip"):
             ids[:, 2:18] = IMAGE
             b["pixel_values"] = torch.randn(ROWS, 3, 32, 32, generator=g)
         elif kind == "qwen2_audio":
@@ -129,7 +138,7 @@ def _train_dp(rank, world, kind, cfg, data, frozen):
     return losses, engine.consolidated_state_dict(), None
 
 
-KINDS = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"]
+KINDS = ["llava", "llava_siglip", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -246,11 +255,20 @@ def _train_and_save(rank, world, kind, cfg, data, folder):
 @pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
 def test_a_checkpoint_saved_across_pipeline_stages_resumes_in_one_process(pools, kind, tmp_path):
     """Two steps at PP 2, saved by each stage, the third in one process from the checkpoint (the
-    layout resharded, the optimizer's state with it): the loop's three steps."""
+    layout resharded, the optimizer's state with it): the loop's three steps. `bunsan convert --to hf` of the
+    checkpoint is a directory transformers loads as the model, with the saved weights."""
     data = batches(kind)
     cfg = {**_cfg(tp=1, ga=2), "pipeline": {"stages": 2}}
     first = pools.run(2, _train_and_save, 2, kind, cfg, data[:2], str(tmp_path))
     engine = bunsan.initialize(build(kind), _cfg(ga=2))
     engine.load_checkpoint(str(tmp_path))
+    saved = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
+    done = subprocess.run([sys.executable, "-m", "bunsan.cli.main", "convert", str(tmp_path),
+                           str(tmp_path / "hf"), "--to", "hf"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    converted = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "hf")
+    assert type(converted) is type(build(kind))
+    assert converted.state_dict().keys() == saved.keys()
+    assert all(torch.equal(converted.state_dict()[k], v) for k, v in saved.items())
     losses = first[-1] + [engine.train_batch(data[2])]
     check_runs([(losses, engine.consolidated_state_dict(), None)], *reference(kind, data))

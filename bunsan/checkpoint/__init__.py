@@ -208,7 +208,8 @@ def _model_config(engine) -> dict | None:
     if hasattr(cfg, "to_hf"):
         return cfg.to_hf()
     if hasattr(cfg, "to_dict") and hasattr(cfg, "model_type"):
-        return {**cfg.to_dict(), "architectures": [type(engine.module).__name__]}
+        return {**cfg.to_dict(), "architectures": [getattr(engine.module, "architecture", None) or
+                                                   type(engine.module).__name__]}
     return None
 
 

@@ -77,17 +77,28 @@ def transformers_named(state: dict, hf_config: dict) -> bool:
     return hf_config.get("model_type", "llama") != "llama" or any(k.startswith("model.") for k in state)
 
 
-def check_against_config(state: dict[str, torch.Tensor], hf_config: dict, where: str) -> None:
+def _transformers_model(hf_config: dict):
+    """transformers' model of `hf_config`: its recorded architecture's class, else (a checkpoint that recorded
+    a pipeline stage's class) the causal LM, or the image-text-to-text model of a vision-language config."""
+    import transformers
+    config = transformers.AutoConfig.for_model(**hf_config)
+    named = (hf_config.get("architectures") or [None])[0]
+    cls = getattr(transformers, named, None) if isinstance(named, str) else None
+    if cls is not None:
+        return cls(config)
+    auto = transformers.AutoModelForImageTextToText if "vision_config" in hf_config else \
+        transformers.AutoModelForCausalLM
+    return auto.from_config(config)
+
+
+def check_against_config(state: dict[str, torch.Tensor], hf_config: dict, where: str) -> str:
     """The weights are exactly those of the model `hf_config` describes (names and shapes), so the directory
-    written is one transformers and bunsan can load: a config of 2 layers beside 4 layers' weights is refused."""
+    written is one transformers and bunsan can load: a config of 2 layers beside 4 layers' weights is refused.
+    The model's class name."""
     try:
         with torch.device("meta"):
             if transformers_named(state, hf_config):
-                import transformers
-                config = transformers.AutoConfig.for_model(**hf_config)
-                named = (hf_config.get("architectures") or [None])[0]
-                cls = getattr(transformers, named, None) if isinstance(named, str) else None
-                model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(config)
+                model = _transformers_model(hf_config)
             else:
                 model = Llama(LlamaConfig.from_hf(hf_config))
     except Exception as e:   # noqa: BLE001  (any model class's refusal of the recorded config)
@@ -107,6 +118,7 @@ def check_against_config(state: dict[str, torch.Tensor], hf_config: dict, where:
         raise CheckpointError(f"{where}: the weights do not match the model config it records ({layers} layers, "
                               f"vocabulary {vocab}): missing {missing[:3]}, unexpected {extra[:3]}, other shapes "
                               f"{shapes[:2]}; the checkpoint's metadata was altered or mixed with another's")
+    return type(model).__name__
 
 
 def convert(src, out, to: str = "safetensors", tag: str | None = None, dtype: str = "fp32",
@@ -135,9 +147,10 @@ def convert(src, out, to: str = "safetensors", tag: str | None = None, dtype: st
         if not meta.get("model"):
             raise CheckpointError(f"{where} records no model config, so it cannot become a Hugging Face "
                                   "directory; convert it to one safetensors file instead")
-        check_against_config(state, meta["model"], where)
+        architecture = check_against_config(state, meta["model"], where)
         if transformers_named(state, meta["model"]):     # a transformers model's names: written as they are
-            return write_directory(out, lambda tmp: save_hf_named(state, meta["model"], tmp))
+            hf_config = {**meta["model"], "architectures": [architecture]}
+            return write_directory(out, lambda tmp: save_hf_named(state, hf_config, tmp))
         config = LlamaConfig.from_hf(meta["model"])
         if config.tie_word_embeddings:
             state.setdefault("lm_head.weight", state["embed_tokens.weight"])

@@ -191,6 +191,7 @@ class StageModule(nn.Module):
         super().__init__()
         self.llama = is_llama(model)
         self.config = getattr(model, "config", None)
+        self.architecture = type(model).__name__     # what a checkpoint records the model as (not this stage)
         self.chunk_layers = [[layer.paths for layer in chunk] for chunk in chunks]
         self.stage_ids, self.n_stages = stage_ids, n_stages
         for chunk in chunks:
