@@ -53,14 +53,14 @@ def _prompt(i: int) -> str:
     return SHARED + f"[{i}] " + TAILS[i % len(TAILS)]
 
 
-def _serve(port: int, slots: int, prefix_reuse: bool, max_tokens: int) -> None:
+def _serve(port: int, slots: int, prefix_reuse: bool, max_tokens: int, threads: int | None) -> None:
     """The server's process."""
     from bunsan.serve import Batcher, Limits, build_app
     import torch
 
     from bunsan.serve.server import Server, cpu_threads
     from bunsan.training.data import load_tokenizer
-    torch.set_num_threads(cpu_threads())           # as bunsan serve does: a core left for the event loop
+    torch.set_num_threads(cpu_threads(threads))     # as bunsan serve does: a core left for the event loop
     batcher = Batcher(_model(), slots, CONTEXT, prefix_reuse=prefix_reuse)
     app = build_app(batcher, load_tokenizer(None), "bench", Limits(max_concurrent=1024, max_tokens=max_tokens))
     Server(app, port=port, grace_s=0.0).run()
@@ -171,7 +171,7 @@ def bunsan_rows(clients: list[int], per_client: int, max_tokens: int, prefix_reu
     import httpx
     port = _free_port()
     proc = multiprocessing.get_context("spawn").Process(
-        target=_serve, args=(port, max(clients), prefix_reuse, max_tokens), daemon=True)
+        target=_serve, args=(port, max(clients), prefix_reuse, max_tokens, THREADS[0]), daemon=True)
     proc.start()
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc.is_alive, lambda: "bunsan serve did not start", 120)
@@ -190,6 +190,7 @@ def bunsan_rows(clients: list[int], per_client: int, max_tokens: int, prefix_reu
 
 
 LOAD = [0]          # --load: spinning processes beside every measurement
+THREADS = [None]    # --threads: bunsan serve's torch threads (None: its default)
 
 
 def transformers_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path) -> list[list[str]]:
@@ -269,9 +270,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the peers' venv is (made when missing)")
     p.add_argument("--load", type=int, default=0, metavar="N",
                    help="N processes spinning on the CPU while the clients run (loaded cores; default 0: quiet)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="bunsan serve's torch threads (default: its own, every core but one)")
     p.add_argument("--markdown", metavar="PATH", help="append a markdown section with the table to PATH")
     a = p.parse_args(argv)
-    LOAD[0] = a.load
+    LOAD[0], THREADS[0] = a.load, a.threads
     clients = [int(c) for c in a.clients.split(",")]
     contenders = a.contenders.split(",")
     load_before, rows = os.getloadavg()[0], []

@@ -70,6 +70,8 @@ class _PagedLayer:
         kv = pool_k.shape[2]
         q = rows.view(n, kv, heads // kv, hd).float()            # query head h reads kv head h // (heads / kv)
         scale = hd ** -0.5 if scale is None else scale
+        if softcap is None and pool_k.device.type == "cpu" and _CPU_FLASH is not None:
+            return self._cascade_fused(q, pool_k, pool_v, scale).reshape(n, heads, 1, hd).to(rows.dtype)
         shared = w.on("shared_blocks", pool_k.device)
         pk, pv = (pool[shared].reshape(1, -1, kv, hd).permute(2, 0, 1, 3).float() for pool in (pool_k, pool_v))
         # [kv, n * rep, hd] @ [kv, hd, keys]: one matmul per kv head over every row's queries
@@ -88,6 +90,26 @@ class _PagedLayer:
             torch.matmul(torch.exp(second - total[..., None]), values.float())
         return out.reshape(n, heads, 1, hd).to(rows.dtype)
 
+    def _cascade_fused(self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float):
+        """_cascade's two parts in PyTorch's fused CPU attention, which gives each softmax's log-sum-exp and
+        reads the gathered keys in place (a matmul over them copies them into its own layout first): the
+        shared blocks as one sequence of every row's queries per kv head, each row's own blocks as its
+        query heads (a multi-query row of heads // kv) over its kv head. q [n, kv, rep, hd] -> the same."""
+        w = self.view
+        n, kv, rep, hd = q.shape
+        shared = w.on("shared_blocks", pool_k.device)
+        pk, pv = (pool[shared].reshape(1, -1, kv, hd).transpose(1, 2).float() for pool in (pool_k, pool_v))
+        first, first_lse = _CPU_FLASH(q.permute(1, 0, 2, 3).reshape(1, kv, n * rep, hd), pk, pv, 0.0, False,
+                                      scale=scale)
+        first = first.view(kv, n, rep, hd).transpose(0, 1)
+        first_lse = first_lse.view(kv, n, rep).transpose(0, 1)
+        keys, values = self._read(w.own_tables, pool_k, pool_v)   # [n, kv, own keys, hd]
+        mask = torch.zeros(w.own_mask.shape, device=q.device).masked_fill(~w.on("own_mask", q.device),
+                                                                          float("-inf"))
+        second, second_lse = _CPU_FLASH(q, keys.float(), values.float(), 0.0, False, attn_mask=mask, scale=scale)
+        total = torch.logaddexp(first_lse, second_lse)[..., None]
+        return first * torch.exp(first_lse[..., None] - total) + second * torch.exp(second_lse[..., None] - total)
+
     def _read(self, table: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor):
         """The keys and values of `table`'s rows, [rows, kv, blocks * bs, hd] each, in two reused buffers."""
         blocks, bs, kv, hd = pool_k.shape
@@ -100,6 +122,11 @@ class _PagedLayer:
             got = torch.index_select(pool.view(blocks, -1), 0, index, out=into)
             return got.view(n, nb * bs, kv, hd).transpose(1, 2)
         return read(pool_k, into_k), read(pool_v, into_v)
+
+
+# PyTorch's fused CPU attention with its log-sum-exp (what cascade attention joins two softmaxes by); absent from
+# a build without it, where the matmul form runs
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _attention(q, k, v, mask, scale, softcap, sdpa: bool) -> torch.Tensor:
