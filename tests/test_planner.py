@@ -9,6 +9,7 @@ from bunsan.config.root import Config
 from bunsan.estimator import estimate_layout
 from bunsan.estimator.layout import Layout
 from bunsan.models.llama import LlamaConfig
+from bunsan.planner.margin import MEASURED_RATIO, MemoryRule
 from bunsan.planner.search import layouts, plan
 from bunsan.planner.space import Space
 from bunsan.estimator import load_shape
@@ -22,7 +23,7 @@ def test_every_ranked_layout_fits_and_is_sorted():
     times = [c.step.total for c in p.ranked]
     assert times == sorted(times)
     for c in p.ranked:
-        assert c.peak <= 40 * GiB * (1 - p.margin)
+        assert c.peak * MEASURED_RATIO[1] <= 40 * GiB and not c.risk     # fits at the estimate's measured error
         assert c.layout.gpus == 8 and c.layout.global_batch == 64
         # The planner's number is the estimator's number for that layout.
         assert estimate_layout("1b", c.layout, gpu_memory=40 * GiB).peak == pytest.approx(c.peak)
@@ -101,7 +102,7 @@ def test_cli_plan_json_has_every_ranked_layout_and_its_terms(capsys):
     terms = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "cp_comm", "bubble", "offload", "optimizer")
     assert first["step_seconds"]["total"] == pytest.approx(sum(first["step_seconds"][t] for t in terms))
     assert first["layout"]["dp"] * first["layout"]["tp"] * first["layout"]["pp"] * first["layout"]["cp"] == 4
-    assert first["peak_bytes"] <= out["gpu_memory_bytes"] * (1 - out["margin"]) and first["days"] > 0
+    assert first["peak_bytes"] <= out["usable_bytes"] and first["risk"] is None and first["days"] > 0
     assert main(["plan", "--model", "llama-70b", "--gpus", "1", "--gpu", "a10", "--host-memory", "8GB", "--json"]) == 1
     empty = json.loads(capsys.readouterr().out)
     assert empty["ranked"] == [] and empty["suggestions"]
@@ -259,3 +260,29 @@ def test_plan_calibrate_recovers_the_constants_of_measured_runs(tmp_path, capsys
     path.write_text(json.dumps([{"layout": "tp=2"}]))
     assert main(args + ["--calibrate", str(path)]) == 2
     assert "give its layout (a string) and one positive step_s or tokens_per_s" in capsys.readouterr().err
+
+
+def test_the_memory_cut_follows_the_estimates_measured_error():
+    """A layout whose estimated peak fits at the highest measured/estimated ratio is ranked; one that fits at
+    the lowest ratio only is ranked after those, with how far past memory it may go; beyond, it is dropped.
+    `margin` keeps the flat cut it names."""
+    rule = MemoryRule()
+    assert rule.fits(0.89 * GiB, GiB) and not rule.risk(0.89 * GiB, GiB)
+    assert not rule.fits(0.95 * GiB, GiB) and rule.ranked(0.95 * GiB, GiB)
+    assert "at risk: +6% past memory" in rule.risk(0.95 * GiB, GiB)
+    assert not rule.ranked(1.08 * GiB, GiB)
+    with pytest.raises(ValueError, match="margin 1.5 must be a fraction"):
+        MemoryRule.of(1.5)
+    args = dict(gpu="a100", seq_len=2048, global_batch=64, keep=0)
+    lean = plan("1b", 8, 40 * GiB, **args).ranked[0]
+    memory = lean.peak * 1.05            # within the error band: it may or may not fit
+    p = plan("1b", 8, memory, **args)
+    risky = [c for c in p.ranked if c.risk]
+    assert risky and all(c.risk.startswith("at risk:") and "past memory" in c.risk for c in risky)
+    tiers = [bool(c.risk) for c in p.ranked]
+    assert tiers == sorted(tiers) and any(tiers) and not all(tiers)        # the ones that fit come first
+    for c in p.ranked:
+        assert (c.peak * MEASURED_RATIO[1] <= memory) != bool(c.risk) and c.peak * MEASURED_RATIO[0] <= memory
+    flat = plan("1b", 8, memory, margin=0.10, **args)
+    assert all(c.peak <= 0.9 * memory and not c.risk for c in flat.ranked)
+    assert not {c.layout for c in risky} & {c.layout for c in flat.ranked}

@@ -100,7 +100,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--tokens", type=float, help="training tokens, for the time-to-train column (e.g. 1e12)")
     p.add_argument("--efficiency", type=float, help="fraction of the tensor-core peak a large GEMM reaches "
                    "(default 0.8: planner/constants.py)")
-    p.add_argument("--margin", type=float, default=0.10, help="fraction of GPU memory kept free (default 0.10)")
+    p.add_argument("--margin", type=float, default=None,
+                   help="fraction of GPU memory kept free (default: the estimate's measured error decides)")
     p.add_argument("--top", type=int, default=8, help="layouts to show")
     p.add_argument("--output", help="write the best layout's config here (JSON) and print its launch line per node")
     p.add_argument("--json", action="store_true",
@@ -296,9 +297,11 @@ def cmd_plan(args) -> int:
     best = result.best
     lay0 = best.layout if best else None
     console.print(f"{result.model}: {result.n_params / 1e9:.3g}B parameters on {result.gpus} x {result.gpu.name} "
-                  f"({result.gpu_memory / GiB:.0f} GiB, {result.margin:.0%} kept free), {result.nodes} node(s)"
+                  f"({result.gpu_memory / GiB:.0f} GiB; {result.rule.usable_line}), {result.nodes} node(s)"
                   + (f"; seq {lay0.seq_len}, global batch {lay0.global_batch}" if lay0 else ""))
-    console.print(f"{result.considered} layouts priced, {result.too_big} too big, {len(result.ranked)} shown")
+    risky = sum(bool(c.risk) for c in result.ranked)
+    console.print(f"{result.considered} layouts priced, {result.too_big} too big, {len(result.ranked)} shown"
+                  + (f" ({risky} of them at risk of running out of memory, ranked last)" if risky else ""))
     if not result.ranked:
         console.print("[bold red]nothing fits.[/] What would:")
         for s in result.suggestions:
@@ -314,7 +317,7 @@ def cmd_plan(args) -> int:
         timed = c.step is not None       # (the step time is modelled for bunsan's Llama only)
         row = [str(n), c.layout.describe(), f"{c.peak / GiB:.1f}", f"{c.estimate.host_per_node / GiB:.0f}",
                f"{c.step.total:.3g}" if timed else "-", f"{c.step.tokens_per_s:,.0f}" if timed else "-",
-               f"{c.step.mfu:.1%}" if timed else "-", c.why]
+               f"{c.step.mfu:.1%}" if timed else "-", c.why + (f"; {c.risk}" if c.risk else "")]
         if tokens:
             row.insert(7, f"{result.days(c):,.1f}")
         table.add_row(*row)
@@ -355,9 +358,11 @@ def plan_json(result, top: int) -> dict:
                      "assumptions": list(c.step.assumptions)}
         return {"rank": rank, "layout": dataclasses.asdict(c.layout), "describe": c.layout.describe(),
                 "peak_bytes": c.peak, "host_bytes_per_node": c.estimate.host_per_node, "step_seconds": step,
-                "days": result.days(c) if result.total_tokens and c.step is not None else None, "why": c.why}
+                "days": result.days(c) if result.total_tokens and c.step is not None else None, "why": c.why,
+                "risk": c.risk or None}
     return {"model": result.model, "params": result.n_params, "gpus": result.gpus, "nodes": result.nodes,
-            "gpu": result.gpu.name, "gpu_memory_bytes": result.gpu_memory, "margin": result.margin,
+            "gpu": result.gpu.name, "gpu_memory_bytes": result.gpu_memory,
+            "usable_bytes": result.rule.usable(result.gpu_memory), "memory_rule": result.rule.to_json(),
             "considered": result.considered, "too_big": result.too_big,
             "ranked": [candidate(n, c) for n, c in enumerate(result.ranked[:top], 1)],
             "suggestions": list(result.suggestions)}

@@ -1,6 +1,6 @@
 """`plan --explain LAYOUT`: a layout you have in mind (a published run's, your own) priced exactly as the search
 priced its first choice, and the two compared term by term: each step-time component, tokens/s, MFU, the
-peak memory against what the margin leaves, and the term that decides between them.
+peak memory against what fits (margin.py), and the term that decides between them.
 
     tp=8,pp=4,cp=1,zero=1,mb=1,recompute=selective,sp=true,schedule=interleaved,v=2
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from bunsan.estimator.layout import Layout
 from bunsan.planner.cost import COMPONENTS
+from bunsan.planner.margin import MemoryRule
 from bunsan.planner.search import Candidate, Plan
 
 GiB = 1024 ** 3
@@ -73,16 +74,20 @@ def parse_layout(text: str, plan: Plan) -> Layout:
 class Comparison:
     best: Candidate
     asked: Candidate
-    usable: float
+    memory: float
+    rule: MemoryRule
 
     def rows(self) -> list[tuple[str, float, float]]:
         """(term, first choice, asked) in seconds per step."""
         return [(name, getattr(self.best.step, name), getattr(self.asked.step, name)) for name in COMPONENTS]
 
     def decided_by(self) -> str:
-        if self.asked.peak > self.usable:
-            return (f"memory: it peaks at {self.asked.peak / GiB:.1f} GiB per GPU, past the {self.usable / GiB:.1f} "
-                    "GiB the margin leaves, so the search drops it")
+        if not self.rule.ranked(self.asked.peak, self.memory):
+            return (f"memory: it peaks at {self.asked.peak / GiB:.1f} GiB per GPU, past the "
+                    f"{self.rule.usable(self.memory) / GiB:.1f} GiB that fit ({self.rule.usable_line}) even if the "
+                    "estimate errs as measured, so the search drops it")
+        if self.asked.risk and not self.best.risk:
+            return f"memory: ranked after every layout that fits, {self.asked.risk}"
         deltas = {name: asked - best for name, best, asked in self.rows()}
         worst = max(deltas, key=lambda k: abs(deltas[k]))
         gap = self.asked.step.total / self.best.step.total - 1
@@ -93,7 +98,8 @@ class Comparison:
                 "terms_s": {name: {"first_choice": b, "asked": a} for name, b, a in self.rows()},
                 "step_s": {"first_choice": self.best.step.total, "asked": self.asked.step.total},
                 "tokens_per_s": {"first_choice": self.best.step.tokens_per_s, "asked": self.asked.step.tokens_per_s},
-                "peak_bytes": {"first_choice": self.best.peak, "asked": self.asked.peak}, "usable_bytes": self.usable,
+                "peak_bytes": {"first_choice": self.best.peak, "asked": self.asked.peak},
+                "usable_bytes": self.rule.usable(self.memory), "asked_risk": self.asked.risk or None,
                 "decided_by": self.decided_by(),
                 "assumptions": list(self.asked.step.assumptions)}
 
@@ -104,4 +110,4 @@ def explain(plan: Plan, text: str) -> Comparison:
         raise ValueError("--explain compares with the plan's first choice: nothing fits, or the model's step time "
                          "is not modelled (bunsan prices step time for Llama-shaped models)")
     asked = plan.pricing.price(parse_layout(text, plan))
-    return Comparison(plan.best, asked, plan.gpu_memory * (1 - plan.margin))
+    return Comparison(plan.best, asked, plan.gpu_memory, plan.rule)

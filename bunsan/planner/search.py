@@ -6,8 +6,8 @@ micro-batches (the accumulation makes up the global batch), recompute (none, ful
 sequence parallelism and offload; a layout that does not fit is tried again with the fewest
 blocks whose activations go to host memory that make it fit. Each candidate is priced in bytes
 by the estimator (the same code `bunsan estimate` runs) and in seconds by cost.py; the ones that
-fit with `margin` of the memory free are ranked by step time. When none fits, the plan says what
-would.
+fit by the estimate's measured error (margin.py) are ranked by step time, then those that may fit,
+each with its risk. When none fits, the plan says what would.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from bunsan.estimator.estimate import Estimate, estimate_layout
 from bunsan.estimator.shape import ModelShape, load_shape, rank_params
 from bunsan.planner.cost import COMPONENTS, StepTime, step_time, train_time
+from bunsan.planner.margin import MemoryRule
 from bunsan.estimator.hardware import GPU, Interconnect, gpu_spec, interconnect, intra_link
 from bunsan.estimator.layout import Layout
 from bunsan.planner.space import Space, layouts
 
 GiB = 1024 ** 3
-MARGIN = 0.10   # memory kept free for the allocator's fragmentation and what the estimate leaves out
 
 
 @dataclass
@@ -34,6 +34,7 @@ class Candidate:
     estimate: Estimate
     step: StepTime | None = None
     why: str = ""               # why it lost to the best (or that it is the best)
+    risk: str = ""              # how far past memory it may go (margin.py); "" when it fits
 
     @property
     def peak(self) -> float:
@@ -47,7 +48,7 @@ class Pricing:
     shape: ModelShape
     gpu: GPU
     memory: float
-    margin: float
+    rule: MemoryRule
     nodes: int
     per_node: int
     intra: Interconnect
@@ -62,7 +63,7 @@ class Pricing:
         if self.shape.llama is not None:
             step = step_time(self.shape.llama, lay, self.gpu, self.intra, self.inter, self.per_node, self.efficiency,
                              self.attention)
-        return Candidate(lay, est, step)
+        return Candidate(lay, est, step, risk=self.rule.risk(est.peak, self.memory))
 
 
 @dataclass
@@ -73,8 +74,8 @@ class Plan:
     nodes: int
     gpu: GPU
     gpu_memory: float
-    margin: float
-    ranked: list[Candidate]                       # fit, fastest first
+    rule: MemoryRule
+    ranked: list[Candidate]                       # fit, fastest first; then those at risk, fastest first
     considered: int
     too_big: int
     smallest: Candidate | None = None             # the least memory of all candidates (when none fits)
@@ -94,7 +95,7 @@ class Plan:
 
 def _why(c: Candidate, best: Candidate) -> str:
     if c is best:
-        return "fastest that fits"
+        return "fastest that fits" if not c.risk else "fastest; none fits for sure (see its risk)"
     deltas = {p: getattr(c.step, p) - getattr(best.step, p) for p in COMPONENTS}
     worst = max(deltas, key=deltas.get)
     slower = c.step.total / best.step.total - 1
@@ -110,14 +111,16 @@ def _why(c: Candidate, best: Candidate) -> str:
 def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = "h100", nodes: int = 1,
          seq_len: int | None = None, global_batch: int | None = None,
          interconnect_name: str | Interconnect | None = None, inter_node: str | Interconnect = "infiniband",
-         precision: str | None = None, optimizer: str = "AdamW", margin: float = MARGIN,
+         precision: str | None = None, optimizer: str = "AdamW", margin: float | None = None,
          total_tokens: int | None = None, efficiency: float | None = None, device_type: str = "cuda",
          keep: int = 10, host_memory: float | None = None, attention: str = "flash",
          space: Space | None = None) -> Plan:
     """The layouts of `model` on `gpus` GPUs (`nodes` nodes) that fit, fastest first. `host_memory` (per
     node), when given, also rules out layouts whose offloaded states would not fit in host memory. GPUs and
     links are names (hardware.py) or GPU / Interconnect objects (measured figures, `with_link`);
-    `keep` 0 keeps every layout that fits."""
+    `keep` 0 keeps every layout that fits. `margin`: a fraction of memory kept free, else (None) the estimate's
+    measured error decides (margin.py)."""
+    rule = MemoryRule.of(margin)
     shape = load_shape(model)
     if shape.bare:      # a plan has a sequence and a batch: the assumed Llama shape's activations count too
         shape = dataclasses.replace(shape, bare=False)
@@ -143,28 +146,28 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
         considered += 1
         est = estimate_layout(shape, lay, nodes=nodes, gpu_memory=memory, device_type=device_type,
                               ranks=ranks(lay.tp, lay.pp, lay.virtual_stages))
-        if not est.fits(margin) and device_type != "cpu":     # offload the blocks that do not fit
-            lay, est = _offload_what_does_not_fit(shape, lay, est, margin, lambda offloaded: estimate_layout(
+        if not rule.fits(est.peak, memory) and device_type != "cpu":     # offload the blocks that do not fit
+            lay, est = _offload_what_does_not_fit(shape, lay, est, rule, lambda offloaded: estimate_layout(
                 shape, offloaded, nodes=nodes, gpu_memory=memory, device_type=device_type,
                 ranks=ranks(lay.tp, lay.pp, lay.virtual_stages)))
-        cand = Candidate(lay, est)
+        cand = Candidate(lay, est, risk=rule.risk(est.peak, memory))
         if host_ok(est) and (smallest is None or est.peak < smallest.peak):
             smallest = cand
-        if not est.fits(margin) or not host_ok(est):
+        if not rule.ranked(est.peak, memory) or not host_ok(est):
             too_big += 1
             continue
         if c is not None:
             cand.step = step_time(c, lay, spec, intra, inter, per_node, efficiency, attention)
         fits.append(cand)
     fits.sort(key=_order)
-    result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, margin, fits[:keep or None], considered,
+    result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, rule, fits[:keep or None], considered,
                   too_big, smallest, total_tokens=total_tokens,
-                  pricing=Pricing(shape, spec, memory, margin, nodes, per_node, intra, inter, efficiency, attention,
+                  pricing=Pricing(shape, spec, memory, rule, nodes, per_node, intra, inter, efficiency, attention,
                                   device_type))
     for cand in result.ranked:
         cand.why = _why(cand, result.ranked[0]) if cand.step else "fits"
     if not fits:
-        result.suggestions = _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precisions[0], smallest,
+        result.suggestions = _what_would_fit(shape, gpus, nodes, memory, rule, seq, batch, precisions[0], smallest,
                                              device_type, host_ok, host_memory)
     return result
 
@@ -194,9 +197,9 @@ def _precisions(spec: GPU, precision: str | None) -> list[str]:
 
 
 def _order(k: Candidate) -> tuple:
-    """Fastest first; ties on time go to less traffic (lower ZeRO stage, no offload), then bigger
-    micro-batches, then less memory."""
-    return (round(k.step.total, 9) if k.step else 0.0, k.layout.zero, k.layout.offload_optimizer != "none",
+    """Those that fit first, then those at risk; fastest first; ties on time go to less traffic (lower ZeRO
+    stage, no offload), then bigger micro-batches, then less memory."""
+    return (bool(k.risk), round(k.step.total, 9) if k.step else 0.0, k.layout.zero, k.layout.offload_optimizer != "none",
             -k.layout.micro_batch, k.peak)
 
 
@@ -208,7 +211,7 @@ def _links(spec: GPU, intra, inter, device_type: str) -> tuple[Interconnect, Int
     return inside, link(inter)
 
 
-def _offload_what_does_not_fit(shape: ModelShape, lay: Layout, est: Estimate, margin: float,
+def _offload_what_does_not_fit(shape: ModelShape, lay: Layout, est: Estimate, rule: MemoryRule,
                                price) -> tuple[Layout, Estimate]:
     """The layout with the fewest blocks per rank whose activations go to host memory that makes it fit
     (`price` estimates a layout); `lay` itself when even offloading every block does not."""
@@ -216,30 +219,30 @@ def _offload_what_does_not_fit(shape: ModelShape, lay: Layout, est: Estimate, ma
         return lay, est
     blocks = -(-shape.llama.num_hidden_layers // lay.pp)
     every = price(lay.replace(offload_blocks=blocks))
-    if not every.fits(margin):
+    if not rule.fits(every.peak, every.gpu_memory):
         return lay, est
     low, high, best = 1, blocks, every          # peak falls as blocks are offloaded: bisect the count
     while low < high:
         mid = (low + high) // 2
         e = price(lay.replace(offload_blocks=mid))
-        if e.fits(margin):
+        if rule.fits(e.peak, e.gpu_memory):
             high, best = mid, e
         else:
             low = mid + 1
     return best.layout, best
 
 
-def _what_would_fit(shape, gpus, nodes, memory, margin, seq, batch, precision, smallest, device_type,
+def _what_would_fit(shape, gpus, nodes, memory, rule: MemoryRule, seq, batch, precision, smallest, device_type,
                     host_ok, host_memory) -> list[str]:
     def ok(e: Estimate) -> bool:
-        return e.fits(margin) and host_ok(e)
+        return rule.fits(e.peak, e.gpu_memory) and host_ok(e)
 
     out = []
     if smallest is None and host_memory is not None:
         out.append(f"every layout needs more than the {host_memory / GiB:.0f} GiB of host memory per node given")
     if smallest is not None:
         out.append(f"the leanest layout, {smallest.layout.describe()}, peaks at {smallest.peak / GiB:.1f} GiB "
-                   f"per GPU against {memory * (1 - margin) / GiB:.1f} GiB usable")
+                   f"per GPU against {rule.usable(memory) / GiB:.1f} GiB usable ({rule.usable_line})")
         lay = smallest.layout
         if batch % gpus == 0:
             nvme = Layout(dp=gpus, zero=3, micro_batch=1, grad_accum=batch // gpus, seq_len=seq, precision=precision,

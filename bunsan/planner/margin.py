@@ -1,0 +1,68 @@
+"""How close to a GPU's memory a layout's estimated peak may come and still be ranked: from the estimate's own
+measured error, not a flat fraction.
+
+`bunsan estimate`'s peaks were measured against 15 layouts (benchmarks/bench_estimate.py, benchmarks/RESULTS.md
+"Memory estimator and planner": ZeRO 0-3, offload to CPU and NVMe, recompute, accumulation, bf16, TP, TP + SP,
+PP): the measured peak was 0.935x to 1.119x the estimate. So a layout whose estimate times the highest ratio is
+within memory fits; one within memory at the lowest ratio but not at the highest may fit or not, and is ranked
+after the ones that fit with how far past memory it would go if the estimate errs as far as measured; one past
+memory even at the lowest ratio is dropped. The ratios were measured on the CPU (no GPU has been lent): the CUDA
+caching allocator's fragmentation is not in them. `--margin F` (a fraction kept free) replaces the rule with the
+flat cut it names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# measured peak / estimated peak, lowest and highest over the 15 layouts (2026-11-29, the 2-core CPU VM)
+MEASURED_RATIO = (0.935, 1.119)
+
+
+@dataclass(frozen=True)
+class MemoryRule:
+    """`flat`: a fraction of memory kept free (--margin), else the measured ratios decide."""
+    low: float = MEASURED_RATIO[0]
+    high: float = MEASURED_RATIO[1]
+    flat: float | None = None
+
+    @classmethod
+    def of(cls, margin: float | None) -> "MemoryRule":
+        if margin is None:
+            return cls()
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin {margin!r} must be a fraction of memory kept free, in [0, 1)")
+        return cls(flat=margin)
+
+    def fits(self, peak: float, memory: float | None) -> bool:
+        """Within memory even if the estimate is as low as measured (or within the flat cut)."""
+        if memory is None:
+            return True
+        return peak <= memory * (1 - self.flat) if self.flat is not None else peak * self.high <= memory
+
+    def ranked(self, peak: float, memory: float | None) -> bool:
+        """Fits, or may fit: within memory if the estimate is as high as measured."""
+        if memory is None or self.flat is not None:
+            return self.fits(peak, memory)
+        return peak * self.low <= memory
+
+    def risk(self, peak: float, memory: float | None) -> str:
+        """'' for a layout that fits; else how far past memory it may go."""
+        if self.fits(peak, memory) or not self.ranked(peak, memory):
+            return ""
+        return (f"at risk: {peak * self.high / memory - 1:+.0%} past memory if the estimate is as low as measured "
+                f"(x{self.high:g}); fits if it errs by less than {memory / peak - 1:+.0%}")
+
+    @property
+    def usable_line(self) -> str:
+        """What the rule keeps, for the plan's heading."""
+        if self.flat is not None:
+            return f"{self.flat:.0%} kept free"
+        return f"peaks within memory at {self.high:g}x the estimate, ranked at risk up to {self.low:g}x"
+
+    def usable(self, memory: float) -> float:
+        """The most a peak may be estimated at and fit."""
+        return memory * (1 - self.flat) if self.flat is not None else memory / self.high
+
+    def to_json(self) -> dict:
+        return {"flat_margin": self.flat, "measured_ratio": None if self.flat is not None else [self.low, self.high]}
