@@ -191,7 +191,8 @@ def materialize(model: nn.Module, at: Placement) -> None:
 
 
 def tp_context(at: Placement) -> TPContext:
-    return TPContext(at.comm, at.mesh.tp_group, at.cfg.tensor_parallel.sequence_parallel)
+    tp = at.cfg.tensor_parallel
+    return TPContext(at.comm, at.mesh.tp_group, tp.sequence_parallel, tp.encoders)
 
 
 def whole_model_plan(model: nn.Module, at: Placement, tp_plan: dict | str | None):

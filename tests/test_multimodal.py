@@ -128,7 +128,9 @@ def _train(rank, world, kind, cfg, data):
     engine = bunsan.initialize(build(kind), cfg)
     losses = [engine.train_batch(b) for b in data]
     split = sorted({type(m).__name__ for m in engine.module.modules() if hasattr(m, "tp_split")})
-    return losses, engine.consolidated_state_dict(), split
+    towers = sorted({n.split(".")[1] for n, m in engine.module.named_modules()
+                     if hasattr(m, "tp_split") and n.startswith("model.")})
+    return losses, engine.consolidated_state_dict(), (split, towers)
 
 
 def _train_dp(rank, world, kind, cfg, data, frozen):
@@ -143,10 +145,29 @@ KINDS = ["llava", "llava_siglip", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_tensor_parallel_from_the_plan_transformers_assembles(pools, kind):
+    """The language model split by the plan transformers assembles; a CLIP or SigLIP tower split by bunsan's
+    encoder plan (tensor_parallel.encoders "split", the default), the other encoders whole."""
     data = batches(kind)
     results = pools.run(2, _train, 2, kind, _cfg(tp=2), data)
     check_runs(results, *reference(kind, data))
-    assert "ColumnParallelLinear" in results[0][2] and "RowParallelLinear" in results[0][2]
+    styles, towers = results[0][2]
+    assert "ColumnParallelLinear" in styles and "RowParallelLinear" in styles
+    assert towers == (["language_model", "vision_tower"] if kind.startswith("llava") else ["language_model"])
+
+
+@pytest.mark.parametrize("kind", ["llava", "llava_siglip"])
+def test_the_vision_tower_stays_whole_when_asked(pools, kind):
+    data = batches(kind)
+    cfg = {**_cfg(tp=2), "tensor_parallel": {"size": 2, "encoders": "whole"}}
+    results = pools.run(2, _train, 2, kind, cfg, data)
+    check_runs(results, *reference(kind, data))
+    assert results[0][2][1] == ["language_model"]
+
+
+def test_an_encoder_tp_cannot_divide_is_refused_by_name():
+    from bunsan.tensor_parallel.hf_plan import encoder_plan
+    with pytest.raises(ValueError, match=r"vision_tower.*2 attention heads.*must divide.*encoders to \"whole\""):
+        encoder_plan(build("llava"), 4)
 
 
 @pytest.mark.parametrize("kind", KINDS)

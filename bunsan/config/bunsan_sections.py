@@ -38,6 +38,8 @@ class TensorParallel(Section):
                                            "world is data and pipeline parallel")
     sequence_parallel: bool = Field(False, description="Also shard the activations between blocks along the "
                                                        "sequence over the tensor-parallel ranks; needs size > 1")
+    encoders: Literal["split", "whole"] = Field("split", description="A vision-language model's CLIP or SigLIP "
+                                                "tower: its blocks split over the ranks, or whole on every rank")
 
     @model_validator(mode="after")
     def _sp(self) -> TensorParallel:

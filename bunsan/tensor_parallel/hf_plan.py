@@ -18,6 +18,12 @@ HF_STYLES = {"colwise": "column", "colwise_rep": "column_gather", "colwise_gathe
              "embedding_rowwise": "vocab_embedding", "sequence_parallel": "norm",
              "replicated_with_grad_allreduce": "grad_allreduce"}
 HEAD_STYLES = ("colwise_gather_output", "colwise_rep")   # a head whose logits HF gathers: bunsan's vocab_head
+# bunsan's plans for vision towers transformers ships none for, by encoder layer class: Megatron's split of a
+# ViT block (q/k/v and fc1 by columns, out_proj and fc2 by rows); their attention reshapes to -1 heads, so each
+# rank runs its share of the heads as given
+ENCODER_PLANS = {cls: {"self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
+                       "self_attn.out_proj": "row", "mlp.fc1": "column", "mlp.fc2": "row"}
+                 for cls in ("CLIPEncoderLayer", "SiglipEncoderLayer")}
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -35,8 +41,9 @@ def _translated(path: str, style: str, is_head: bool) -> str:
     return HF_STYLES[style]
 
 
-def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
-    """bunsan's plan (module pattern -> style) from the model's own, with the parallel inputs it implies."""
+def hf_tp_plan(model: nn.Module, sequence_parallel: bool, encoders: str = "split", size: int = 1) -> dict[str, str]:
+    """bunsan's plan (module pattern -> style) from the model's own, with the parallel inputs it implies;
+    a composite model's CLIP or SigLIP tower split by ENCODER_PLANS unless `encoders` is "whole"."""
     base_plan = getattr(model.config, "base_model_tp_plan", None) or {}
     head_plan = dict(getattr(type(model), "_tp_plan", None) or {})
     # a composite model (LLaVA, Qwen2-VL, ...) keeps its language model's plan in text_config; transformers
@@ -58,6 +65,8 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         heads = {n for n, m in model.named_modules() if m is head and head is not None}
         plan = {path: _translated(path, style, path in heads) for path, style in built.items()}
+        if encoders == "split":
+            plan |= encoder_plan(model, size)
     for path, style in list(plan.items()):
         if style in ("column", "column_gather"):   # the module that calls q/k/v (gate/up) gets the block's input
             plan.setdefault(path.rpartition(".")[0], "parallel_input")
@@ -76,6 +85,23 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, str]:
             if style == "vocab_embedding":
                 plan[name] = "vocab_embedding_whole"
         plan |= _sequence_parallel_extras(model, prefix)
+    return plan
+
+
+def encoder_plan(model: nn.Module, size: int) -> dict[str, str]:
+    """ENCODER_PLANS over the model's encoder layers, full paths; their heads and MLP width must divide."""
+    plan = {}
+    for name, layer in model.named_modules():
+        styles = ENCODER_PLANS.get(type(layer).__name__)
+        if styles is None:
+            continue
+        attention, mlp = layer.self_attn, layer.mlp
+        heads, width = attention.num_heads, mlp.fc1.out_features
+        if heads % size or width % size:
+            raise ValueError(f"{name} ({type(layer).__name__}) has {heads} attention heads and an MLP of {width}: "
+                             f"tensor parallelism {size} must divide both; set tensor_parallel.encoders to "
+                             "\"whole\" to keep the tower whole on every rank")
+        plan |= {f"{name}.{path}": style for path, style in styles.items()}
     return plan
 
 

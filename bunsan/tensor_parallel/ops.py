@@ -28,11 +28,13 @@ from bunsan.comm.collectives import Comm, Group
 
 @dataclass
 class TPContext:
-    """What every tensor-parallel layer needs: the door, the group, and whether sequence parallelism is on."""
+    """What every tensor-parallel layer needs: the door, the group, and whether sequence parallelism is on;
+    `encoders`: a vision-language model's vision tower "split" over the ranks or kept "whole" (hf_plan.py)."""
 
     comm: Comm
     group: Group
     sequence_parallel: bool = False
+    encoders: str = "split"
 
     @property
     def size(self) -> int:

@@ -110,7 +110,7 @@ def resolve_plan(model: nn.Module, ctx: TPContext, plan: dict | str | None) -> d
         if not is_hf_model(model):
             raise ValueError(f"tp_plan='auto' reads a Hugging Face model's own plan; {type(model).__name__} is not "
                              "a transformers PreTrainedModel: pass tp_plan={module pattern: style}")
-        plan = hf_tp_plan(model, ctx.sequence_parallel)
+        plan = hf_tp_plan(model, ctx.sequence_parallel, ctx.encoders, ctx.size)
     elif plan is None:
         plan = LLAMA_PLAN
     if not isinstance(plan, dict):
