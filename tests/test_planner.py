@@ -286,3 +286,16 @@ def test_the_memory_cut_follows_the_estimates_measured_error():
     flat = plan("1b", 8, memory, margin=0.10, **args)
     assert all(c.peak <= 0.9 * memory and not c.risk for c in flat.ranked)
     assert not {c.layout for c in risky} & {c.layout for c in flat.ranked}
+
+
+def test_long_rows_search_context_parallel_past_8_and_short_ones_do_not():
+    """Every power of two the mesh allows to 8; past 8 while each rank keeps 8192 of the row's tokens (a
+    128k row on 64 GPUs: cp 16, not 32); a Space's own sizes replace the rule."""
+    from bunsan.planner.space import cp_sizes
+    shape = load_shape("1b")
+    assert cp_sizes(shape, 64, 1, 131072, Space()) == [1, 2, 4, 8, 16]
+    assert cp_sizes(shape, 64, 2, 262144, Space()) == [1, 2, 4, 8, 16, 32]
+    assert cp_sizes(shape, 64, 1, 8192, Space()) == [1, 2, 4, 8]
+    assert cp_sizes(shape, 64, 1, 131072, Space(cp=(1, 2))) == [1, 2]
+    with pytest.raises(ValueError, match="Space.cp is empty"):
+        Space(cp=())

@@ -93,7 +93,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--zero-stages", help="ZeRO stages to search, e.g. 0,1 (default 0,1,2,3)")
     p.add_argument("--recompute", help="recompute modes to search, e.g. full (default none,full,selective)")
     p.add_argument("--no-sp", action="store_true", help="leave sequence parallelism out of the search")
-    p.add_argument("--cp-sizes", help="context-parallel sizes to search, e.g. 1,2,4,8,16 (default 1,2,4,8)")
+    p.add_argument("--cp-sizes", help="context-parallel sizes to search, e.g. 1,2,4,8,16 (default: powers of two to 8, "
+                        "and past 8 while each rank keeps 8192 of a row's tokens)")
     p.add_argument("--constants", action="store_true", help="also print the cost model's constants and sources")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"),
                    help="search this precision only (default: every one the GPU runs, fp32 included)")

@@ -33,17 +33,17 @@ class Space:
     offload: tuple = ("none", "cpu", "nvme")      # optimizer and parameter offload targets tried
     pipeline_gather: tuple = ("micro_batch", "schedule")   # ZeRO-3 under pipeline stages
     micro_batches: tuple = (1, 2, 4, 8, 16, 32)
-    cp: tuple = (1, 2, 4, 8)                      # context-parallel sizes tried (where they split seq_len)
+    cp: tuple | None = None     # context-parallel sizes tried (where they split seq_len); None: cp_sizes' own
 
     def __post_init__(self) -> None:
         checks = (("zero", self.zero, (0, 1, 2, 3)), ("recompute", self.recompute, RECOMPUTE),
                   ("sequence_parallel", self.sequence_parallel, (False, True)),
                   ("schedules", self.schedules, SCHEDULES), ("offload", self.offload, OFFLOADS),
                   ("pipeline_gather", self.pipeline_gather, ("micro_batch", "schedule")))
-        if not isinstance(self.cp, tuple):
+        if self.cp is not None and not isinstance(self.cp, tuple):
             raise ValueError(f"Space.cp {self.cp!r} must be a tuple of context-parallel sizes, e.g. (1, 2, 4)")
-        bad_cp = [c for c in self.cp if isinstance(c, bool) or not isinstance(c, int) or c < 1]
-        if bad_cp or not self.cp:
+        bad_cp = [c for c in self.cp or () if isinstance(c, bool) or not isinstance(c, int) or c < 1]
+        if bad_cp or self.cp == ():
             raise ValueError(f"Space.cp {self.cp!r} must be a non-empty tuple of positive ints (context-parallel "
                              f"sizes); drop {bad_cp}" if bad_cp else "Space.cp is empty; allow at least (1,)")
         for name, chosen, allowed in checks:
@@ -87,12 +87,20 @@ def _schedules(pp: int, accum: int, layers: int, space: Space) -> list[tuple[str
     return out
 
 
+# Past cp 8, a context-parallel size is searched only while each rank keeps this many of the row's tokens: a
+# long row needs the split, a short one would only cut its attention into small chunks
+LONG_ROW_TOKENS_PER_RANK = 8192
+
+
 def cp_sizes(shape: ModelShape, gpus: int, tp: int, seq_len: int, space: Space) -> list[int]:
     """Context-parallel sizes that divide the GPUs left after tp and cut each row into 2 x cp equal chunks
-    (bunsan's Llama attention only: other models run cp 1)."""
+    (bunsan's Llama attention only: other models run cp 1): the space's, else every power of two the mesh
+    allows, up to 8 and beyond while each rank keeps LONG_ROW_TOKENS_PER_RANK of the row."""
     if shape.llama is None:
         return [1]
-    return [c for c in space.cp if (gpus // tp) % c == 0 and (c == 1 or seq_len % (2 * c) == 0)]
+    sizes = space.cp or tuple(c for c in (2 ** i for i in range(12))
+                              if c <= 8 or seq_len // c >= LONG_ROW_TOKENS_PER_RANK)
+    return [c for c in sizes if (gpus // tp) % c == 0 and (c == 1 or seq_len % (2 * c) == 0)]
 
 
 def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int,
