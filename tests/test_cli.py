@@ -97,7 +97,7 @@ def test_train_tensor_parallel_with_sequence_parallelism(tmp_path, corpus):
               "--set", f"data.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     meta = json.loads((tmp_path / "final" / "bunsan.json").read_text())
-    assert meta["bunsan_config"]["tensor_parallel"] == {"size": 2, "sequence_parallel": True}
+    assert meta["bunsan_config"]["tensor_parallel"] == {"size": 2, "sequence_parallel": True, "encoders": "split"}
     assert load_file(str(tmp_path / "final" / "model.safetensors"))["lm_head.weight"].shape == (256, 128)
 
 
