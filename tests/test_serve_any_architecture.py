@@ -72,7 +72,7 @@ def test_the_batcher_gives_transformers_greedy_tokens(kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("kind", ["qwen2", "mistral", "gemma2", "gpt2"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "gpt2"])
 def test_16_bit_weights_serve_transformers_greedy_tokens(kind, dtype):
     """The weights and the KV cache in bf16 / fp16 (the sliding window, Gemma 2's eager softcap and GPT-2's
     learned positions among them): four prompts batched give the tokens of transformers' greedy `generate` on
@@ -105,13 +105,16 @@ def test_what_the_serving_forward_cannot_mask_is_refused():
         TransformersLM(flex)
 
 
-@pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen2")
+def _save_directory(folder, kind: str):
     torch.manual_seed(1)
-    transformers.AutoModelForCausalLM.from_config(_config("qwen2")).save_pretrained(folder)
+    transformers.AutoModelForCausalLM.from_config(_config(kind)).save_pretrained(folder)
     save_chat_tokenizer(folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    return _save_directory(tmp_path_factory.mktemp("qwen2"), "qwen2")
 
 
 def _completions(url: str, prompts: list[list[int]], n: int) -> list[str]:
@@ -126,14 +129,25 @@ def _completions(url: str, prompts: list[list[int]], n: int) -> list[str]:
 @pytest.mark.parametrize("spread", [[], ["--tp", "2"], ["--device-map", "sequential", "--max-memory", "cpu=250KB"]],
                          ids=["one-process", "tp2", "device-map-disk"])
 def test_serve_a_transformers_directory(qwen2_dir, spread):
+    _serve_and_compare(qwen2_dir, spread)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "phi3"])
+def test_serve_tp2_splits_each_family_by_its_own_plan(tmp_path, kind):
+    """Qwen3's q/k norms, Gemma 3's sliding layers and Phi-3's fused qkv_proj, which its plan gathers
+    (`colwise_gather_output`: every rank keeps every key/value head in its cache), over two ranks."""
+    _serve_and_compare(_save_directory(tmp_path, kind), ["--tp", "2"])
+
+
+def _serve_and_compare(folder, spread):
     from bunsan.training.data import load_tokenizer
-    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen2_dir).eval()
-    tokenizer = load_tokenizer(str(qwen2_dir / "tokenizer.json"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = load_tokenizer(str(folder / "tokenizer.json"))
     torch.manual_seed(2)
     prompts = [torch.randint(3, 300, (n,)).tolist() for n in (4, 9, 6)]
     want = [tokenizer.decode(_greedy(hf, p, 10)) for p in prompts]
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", "--checkpoint", str(qwen2_dir), "--port",
+    server = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", "--checkpoint", str(folder), "--port",
                                str(port), "--slots", "2", "--context", "64", *spread], env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -15,6 +15,10 @@ from bunsan.comm.process_group import init_distributed
 from bunsan.comm.work import Group
 from bunsan.tensor_parallel import TPContext, apply_tensor_parallel
 from bunsan.tensor_parallel.hf_plan import hf_tp_plan, is_hf_model
+from bunsan.tensor_parallel.layers import ColumnParallelLinear
+
+# the module whose output holds an attention layer's keys, by its name in the model (bunsan's and transformers')
+KEY_PROJECTIONS = ("k_proj", "qkv_proj")
 
 
 @dataclass
@@ -41,7 +45,19 @@ def split_over_ranks(model: nn.Module, tp: int, timeout_s: float | None = None) 
         raise ValueError(f"{type(target).__name__}'s tensor-parallel plan has no vocabulary-parallel head (its "
                          "lm_head); inference under --tp needs one to gather the logits: run without --tp")
     head.gather_output = True
-    return TPRank(device, comm, mesh.tp_group, mesh.rank, model.config.num_key_value_heads // tp)
+    return TPRank(device, comm, mesh.tp_group, mesh.rank, kv_heads_held(target, model.config.num_key_value_heads, tp))
+
+
+def kv_heads_held(model: nn.Module, kv_heads: int, tp: int) -> int:
+    """The key/value heads each rank computes after the split, so the KV cache it keeps: 1/tp of them where the
+    keys' projection is split by columns, all of them where the plan gathers its output (Phi-3's fused
+    qkv_proj is `colwise_gather_output`: every rank runs every head) or leaves it whole."""
+    for name, m in model.named_modules():
+        if name.rpartition(".")[2] in KEY_PROJECTIONS:
+            split = isinstance(m, ColumnParallelLinear) and not m.gather_output
+            return kv_heads // tp if split else kv_heads
+    raise ValueError(f"{type(model).__name__} has no module named {' or '.join(KEY_PROJECTIONS)} to read its "
+                     "keys' split from, so the KV cache each rank holds is unknown; serve it without --tp")
 
 
 def inference_plan(model: nn.Module) -> dict | None:
