@@ -5,6 +5,8 @@ priced (activations) said in the table and the verdict."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -54,3 +56,103 @@ def test_the_estimate_names_unpriced_activations(llava):
     assert item.note.startswith("NOT PRICED") and item.device == 0
     gathered = next(i for i in est.items if i.name == "ZeRO-3 gathered")
     assert gathered.device < 2 * GiB                  # a unit and its prefetch, not the whole 13 GiB model
+
+
+# Published configs, written out (no hub access in the tests): the sizes their model cards give
+QWEN2_AUDIO_7B = {"architectures": ["Qwen2AudioForConditionalGeneration"], "model_type": "qwen2_audio",
+                  "audio_token_index": 151646, "vocab_size": 156032,
+                  "audio_config": {"model_type": "qwen2_audio_encoder", "d_model": 1280, "encoder_layers": 32,
+                                   "encoder_attention_heads": 20, "encoder_ffn_dim": 5120, "num_mel_bins": 128,
+                                   "max_source_positions": 1500},
+                  "text_config": {"model_type": "qwen2", "vocab_size": 156032, "hidden_size": 4096,
+                                  "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+                                  "num_key_value_heads": 32, "max_position_embeddings": 8192}}
+LLAVA_15_7B = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 32000,
+               "text_config": {"model_type": "llama", "vocab_size": 32064, "hidden_size": 4096,
+                               "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+                               "num_key_value_heads": 32, "max_position_embeddings": 4096},
+               "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                                 "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336,
+                                 "patch_size": 14, "projection_dim": 768}}
+QWEN2_VL_7B = {"architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+               "text_config": {"model_type": "qwen2_vl_text", "vocab_size": 152064, "hidden_size": 3584,
+                               "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                               "num_key_value_heads": 4, "max_position_embeddings": 32768,
+                               "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
+               "vision_config": {"depth": 32, "embed_dim": 1280, "hidden_size": 3584, "num_heads": 16,
+                                 "mlp_ratio": 4, "patch_size": 14, "spatial_merge_size": 2, "in_chans": 3,
+                                 "temporal_patch_size": 2}}
+WHISPER_LARGE_V3 = {"architectures": ["WhisperForConditionalGeneration"], "model_type": "whisper",
+                    "vocab_size": 51866, "d_model": 1280, "encoder_layers": 32, "decoder_layers": 32,
+                    "encoder_attention_heads": 20, "decoder_attention_heads": 20, "encoder_ffn_dim": 5120,
+                    "decoder_ffn_dim": 5120, "num_mel_bins": 128, "max_source_positions": 1500,
+                    "max_target_positions": 448}
+
+
+def _tiny(kind: str) -> dict:
+    if kind == "whisper":
+        return transformers.WhisperConfig(vocab_size=320, d_model=32, encoder_layers=2, decoder_layers=2,
+                                          encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                          decoder_ffn_dim=64, num_mel_bins=16, max_source_positions=16,
+                                          max_target_positions=32, pad_token_id=0, bos_token_id=1,
+                                          eos_token_id=2, decoder_start_token_id=1).to_dict()
+    from test_multimodal import build
+    return build(kind).config.to_dict()
+
+
+def _write(tmp_path, d: dict):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(d))
+    return str(path)
+
+
+FULL = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+        "qwen2_audio": "Qwen2AudioForConditionalGeneration", "whisper": "WhisperForConditionalGeneration"}
+
+
+@pytest.mark.parametrize("kind", list(FULL))
+@pytest.mark.parametrize("architectures", [True, False], ids=["named", "unnamed"])
+def test_the_whole_model_is_priced_with_its_head(tmp_path, kind, architectures):
+    """The class config.architectures names, else the most complete one transformers maps model_type to: the
+    audio-language model (not Qwen2AudioModel without its LM head), Whisper's encoder with its decoder (not the
+    decoder alone as WhisperForCausalLM): every parameter the real model has, counted on the meta device."""
+    import torch
+    from bunsan.estimator.shape import load_shape
+    d = {k: v for k, v in _tiny(kind).items() if k != "architectures"}
+    if architectures:
+        d["architectures"] = [FULL[kind]]
+    shape = load_shape(_write(tmp_path, d))
+    with torch.device("meta"):
+        real = getattr(transformers, FULL[kind])(transformers.AutoConfig.for_model(**d))
+    assert shape.name == FULL[kind] and not shape.caveats
+    assert shape.n_params == sum(p.numel() for p in real.parameters())
+
+
+@pytest.mark.parametrize("d,cls,billions", [(QWEN2_AUDIO_7B, "Qwen2AudioForConditionalGeneration", 8.40),
+                                            (LLAVA_15_7B, "LlavaForConditionalGeneration", 7.06),
+                                            (QWEN2_VL_7B, "Qwen2VLForConditionalGeneration", 8.29),
+                                            (WHISPER_LARGE_V3, "WhisperForConditionalGeneration", 1.54)],
+                         ids=["qwen2-audio-7b", "llava-1.5-7b", "qwen2-vl-7b", "whisper-large-v3"])
+def test_published_configs_are_priced_at_their_published_size(tmp_path, d, cls, billions):
+    import torch
+    from bunsan.estimator.shape import load_shape
+    shape = load_shape(_write(tmp_path, d))
+    with torch.device("meta"):
+        real = getattr(transformers, cls)(transformers.AutoConfig.for_model(**d))
+    assert shape.n_params == sum(p.numel() for p in real.parameters())
+    assert shape.n_params / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_a_price_without_the_head_or_with_an_unknown_class_says_so(tmp_path, capsys):
+    """A config naming the base model (no LM head) or a class this transformers lacks is priced as what is
+    built, and the estimate's title says what that leaves out."""
+    from bunsan.cli.main import main
+    from bunsan.estimator.shape import load_shape
+    base = load_shape(_write(tmp_path, {**_tiny("qwen2_audio"), "architectures": ["Qwen2AudioModel"]}))
+    assert base.name.startswith("Qwen2AudioModel (no LM head") and "not counted" in base.name
+    odd = _write(tmp_path, {**_tiny("qwen2_audio"), "architectures": ["Qwen2AudioForMyTask"]})
+    assert load_shape(odd).name.startswith("Qwen2AudioForConditionalGeneration (config.architectures names "
+                                           "Qwen2AudioForMyTask, which this transformers does not have")
+    capsys.readouterr()
+    assert main(["estimate", "--model", odd, "--gpus", "1", "--seq-len", "64", "--micro-batch", "1"]) == 0
+    assert "Qwen2AudioForMyTask" in " ".join(capsys.readouterr().out.split())

@@ -9,6 +9,7 @@ the same plan and partitioner training uses, so the estimate cannot drift from t
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 import json
@@ -37,6 +38,9 @@ class ModelShape:
     # a transformers model whose blocks save what a Llama block of this shape saves (transforms/saving_forms.py
     # puts them in bunsan's forms): its activations are priced as that Llama's
     blocks_as: LlamaConfig | None = None
+    # what the price leaves out (no LM head, a class transformers lacks), each said in `name` as well, which
+    # `bunsan estimate` and `plan` print as the model's title
+    caveats: tuple[str, ...] = ()
 
     @property
     def priced_as(self) -> LlamaConfig | None:
@@ -114,7 +118,7 @@ def load_shape(model, overrides: dict | None = None) -> ModelShape:
         cfg = getattr(model, "config", None)
         if isinstance(cfg, LlamaConfig):
             return ModelShape(type(model).__name__, model, cfg)
-        return ModelShape(type(model).__name__, model, None, blocks_as=_llama_form_blocks(cfg))
+        return transformers_shape(model)
     if not isinstance(model, (str, Path)):
         raise TypeError(f"model must be a preset name, a config.json path, a LlamaConfig or an nn.Module, "
                         f"got {type(model).__name__}")
@@ -145,9 +149,18 @@ def load_shape(model, overrides: dict | None = None) -> ModelShape:
                         str(model))
 
 
+# transformers' auto classes when the config names no class it has, the most complete model first: where a
+# model_type maps to several (Whisper: the speech-to-text model, and its decoder alone as a causal LM; Qwen2-Audio:
+# the audio-language model, and AutoModel's base without a head), what trains is the whole model with its head
+AUTO_CLASSES = ("AutoModelForMultimodalLM", "AutoModelForImageTextToText", "AutoModelForSpeechSeq2Seq",
+                "AutoModelForSeq2SeqLM", "AutoModelForCausalLM", "AutoModel")
+
+
 def _transformers_shape(d: dict, path: Path, overrides: dict | None) -> ModelShape:
     """Another architecture's config.json (Qwen2, Gemma, a LLaVA with its vision tower, ...): the model built by
-    transformers on the meta device, so every module it has is counted, none assumed."""
+    transformers on the meta device, so every module it has is counted, none assumed. The class is the one the
+    config's `architectures` names (as checkpoint/convert.py builds it), else the first of AUTO_CLASSES that
+    builds; what that leaves out (no LM head, a named class this transformers lacks) is said in the name."""
     kind = d.get("model_type")
     if overrides:
         raise ValueError(f"{path}: model_type {kind!r} is priced from the model transformers builds; the model "
@@ -162,17 +175,50 @@ def _transformers_shape(d: dict, path: Path, overrides: dict | None) -> ModelSha
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: transformers does not know model_type {kind!r} ({e}); bunsan prices what "
                          "transformers can build") from None
-    builders = (transformers.AutoModelForCausalLM, getattr(transformers, "AutoModelForImageTextToText", None),
-                transformers.AutoModel)
+    caveats = []
+    named = (d.get("architectures") or [None])[0]
+    cls = getattr(transformers, named, None) if isinstance(named, str) else None
+    if isinstance(named, str) and cls is None:
+        caveats.append(f"config.architectures names {named}, which this transformers does not have: priced as "
+                       "the class transformers maps model_type to")
     with torch.device("meta"):
-        for builder in builders:
+        model = None
+        if cls is not None:
+            try:
+                model = cls(config)
+            except Exception as e:   # noqa: BLE001  (any class's refusal of the config: said, then the auto classes)
+                caveats.append(f"{named} does not build from this config ({type(e).__name__}: {str(e)[:120]}): "
+                               "priced as the class transformers maps model_type to")
+        for auto in AUTO_CLASSES if model is None else ():
+            builder = getattr(transformers, auto, None)
             try:
                 model = builder.from_config(config) if builder is not None else None
-            except ValueError:
+            except ValueError:          # model_type not in this auto class's mapping
                 continue
             if model is not None:
-                return ModelShape(type(model).__name__, model, None, blocks_as=_llama_form_blocks(model.config))
-    raise ValueError(f"{path}: transformers builds no model for model_type {kind!r}; bunsan cannot price it")
+                break
+    if model is None:
+        raise ValueError(f"{path}: transformers builds no model for model_type {kind!r}; bunsan cannot price it")
+    if _head(model) is None:
+        caveats.append(f"no LM head: {type(model).__name__} is the base model, a head trained on it is not counted; "
+                       "give the config's architectures the class you train")
+    return transformers_shape(model, caveats)
+
+
+def transformers_shape(model: nn.Module, caveats: list[str] | tuple[str, ...] = ()) -> ModelShape:
+    """A ModelShape of a module other than bunsan's Llama (a transformers model, any nn.Module), with the
+    caveats its price carries in its name."""
+    caveats = tuple(caveats)
+    name = type(model).__name__
+    if caveats:
+        name += " (" + "; ".join(caveats) + ")"
+    return ModelShape(name, model, None, blocks_as=_llama_form_blocks(getattr(model, "config", None)),
+                      caveats=caveats)
+
+
+def _head(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_output_embeddings", None)
+    return get() if callable(get) else None
 
 
 # model types whose decoder layers, in the saving forms, save a Llama block's bytes (measured within 2%:
@@ -303,6 +349,6 @@ def lora_rank_params(shape: ModelShape, lora, tp: int = 1, pp: int = 1, virtual_
     from bunsan.transforms.lora import apply_lora
     module = copy.deepcopy(shape.module)    # on meta: nothing is allocated, and the shape stays plain
     apply_lora(module, lora)
-    with_adapters = ModelShape(shape.name, module, shape.llama, shape.bare, shape.blocks_as)
+    with_adapters = dataclasses.replace(shape, module=module)
     return (rank_params(with_adapters, tp, pp, virtual_stages, partition_method),
             rank_params(with_adapters, tp, pp, virtual_stages, partition_method, trainable=False))
