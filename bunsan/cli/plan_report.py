@@ -9,7 +9,10 @@ GiB = 1024 ** 3
 def print_comparison(console, comparison) -> None:
     from rich.table import Table
     best, asked = comparison.best, comparison.asked
-    table = Table(title=f"--explain: {asked.layout.describe()} against the first choice {best.layout.describe()}")
+    # a heading line, not the table's title: rich wraps a title to the table's width
+    console.print(f"--explain: {asked.layout.describe()} against the first choice {best.layout.describe()}",
+                  highlight=False)
+    table = Table()
     for col in ("term", "first choice s", "asked s", "difference s"):
         table.add_column(col, justify="left" if col == "term" else "right")
     for name, b, a in comparison.rows():
@@ -18,8 +21,9 @@ def print_comparison(console, comparison) -> None:
                   f"{asked.step.total - best.step.total:+.3g}")
     table.add_row("tokens/s", f"{best.step.tokens_per_s:,.0f}", f"{asked.step.tokens_per_s:,.0f}", "")
     table.add_row("MFU", f"{best.step.mfu:.1%}", f"{asked.step.mfu:.1%}", "")
+    rule, memory = comparison.rule, comparison.memory
     table.add_row("peak GiB", f"{best.peak / GiB:.1f}", f"{asked.peak / GiB:.1f}",
-                  f"usable {comparison.usable / GiB:.1f}")
+                  f"fits to {rule.usable(memory) / GiB:.1f}")
     console.print(table)
     console.print(f"decided by {comparison.decided_by()}")
 
