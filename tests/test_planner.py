@@ -299,3 +299,20 @@ def test_long_rows_search_context_parallel_past_8_and_short_ones_do_not():
     assert cp_sizes(shape, 64, 1, 131072, Space(cp=(1, 2))) == [1, 2]
     with pytest.raises(ValueError, match="Space.cp is empty"):
         Space(cp=())
+
+
+def test_explain_says_a_layout_is_dropped_past_the_threshold_that_drops_it():
+    """The search drops a peak past memory / the lowest measured ratio (not past memory / the highest, where a
+    layout stops fitting for sure and is ranked at risk): the reason names that threshold and its rule."""
+    from types import SimpleNamespace
+
+    from bunsan.planner.explain import Comparison
+
+    def said(peak: float, rule: MemoryRule) -> str:
+        return Comparison(None, SimpleNamespace(peak=peak, risk=""), 80 * GiB, rule).decided_by()
+    text = said(1.08 * 80 * GiB, MemoryRule())         # x0.935 is still past memory
+    assert text.startswith("memory: it peaks at 86.4 GiB per GPU")
+    assert f"past the {80 / MEASURED_RATIO[0]:.1f} GiB the search ranks (80.0 GiB / 0.935)" in text
+    assert f"{80 / MEASURED_RATIO[1]:.1f}" not in text and text.endswith("so the search drops it")
+    flat = said(75 * GiB, MemoryRule.of(0.1))
+    assert "past the 72.0 GiB that fit with 10% of 80.0 GiB kept free (--margin)" in flat

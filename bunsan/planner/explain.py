@@ -83,9 +83,8 @@ class Comparison:
 
     def decided_by(self) -> str:
         if not self.rule.ranked(self.asked.peak, self.memory):
-            return (f"memory: it peaks at {self.asked.peak / GiB:.1f} GiB per GPU, past the "
-                    f"{self.rule.usable(self.memory) / GiB:.1f} GiB that fit ({self.rule.usable_line}) even if the "
-                    "estimate errs as measured, so the search drops it")
+            return (f"memory: it peaks at {self.asked.peak / GiB:.1f} GiB per GPU, "
+                    f"{self.rule.dropped(self.memory)}; so the search drops it")
         if self.asked.risk and not self.best.risk:
             return f"memory: ranked after every layout that fits, {self.asked.risk}"
         deltas = {name: asked - best for name, best, asked in self.rows()}
@@ -99,7 +98,8 @@ class Comparison:
                 "step_s": {"first_choice": self.best.step.total, "asked": self.asked.step.total},
                 "tokens_per_s": {"first_choice": self.best.step.tokens_per_s, "asked": self.asked.step.tokens_per_s},
                 "peak_bytes": {"first_choice": self.best.peak, "asked": self.asked.peak},
-                "usable_bytes": self.rule.usable(self.memory), "asked_risk": self.asked.risk or None,
+                "usable_bytes": self.rule.usable(self.memory), "ranked_to_bytes": self.rule.ranked_to(self.memory),
+                "asked_risk": self.asked.risk or None,
                 "decided_by": self.decided_by(),
                 "assumptions": list(self.asked.step.assumptions)}
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+GiB = 1024 ** 3
 # measured peak / estimated peak, lowest and highest over the 15 layouts (2026-11-29, the 2-core CPU VM)
 MEASURED_RATIO = (0.935, 1.119)
 
@@ -63,6 +64,19 @@ class MemoryRule:
     def usable(self, memory: float) -> float:
         """The most a peak may be estimated at and fit."""
         return memory * (1 - self.flat) if self.flat is not None else memory / self.high
+
+    def ranked_to(self, memory: float) -> float:
+        """The most a peak may be estimated at and still be ranked (at risk past `usable`); past it, dropped."""
+        return self.usable(memory) if self.flat is not None else memory / self.low
+
+    def dropped(self, memory: float) -> str:
+        """Why a peak past `ranked_to` is dropped: the threshold and the rule that sets it."""
+        if self.flat is not None:
+            return (f"past the {self.ranked_to(memory) / GiB:.1f} GiB that fit with {self.flat:.0%} of "
+                    f"{memory / GiB:.1f} GiB kept free (--margin)")
+        return (f"past the {self.ranked_to(memory) / GiB:.1f} GiB the search ranks ({memory / GiB:.1f} GiB / "
+                f"{self.low:g}): even if the true peak is as far below the estimate as measured (x{self.low:g}), "
+                "it would not fit")
 
     def to_json(self) -> dict:
         return {"flat_margin": self.flat, "measured_ratio": None if self.flat is not None else [self.low, self.high]}
