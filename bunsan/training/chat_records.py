@@ -9,7 +9,7 @@ nor a list of parts, an assistant turn with nothing in it (it would train the en
 
 from __future__ import annotations
 
-__all__ = ["BadRecord", "ROLES", "checked_messages", "checked_tools", "text_field"]
+__all__ = ["BadRecord", "ROLES", "Where", "checked_messages", "checked_tools", "text_field"]
 
 # the roles chat templates render (OpenAI's, plus Llama 3's ipython and the older function)
 ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
@@ -17,6 +17,18 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipytho
 
 class BadRecord(ValueError):
     """A record bunsan cannot render or mask, said with where it is (data.on_bad_record: skip counts it)."""
+
+
+class Where(str):
+    """Where a record is ("data.jsonl:7"), and the folder its relative media paths resolve against."""
+
+    def __new__(cls, text: str, folder):
+        out = super().__new__(cls, text)
+        out.folder = folder
+        return out
+
+    def __reduce__(self):        # (pickled to tokenize_workers and DataLoader workers with its folder)
+        return Where, (str(self), self.folder)
 
 
 def text_field(value, name: str, key: str, where: str) -> str:

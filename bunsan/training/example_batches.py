@@ -32,6 +32,8 @@ class ExampleRows:
     examples: int = 0      # examples in the rows (a packed row holds several)
     pairs: bool = False    # preference pairs: rows 2k and 2k+1 are a pair's chosen and rejected (one window)
     ref_logps: np.ndarray | None = None   # pairs: each row's reference log-prob (dpo.reference records)
+    media: list | None = None     # multimodal chat: each row's MediaSpec (its media, processed when batched)
+    media_chat: object = None     # ... and the processor that renders them (media_chat.py)
 
 
 def _render(job):
@@ -58,13 +60,18 @@ def rendered(records, renderer, workers: int = 1):
 def example_rows(records, renderer, seq_len: int, pad_id: int, packing: bool = False,
                  workers: int = 1) -> ExampleRows:
     """One example per row, padded; with `packing`, examples in file order fill each row while they fit
-    (a document's first token is never a target: it would be predicted from the document before)."""
+    (a document's first token is never a target: it would be predicted from the document before). A
+    multimodal chat renderer's examples carry their media (media_chat.py): one per row, never packed."""
     w = seq_len + 1
-    ids, trained, docs, cut, dropped, used, skipped = [], [], [], 0, 0, 0, []
-    for toks, mask in rendered(records, renderer, workers):
+    ids, trained, docs, cut, dropped, used, skipped, media = [], [], [], 0, 0, 0, [], []
+    for out in rendered(records, renderer, workers):
+        toks, mask = out[0], out[1]
         if toks is None:
             skipped.append(mask)
             continue
+        if len(out) > 2 and packing:
+            raise ValueError(f"data.packing with multimodal chat records ({out[2].where}): each row's images or "
+                             "audio go with its tokens, one example per row; set data.packing false")
         if len(toks) > w:
             toks, mask, cut = toks[:w], mask[:w], cut + 1
         if not any(mask[1:]):         # (the first token is never predicted)
@@ -80,6 +87,7 @@ def example_rows(records, renderer, seq_len: int, pad_id: int, packing: bool = F
             ids.append(list(toks))
             trained.append(mask)
             docs.append([0] * len(toks))
+            media.append(out[2] if len(out) > 2 else None)
     if not ids:
         raise ValueError(f"no example has a token to train on ({dropped} had none left within seq_len+1 = {w}"
                          f"{f', {len(skipped)} were skipped as bad records, e.g. {skipped[0]}' if skipped else ''}); "
@@ -90,8 +98,14 @@ def example_rows(records, renderer, seq_len: int, pad_id: int, packing: bool = F
         mask += [False] * n
         doc += [doc[-1] + 1] * n
     dtype = np.int32 if max(max(r) for r in ids) < 2 ** 31 else np.int64
-    return ExampleRows(np.asarray(ids, dtype=dtype), np.asarray(trained, dtype=bool), cut, dropped, skipped,
-                       np.asarray(docs, dtype=np.int32) if packing else None, used)
+    multimodal = getattr(renderer, "media", None) is not None
+    rows = ExampleRows(np.asarray(ids, dtype=dtype), np.asarray(trained, dtype=bool), cut, dropped, skipped,
+                       np.asarray(docs, dtype=np.int32) if packing else None, used,
+                       media=media if multimodal else None, media_chat=renderer.media if multimodal else None)
+    if multimodal:
+        from bunsan.training.media_batches import check_media_rows
+        check_media_rows(rows)
+    return rows
 
 
 def report(rows: ExampleRows, seq_len: int) -> None:

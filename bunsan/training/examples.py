@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Iterator
 
 from bunsan.models.hf import has_chat_template
-from bunsan.training.chat_records import BadRecord, checked_messages, checked_tools, text_field
+from bunsan.training.chat_masks import assistant_spans, template_text, trained_by_offsets
+from bunsan.training.chat_records import BadRecord, Where, checked_messages, checked_tools, text_field
+from bunsan.training.media_records import conversation, refuse_media
 
 __all__ = ["FORMATS", "DEFAULT_FIELDS", "is_dataset_dir", "read_records", "Renderer"]
 
@@ -66,7 +68,7 @@ def read_records(paths: list[Path], on_bad_record: str = "error") -> Iterator[tu
                             raise
                         rec = e
                     if rec is not None:
-                        yield f"{path}:{n}", rec
+                        yield Where(f"{path}:{n}", path.parent), rec
         elif path.suffix.lower() == ".json":
             try:
                 data = json.loads(_utf8(path.read_bytes(), str(path)))
@@ -76,7 +78,7 @@ def read_records(paths: list[Path], on_bad_record: str = "error") -> Iterator[tu
             if not isinstance(data, list):
                 raise ValueError(f"{path}: a JSON data file holds a list of records, got {type(data).__name__}")
             for n, rec in enumerate(data):
-                yield f"{path}[{n}]", _checked(rec, f"{path}[{n}]")
+                yield Where(f"{path}[{n}]", path.parent), _checked(rec, f"{path}[{n}]")
         elif path.suffix.lower() == ".parquet":
             yield from _parquet_rows(path)
         else:
@@ -102,7 +104,7 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, dict]]:
     n = 0
     for batch in rows.iter_batches(batch_size=1024):
         for rec in batch.to_pylist():
-            yield f"{path} row {n}", rec
+            yield Where(f"{path} row {n}", path.parent), rec
             n += 1
 
 
@@ -128,14 +130,14 @@ def _dataset_rows(path: Path) -> Iterator[tuple[str, dict]]:
                              "split to train on")
         data = data["train"]
     for n, rec in enumerate(data):
-        yield f"{path} row {n}", rec
+        yield Where(f"{path} row {n}", path.parent), rec
 
 
 class Renderer:
     """Records to (ids, trained) pairs: token ids and, per token, whether the loss is taken on it."""
 
     def __init__(self, fmt: str, tokenizer, folder: Path | None, fields: dict, train_on_prompt: bool,
-                 on_bad_record: str = "error"):
+                 on_bad_record: str = "error", seq_len: int | None = None):
         if fmt not in FORMATS:
             raise ValueError(f"data.format {fmt!r} is not one of {', '.join(FORMATS)}")
         if on_bad_record not in ("error", "skip"):
@@ -152,6 +154,11 @@ class Renderer:
                              f"{folder or 'the byte tokenizer'} has none; set data.tokenizer to a Hugging Face "
                              "tokenizer directory with a chat_template (tokenizer_config.json)")
         self.eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        # a folder whose processor reads images or audio renders chat records through it (media_chat.py)
+        self.media = None
+        if fmt == "chat" and folder is not None:
+            from bunsan.training.media_chat import MediaChat
+            self.media = MediaChat.from_folder(folder, train_on_prompt, None if seq_len is None else seq_len + 1)
 
     def _field(self, rec: dict, name: str, where: str, optional: bool = False, text: bool = True):
         key = self.fields[name]
@@ -196,42 +203,25 @@ class Renderer:
                                    input_block=f"### Input:\n{extra}\n\n" if extra else "")
             ids_p, ids_a = self.tokenizer.encode(prompt), self.tokenizer.encode(output) + self.eos
             return ids_p + ids_a, [self.train_on_prompt] * len(ids_p) + [True] * len(ids_a)
-        messages = checked_messages(self._field(rec, "messages", where, text=False), self.fields["messages"],
-                                    self.fields["role"], self.fields["content"], where)
-        return self._chat(messages, where, checked_tools(rec.get("tools"), where))
+        raw = conversation(rec, self.fields["messages"], where)      # messages, or ShareGPT's conversations
+        if raw is None:
+            raw = self._field(rec, "messages", where, text=False)        # (an error naming the missing field)
+        messages = checked_messages(raw, self.fields["messages"], self.fields["role"], self.fields["content"],
+                                    where)
+        tools = checked_tools(rec.get("tools"), where)
+        if self.media is not None:        # images and audio through the model's processor: (ids, trained, media)
+            return self.media.render(messages, tools, where)
+        return self._chat(messages, where, tools)
 
     def _chat(self, messages: list[dict], where: str, tools: list | None = None,
               respond_from: int = 0) -> tuple[list[int], list[bool]]:
-        """The conversation through the template; tokens inside an assistant turn's text are trained (from
-        message `respond_from` on: a preference pair scores its response, not the prompt's turns)."""
-        def text(upto, prompt=False):
-            if not upto:
-                raise BadRecord(f"{where}: the conversation opens with the assistant, so its first turn has no "
-                                "prompt to be trained against; start it with a system or user message")
-            try:
-                return self.hf.apply_chat_template(upto, tools=tools, tokenize=False, add_generation_prompt=prompt)
-            except Exception as e:      # noqa: BLE001  (jinja's TemplateError, or a template's own TypeError)
-                raise BadRecord(f"{where}: the tokenizer's chat template cannot render this conversation "
-                                f"({type(e).__name__}: {str(e)[:200]})") from None
-        full = text(messages)
-        if any(m.get("tool_calls") for m in messages) and \
-                text([{k: v for k, v in m.items() if k != "tool_calls"} for m in messages]) == full:
-            raise BadRecord(f"{where}: the tokenizer's chat template does not render tool_calls, so the calls "
-                            "would train as an empty assistant turn; use a template that writes them (Qwen 2.5, "
-                            "Llama 3.1, Mistral's) or drop them from the data")
-        spans = []
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant" or i < respond_from:
-                continue
-            before, through = text(messages[:i], prompt=True), text(messages[:i + 1])
-            if not (full.startswith(before) and full.startswith(through)):
-                raise BadRecord(f"{where}: the chat template renders a conversation's beginning differently from "
-                                "the whole conversation, so the assistant's tokens cannot be found; use "
-                                "data.train_on_prompt or another template")
-            spans.append((len(before), len(through)))
+        """The conversation through the tokenizer's template; tokens inside an assistant turn's text are trained
+        (from message `respond_from` on: a preference pair scores its response, not the prompt's turns)."""
+        refuse_media(messages, where, self.fmt)
+        text = template_text(self.hf.apply_chat_template, tools, where)
+        full, spans = assistant_spans(text, messages, where, respond_from)
         enc = self.hf(full, add_special_tokens=False, return_offsets_mapping=True)
-        trained = [self.train_on_prompt or any(a <= s and e <= b and e > s for a, b in spans)
-                   for s, e in enc["offset_mapping"]]
+        trained = trained_by_offsets(enc["offset_mapping"], spans, self.train_on_prompt)
         if not any(trained):
             raise BadRecord(f"{where}: no assistant turn to train on (roles {[m['role'] for m in messages]}); "
                              "give each conversation an assistant message")

@@ -1,6 +1,9 @@
 """`bunsan train --init-from DIR` for a transformers causal LM that is not a Llama (Qwen2/3, Mistral, Gemma,
-Phi-3, GPT-2, ...): transformers builds it from the directory, weights included, and it trains through the
-same engine as the Python API's `bunsan.initialize(AutoModelForCausalLM.from_pretrained(DIR), config)`.
+Phi-3, GPT-2, ...) or a vision- or audio-language model (LLaVA, Qwen2-VL, Qwen2-Audio, ...): transformers builds
+it from the directory, weights included, and it trains through the same engine as the Python API's
+`bunsan.initialize(AutoModelForCausalLM.from_pretrained(DIR), config)`. A composite model (its config has a
+vision or audio part), or any model given multimodal records, is built as a whole multimodal LM
+(AutoModelForMultimodalLM: the class its image-text-to-text or audio pipeline builds), never its text half.
 
 bunsan's batches carry their targets already shifted; a transformers model reads `labels` unshifted, so they
 reach it as `shift_labels` (engine/batch.py). A Llama directory keeps bunsan's own Llama (training/loop.py).
@@ -53,9 +56,33 @@ def _positions(config) -> int | None:
     return None
 
 
-def load_hf_model(path, cfg, vocab_size: int) -> tuple[nn.Module, HFShape]:
+def model_class(config, multimodal: bool):
+    """The transformers class that builds the directory's model for training on next tokens."""
+    import transformers
+    from transformers.models.auto import modeling_auto as auto
+    kind = config.model_type
+    composite = any(getattr(config, k, None) is not None for k in ("vision_config", "audio_config"))
+    if (multimodal or composite) and kind in auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForMultimodalLM
+    if kind in auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForCausalLM
+    if multimodal:
+        raise ValueError(f"multimodal records with train.init_from a {kind!r} model, which transformers knows no "
+                         "multimodal LM class for; set train.init_from to a vision- or audio-language model")
+    if kind in auto.MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForMultimodalLM
+    recorded = [a for a in (getattr(config, "architectures", None) or [])
+                if a.endswith(("ForCausalLM", "ForConditionalGeneration", "LMHeadModel")) and hasattr(transformers, a)]
+    if recorded:
+        return getattr(transformers, recorded[0])
+    raise ValueError(f"model_type {kind!r} (architectures {getattr(config, 'architectures', None)}) is no causal or "
+                     "multimodal LM transformers knows; train.init_from takes a model that predicts next tokens")
+
+
+def load_hf_model(path, cfg, vocab_size: int, multimodal: bool = False) -> tuple[nn.Module, HFShape]:
     """The model of a transformers directory in fp32 on the host (the engine casts and places it), checked
-    against the data: its vocabulary holds the tokenizer's, its positions the rows."""
+    against the data: its vocabulary holds the tokenizer's, its positions the rows. `multimodal`: the records
+    carry images or audio."""
     try:
         import transformers
     except ImportError:
@@ -65,17 +92,20 @@ def load_hf_model(path, cfg, vocab_size: int) -> tuple[nn.Module, HFShape]:
         raise ValueError(f"data.packing with train.init_from {path} (model_type "
                          f"{transformers.AutoConfig.from_pretrained(path).model_type}): the packed rows' document "
                          "boundaries reach bunsan's own Llama only; set data.packing false (one example per row)")
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    config = model.config
+    model = model_class(transformers.AutoConfig.from_pretrained(path), multimodal).from_pretrained(
+        path, dtype=torch.float32)
+    # a composite model's sizes are its language model's (get_text_config: the config itself for a text model)
+    config = model.config.get_text_config()
     positions = _positions(config)
     if config.vocab_size < vocab_size or (positions is not None and positions < cfg.data.seq_len):
         raise ValueError(f"{path} has vocab_size {config.vocab_size} and {positions} positions; the data needs at "
                          f"least {vocab_size} and {cfg.data.seq_len}: use its tokenizer (data.tokenizer) or a "
                          "shorter data.seq_len")
     embedding = model.get_input_embeddings().weight.numel()
-    shape = HFShape(config.to_dict(), sum(p.numel() for p in model.parameters()), embedding,
-                    config.num_hidden_layers, config.hidden_size, config.vocab_size,
-                    bool(getattr(config, "tie_word_embeddings", False)))
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight     # (as built, whatever config)
+    shape = HFShape(model.config.to_dict(), sum(p.numel() for p in model.parameters()), embedding,
+                    config.num_hidden_layers, config.hidden_size, config.vocab_size, tied)
     return model, shape
 
 

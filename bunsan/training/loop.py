@@ -29,7 +29,10 @@ from bunsan.config.deepspeed_keys import IgnoredKeyWarning
 from bunsan.config.root import Config
 from bunsan.context_parallel import check_length
 from bunsan.training.data import TokenBatches, make_loader, unigram_entropy
+from bunsan.engine.batch import keyword_inputs
+from bunsan.training.freeze import freeze
 from bunsan.training.hf_model import HFShape, is_other_architecture, load_hf_model, use_shift_labels
+from bunsan.training.media_batches import takes_inputs
 from bunsan.training.preference_data import reference_logps
 from bunsan.training.sources import held_out_batches, load_source, tokenizer_folder, train_batches
 from bunsan.comm.process_group import init_distributed
@@ -143,8 +146,13 @@ def set_up(cfg: Config) -> Run:
     tokenizer, source = load_source(cfg, rank)
     tokens = source if cfg.data.format == "text" else source.ids.reshape(-1)
     other = bool(cfg.train.init_from) and is_other_architecture(cfg.train.init_from)
+    multimodal = getattr(source, "media", None) is not None      # chat records through a processor (media_chat.py)
+    if multimodal and not other:
+        raise ValueError(f"chat records rendered by {tokenizer_folder(cfg)}'s processor (images or audio) train a "
+                         "vision- or audio-language model: set train.init_from to its directory, not "
+                         f"{cfg.train.init_from or 'the model section (a text Llama)'}")
     if other:                     # a transformers model with its weights (hf_model.py)
-        model, mcfg = load_hf_model(cfg.train.init_from, cfg, tokenizer.vocab_size)
+        model, mcfg = load_hf_model(cfg.train.init_from, cfg, tokenizer.vocab_size, multimodal)
     else:
         mcfg = run_model_config(cfg, tokenizer.vocab_size)
         if cfg.pipeline.stages > 1:   # each rank allocates and initialises only its own stages
@@ -152,6 +160,7 @@ def set_up(cfg: Config) -> Run:
                 model = Llama(mcfg)
         else:
             model = Llama(mcfg)
+    freeze(model, cfg.train.freeze, adapters=cfg.lora.enabled)    # (before the engine sees which ones train)
     with warnings.catch_warnings():   # bunsan train does write TensorBoard scalars (training/metrics.py)
         warnings.filterwarnings("ignore", "config key tensorboard.enabled", IgnoredKeyWarning)
         engine = initialize(model, cfg)
@@ -166,6 +175,7 @@ def set_up(cfg: Config) -> Run:
     val = held_out_batches(source, cfg, engine)
     if other:
         use_shift_labels(batches, val)
+        takes_inputs(keyword_inputs(model), batches, val)
     loader = make_loader(batches, cfg.data.num_workers, cfg.data.pin_memory, cfg.data.prefetch_factor)
     return Run(cfg, device, rank, tokens, mcfg, engine, loader, val)
 

@@ -12,7 +12,8 @@ import torch
 from bunsan.comm import functional as world
 from bunsan.comm.work import CommError, first_line
 from bunsan.training.data import TokenBatches, TokenCache, default_corpus_files, load_tokenizer, resolve_paths
-from bunsan.training.example_batches import ExampleBatches, example_rows, report
+from bunsan.training.example_batches import example_rows, report
+from bunsan.training.media_batches import example_batches
 from bunsan.training.examples import Renderer, is_dataset_dir, read_records
 
 __all__ = ["tokenizer_folder", "load_source", "corpus_tokens", "same_everywhere", "train_batches",
@@ -97,7 +98,7 @@ def load_source(cfg, rank: int):
         raise ValueError(f"data.format {cfg.data.format} reads records: give data.paths (JSONL, JSON, Parquet "
                          "files or a saved datasets directory)")
     renderer = Renderer(cfg.data.format, tokenizer, Path(folder) if folder else None, cfg.data.fields,
-                        cfg.data.train_on_prompt, cfg.data.on_bad_record)
+                        cfg.data.train_on_prompt, cfg.data.on_bad_record, seq_len=cfg.data.seq_len)
     pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     records = read_records(_record_paths(cfg.data.paths), cfg.data.on_bad_record)
     if cfg.data.format == "preference":
@@ -116,8 +117,8 @@ def train_batches(source, cfg, engine) -> TokenBatches:
     if cfg.data.format == "text":
         return TokenBatches(source, cfg.data.seq_len, engine.train_batch_size, engine.dp_rank, engine.dp_size,
                             seed=cfg.train.seed, val_fraction=cfg.data.val_fraction)
-    return ExampleBatches(source, engine.train_batch_size, engine.dp_rank, engine.dp_size, seed=cfg.train.seed,
-                          val_fraction=cfg.data.val_fraction)
+    return example_batches(source, engine.train_batch_size, engine.dp_rank, engine.dp_size, seed=cfg.train.seed,
+                           val_fraction=cfg.data.val_fraction)
 
 
 def held_out_batches(source, cfg, engine) -> TokenBatches | None:
@@ -128,7 +129,7 @@ def held_out_batches(source, cfg, engine) -> TokenBatches | None:
         if cfg.data.format == "text":
             return TokenBatches(source, cfg.data.seq_len, engine.train_batch_size, engine.dp_rank, engine.dp_size,
                                 seed=cfg.train.seed, split="val", val_fraction=cfg.data.val_fraction)
-        return ExampleBatches(source, engine.train_batch_size, engine.dp_rank, engine.dp_size, seed=cfg.train.seed,
-                              split="val", val_fraction=cfg.data.val_fraction)
+        return example_batches(source, engine.train_batch_size, engine.dp_rank, engine.dp_size, seed=cfg.train.seed,
+                               split="val", val_fraction=cfg.data.val_fraction)
     except ValueError:
         return None
