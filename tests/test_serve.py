@@ -46,6 +46,17 @@ def test_concurrent_requests_equal_offline_generation(server, model):
     assert server.batcher.steps < sum(12 + i for i in range(len(PROMPTS)))   # decode steps were shared
 
 
+def test_past_the_slots_requests_wait_and_are_all_answered_at_the_default_limits(server, model):
+    """160 clients at once on 3 slots with the default --max-concurrent: every one is answered with the
+    offline tokens, none refused (the limit was 64, so the 65th open request was a 429)."""
+    want = {p: offline(model, server.tokenizer, p, 3) for p in PROMPTS}
+    with ThreadPoolExecutor(160) as pool:
+        replies = list(pool.map(lambda i: server.post({"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 3,
+                                                       "temperature": 0}), range(160)))
+    assert [r.status_code for r in replies] == [200] * 160
+    assert [r.json()["choices"][0]["text"] for r in replies] == [want[PROMPTS[i % len(PROMPTS)]] for i in range(160)]
+
+
 def test_streaming_sends_the_same_text_as_events(server, model):
     want = offline(model, server.tokenizer, PROMPTS[0], 20)
     chunks, done = [], False
@@ -276,10 +287,12 @@ def test_the_kv_cache_size_follows_its_budget_and_is_printed(model):
     from bunsan.serve.paged import block_bytes
     per_block = block_bytes(model.config, 16, None, torch.float32)
     assert per_block * 5 == PagedCache(model, 5, 16).nbytes
-    args = argparse.Namespace(slots="auto", kv_cache_memory=str(40 * per_block + 5), max_concurrent=64,
+    args = argparse.Namespace(slots="auto", kv_cache_memory=str(40 * per_block + 5), max_concurrent=1024,
                               block_size=16)
     slots, blocks, line = cache_size(args, model, 96, None)
-    assert (slots, blocks) == (64, 40)          # 64 sequences share 39 blocks: as many as their lengths allow
+    assert (slots, blocks) == (256, 40)         # 256 sequences share 39 blocks: as many as their lengths allow
+    args.max_concurrent = 64
+    assert cache_size(args, model, 96, None)[0] == 64      # never more places than may be open
     assert line.startswith("KV cache 39 blocks x 16 tokens = 624 tokens, ") and "--kv-cache-memory" in line
     args.kv_cache_memory, args.slots = None, 3  # no budget: at most every sequence at the full context
     assert cache_size(args, model, 96, None)[:2] == (3, 1 + 3 * 6)

@@ -8,6 +8,10 @@ from pathlib import Path
 
 from bunsan.cli.launch import relaunch, under_torchrun
 
+# sequences decoded together by default: past --slots requests wait (they are not refused) and a pool that
+# runs short preempts, so this bounds one forward's rows, as vLLM's default --max-num-seqs does
+AUTO_SLOTS = 256
+
 
 def add_parser(sub) -> None:
     s = sub.add_parser("serve", help="serve completions over HTTP (OpenAI-style), continuous batching")
@@ -17,8 +21,8 @@ def add_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's, else bytes)")
     s.add_argument("--slots", type=_slots, default="auto",
-                   help="sequences decoded together, the paged KV cache's blocks shared among them; auto: "
-                        "--max-concurrent")
+                   help="sequences decoded together (vLLM's --max-num-seqs), the paged KV cache's blocks shared "
+                        f"among them; auto: {AUTO_SLOTS}, at most --max-concurrent")
     s.add_argument("--kv-cache-memory", default=None,
                    help="the paged KV cache's size, e.g. 4GiB (default: 30%% of the memory free where the cache "
                         "lives after the weights, at most --slots sequences of --context tokens)")
@@ -37,7 +41,8 @@ def add_parser(sub) -> None:
     s.add_argument("--context", type=int, default=None,
                    help="tokens per request, prompt included (default: the model's max_position_embeddings)")
     s.add_argument("--max-tokens", type=int, default=1024, help="the most max_tokens one request may ask for")
-    s.add_argument("--max-concurrent", type=int, default=64, help="requests running or waiting; beyond: 429")
+    s.add_argument("--max-concurrent", type=int, default=1024,
+                   help="sequences running or waiting for a place; beyond: 429")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20)
     s.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel processes: rank 0 serves, every rank holds 1/tp of the heads and KV cache")
@@ -97,7 +102,7 @@ def load_model(args):
         context = _context(args, read_config(ckpt))
         if args.device_map:
             from bunsan.inference import load
-            batch = args.slots if isinstance(args.slots, int) else args.max_concurrent
+            batch = args.slots if isinstance(args.slots, int) else min(AUTO_SLOTS, args.max_concurrent)
             model, _ = load(ckpt, args.device_map, parse_max_memory(args.max_memory), dtype=dtype, batch=batch,
                             max_seq=context)
         else:
@@ -126,7 +131,7 @@ def cache_size(args, model, context: int, kv_heads: int | None) -> tuple[int, in
     from bunsan.serve.paged import block_bytes, free_memory, input_device
     dtype = next(model.parameters()).dtype
     per_block = block_bytes(model.config, args.block_size, kv_heads, dtype)
-    slots = args.max_concurrent if args.slots == "auto" else args.slots
+    slots = min(AUTO_SLOTS, args.max_concurrent) if args.slots == "auto" else args.slots
     whole = 1 + slots * -(-context // args.block_size)          # every sequence at the full context
     if args.kv_cache_memory:
         budget, why = parse_bytes(args.kv_cache_memory), "--kv-cache-memory"

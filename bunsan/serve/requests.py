@@ -44,7 +44,7 @@ _warned: set[str] = set()
 class Limits:
     max_body_bytes: int = 1 << 20
     max_tokens: int = 1024             # the most one request may ask for
-    max_concurrent: int = 64           # sequences running or waiting; beyond, 429
+    max_concurrent: int = 1024         # sequences running or waiting; beyond, 429
     body_timeout_s: float = 30.0       # the whole body must arrive within this (408)
     max_stop: int = 16                 # stop strings per request
     max_stop_chars: int = 256          # characters per stop string
