@@ -221,3 +221,36 @@ def test_the_estimator_prices_transformers_blocks_in_the_saving_forms_as_measure
     assert "transformers blocks priced as a Llama block" in kept(1).note
     off = kept(1, train={"saving_forms": False})
     assert off.device == 0 and "NOT PRICED" in off.note
+
+
+@pytest.mark.parametrize("kind", ["llava", "llava_siglip", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"])
+def test_a_composite_models_language_model_blocks_are_priced_as_measured(kind, monkeypatch):
+    """LLaVA's Llama, Qwen2-VL's and Qwen2.5-VL's text models (their multimodal rotary tables made once per
+    forward) and Qwen2-Audio's Qwen2: one decoder block more adds what the estimator prices for it, within
+    2%, measured through the whole model's forward (encoder, projector, loss) in the saving forms, bf16. The
+    encoders' activations are named as not priced."""
+    pytest.importorskip("transformers")
+    import test_multimodal as mm
+    from bunsan.estimator import estimate
+    from bunsan.transforms.saving_forms import apply_saving_forms
+
+    def model(layers: int):
+        monkeypatch.setitem(mm.TEXT, "num_hidden_layers", layers)
+        return mm.build(kind)
+    cfg = {"train_batch_size": mm.ROWS, "bf16": {"enabled": True}, "data": {"seq_len": mm.SEQ}}
+
+    def priced(layers: int):
+        return estimate(model(layers), cfg, device_type="cpu").items
+
+    def measured(layers: int) -> int:
+        m = model(layers).to(torch.bfloat16)
+        apply_saving_forms(m)
+        b = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in mm.batches(kind, 1)[0].items()}
+        got, loss = saved_bytes(lambda: m(**b).loss, list(m.parameters()) + list(m.buffers()))
+        loss.backward()
+        return got
+    one, two = priced(1), priced(2)
+    per_block = next(i for i in two if i.name == "activations").device - \
+        next(i for i in one if i.name == "activations").device
+    assert per_block == pytest.approx(measured(2) - measured(1), rel=0.02)
+    assert next(i for i in one if i.name == "encoder activations").note.startswith("NOT PRICED")

@@ -37,25 +37,82 @@ def test_a_composite_config_is_priced_from_its_own_modules(llava):
     # the units the engine gathers (zero/units.py): the 32 text blocks, the vision tower's 24 and its patch
     # embedding (its _no_split_modules); the root is the token embedding, the head and the projector
     from bunsan.zero.units import find_units
-    assert len(find_units(model, [])) == 57 and rp.blocks == 57 and rp.root < 0.05 * rp.total
+    assert len(find_units(model, [])) == 57 == len(rp.units) and rp.root < 0.05 * rp.total
+    assert rp.blocks == 32                 # the blocks whose activations are priced: the language model's
 
 
-def test_estimate_and_plan_say_what_they_do_not_price(llava):
+def _said(capsys) -> str:
+    return " ".join(capsys.readouterr().out.split())      # (rich wraps the table's cells)
+
+
+def test_estimate_and_plan_say_what_they_do_not_price(llava, capsys, monkeypatch):
     from bunsan.cli.main import main
+    monkeypatch.setenv("COLUMNS", "1000")      # the table's rows on one line each
+    capsys.readouterr()
     assert main(["estimate", "--model", str(llava), "--gpus", "2", "--zero", "3", "--bf16", "--seq-len", "1024",
                  "--micro-batch", "1", "--gpu", "h100"]) == 0
+    out = _said(capsys)
+    assert "(NOT PRICED: the activations of model.vision_tower, model.multi_modal_projector)" in out
+    assert "NOT PRICED: the activations of model.vision_tower (1 CLIPVisionEmbeddings, 24 CLIPEncoderLayer); " \
+           "model.multi_modal_projector: they depend on the images or clips per sample" in out
+    assert "transformers blocks priced as a Llama block" in out and "before activations (not priced" in out
     assert main(["plan", "--model", str(llava), "--gpus", "8", "--gpu", "a100", "--seq-len", "2048", "--top",
                  "2"]) == 0
+    assert "(NOT PRICED: the activations of model.vision_tower, model.multi_modal_projector)" in _said(capsys)
 
 
-def test_the_estimate_names_unpriced_activations(llava):
+def test_the_estimate_prices_the_language_model_and_names_the_encoders(llava):
+    """LLaVA-1.5-7B: its 32 Llama blocks priced as bunsan's Llama of that shape (they run the saving forms),
+    the vision tower's activations named as not priced."""
     from bunsan.estimator import estimate
+    from bunsan.estimator.activations import Micro, block_bytes
+    from bunsan.models.llama import LlamaConfig
     est = estimate(str(llava), {"zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
-                                "train_micro_batch_size_per_gpu": 1}, gpus=2)
+                                "train_micro_batch_size_per_gpu": 1, "data": {"seq_len": 1024}}, gpus=2)
     item = next(i for i in est.items if i.name == "activations")
-    assert item.note.startswith("NOT PRICED") and item.device == 0
+    lm = LlamaConfig(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                     num_attention_heads=32, max_position_embeddings=4096)
+    assert item.device > 32 * block_bytes(lm, Micro(1, 1024, 2)) > 3 * GiB
+    encoders = next(i for i in est.items if i.name == "encoder activations")
+    assert encoders.note.startswith("NOT PRICED") and encoders.device == 0
     gathered = next(i for i in est.items if i.name == "ZeRO-3 gathered")
     assert gathered.device < 2 * GiB                  # a unit and its prefetch, not the whole 13 GiB model
+
+
+def test_a_transformers_llama_module_is_priced():
+    import torch
+    from bunsan.estimator.shape import load_shape
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4))
+    shape = load_shape(model)
+    assert shape.blocks_as is not None and shape.blocks_as.num_hidden_layers == 2 and not shape.caveats
+
+
+@pytest.mark.parametrize("kind", ["llava", "qwen2_vl", "qwen2_audio"])
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_frozen_encoder_is_held_as_weights(kind, zero):
+    """A frozen tower's weights are held (in the model dtype; sharded at ZeRO-3, as the engine shards them),
+    with no gradients, master weights or optimizer states: the estimate's parameters are every element the
+    model has, its other states those of the trained ones."""
+    from bunsan.estimator import estimate
+    from test_multimodal import build, encoder
+    model = build(kind)
+    every = sum(p.numel() for p in model.parameters())
+    frozen = sum(p.numel() for p in encoder(model).requires_grad_(False).parameters())
+    cfg = {"train_batch_size": 2, "zero_optimization": {"stage": zero}, "optimizer": {"type": "SGD"}}
+    est = estimate(model, cfg, gpus=2 if zero else 1, device_type="cpu")
+    params = next(i for i in est.items if i.name == "params")
+    assert params.note.startswith(f"{every:,} elements") and f"{frozen:,} frozen" in params.note
+    assert f"{every - frozen:,} trained" in params.note
+    assert est.model_states["params"] >= 4 * every / (2 if zero else 1)
+    assert est.model_states["grads"] < 4 * (every - frozen) * 1.05
+    if zero == 0:        # as the engine holds them, after a step (ZeRO-3 on two ranks: test_multimodal.py)
+        import bunsan
+        from test_multimodal import _cfg, batches
+        engine = bunsan.initialize(model, {**_cfg(), **cfg, "train_batch_size": 4})
+        engine.train_batch(batches(kind, 1)[0])
+        assert engine.memory_report()["model_states"] == est.model_states["model_states"]
 
 
 # Published configs, written out (no hub access in the tests): the sizes their model cards give
@@ -124,7 +181,7 @@ def test_the_whole_model_is_priced_with_its_head(tmp_path, kind, architectures):
     shape = load_shape(_write(tmp_path, d))
     with torch.device("meta"):
         real = getattr(transformers, FULL[kind])(transformers.AutoConfig.for_model(**d))
-    assert shape.name == FULL[kind] and not shape.caveats
+    assert shape.name.partition(" ")[0] == FULL[kind] and not any("head" in c for c in shape.caveats)
     assert shape.n_params == sum(p.numel() for p in real.parameters())
 
 

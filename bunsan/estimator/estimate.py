@@ -122,7 +122,8 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
                 runtime: float, zero: dict, opt_params: dict,
                 base: RankParams | None = None) -> tuple[list[Item], dict]:
     """One pipeline rank's items in the table's order (the process, its model states, what backward adds,
-    what the step adds) and its model states. `base`: LoRA's frozen base weights beside the adapters `rp`."""
+    what the step adds) and its model states. `base`: the frozen weights (LoRA's base, a frozen encoder) beside
+    the trained ones `rp`."""
     on_cpu = device_type == "cpu"
     bucket = int(zero.get("reduce_bucket_size", 10_000_000))
     st = model_states(rp, layout.shard_ranks, layout.zero, layout.dtype_bytes, layout.optimizer, opt_params, bucket,
@@ -134,6 +135,8 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
              + (_unpriced_activations(shape) if shape.priced_as is None and not shape.bare else
                 _activation_items(None if shape.bare else shape.priced_as, rp, rank, layout, on_cpu,
                                   shape.llama is None))
+             + ([Item("encoder activations", phase="backward", note="NOT PRICED: " + shape.unpriced_encoders)]
+                if shape.unpriced_encoders and rp.has_embedding else [])
              + _backward_buffer_items(shape, rp, base, layout, bucket)
              + _step_items(shape, rp, st, layout, zero, on_cpu))
     return items, st
@@ -169,7 +172,7 @@ def _model_state_items(st: dict, rp: RankParams, frozen: int, layout: Layout, on
     words = ZERO_STAGES[layout.zero]
     params = words.params.format(elements=rp.total + frozen, dp=layout.shard_ranks)
     if frozen:
-        params += f" ({frozen:,} frozen base, {rp.total:,} LoRA adapters)"
+        params += f" ({frozen:,} frozen: no gradients or optimizer states; {rp.total:,} trained)"
     notes = {"params": params, "grads": words.grads.format(precision=layout.precision),
              "master_weights": "fp32" + words.sharded, "optimizer_states": layout.optimizer + words.sharded}
     place = placement(layout.zero, layout.offload_optimizer, layout.offload_param)
@@ -301,8 +304,10 @@ def estimate_layout(model, layout: Layout, *, nodes: int = 1, gpu_memory: float 
     bases = None
     if lora is not None and lora.enabled:
         ranks, bases = lora_rank_params(shape, lora, layout.tp, layout.pp, layout.virtual_stages, partition)
-    elif ranks is None:
-        ranks = rank_params(shape, layout.tp, layout.pp, layout.virtual_stages, partition)
+    else:
+        ranks = ranks or rank_params(shape, layout.tp, layout.pp, layout.virtual_stages, partition)
+        if shape.n_frozen:      # (a frozen encoder) held as weights beside the trained ones, like LoRA's base
+            bases = rank_params(shape, layout.tp, layout.pp, layout.virtual_stages, partition, trainable=False)
     priced = [_rank_items(shape, rp, r, layout, device_type, runtime, zero or {}, optimizer_params or {},
                           bases[r] if bases else None) for r, rp in enumerate(ranks)]
     peaks = [_peak(items) for items, _ in priced]

@@ -9,6 +9,7 @@ the same plan and partitioner training uses, so the estimate cannot drift from t
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fnmatch
 import functools
@@ -25,7 +26,7 @@ from bunsan.models.blocks import repeated_blocks
 
 from bunsan.models.llama import Llama, LlamaConfig
 from bunsan.models.presets import get_preset
-from bunsan.pipeline.partition import model_layers, partition
+from bunsan.pipeline.partition import encoder_paths, hf_decoder_prefix, model_layers, partition
 from bunsan.tensor_parallel.plan import LLAMA_PLAN, check_llama
 
 
@@ -41,6 +42,7 @@ class ModelShape:
     # what the price leaves out (no LM head, a class transformers lacks), each said in `name` as well, which
     # `bunsan estimate` and `plan` print as the model's title
     caveats: tuple[str, ...] = ()
+    unpriced_encoders: str = ""       # a composite model's encoders whose activations are not priced, said in full
 
     @property
     def priced_as(self) -> LlamaConfig | None:
@@ -50,6 +52,11 @@ class ModelShape:
     @functools.cached_property
     def n_params(self) -> int:     # (cached: the planner asks once per layout; the module is not changed)
         return sum(p.numel() for p in self.module.parameters())
+
+    @functools.cached_property
+    def n_frozen(self) -> int:
+        """Elements that do not train (a frozen encoder): held as weights, with no gradients or optimizer states."""
+        return sum(p.numel() for p in self.module.parameters() if not p.requires_grad)
 
 
 def _llama_shape(cfg: LlamaConfig, name: str) -> ModelShape:
@@ -207,13 +214,29 @@ def _transformers_shape(d: dict, path: Path, overrides: dict | None) -> ModelSha
 
 def transformers_shape(model: nn.Module, caveats: list[str] | tuple[str, ...] = ()) -> ModelShape:
     """A ModelShape of a module other than bunsan's Llama (a transformers model, any nn.Module), with the
-    caveats its price carries in its name."""
-    caveats = tuple(caveats)
+    caveats its price carries in its name: what it leaves out, such as a composite model's encoders."""
+    blocks_as = _llama_form_blocks(getattr(model, "config", None))
+    towers = encoder_paths(model) if blocks_as is not None else []
+    caveats = tuple(caveats) + ((f"NOT PRICED: the activations of {', '.join(towers)}",) if towers else ())
     name = type(model).__name__
     if caveats:
         name += " (" + "; ".join(caveats) + ")"
-    return ModelShape(name, model, None, blocks_as=_llama_form_blocks(getattr(model, "config", None)),
-                      caveats=caveats)
+    return ModelShape(name, model, None, blocks_as=blocks_as, caveats=caveats,
+                      unpriced_encoders=_unpriced_encoders(model, towers) if towers else "")
+
+
+def _unpriced_encoders(model: nn.Module, towers: list[str]) -> str:
+    """What a composite model's price leaves out: its encoders' activations. Their tokens are the images' patches
+    or the clips' frames, so what they save depends on the media per sample, which a layout does not say."""
+    blocks = repeated_blocks(model)
+    inner = {id(m) for b in blocks for m in b.modules() if m is not b}    # (Qwen2-Audio lists its attention too)
+    said = []
+    for path in towers:
+        tower = set(map(id, model.get_submodule(path).modules()))
+        kinds = collections.Counter(type(b).__name__ for b in blocks if id(b) in tower and id(b) not in inner)
+        said.append(f"{path} ({', '.join(f'{n} {k}' for k, n in kinds.items())})" if kinds else path)
+    return (f"the activations of {'; '.join(said)}: they depend on the images or clips per sample; the language "
+            "model's blocks are priced, the peak is a floor (measure a step: engine.memory_report())")
 
 
 def _head(model: nn.Module) -> nn.Module | None:
@@ -221,14 +244,18 @@ def _head(model: nn.Module) -> nn.Module | None:
     return get() if callable(get) else None
 
 
-# model types whose decoder layers, in the saving forms, save a Llama block's bytes (measured within 2%:
-# tests/test_activation_bound.py); Gemma 2's eager softcapped attention and Qwen3's q/k norms save more
-LLAMA_FORM_BLOCKS = ("qwen2", "mistral", "gemma")
+# model types (of the language model: a composite model's text_config) whose decoder layers, in the saving forms,
+# save a Llama block's bytes (measured within 2%: tests/test_activation_bound.py; Qwen2-VL's and Qwen2.5-VL's
+# multimodal rotary embedding is made once per forward, not per block); Gemma 2's eager softcapped attention
+# and Qwen3's q/k norms save more
+LLAMA_FORM_BLOCKS = ("llama", "qwen2", "mistral", "gemma", "qwen2_vl_text", "qwen2_5_vl_text")
 
 
 def _llama_form_blocks(config) -> LlamaConfig | None:
-    """The Llama shape of a LLAMA_FORM_BLOCKS model's blocks; None for any other model, or a head_dim apart from
-    hidden / heads (which bunsan's Llama cannot express)."""
+    """The Llama shape of a LLAMA_FORM_BLOCKS model's blocks (a composite model's language model's); None for
+    any other model, or a head_dim apart from hidden / heads (which bunsan's Llama cannot express)."""
+    get_text = getattr(config, "get_text_config", None)
+    config = get_text() if callable(get_text) else config
     if getattr(config, "model_type", None) not in LLAMA_FORM_BLOCKS:
         return None
     heads = config.num_attention_heads
@@ -247,7 +274,7 @@ class RankParams:
     shapes: list[tuple[int, ...]]     # every trainable parameter this rank holds, after the TP split
     units: list[int]                  # ZeRO-3 units: elements per transformer block held here
     root: int                         # elements outside the blocks (embedding, norms, head) held here
-    blocks: int                       # transformer blocks held (for activations)
+    blocks: int                       # priced blocks held (for activations: a composite's language model's)
     has_embedding: bool
     has_head: bool
     tied_copies: int                  # elements held here that another pipeline rank also holds
@@ -315,10 +342,17 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
 
     def block_of(name: str) -> str | None:
         return next((p for p in prefixes if name.startswith(p)), None)
+    # the blocks whose activations are priced: a composite model's language model's, not its encoders'
+    decoder = "layers." if shape.llama is not None else \
+        f"{hf}.layers." if shape.blocks_as is not None and (hf := hf_decoder_prefix(model)) else ""
     params = {id(p): p for p in model.parameters()}
     out = []
     for r in range(len(paths)):
-        shapes, blocks, root, tied = [], {}, 0, 0
+        shapes, root, tied = [], 0, 0
+        # every unit this rank holds, in order, whatever trains in it: the trained and the frozen RankParams'
+        # units line up, unit by unit, as ZeRO-3 gathers a unit's frozen weights with its trained ones
+        blocks = {b: 0 for b in dict.fromkeys(block_of(n) for names in names_of.values() for n in names
+                                              if holds(r, n)) if b is not None}
         for pid, names in names_of.items():
             p = params[pid]
             here = [n for n in names if holds(r, n)]
@@ -330,13 +364,14 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
                 tied += n
             block = block_of(here[0])
             if block is not None:
-                blocks[block] = blocks.get(block, 0) + n
+                blocks[block] += n
             else:
                 root += n
         ends = [p.rsplit(".", 1)[-1] for p in paths[r]]
         has_emb = shape.priced_as is not None and (pp == 1 or "embed_tokens" in ends)
         has_head = shape.priced_as is not None and (pp == 1 or "lm_head" in ends)
-        out.append(RankParams(shapes, list(blocks.values()), root, len(blocks), has_emb, has_head, tied))
+        priced = sum(b.startswith(decoder) for b in blocks)
+        out.append(RankParams(shapes, list(blocks.values()), root, priced, has_emb, has_head, tied))
     return out
 
 
