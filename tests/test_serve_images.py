@@ -206,3 +206,46 @@ def test_a_text_model_refuses_images_by_name():
         assert reply.status_code == 400 and "takes text only" in reply.json()["error"], reply.text
     finally:
         server.close()
+
+
+def test_an_audio_language_model_serves_its_text_and_refuses_audio_parts(tmp_path):
+    """A Qwen2-Audio directory with its processor (Whisper's feature extractor, no image processor) starts
+    (it stopped at start-up: no image processor), answers a text chat as transformers' greedy `generate`
+    does, and an audio or image content part is a 400 naming it."""
+    save_chat_tokenizer(tmp_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]})
+    model = build("qwen2_audio").eval()
+    model.save_pretrained(tmp_path)
+    transformers.Qwen2AudioProcessor(feature_extractor=transformers.WhisperFeatureExtractor(feature_size=16),
+                                     tokenizer=tokenizer).save_pretrained(tmp_path)
+    processor = transformers.AutoProcessor.from_pretrained(tmp_path)     # its template: the one served
+    text = processor.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                         tokenize=False)
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    new = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=end,
+                         pad_token_id=0)[0, len(prompt):].tolist()
+    new = new[:new.index(end)] if end in new else new
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli.main", "serve", "--checkpoint", str(tmp_path),
+                             "--port", str(port), "--context", "96"], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(proc, url, "bunsan serve on a Qwen2-Audio directory")
+        reply = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "max_tokens": NEW, "temperature": 0,
+            "messages": [{"role": "user", "content": "hello"}]})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == tokenizer.decode(new)
+        for part in ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}):
+            refused = httpx.post(url + "/v1/chat/completions", timeout=60, json={"max_tokens": 2, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "messages[0].content[1]"
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "takes no images" in out and "audio: not served" in out, out

@@ -167,6 +167,11 @@ def vision_inputs(args, model, folder: Path):
             raise ValueError("--allowed-local-media-path: this model takes no images (not a vision-language model)")
         return None, None
     from bunsan.serve.media import ImageReader, VisionInputs
+    if model.image_token_id is None:         # an audio-language model (Qwen2-Audio): its text is served
+        if args.allowed_local_media_path:
+            raise ValueError("--allowed-local-media-path: this model takes no images (its encoder reads audio)")
+        return None, (f"images: off ({type(model.hf_model).__name__} takes no images); audio: not served, an audio "
+                      "content part is a 400")
     if not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
         return None, f"images: off ({folder} has no preprocessor_config.json for the model's processor)"
     vision = VisionInputs(folder, ImageReader(args.allowed_local_media_path), model.image_token_id)

@@ -270,10 +270,11 @@ def cache_keyword(model) -> str | None:
 
 def pretrained_lm(path, **kwargs):
     """transformers' model of the Hugging Face directory `path` that writes text: its causal LM, or for a
-    vision-language model (LLaVA, Qwen2-VL: a config with a vision_config) the image-text-to-text model."""
+    vision- or audio-language model (LLaVA, Qwen2-VL, Qwen2-Audio: a config with a vision_config or an
+    audio_config) its multimodal LM (the image-text-to-text or audio model, with its encoder)."""
     import transformers
     cls = transformers.AutoModelForCausalLM
     config = Path(path) / "config.json"
-    if config.is_file() and "vision_config" in json.loads(config.read_text()):
-        cls = transformers.AutoModelForImageTextToText
+    if config.is_file() and {"vision_config", "audio_config"} & set(json.loads(config.read_text())):
+        cls = transformers.AutoModelForMultimodalLM
     return cls.from_pretrained(str(path), **kwargs)
