@@ -145,14 +145,16 @@ KINDS = ["llava", "llava_siglip", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_tensor_parallel_from_the_plan_transformers_assembles(pools, kind):
-    """The language model split by the plan transformers assembles; a CLIP or SigLIP tower split by bunsan's
-    encoder plan (tensor_parallel.encoders "split", the default), the other encoders whole."""
+    """The language model split by the plan transformers assembles; a CLIP or SigLIP tower and Qwen2-Audio's
+    (Whisper's) audio tower split by bunsan's encoder plan (tensor_parallel.encoders "split", the default);
+    Qwen2-VL's and Qwen2.5-VL's vision towers whole (said: test_a_tower_bunsan_cannot_split_is_said_to_stay_whole)."""
     data = batches(kind)
     results = pools.run(2, _train, 2, kind, _cfg(tp=2), data)
     check_runs(results, *reference(kind, data))
     styles, towers = results[0][2]
     assert "ColumnParallelLinear" in styles and "RowParallelLinear" in styles
-    assert towers == (["language_model", "vision_tower"] if kind.startswith("llava") else ["language_model"])
+    split = {"llava": "vision_tower", "llava_siglip": "vision_tower", "qwen2_audio": "audio_tower"}
+    assert towers == sorted(["language_model"] + ([split[kind]] if kind in split else []))
 
 
 @pytest.mark.parametrize("kind", ["llava", "llava_siglip"])

@@ -10,6 +10,8 @@ vocabulary-parallel: logits are never gathered). A style bunsan does not impleme
 
 from __future__ import annotations
 
+import warnings
+
 import torch.nn as nn
 
 # HF style -> bunsan style, for the styles whose meaning bunsan's layers reproduce exactly
@@ -18,12 +20,23 @@ HF_STYLES = {"colwise": "column", "colwise_rep": "column_gather", "colwise_gathe
              "embedding_rowwise": "vocab_embedding", "sequence_parallel": "norm",
              "replicated_with_grad_allreduce": "grad_allreduce"}
 HEAD_STYLES = ("colwise_gather_output", "colwise_rep")   # a head whose logits HF gathers: bunsan's vocab_head
-# bunsan's plans for vision towers transformers ships none for, by encoder layer class: Megatron's split of a
-# ViT block (q/k/v and fc1 by columns, out_proj and fc2 by rows); their attention reshapes to -1 heads, so each
-# rank runs its share of the heads as given
-ENCODER_PLANS = {cls: {"self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
-                       "self_attn.out_proj": "row", "mlp.fc1": "column", "mlp.fc2": "row"}
-                 for cls in ("CLIPEncoderLayer", "SiglipEncoderLayer")}
+# bunsan's plans for encoder towers transformers ships none for, by encoder layer class (paths under the layer):
+# Megatron's split of a ViT block (q/k/v and fc1 by columns, out_proj and fc2 by rows), each rank running its share
+# of the heads. A CLIP or SigLIP attention reshapes to -1 heads; its attention and MLP modules take the block's
+# input into the parallel region.
+_VIT = {"self_attn": "parallel_input", "self_attn.q_proj": "column", "self_attn.k_proj": "column",
+        "self_attn.v_proj": "column", "self_attn.out_proj": "row", "mlp": "parallel_input", "mlp.fc1": "column",
+        "mlp.fc2": "row"}
+# Whisper's encoder layer (Qwen2-Audio's is its copy) holds fc1 and fc2 itself, and its input also feeds the
+# residual, so the layer cannot take its input into the parallel region (the residual's replicated gradient would
+# be summed over the ranks): fc1's input enters it as final_layer_norm's output. Its attention views k and v by
+# num_heads (a -1 sequence length), so it must be told its share of the heads (parallel_attention), or the
+# keys would be silently re-cut along the sequence.
+_WHISPER = {"self_attn": "parallel_attention", "self_attn.q_proj": "column", "self_attn.k_proj": "column",
+            "self_attn.v_proj": "column", "self_attn.out_proj": "row", "final_layer_norm": "parallel_output",
+            "fc1": "column", "fc2": "row"}
+ENCODER_PLANS = {"CLIPEncoderLayer": _VIT, "SiglipEncoderLayer": _VIT, "WhisperEncoderLayer": _WHISPER,
+                 "Qwen2AudioEncoderLayer": _WHISPER}
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -43,7 +56,8 @@ def _translated(path: str, style: str, is_head: bool) -> str:
 
 def hf_tp_plan(model: nn.Module, sequence_parallel: bool, encoders: str = "split", size: int = 1) -> dict[str, str]:
     """bunsan's plan (module pattern -> style) from the model's own, with the parallel inputs it implies;
-    a composite model's CLIP or SigLIP tower split by ENCODER_PLANS unless `encoders` is "whole"."""
+    a composite model's CLIP, SigLIP or Whisper-style audio tower split by ENCODER_PLANS unless `encoders` is
+    "whole" (a tower it has no split for is kept whole, and a warning says so)."""
     base_plan = getattr(model.config, "base_model_tp_plan", None) or {}
     head_plan = dict(getattr(type(model), "_tp_plan", None) or {})
     # a composite model (LLaVA, Qwen2-VL, ...) keeps its language model's plan in text_config; transformers
@@ -65,11 +79,12 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool, encoders: str = "split
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         heads = {n for n, m in model.named_modules() if m is head and head is not None}
         plan = {path: _translated(path, style, path in heads) for path, style in built.items()}
-        if encoders == "split":
-            plan |= encoder_plan(model, size)
     for path, style in list(plan.items()):
         if style in ("column", "column_gather"):   # the module that calls q/k/v (gate/up) gets the block's input
             plan.setdefault(path.rpartition(".")[0], "parallel_input")
+    if not base_plan and encoders == "split":      # (after: an encoder plan says where its inputs enter)
+        plan |= encoder_plan(model, size)
+        _say_whole_towers(model)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embed is not None and "vocab_head" in plan.values():
         name = next(n for n, m in model.named_modules() if m is embed)
@@ -95,14 +110,37 @@ def encoder_plan(model: nn.Module, size: int) -> dict[str, str]:
         styles = ENCODER_PLANS.get(type(layer).__name__)
         if styles is None:
             continue
-        attention, mlp = layer.self_attn, layer.mlp
-        heads, width = attention.num_heads, mlp.fc1.out_features
+        fc1 = layer.get_submodule(next(p for p in styles if p.endswith("fc1")))
+        heads, width = layer.self_attn.num_heads, fc1.out_features
         if heads % size or width % size:
             raise ValueError(f"{name} ({type(layer).__name__}) has {heads} attention heads and an MLP of {width}: "
                              f"tensor parallelism {size} must divide both; set tensor_parallel.encoders to "
                              "\"whole\" to keep the tower whole on every rank")
         plan |= {f"{name}.{path}": style for path, style in styles.items()}
     return plan
+
+
+def whole_towers(model: nn.Module) -> dict[str, list[str]]:
+    """A composite model's encoder towers (path -> their block classes) that ENCODER_PLANS has no split for:
+    Qwen2-VL's and Qwen2.5-VL's vision blocks (their attention's q, k and v fused in one qkv linear, whose
+    column split would have to take each rank's heads from all three)."""
+    from bunsan.models.blocks import repeated_blocks
+    from bunsan.pipeline.partition import encoder_paths
+    blocks = repeated_blocks(model)
+    out = {}
+    for path in encoder_paths(model):
+        tower = set(map(id, model.get_submodule(path).modules()))
+        kinds = sorted({type(b).__name__ for b in blocks if id(b) in tower})
+        if kinds and not any(k in ENCODER_PLANS for k in kinds):
+            out[path] = kinds
+    return out
+
+
+def _say_whole_towers(model: nn.Module) -> None:
+    for path, kinds in whole_towers(model).items():
+        warnings.warn(f"tensor_parallel.encoders is \"split\", but {path} ({', '.join(kinds)}) has no split bunsan "
+                      "implements (its attention's fused qkv): it is kept whole, computed in full on every "
+                      "tensor-parallel rank; set tensor_parallel.encoders to \"whole\" to say so", stacklevel=3)
 
 
 def _sequence_parallel_extras(model: nn.Module, prefix: str) -> dict[str, str]:

@@ -6,6 +6,9 @@ Styles:
     row             nn.Linear -> RowParallelLinear (input columns split, outputs summed)
     row_split_input the same, fed a whole input (each rank takes its columns)
     parallel_input  any module: its input enters the parallel region once (f / SP all-gather)
+    parallel_attention  the same for an attention that views its heads by `num_heads` (Whisper's): it is set to
+                    the rank's share, num_heads / tp
+    parallel_output any module: its output enters the parallel region (a norm feeding a column split directly)
     vocab_embedding nn.Embedding -> VocabParallelEmbedding
     vocab_embedding_whole   the same, its output the whole sequence under SP (split later, at sequence_split)
     sequence_split  any module: under SP its whole-sequence input becomes this rank's slice
@@ -26,7 +29,7 @@ import torch.nn as nn
 
 from bunsan.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, check_splittable, parallel_input_hook, split_sequence_hook, sum_grad_over_tp)
 from bunsan.tensor_parallel.hf_plan import hf_tp_plan, is_hf_model
-from bunsan.tensor_parallel.ops import TPContext
+from bunsan.tensor_parallel.ops import TPContext, into_parallel_region
 
 LLAMA_PLAN = {
     "embed_tokens": "vocab_embedding",
@@ -99,8 +102,9 @@ def _split_lora(name: str, m: nn.Module, style: str, ctx: TPContext) -> None:
                 sum_grad_over_tp(m.lora_B[key].weight, ctx)
 
 
-STYLES = ("column", "column_gather", "row", "row_split_input", "parallel_input", "vocab_embedding", "vocab_embedding_whole", "sequence_split",
-          "vocab_head", "norm", "grad_allreduce")
+STYLES = ("column", "column_gather", "row", "row_split_input", "parallel_input", "parallel_attention",
+          "parallel_output", "vocab_embedding", "vocab_embedding_whole", "sequence_split", "vocab_head", "norm",
+          "grad_allreduce")
 
 
 def resolve_plan(model: nn.Module, ctx: TPContext, plan: dict | str | None) -> dict:
@@ -118,8 +122,11 @@ def resolve_plan(model: nn.Module, ctx: TPContext, plan: dict | str | None) -> d
     unknown = sorted({s for s in plan.values()} - set(STYLES))
     if unknown:
         raise ValueError(f"unknown tensor-parallel style(s) {unknown}; use {', '.join(STYLES)}")
-    if getattr(model, "config", None) is not None and hasattr(model.config, "num_key_value_heads"):
-        check_llama(model.config, ctx.size)
+    config = getattr(model, "config", None)
+    # (a decoder's config; Whisper's maps num_key_value_heads to its encoder's heads, and its layers' heads and
+    # widths are checked by the encoder plan)
+    if config is not None and hasattr(config, "num_key_value_heads") and hasattr(config, "intermediate_size"):
+        check_llama(config, ctx.size)
     return plan
 
 
@@ -162,6 +169,16 @@ def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | str | N
             _set(model, name, RowParallelLinear(m, ctx, split_input=style == "row_split_input"))
         elif style == "parallel_input":
             m.register_forward_pre_hook(parallel_input_hook(ctx), with_kwargs=True)
+        elif style == "parallel_attention":
+            heads = getattr(m, "num_heads", None)
+            if not isinstance(heads, int):
+                raise ValueError(f"parallel_attention: {name} ({type(m).__name__}) has no num_heads to set to this "
+                                 "rank's share; mark it parallel_input if it reshapes to -1 heads")
+            _check_divisible(name, "attention heads", heads, ctx.size, "change tensor_parallel.size")
+            m.num_heads = heads // ctx.size      # (the module is the rank's own: it is split once)
+            m.register_forward_pre_hook(parallel_input_hook(ctx), with_kwargs=True)
+        elif style == "parallel_output":
+            m.register_forward_hook(lambda module, args, out: into_parallel_region(ctx, out))
         elif style == "sequence_split" and ctx.sequence_parallel:
             m.register_forward_pre_hook(split_sequence_hook(ctx), with_kwargs=True)
         elif style == "vocab_head":
