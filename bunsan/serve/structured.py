@@ -1,4 +1,4 @@
-"""Structured outputs: a sequence's tokens held to a grammar, valid by construction (llguidance, the grammar
+r"""Structured outputs: a sequence's tokens held to a grammar, valid by construction (llguidance, the grammar
 engine vLLM and SGLang use: a token mask per step in microseconds, from the tokenizer's own vocabulary).
 
 What a request may ask, as OpenAI and vLLM spell it:
@@ -7,6 +7,15 @@ What a request may ask, as OpenAI and vLLM spell it:
     guided_json / guided_regex / guided_choice / guided_grammar (vLLM's older names)
 Before each draw the tokens the grammar cannot take next are masked out; once the grammar is complete and
 can take nothing more, the sequence ends (finish_reason "stop"), at the model's end token or without one.
+
+Character classes are ASCII, as outlines and xgrammar (vLLM's other back ends) and JSON Schema's ECMA-262
+`pattern` read them: in a regex constraint `\d` is [0-9] and `\w` is [0-9a-zA-Z_] (`\D`, `\W` their
+complements), where llguidance's own regex syntax (Rust's regex crate) reads them as Unicode (`\d{2}` would
+take '߁꩙'). The pattern goes through llguidance's regex_to_lark(pattern, "dw"), the rewrite its JSON-schema
+compiler applies to every `pattern`: it follows escapes (`\\d` stays a backslash and a d) and works inside
+classes (`[\d.]` is `[[0-9].]`, a nested class); `\s` stays Unicode white space, as ECMA-262 has it. A Lark
+grammar (structured_outputs.grammar) is taken as written: its /regex/ terminals keep llguidance's classes.
+The choice of llguidance over xgrammar and outlines-core rests on benchmarks/bench_structured.py (RESULTS.md).
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ def grammar_request(response_format, structured: dict | None, legacy: dict) -> s
     elif kind == "regex":
         if not isinstance(value, str):
             raise ApiError(400, f"{param} is {shown(value)}; a regular expression is a string", param=param)
-        grammar = llguidance.LLMatcher.grammar_from_regex(value)
+        grammar = llguidance.LLMatcher.grammar_from_regex(ascii_classes(value))
     elif kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
             raise ApiError(400, f"{param} is {shown(value)}; a choice is a non-empty list of strings", param=param)
@@ -72,6 +81,13 @@ def grammar_request(response_format, structured: dict | None, legacy: dict) -> s
     if problem and not problem.startswith("WARNING"):
         raise ApiError(400, f"{param} cannot be used: {problem}", param=param)
     return grammar
+
+
+def ascii_classes(pattern: str) -> str:
+    r"""`pattern` with `\d` as [0-9] and `\w` as [0-9a-zA-Z_] (and their complements), escapes and classes
+    respected: what outlines, xgrammar and ECMA-262 read (the module's docstring)."""
+    import llguidance
+    return llguidance.regex_to_lark(pattern, "dw")
 
 
 def grammar_tokenizer(tokenizer, vocab_size: int, end_ids: list[int]):
