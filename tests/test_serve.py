@@ -311,3 +311,29 @@ def test_a_cpu_served_model_leaves_a_core_to_the_event_loop(monkeypatch):
     assert cpu_threads() == 1
     with pytest.raises(ValueError, match="--threads 0 must be at least 1"):
         cpu_threads(0)
+
+
+def test_rows_drawn_together_are_each_rows_own_draw():
+    """draw_rows' one argmax over the greedy rows (a logit bias among them) and its row-by-row draws for the
+    others pick what each request's own draw picks."""
+    import copy
+
+    from bunsan.serve.sampling import RowSampler, SamplingParams, draw_rows
+    from bunsan.serve.sequence import Request
+    vocab = 50
+    prompt = [1, 2, 3]
+    kinds = [SamplingParams(), SamplingParams(logit_bias={7: 30.0, 9: -5.0}), None,
+             SamplingParams(temperature=0.8, seed=3), SamplingParams(repetition_penalty=1.5),
+             SamplingParams(frequency_penalty=1.0, presence_penalty=0.5, logit_bias={4: 2.0}),
+             SamplingParams(logprobs=2), SamplingParams(logit_bias={11: 1.0})]
+    made = [Request(prompt, 4, emit=None, finish=None,
+                    sampler=None if k is None else RowSampler(k, prompt, vocab)) for k in kinds]
+    alone = copy.deepcopy(made)
+    torch.manual_seed(0)
+    for _ in range(4):
+        logits = torch.randn(len(made), vocab)
+        together = draw_rows(made, logits)
+        one_by_one = [r.draw(logits[j]) for j, r in enumerate(alone)]
+        assert [t.id for t in together] == [t.id for t in one_by_one]
+        assert together[6].logprob == one_by_one[6].logprob
+        assert together[1].id == 7                     # the bias decided it

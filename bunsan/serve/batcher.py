@@ -29,7 +29,7 @@ from bunsan.serve.embeddings import final_hidden
 from bunsan.serve.media import overlay
 from bunsan.serve.paged import PagedCache
 from bunsan.serve.prefix import common_prefix
-from bunsan.serve.sampling import END, Token, prompt_logprobs
+from bunsan.serve.sampling import END, Token, draw_rows, prompt_logprobs
 from bunsan.serve.sequence import Request, Sequence
 from bunsan.serve.tp import HEARTBEAT_S
 
@@ -342,12 +342,15 @@ class Batcher:
         last = logits[lasts].float().cpu()                # each row's last token's next-token logits
         if decoding:
             self.steps += 1
-        for j, s in enumerate(decoding):
+        drawn = draw_rows([s.request for s in decoding], last[:len(decoding)])
+        for s, token in zip(decoding, drawn):
             s.tokens.append(s.request.last)     # its keys and values are in its blocks now
             s.cached += 1
             self._register(s)
             try:
-                self._emit(s.request, s.request.draw(last[j]))
+                if isinstance(token, Exception):
+                    raise token
+                self._emit(s.request, token)
             except Exception as e:        # a bad sample ends this request only
                 self._end(s.request, f"error: {type(e).__name__}: {e}")
         for j, (s, count) in enumerate(chunks, start=len(decoding)):

@@ -63,8 +63,9 @@ class RowSampler:
         """`constraint`: a structured.Constraint the tokens must follow (None: any)."""
         self.params, self.vocab_size, self.constraint = params, vocab_size, constraint
         self.generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        self.counts = torch.zeros(vocab_size, dtype=torch.float32) if params.penalised() else None
-        self.seen = None
+        counted = params.presence_penalty or params.frequency_penalty
+        self.counts = torch.zeros(vocab_size, dtype=torch.float32) if counted else None
+        self.seen, self.bias = None, None
         if params.repetition_penalty != 1.0:
             self.seen = torch.zeros(vocab_size, dtype=torch.bool)
             self.seen[torch.tensor(prompt, dtype=torch.long)] = True
@@ -72,17 +73,21 @@ class RowSampler:
             self.bias = torch.zeros(vocab_size, dtype=torch.float32)
             self.bias[torch.tensor(list(params.logit_bias))] = torch.tensor(list(params.logit_bias.values()))
 
+    @property
+    def greedy(self) -> bool:
+        """Its token is the argmax of the logits plus its bias: what draw_rows computes for many rows at once."""
+        return self.params.temperature == 0 and self.constraint is None and self.params.logprobs is None and \
+            self.counts is None and self.seen is None
+
     def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         p = self.params
-        if self.counts is None:
-            return logits
-        logits = logits.clone()
         if self.seen is not None:
             penalty = p.repetition_penalty
             logits = torch.where(self.seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
-        logits -= p.frequency_penalty * self.counts + p.presence_penalty * (self.counts > 0)
-        if p.logit_bias:
-            logits += self.bias
+        if self.counts is not None:
+            logits = logits - (p.frequency_penalty * self.counts + p.presence_penalty * (self.counts > 0))
+        if self.bias is not None:
+            logits = logits + self.bias
         return logits
 
     def _min_p(self, logits: torch.Tensor) -> torch.Tensor:
@@ -118,6 +123,29 @@ class RowSampler:
             self.counts[token] += 1
         if self.seen is not None:
             self.seen[token] = True
+
+
+def draw_rows(requests: list, logits: torch.Tensor) -> list:
+    """Each request's next token (a Token, or the exception its draw raised) from its row of logits [rows,
+    vocab]: the greedy ones (no penalty but a logit bias, no grammar, no log-probabilities) by one argmax over
+    their rows, the others one by one (the same choice as each one's own draw)."""
+    out: list = [None] * len(requests)
+    greedy = [j for j, r in enumerate(requests) if r.sampler is None or r.sampler.greedy]
+    if greedy:
+        rows = logits[greedy]
+        biases = [(i, requests[j].sampler.bias) for i, j in enumerate(greedy)
+                  if requests[j].sampler is not None and requests[j].sampler.bias is not None]
+        if biases:
+            rows[[i for i, _ in biases]] += torch.stack([b for _, b in biases])
+        for j, token in zip(greedy, rows.argmax(dim=-1).tolist()):
+            out[j] = Token(token)
+    for j, r in enumerate(requests):
+        if out[j] is None:
+            try:
+                out[j] = r.draw(logits[j])
+            except Exception as e:        # this row's failure is its own
+                out[j] = e
+    return out
 
 
 def prompt_logprobs(logits: torch.Tensor, ids: list[int], k: int) -> list[Token]:

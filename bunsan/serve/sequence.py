@@ -11,7 +11,7 @@ from bunsan.serve.media import Media
 from bunsan.serve.sampling import RowSampler, SamplingParams, Token
 
 
-@dataclass
+@dataclass(eq=False)         # one of them is itself only (the batcher's queues are searched by identity)
 class Request:
     """One sequence. `emit(Token)` is called for every new token, `finish(reason)` once at the end ("eos",
     "length", "cancelled" or "error: ..."), `on_prompt(tokens)` with the prompt's log-probabilities when
@@ -38,7 +38,7 @@ class Request:
         return self.sampler.draw(logits)
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """A request's place in the cache: `tokens` to hold (the prompt, then each token fed back), the first
     `cached` of them written into `blocks`; the first `registered` blocks are in the prefix cache, the last
