@@ -28,6 +28,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -73,13 +74,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_LOCAL = threading.local()
+
+
+def http():
+    """This client thread's HTTP client: one keep-alive connection reused for its requests one after another,
+    as a client of the openai library keeps it (every contender is measured through it)."""
+    import httpx
+    if getattr(_LOCAL, "client", None) is None:
+        _LOCAL.client = httpx.Client(timeout=600)
+    return _LOCAL.client
+
+
 def _one(url: str, i: int, max_tokens: int) -> tuple[float, int, float, list[float]]:
     """(time to first token, tokens, total time, the gaps between streamed tokens) of one streamed completion."""
-    import httpx
     body = {"prompt": _prompt(i), "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "logit_bias": ASCII_ONLY}
     start, first, tokens, arrivals = time.perf_counter(), None, 0, []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+    with http().stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: {"):
@@ -124,15 +136,34 @@ def write_table(title: str, header: list[str], rows: list[list[str]], markdown: 
 
 def _clients(c: int, per_client: int, one) -> list[str]:
     """`c` client threads, each sending `per_client` requests one after another through `one(request index)`:
-    [requests, tokens/s, TTFT p50, TTFT p99, ITL p50, ITL p99] as table cells."""
+    [requests, tokens/s, TTFT p50, TTFT p99, ITL p50, ITL p99] as table cells; a request that got no whole
+    answer (a dropped connection, an error status) is counted beside the requests, not timed."""
+    failed = []
+
+    def answered(i: int):
+        try:
+            return one(i)
+        except Exception as e:            # noqa: BLE001  (any failure is counted, and the run goes on)
+            failed.append(f"{type(e).__name__}: {e}")
+            return None
+
+    def client(k: int) -> list:
+        try:
+            return [answered(k * per_client + j) for j in range(per_client)]
+        finally:
+            if getattr(_LOCAL, "client", None) is not None:
+                _LOCAL.client.close()
+                _LOCAL.client = None
     with BusyCores(LOAD[0]), ThreadPoolExecutor(c) as pool:
         start = time.perf_counter()
-        done = list(pool.map(lambda k: [one(k * per_client + j) for j in range(per_client)], range(c)))
+        done = list(pool.map(client, range(c)))
         wall = time.perf_counter() - start
-    runs = [x for client in done for x in client]
+    if failed:
+        print(f"{len(failed)} of {c * per_client} requests failed, e.g. {failed[0][:200]}", file=sys.stderr)
+    runs = [x for client_runs in done for x in client_runs if x is not None]
     ttft = [t for t, _, _, _ in runs]
     gaps = [g for _, _, _, gs in runs for g in gs] or [float("nan")]
-    return [str(len(runs)), f"{sum(k for _, k, _, _ in runs) / wall:.1f}", f"{_p(ttft, 0.5):.3f}",
+    return [f"{len(runs)}" + (f" ({len(failed)} failed)" if failed else ""), f"{sum(k for _, k, _, _ in runs) / wall:.1f}", f"{_p(ttft, 0.5):.3f}",
             f"{_p(ttft, 0.99):.3f}", f"{_p(gaps, 0.5):.3f}", f"{_p(gaps, 0.99):.3f}"]
 
 
@@ -179,14 +210,27 @@ def bunsan_rows(clients: list[int], per_client: int, max_tokens: int, prefix_reu
     try:
         _one(url, 0, 4)                                              # warm-up
         for c in clients:
+            before = _engine(url)
             figures = _clients(c, per_client, lambda i: _one(url, i, max_tokens))
+            loops, busy, forward = (b - a for a, b in zip(before, _engine(url)))
             health = httpx.get(url + "/health", timeout=10).json()
             rows.append([f"bunsan serve, prefix reuse {'on' if prefix_reuse else 'off'}", str(c), *figures,
-                         f"{health.get('prefix_tokens_reused', 0)} reused so far"])
+                         f"{health.get('prefix_tokens_reused', 0)} reused so far; loop {1e3 * busy / loops:.0f} ms "
+                         f"(forward {1e3 * forward / loops:.0f})"])
     finally:
         proc.terminate()
         proc.join(20)
     return rows
+
+
+def _engine(url: str) -> tuple[float, float, float]:
+    """The server's serving loops so far, their seconds, and their forwards' seconds (its /metrics): a loop's
+    mean time beside the inter-token latency the clients saw."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    got = {s.name: s.value for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
+           for s in f.samples}
+    return tuple(got[f"bunsan_engine_{k}_total"] for k in ("iterations", "busy_seconds", "forward_seconds"))
 
 
 LOAD = [0]          # --load: spinning processes beside every measurement

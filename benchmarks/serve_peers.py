@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_serve import ASCII_ONLY, CONTEXT, _free_port, _model, _prompt, wait_healthy
+from bench_serve import ASCII_ONLY, CONTEXT, _free_port, _model, _prompt, http, wait_healthy
 
 VLLM_VENV = Path("/tmp/bunsan-vllm-venv")
 
@@ -34,9 +34,8 @@ def vllm_venv(path: Path) -> Path:
 def _stream(url: str, body: dict, arrived) -> tuple[float, int, float, list[float]]:
     """(time to first chunk, tokens by the usage, total time, gaps between chunks) of one streamed completion;
     `arrived(chunk)`: whether a chunk brings tokens."""
-    import httpx
     start, arrivals, tokens = time.perf_counter(), [], 0
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+    with http().stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: {"):

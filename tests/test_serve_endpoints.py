@@ -97,7 +97,30 @@ def test_metrics_count_what_was_served(server):
     assert grew[("bunsan_time_to_first_token_seconds_count", None)] == 2
     assert grew[("bunsan_inter_token_latency_seconds_count", None)] == 8
     assert after[("bunsan_kv_cache_blocks_total", None)] == server.batcher.pool.usable
-    assert after[("bunsan_num_requests_running", None)] == 0
+    assert after[("bunsan_num_requests_running", None)] == after[("bunsan_num_requests_waiting", None)] == 0
+    assert after[("bunsan_kv_cache_blocks_used", None)] == 0            # every block back in the pool
+    assert grew[("bunsan_engine_iterations_total", None)] >= 5           # one loop per token at least
+    assert grew[("bunsan_engine_busy_seconds_total", None)] >= grew[("bunsan_engine_forward_seconds_total", None)] > 0
+
+
+def test_metrics_show_the_blocks_a_running_request_holds(server, monkeypatch):
+    """Scraped while a streamed request runs (each forward slowed, so it still runs): it is running and holds
+    the blocks of its tokens so far."""
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+    forward = server.batcher._forward
+    monkeypatch.setattr(server.batcher, "_forward", lambda *a: (time.sleep(0.05), forward(*a))[1])
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": "a" * 40, "max_tokens": 32, "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        next(lines)                                                     # its first token is out
+        text = httpx.get(server.url + "/metrics").text
+        seen = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        for _ in lines:
+            pass
+    assert seen["bunsan_num_requests_running"] == 1
+    assert seen["bunsan_kv_cache_blocks_used"] >= -(-41 // server.batcher.pool.block_size)
 
 
 def test_ollama_show_and_ps(server, model):

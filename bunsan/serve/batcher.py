@@ -62,6 +62,9 @@ class Batcher:
         self.preempted = 0                  # sequences sent back to the queue for want of blocks
         self.admitted = 0
         self.reused_tokens = 0              # prompt tokens not prefilled thanks to the prefix cache
+        # where the serving loop's time goes (/metrics): loops run, the seconds they took, and of those the
+        # model's forwards; the rest of a loop is scheduling and sampling on this thread
+        self.loops, self.busy_s, self.forward_s = 0, 0.0, 0.0
         self.embeds: deque[tuple[list[int], Future]] = deque()     # hidden-state requests (embeddings.py)
 
     def submit(self, r: Request) -> None:
@@ -121,7 +124,10 @@ class Batcher:
                         beat = time.monotonic()
                         self._guard(self.leader.heartbeat)
                     continue
+                start = time.perf_counter()
                 self._iterate()
+                self.loops += 1
+                self.busy_s += time.perf_counter() - start
         except Exception as e:          # never die silently: every request still gets its answer below
             self.fatal = self.fatal or f"the batcher failed: {type(e).__name__}: {e}"
             self.stopped = True
@@ -173,7 +179,9 @@ class Batcher:
                 if any(s.request.media is not None for s in rows):     # image tokens' embeddings (media.py)
                     view.media = overlay([(s.request.media, s.cached, c) for s, c in zip(rows, counts.tolist())],
                                          view.at[0])
+                start = time.perf_counter()
                 logits = self._guard(lambda: self.model(ids, kv_cache=view))[0]
+                self.forward_s += time.perf_counter() - start
                 return logits if view.keep is not None or len(keep) == len(logits) else logits[keep.to(logits.device)]
         finally:
             if self.adapters is not None:

@@ -1,7 +1,9 @@
 """GET /metrics in Prometheus' text format (prometheus_client), named as vLLM names its own with a bunsan_
 prefix: requests by how they ended, prompt and generated tokens, time to first token, inter-token latency
 and whole-request latency histograms, and at scrape time the batcher's running and waiting sequences, the
-KV cache's blocks in use, preemptions and prefix cache hits.
+KV cache's blocks in use, preemptions and prefix cache hits, and the serving loop's iterations and seconds
+(all of it, and its model forwards: a loop's mean time against the inter-token latency says how long tokens
+wait outside it).
 
 Each Service has its own registry (several apps in one process, as the tests run them, never collide).
 """
@@ -78,7 +80,11 @@ class _BatcherState:
             yield family
         for metric, doc, value in [("bunsan_num_preemptions", "Sequences preempted for want of blocks", b.preempted),
                                    ("bunsan_prefix_cache_hit_tokens", "Prompt tokens taken from the prefix cache",
-                                    b.reused_tokens)]:
+                                    b.reused_tokens),
+                                   ("bunsan_engine_iterations", "Serving loops run (one forward each)", b.loops),
+                                   ("bunsan_engine_busy_seconds", "Seconds in serving loops", b.busy_s),
+                                   ("bunsan_engine_forward_seconds", "Seconds in the model's forwards",
+                                    b.forward_s)]:
             family = CounterMetricFamily(metric, doc, labels=["model_name"])
             family.add_metric([name], value)
             yield family
