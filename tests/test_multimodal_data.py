@@ -346,3 +346,34 @@ def test_bunsan_train_on_audio_records_equals_the_plain_loop(qwen2_audio, tmp_pa
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
     for name, value in want.items():
         torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_mask_follows_the_tokens_the_processor_keeps(llava, tmp_path):
+    """Placeholders written out (LLaVA's, Qwen's), or with the text around them retokenized (Gemma 3 writes
+    "\\n\\n" around an image): the trained tokens keep their mask; a trained token changed is an error."""
+    media = Renderer("chat", load_tokenizer(llava), llava, {}, False).media
+    P = llava_image_id(llava)
+    plain, marks = [1, 2, P, 3, 4, 5], [False, False, False, False, True, True]
+    assert media._aligned(plain, marks, [1, 2, P, P, P, 3, 4, 5], "x") == [False] * 6 + [True, True]
+    merged = [1, 9, 8, P, P, 8, 3, 4, 5]                      # 2 merged into 9 by the tokens written around P
+    assert media._aligned(plain, marks, merged, "x") == [False] * 7 + [True, True]
+    with pytest.raises(BadRecord, match=r"x: the processor changed trained tokens \(\[4\] became \[7\]\)"):
+        media._aligned(plain, marks, [1, 2, P, P, 3, 7, 5], "x")
+    assert media._aligned([P, 4], [True, True], [P, P, 4], "x") == [False, False, True]   # never a placeholder
+
+
+def test_text_records_mask_as_text_chat_and_sharegpt_is_read_as_messages(llava, tmp_path):
+    """The processor's path gives a text-only conversation text chat's ids and mask (the same template), and
+    ShareGPT's conversations are the messages they say, with or without a processor."""
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add 2 and 1"},
+                         {"role": "assistant", "content": "It is 3."}, {"role": "user", "content": "Thanks"},
+                         {"role": "assistant", "content": "Welcome!"}]}
+    sharegpt = {"conversations": [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
+                                   "value": m["content"]} for m in chat["messages"]]}
+    renderer = Renderer("chat", load_tokenizer(llava), llava, {}, False)
+    ids, trained, _ = renderer.render(chat, "x")
+    assert (ids, trained) == renderer._chat(chat["messages"], "x")
+    assert renderer.render(sharegpt, "x")[:2] == (ids, trained)
+    save_chat_tokenizer(tmp_path / "tok")
+    text = Renderer("chat", load_tokenizer(tmp_path / "tok"), tmp_path / "tok", {}, False)
+    assert text.media is None and text.render(sharegpt, "x") == text.render(chat, "x")

@@ -9,6 +9,8 @@ of four formats, rendered to token ids and the labels the loss is taken on.
                        a prompt as text or messages, a response as text or assistant messages; preference_data.py)
                        (every field of a message reaches the template: tool_calls, tool_call_id, name, ...;
                        a record's "tools" too: chat_records.py)
+                       (ShareGPT's {"conversations": [{"from", "value"}]} too; with the model's processor,
+                       images and audio in the messages: media_records.py, media_chat.py)
 
 Field names are configurable (data.fields). Chat, and instruction when the tokenizer has one, use the
 tokenizer's own chat template (its tokenizer_config.json, rendered by transformers); an assistant turn is
