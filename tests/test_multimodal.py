@@ -1,9 +1,11 @@
 """Vision- and audio-language transformers models (tiny LLaVA: CLIP + Llama, and SigLIP + Llama; Qwen2-VL;
 Qwen2.5-VL; Qwen2-Audio) trained through bunsan against the plain single-process HF loop, batches as their
 processors make them (Qwen2-VL's flat patches with their grids): tensor parallelism from the plan transformers
-assembles on the instance (the language model split, the encoders whole on every rank), ZeRO 2/3 with offload
-and a frozen encoder, LoRA, pipeline stages (the encoders first), and gradient accumulation cutting the flat
-patches by image. SGD without clipping, fp32, rtol 1e-5."""
+assembles on the instance (the language model split; CLIP, SigLIP and the audio tower by bunsan's encoder plan),
+ZeRO 2/3 with offload and a frozen encoder (the model states as the estimator prices them), LoRA, pipeline
+stages (the encoders first), checkpoints saved at PP 2 or TP 2 resumed in one process and converted, and
+gradient accumulation cutting the flat patches by image. SGD without clipping, fp32, rtol 1e-5. More layouts
+(ZeRO-1, NVMe, frozen under TP/PP, PP + LoRA, TP x ZeRO on 4 ranks): tests/test_multimodal_layouts.py."""
 
 from __future__ import annotations
 
@@ -137,7 +139,8 @@ def _train_dp(rank, world, kind, cfg, data, frozen):
     from bunsan.engine.media import split_media
     engine = bunsan.initialize(built(kind, frozen), cfg)
     losses = [engine.train_batch(split_media(b, world)[rank]) for b in data]
-    return losses, engine.consolidated_state_dict(), None
+    memory = engine.memory_report()           # (before the consolidation gathers anything)
+    return losses, engine.consolidated_state_dict(), memory
 
 
 KINDS = ["llava", "llava_siglip", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"]
@@ -187,6 +190,11 @@ def test_zero_on_two_ranks_each_its_rows(pools, kind, stage, frozen, offload):
     cfg = {**_cfg(), "train_batch_size": ROWS, "zero_optimization": zero}
     results = pools.run(2, _train_dp, 2, kind, cfg, data, frozen)
     check_runs(results, *reference(kind, data, frozen))
+    # the estimator prices the model states as the engine holds them (a frozen encoder: its weights only)
+    from bunsan.estimator import estimate
+    want = estimate(built(kind, frozen), cfg, gpus=2, device_type="cpu").model_states
+    for _, _, memory in results:
+        assert memory["model_states"] == pytest.approx(want["model_states"], rel=0.03)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -228,10 +236,13 @@ def _train_lora(rank, world, kind, cfg, data):
     return losses, engine.consolidated_state_dict(), None
 
 
-@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(stage=3)], ids=["tp2", "dp2-zero3"])
 def test_lora_on_a_multimodal_model_matches_the_plain_loop_over_the_same_adapters(pools, kind, layout):
-    """Adapters on the language model's (and LLaVA's CLIP tower's) q/v/down projections, base frozen."""
+    """Adapters on the language model's q/v/down projections and on the tower's layers of those names (CLIP's,
+    SigLIP's and the audio tower's q/v; Qwen2.5-VL's gated MLP's down; Qwen2-VL's none: its q, k and v are one
+    fused qkv), base frozen; under TP 2 a split tower's adapters are split with their layers. (PP 2:
+    tests/test_multimodal_layouts.py.)"""
     from bunsan.config.root import Config
     from bunsan.transforms.lora import apply_lora
     data = batches(kind)
@@ -241,7 +252,9 @@ def test_lora_on_a_multimodal_model_matches_the_plain_loop_over_the_same_adapter
     model = build(kind)
     apply_lora(model, Config.load({"lora": LORA}).lora, seed=0)
     ref_losses, state = reference_from(model, data)
-    assert any(".lora_A." in k and ("vision" in k or "visual" in k) for k in state) == (kind == "llava")
+    towers = ("model.vision_tower.", "model.visual.", "model.audio_tower.")
+    adapted = {k.split(".lora_A.")[0].rpartition(".")[2] for k in state if ".lora_A." in k and k.startswith(towers)}
+    assert adapted == {"qwen2_vl": set(), "qwen2_5_vl": {"down_proj"}}.get(kind, {"q_proj", "v_proj"})
     check_runs(results, ref_losses, state)
 
 
@@ -275,13 +288,16 @@ def _train_and_save(rank, world, kind, cfg, data, folder):
     return losses
 
 
-@pytest.mark.parametrize("kind", ["llava", "qwen2_vl"])
-def test_a_checkpoint_saved_across_pipeline_stages_resumes_in_one_process(pools, kind, tmp_path):
-    """Two steps at PP 2, saved by each stage, the third in one process from the checkpoint (the
-    layout resharded, the optimizer's state with it): the loop's three steps. `bunsan convert --to hf` of the
-    checkpoint is a directory transformers loads as the model, with the saved weights."""
+@pytest.mark.parametrize("kind,layout", [(k, "pp2") for k in KINDS] +
+                         [(k, "tp2") for k in ("llava_siglip", "qwen2_5_vl", "qwen2_audio")])
+def test_a_checkpoint_saved_across_ranks_resumes_in_one_process(pools, kind, layout, tmp_path):
+    """Two steps at PP 2 (saved by each stage) or TP 2 (each rank its shards, the towers split where bunsan
+    splits them), the third in one process from the checkpoint (the layout resharded, the optimizer's state
+    with it): the loop's three steps. `bunsan convert --to hf` of the checkpoint is a directory transformers
+    loads as the model (the class its config.json names), with the saved weights."""
+    import json
     data = batches(kind)
-    cfg = {**_cfg(tp=1, ga=2), "pipeline": {"stages": 2}}
+    cfg = {**_cfg(tp=1, ga=2), "pipeline": {"stages": 2}} if layout == "pp2" else _cfg(tp=2, ga=2)
     first = pools.run(2, _train_and_save, 2, kind, cfg, data[:2], str(tmp_path))
     engine = bunsan.initialize(build(kind), _cfg(ga=2))
     engine.load_checkpoint(str(tmp_path))
@@ -289,8 +305,9 @@ def test_a_checkpoint_saved_across_pipeline_stages_resumes_in_one_process(pools,
     done = subprocess.run([sys.executable, "-m", "bunsan.cli.main", "convert", str(tmp_path),
                            str(tmp_path / "hf"), "--to", "hf"], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
-    converted = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "hf")
-    assert type(converted) is type(build(kind))
+    named = json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"]
+    assert named == [type(build(kind)).__name__]
+    converted = getattr(transformers, named[0]).from_pretrained(tmp_path / "hf")
     assert converted.state_dict().keys() == saved.keys()
     assert all(torch.equal(converted.state_dict()[k], v) for k, v in saved.items())
     losses = first[-1] + [engine.train_batch(data[2])]

@@ -42,7 +42,17 @@ def apply_lora(model: nn.Module, lora_cfg, seed: int = 0, check: bool = True) ->
     if targets & linear_names(model):
         cfg = peft.LoraConfig(r=lora_cfg.r, lora_alpha=lora_cfg.alpha, lora_dropout=lora_cfg.dropout,
                               target_modules=list(lora_cfg.target_modules))
-        peft.inject_adapter_in_model(cfg, model)
+        # peft asks transformers for the checkpoint-key conversions of the transformers modules inside, which read
+        # the root's base_model_prefix: a pipeline stage holding LLaVA's modules has none (its keys are the
+        # model's own paths, so no prefix is right), and it is taken away again after
+        bare = not hasattr(model, "base_model_prefix")
+        if bare:
+            model.base_model_prefix = ""
+        try:
+            peft.inject_adapter_in_model(cfg, model)
+        finally:
+            if bare:
+                del model.base_model_prefix
         init_adapters(model, seed)
     for name, p in model.named_parameters():
         p.requires_grad = ".lora_" in name

@@ -136,10 +136,14 @@ class FullyShardedDP(PipelineSchedule, Sharded):
                 self.param_swap.write(f"u{k}", self.param_shard[s:s + hi - lo])
         self._dirty: dict[int, torch.Tensor] = {}
         self.frozen_shards = None
-        if frozen:   # LoRA's base: sharded too, in units matching the trained ones
-            held = set(frozen)
-            unit_frozen = [[p for p in m.parameters() if p in held] for m, _ in order[:-1]]
-            taken = {p for g in unit_frozen for p in g}
+        if frozen:   # LoRA's base, a frozen encoder: sharded too, in units matching the trained ones; a weight of
+            # nested units (Qwen2-Audio's attention, listed inside its listed layers) in the outer one only, as a
+            # trained one is (_make_units), not held and gathered twice
+            held, taken, claimed = set(frozen), set(), {}
+            for m, _ in reversed(order[:-1]):            # (order is backward: this is the units' forward order)
+                claimed[m] = [p for p in m.parameters() if p in held and p not in taken]
+                taken.update(claimed[m])
+            unit_frozen = [claimed[m] for m, _ in order[:-1]]
             unit_frozen.append([p for p in frozen if p not in taken])
             self.frozen_shards = FrozenShards(module, unit_frozen, comm, group, device, self.param_home, self.dtype,
                                        cfg.train.seed, pin_memory=self.pinned and off_p.device == "cpu")
