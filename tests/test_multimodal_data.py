@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
 
-from bunsan.training.chat_records import BadRecord  # noqa: E402
+from bunsan.training.chat_records import BadRecord, Where  # noqa: E402
 from bunsan.training.example_batches import example_rows  # noqa: E402
 from bunsan.training.examples import Renderer, read_records  # noqa: E402
 from bunsan.training.media_batches import example_batches  # noqa: E402
@@ -360,6 +360,10 @@ def test_the_mask_follows_the_tokens_the_processor_keeps(llava, tmp_path):
     with pytest.raises(BadRecord, match=r"x: the processor changed trained tokens \(\[4\] became \[7\]\)"):
         media._aligned(plain, marks, [1, 2, P, P, 3, 7, 5], "x")
     assert media._aligned([P, 4], [True, True], [P, P, 4], "x") == [False, False, True]   # never a placeholder
+    write_png(tmp_path / "ok.png", 1)
+    everything = Renderer("chat", load_tokenizer(llava), llava, {}, True)        # data.train_on_prompt
+    ids, trained, _ = everything.render(_user(IMG), Where("x", tmp_path))       # (read_records' where)
+    assert trained == [i != P for i in ids] and ids.count(P) == IMAGE_TOKENS
 
 
 def test_text_records_mask_as_text_chat_and_sharegpt_is_read_as_messages(llava, tmp_path):

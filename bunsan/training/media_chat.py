@@ -142,7 +142,7 @@ class MediaChat:
     def _aligned(self, plain: list[int], marks: list[bool], ids: list[int], where: str) -> list[bool]:
         """The masks of `plain` (the template's tokens) carried onto `ids` (the processor's, placeholders written
         out): a token both have keeps its mask, one the processor added is not trained."""
-        trained = _walked(plain, marks, ids)
+        trained = _walked(plain, marks, ids, self.placeholder_ids)
         if trained is None:           # the processor also retokenized around its insertions (Gemma 3's "\n\n")
             trained = [False] * len(ids)
             matcher = difflib.SequenceMatcher(None, plain, ids, autojunk=False)
@@ -167,14 +167,14 @@ class MediaChat:
         return {k: v for k, v in out.items() if k not in TEXT_KEYS}
 
 
-def _walked(plain: list[int], marks: list[bool], ids: list[int]) -> list[bool] | None:
-    """The masks carried over in one pass when the processor only added tokens, and only where the template's
-    tokens are not trained (a trained token is matched in place or the pass gives up: None); None too when some
-    template token is not found. (A full diff is quadratic: seconds for a row of 8k tokens.)"""
+def _walked(plain: list[int], marks: list[bool], ids: list[int], placeholders: set[int]) -> list[bool] | None:
+    """The masks carried over in one pass when the processor only added tokens, and only placeholders or where
+    the template's tokens are not trained (a trained token is matched in place or the pass gives up: None); None
+    too when some template token is not found. (A full diff is quadratic: seconds for a row of 8k tokens.)"""
     trained, i = [False] * len(ids), 0
     for j, t in enumerate(ids):
         if i < len(plain) and t == plain[i]:
             trained[j], i = marks[i], i + 1
-        elif i < len(plain) and marks[i]:
+        elif i < len(plain) and marks[i] and t not in placeholders:
             return None
     return trained if i == len(plain) else None
