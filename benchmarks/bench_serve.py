@@ -8,9 +8,10 @@
 The model is a random bunsan Llama with a byte vocabulary (hidden 512, 8 layers, GQA 8/4, 23.5M parameters),
 greedy, fp32. Every prompt is a shared 256-token prefix (a system prompt) and a distinct tail; tokens at and
 above 128 get a logit bias of -100, so every token is a whole character and the first streamed chunk is the
-first token. The server runs in a process of its own (`--slots` = the most clients, so no request waits for
-a slot); the clients are threads of this process, each sending its requests one after another, streamed,
-timing the first chunk. transformers: LlamaForCausalLM with the same weights, `generate` on left-padded
+first token. `bunsan serve` runs as a user starts it, on the model saved as a Hugging Face directory
+(`--slots` = the most clients, so no request waits for a slot; its HTTP server in a process of its own, or in
+the model's with the one-process contender); the clients are threads of this process, each sending its
+requests one after another over its own keep-alive connection, streamed, timing the first chunk. transformers: LlamaForCausalLM with the same weights, `generate` on left-padded
 batches, the first token timed by a logits processor. vLLM's CPU build and `transformers serve` (with and
 without continuous batching) run from a venv of their own (serve_peers.py). The server leaves a core to its
 event loop (serve.server.cpu_threads, as `bunsan serve` does); `--load N` spins N processes beside every
@@ -52,19 +53,6 @@ def _model():
 
 def _prompt(i: int) -> str:
     return SHARED + f"[{i}] " + TAILS[i % len(TAILS)]
-
-
-def _serve(port: int, slots: int, prefix_reuse: bool, max_tokens: int, threads: int | None) -> None:
-    """The server's process."""
-    from bunsan.serve import Batcher, Limits, build_app
-    import torch
-
-    from bunsan.serve.server import Server, cpu_threads
-    from bunsan.training.data import load_tokenizer
-    torch.set_num_threads(cpu_threads(threads))     # as bunsan serve does: a core left for the event loop
-    batcher = Batcher(_model(), slots, CONTEXT, prefix_reuse=prefix_reuse)
-    app = build_app(batcher, load_tokenizer(None), "bench", Limits(max_concurrent=1024, max_tokens=max_tokens))
-    Server(app, port=port, grace_s=0.0).run()
 
 
 def _free_port() -> int:
@@ -198,14 +186,27 @@ def _p(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
-def bunsan_rows(clients: list[int], per_client: int, max_tokens: int, prefix_reuse: bool) -> list[list[str]]:
+def bunsan_rows(clients: list[int], per_client: int, max_tokens: int, prefix_reuse: bool, tmp: Path,
+                one_process: bool = False) -> list[list[str]]:
+    """`bunsan serve` as a user starts it, on the model saved as a Hugging Face directory (byte vocabulary: its
+    default tokenizer), `--slots` the most clients."""
     import httpx
+
+    from bunsan.models.hf import save_llama
+    model = _model()
+    folder = tmp / "bench"
+    save_llama(model.state_dict(), model.config, folder)
     port = _free_port()
-    proc = multiprocessing.get_context("spawn").Process(
-        target=_serve, args=(port, max(clients), prefix_reuse, max_tokens, THREADS[0]), daemon=True)
-    proc.start()
+    command = [sys.executable, "-m", "bunsan.cli", "serve", "--checkpoint", str(folder), "--port", str(port),
+               "--slots", str(max(clients)), "--context", str(CONTEXT), "--max-tokens", str(max_tokens),
+               "--shutdown-grace", "0", *(["--no-prefix-reuse"] if not prefix_reuse else []),
+               *(["--one-process"] if one_process else []),
+               *(["--threads", str(THREADS[0])] if THREADS[0] else [])]
+    log = open(tmp / "serve.log", "w")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc.is_alive, lambda: "bunsan serve did not start", 120)
+    wait_healthy(url, lambda: proc.poll() is None, lambda: (tmp / "serve.log").read_text()[-3000:], 300)
+    name = "bunsan serve" + (", one process" if one_process else "")
     rows = []
     try:
         _one(url, 0, 4)                                              # warm-up
@@ -214,12 +215,16 @@ def bunsan_rows(clients: list[int], per_client: int, max_tokens: int, prefix_reu
             figures = _clients(c, per_client, lambda i: _one(url, i, max_tokens))
             loops, busy, forward = (b - a for a, b in zip(before, _engine(url)))
             health = httpx.get(url + "/health", timeout=10).json()
-            rows.append([f"bunsan serve, prefix reuse {'on' if prefix_reuse else 'off'}", str(c), *figures,
+            rows.append([f"{name}, prefix reuse {'on' if prefix_reuse else 'off'}", str(c), *figures,
                          f"{health.get('prefix_tokens_reused', 0)} reused so far; loop {1e3 * busy / loops:.0f} ms "
                          f"(forward {1e3 * forward / loops:.0f})"])
     finally:
         proc.terminate()
-        proc.join(20)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
     return rows
 
 
@@ -307,7 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-client", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--contenders", default="reuse,noreuse,transformers",
-                   help="of reuse, noreuse, transformers (its generate, static batches), vllm (vLLM's CPU build), "
+                   help="of reuse, noreuse (bunsan serve with prefix reuse on and off), one-process (bunsan serve "
+                        "--one-process: HTTP on the model's process), transformers (its generate, static "
+                        "batches), vllm (vLLM's CPU build), "
                         "hf-serve, hf-serve-cb (transformers serve without and with continuous batching); the last "
                         "three in a venv of their own (serve_peers.py)")
     p.add_argument("--vllm-venv", type=Path, default=Path("/tmp/bunsan-vllm-venv"),
@@ -322,10 +329,11 @@ def main(argv: list[str] | None = None) -> int:
     clients = [int(c) for c in a.clients.split(",")]
     contenders = a.contenders.split(",")
     load_before, rows = os.getloadavg()[0], []
-    if "reuse" in contenders:
-        rows += bunsan_rows(clients, a.requests_per_client, a.max_tokens, True)
-    if "noreuse" in contenders:
-        rows += bunsan_rows(clients, a.requests_per_client, a.max_tokens, False)
+    import tempfile
+    for contender, reuse, one in (("reuse", True, False), ("noreuse", False, False), ("one-process", True, True)):
+        if contender in contenders:
+            with tempfile.TemporaryDirectory() as tmp:
+                rows += bunsan_rows(clients, a.requests_per_client, a.max_tokens, reuse, Path(tmp), one)
     if "vllm" in contenders:
         import tempfile
 

@@ -4,6 +4,7 @@ completions, chat and embeddings over HTTP with continuous batching over a paged
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from bunsan.cli.launch import relaunch, under_torchrun
@@ -66,6 +67,9 @@ def add_parser(sub) -> None:
                    help="a vision model's requests may name image files under DIR (default: data: URLs only)")
     s.add_argument("--threads", type=int, default=None,
                    help="torch's threads for a model served on the CPU (default: all cores but one, for HTTP)")
+    s.add_argument("--one-process", action="store_true",
+                   help="run the HTTP server in the model's process (default: a process of its own, so that its "
+                        "Python never stalls the model's steps)")
 
 
 def _slots(text: str):
@@ -170,7 +174,7 @@ def vision_inputs(args, model, folder: Path):
     if model.image_token_id is None:         # an audio-language model (Qwen2-Audio): its text is served
         if args.allowed_local_media_path:
             raise ValueError("--allowed-local-media-path: this model takes no images (its encoder reads audio)")
-        return None, (f"images: off ({type(model.hf_model).__name__} takes no images); audio: not served, an audio "
+        return None, (f"images: off ({model.architecture} takes no images); audio: not served, an audio "
                       "content part is a 400")
     if not any((folder / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
         return None, f"images: off ({folder} has no preprocessor_config.json for the model's processor)"
@@ -239,8 +243,22 @@ def cmd_serve(args) -> int:
     if args.tp > 1 and not under_torchrun():
         return relaunch(args, args.tp)
     from bunsan.serve import Batcher, PagedCache
-    from bunsan.serve.server import Server, cpu_threads
+    from bunsan.serve.server import cpu_threads
     threads = cpu_threads(args.threads)
+    http = None
+    if not args.one_process and int(os.environ.get("RANK", "0")) == 0:   # (rank 0 serves HTTP under --tp)
+        from bunsan.serve.engine import HttpProcess
+        http = HttpProcess(http_server)
+    try:
+        return _serve(args, threads, http)
+    finally:
+        if http is not None and http.child.is_alive():     # (a failure before serving: the child leaves)
+            http.conn.close()
+            http.child.join(10)
+
+
+def _serve(args, threads: int, http) -> int:
+    from bunsan.serve import Batcher, PagedCache
     model, tokenizer, name, context = load_model(args)
     on_cpu = args.tp == 1 and all(p.device.type == "cpu" for p in model.parameters())
     if on_cpu:                        # (torchrun gives each tensor-parallel rank its own thread count)
@@ -262,19 +280,32 @@ def cmd_serve(args) -> int:
         leader = Leader(shard.comm, shard.group, shard.device)
     batcher = Batcher(model, slots, context, kv_heads, leader, prefix_reuse=not args.no_prefix_reuse,
                       num_blocks=blocks, block_size=args.block_size, adapters=lora_adapters(args, model))
-    app, template, vision_line = serve_app(args, model, tokenizer, name, context, batcher)
+    banner = {"slots": slots, "cache_line": cache_line, "threads": threads if on_cpu else None}
+    if http is None:
+        return http_server(None, batcher, args, tokenizer, name, context, banner)
+    return http.serve(batcher, tokenizer, (args, tokenizer, name, context, banner))
+
+
+def http_server(conn, batcher, args, tokenizer, name: str, context: int, banner: dict) -> int:
+    """Serve HTTP until shut down: over `batcher` in this process (conn None), or, in the HTTP process of
+    two (serve/engine.py), over the model's process at `conn` (`batcher`: its facts)."""
+    from bunsan.serve.server import Server
+    if conn is not None:
+        from bunsan.serve.engine_client import EngineClient
+        batcher = EngineClient(conn, batcher)
+    app, template, vision_line = serve_app(args, batcher.model, tokenizer, name, context, batcher)
     server = Server(app, args.host, args.port, grace_s=args.shutdown_grace, keep_alive_s=args.keep_alive_timeout)
 
-    def fatal(message: str) -> None:        # a tensor-parallel rank is gone: answer errors, then stop
+    def fatal(message: str) -> None:        # a tensor-parallel rank (or the model's process) is gone
         print(f"bunsan serve: {message}; shutting down", flush=True)
         server.should_exit = True
     batcher.on_fatal = fatal
     served = app.state.service.served
-    print(f"bunsan serve: {', '.join(served)} on http://{args.host}:{args.port} ({slots} sequences, {context} "
-          "tokens each"
-          + (f", tensor parallel over {args.tp} processes" if args.tp > 1 else "") + ")\n"
-          f"  {cache_line}\n  chat: {template}; prefix reuse {'off' if args.no_prefix_reuse else 'on'}"
-          + (f"; {threads} CPU threads for the model" if on_cpu else "") + "\n"
+    print(f"bunsan serve: {', '.join(served)} on http://{args.host}:{args.port} ({banner['slots']} sequences, "
+          f"{context} tokens each" + (f", tensor parallel over {args.tp} processes" if args.tp > 1 else "") + ")\n"
+          f"  {banner['cache_line']}\n  chat: {template}; prefix reuse {'off' if args.no_prefix_reuse else 'on'}"
+          + (f"; {banner['threads']} CPU threads for the model" if banner["threads"] else "")
+          + ("; the model in a process of its own" if conn is not None else "") + "\n"
           + (f"  {vision_line}\n" if vision_line else "") +
           "  POST /v1/completions /v1/chat/completions /v1/embeddings /api/generate /api/chat /api/embed /api/show;"
           " GET /v1/models /api/tags /api/ps /health /metrics",

@@ -30,7 +30,7 @@ from bunsan.serve.media import overlay
 from bunsan.serve.paged import PagedCache
 from bunsan.serve.prefix import common_prefix
 from bunsan.serve.sampling import END, Token, draw_rows, prompt_logprobs
-from bunsan.serve.sequence import Request, Sequence
+from bunsan.serve.sequence import Request, Sequence, check_embeddable, check_fits
 from bunsan.serve.tp import HEARTBEAT_S
 
 BLOCK_SIZE = 16
@@ -66,15 +66,10 @@ class Batcher:
         # model's forwards; the rest of a loop is scheduling and sampling on this thread
         self.loops, self.busy_s, self.forward_s = 0, 0.0, 0.0
         self.embeds: deque[tuple[list[int], Future]] = deque()     # hidden-state requests (embeddings.py)
+        self.after_loop = None              # called on this thread after every loop and at the end (engine.py)
 
     def submit(self, r: Request) -> None:
-        if len(r.ids) + r.max_tokens > self.max_len:
-            raise ValueError(f"prompt of {len(r.ids)} tokens + max_tokens {r.max_tokens} exceeds the context of "
-                             f"{self.max_len} tokens; shorten the prompt or ask for fewer tokens")
-        need = -(-(len(r.ids) + r.max_tokens) // self.pool.block_size)
-        if need > self.pool.usable:
-            raise ValueError(f"prompt of {len(r.ids)} tokens + max_tokens {r.max_tokens} needs {need} KV blocks of "
-                             f"{self.pool.block_size} tokens; the cache holds {self.pool.usable}: ask for fewer tokens")
+        check_fits(len(r.ids), r.max_tokens, self.max_len, self.pool.block_size, self.pool.usable)
         with self.lock:
             self.waiting.append(r)
         self.wake.set()
@@ -82,11 +77,7 @@ class Batcher:
     def hidden(self, ids: list[int]) -> Future:
         """Every position's final hidden state (the head's input) for `ids`, [len(ids), hidden] fp32 on the CPU,
         computed on the batcher's thread between two steps (the model is never run from two threads)."""
-        if self.leader is not None:
-            raise ValueError("embeddings are not served under tensor parallelism (--tp); serve the model in one "
-                             "process for them")
-        if not 0 < len(ids) <= self.max_len:
-            raise ValueError(f"an input of {len(ids)} tokens; embeddings take 1 to {self.max_len} (the context)")
+        check_embeddable(len(ids), self.max_len, self.leader is not None)
         done = Future()
         with self.lock:
             self.embeds.append((ids, done))
@@ -118,6 +109,8 @@ class Batcher:
             while not self.stopped:
                 self._embed()
                 if not self.running and not self.prefilling and not self.waiting:
+                    if self.after_loop is not None:
+                        self.after_loop()
                     self.wake.wait(0.1)
                     self.wake.clear()
                     if self.leader is not None and time.monotonic() - beat > HEARTBEAT_S:   # rank 0 lives
@@ -128,6 +121,8 @@ class Batcher:
                 self._iterate()
                 self.loops += 1
                 self.busy_s += time.perf_counter() - start
+                if self.after_loop is not None:
+                    self.after_loop()
         except Exception as e:          # never die silently: every request still gets its answer below
             self.fatal = self.fatal or f"the batcher failed: {type(e).__name__}: {e}"
             self.stopped = True
@@ -140,6 +135,8 @@ class Batcher:
             r.finish(reason)
         while self.embeds:
             self.embeds.popleft()[1].set_exception(RuntimeError(reason.removeprefix("error: ")))
+        if self.after_loop is not None:
+            self.after_loop()
         if self.leader is not None and not self.fatal:
             try:
                 self._guard(self.leader.stop)
@@ -408,3 +405,4 @@ class Batcher:
             s.blocks = []
             r.seq = None
         r.finish(reason)
+

@@ -60,3 +60,21 @@ class Sequence:
             return self.tokens[start:end]
         end = len(self.tokens) if end is None else end
         return media.keys[start:min(end, media.length)] + self.tokens[max(start, media.length):end]
+
+def check_fits(prompt: int, max_tokens: int, max_len: int, block_size: int, usable: int) -> None:
+    """A request the batcher could never run is refused when submitted (a 400 at the server)."""
+    if prompt + max_tokens > max_len:
+        raise ValueError(f"prompt of {prompt} tokens + max_tokens {max_tokens} exceeds the context of {max_len} "
+                         "tokens; shorten the prompt or ask for fewer tokens")
+    need = -(-(prompt + max_tokens) // block_size)
+    if need > usable:
+        raise ValueError(f"prompt of {prompt} tokens + max_tokens {max_tokens} needs {need} KV blocks of {block_size} "
+                         f"tokens; the cache holds {usable}: ask for fewer tokens")
+
+
+def check_embeddable(tokens: int, max_len: int, tensor_parallel: bool) -> None:
+    if tensor_parallel:
+        raise ValueError("embeddings are not served under tensor parallelism (--tp); serve the model in one "
+                         "process for them")
+    if not 0 < tokens <= max_len:
+        raise ValueError(f"an input of {tokens} tokens; embeddings take 1 to {max_len} (the context)")

@@ -8,13 +8,14 @@ What a request may ask, as OpenAI and vLLM spell it:
 Before each draw the tokens the grammar cannot take next are masked out; once the grammar is complete and
 can take nothing more, the sequence ends (finish_reason "stop"), at the model's end token or without one.
 
-Character classes are ASCII, as outlines and xgrammar (vLLM's other back ends) and JSON Schema's ECMA-262
-`pattern` read them: in a regex constraint `\d` is [0-9] and `\w` is [0-9a-zA-Z_] (`\D`, `\W` their
-complements), where llguidance's own regex syntax (Rust's regex crate) reads them as Unicode (`\d{2}` would
-take '߁꩙'). The pattern goes through llguidance's regex_to_lark(pattern, "dw"), the rewrite its JSON-schema
-compiler applies to every `pattern`: it follows escapes (`\\d` stays a backslash and a d) and works inside
-classes (`[\d.]` is `[[0-9].]`, a nested class); `\s` stays Unicode white space, as ECMA-262 has it. A Lark
-grammar (structured_outputs.grammar) is taken as written: its /regex/ terminals keep llguidance's classes.
+Character classes are ASCII, as xgrammar (vLLM's default back end) and JSON Schema's ECMA-262 `pattern` read
+them: in a regex constraint `\d` is [0-9] and `\w` is [0-9a-zA-Z_] (`\D`, `\W` their complements), where
+llguidance's own regex syntax (Rust's regex crate) reads them as Unicode (`\d{2}` would take '߁꩙'; so does
+outlines-core 0.2, measured: its `\d` takes '٣'). The pattern goes through llguidance's
+regex_to_lark(pattern, "dw"), the rewrite its JSON-schema compiler applies to every `pattern`: it follows
+escapes (`\\d` stays a backslash and a d) and works inside classes (`[\d.]` is `[[0-9].]`, a nested class);
+`\s` stays Unicode white space, as ECMA-262 (and xgrammar) have it. A Lark grammar (structured_outputs.grammar)
+is taken as written: its /regex/ terminals keep llguidance's classes.
 The choice of llguidance over xgrammar and outlines-core rests on benchmarks/bench_structured.py (RESULTS.md).
 """
 
@@ -85,7 +86,7 @@ def grammar_request(response_format, structured: dict | None, legacy: dict) -> s
 
 def ascii_classes(pattern: str) -> str:
     r"""`pattern` with `\d` as [0-9] and `\w` as [0-9a-zA-Z_] (and their complements), escapes and classes
-    respected: what outlines, xgrammar and ECMA-262 read (the module's docstring)."""
+    respected: what xgrammar and ECMA-262 read (the module's docstring)."""
     import llguidance
     return llguidance.regex_to_lark(pattern, "dw")
 
@@ -118,6 +119,7 @@ class Constraint:
     def __init__(self, lltok, grammar: str):
         import llguidance
         import llguidance.torch
+        self.grammar = grammar           # (what a server's model process builds its own from: engine.py)
         self.matcher = llguidance.LLMatcher(lltok, grammar)
         if self.matcher.is_error():
             raise ApiError(400, f"the output constraint cannot be used: {self.matcher.get_error()}")

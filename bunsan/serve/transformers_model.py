@@ -161,6 +161,10 @@ class TransformersLM(nn.Module):
         hf.set_attn_implementation({key: paged} if key else paged)
 
     @property
+    def architecture(self) -> str:
+        return type(self.hf_model).__name__
+
+    @property
     def input_device(self) -> torch.device:
         return input_device(self.hf_model)
 
