@@ -319,6 +319,9 @@ def test_bunsan_train_on_image_records_equals_the_plain_loop(llava, tmp_path, np
     frozen = ["vision_tower"]
     losses, state, log = bunsan_train(llava, data, tmp_path / "out", nproc, frozen)
     assert "8 examples, 8 used" in log
+    saved = {p.name for p in (tmp_path / "out" / "final").iterdir()}
+    processor = {p.name for p in llava.iterdir() if "processor" in p.name}
+    assert processor and processor <= saved          # bunsan serve reads images with it
     want_losses, want = plain_loop(llava, data, frozen, seed=7)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
     assert want_losses[-1] < want_losses[0]

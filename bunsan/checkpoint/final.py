@@ -34,8 +34,10 @@ from bunsan.checkpoint.untrusted import read_small
 WEIGHTS, CONFIG, TOKENIZER, BUNSAN = "model.safetensors", "config.json", "tokenizer.json", "bunsan.json"
 # what a Hugging Face tokenizer folder keeps beside tokenizer.json: without them `serve` would not know the
 # model's chat template or its end-of-turn token
+# (a vision- or audio-language model's processor too: `bunsan serve` reads images with it from final/)
 TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                        "chat_template.json")
+                        "chat_template.json", "processor_config.json", "preprocessor_config.json",
+                        "video_preprocessor_config.json")
 GENERATION_CONFIG = "generation_config.json"
 CONFIG_BYTES = 1 << 22
 
