@@ -17,3 +17,51 @@ def test_plan_explain_in_text_mode_prints_the_comparison_and_what_decided_it(cap
     peak = [line for line in out.splitlines() if "peak GiB" in line][-1]      # the comparison's row
     assert "fits to 71.5" in peak             # 80 GiB / 1.119, the memory rule's cut (margin.py)
     assert "decided by +" in out and "most from tp_comm" in out
+
+
+def _plan(capsys, *argv) -> tuple[int, str]:
+    rc = main(["plan", *argv])
+    return rc, " ".join(capsys.readouterr().out.split())         # (rich wraps long lines)
+
+
+def test_an_empty_search_names_the_cp_sizes_that_emptied_it_not_memory(capsys):
+    """cp 16 on 8 GPUs: no layout to price, the rule and the sizes that would do, and no LoRA advice."""
+    rc, out = _plan(capsys, "--model", "1b", "--gpus", "8", "--cp-sizes", "16", "--seq-len", "4096")
+    assert rc == 1 and "0 layouts priced" in out and "nothing to price." in out
+    assert "4 (tp, cp) pairs ruled out: cp must divide the GPUs left after tensor parallelism (e.g. cp 16 does " \
+           "not divide the 8 GPUs left after tp 1)" in out
+    assert "--cp-sizes 16: a size must divide the 8 GPUs left after tensor parallelism; pass sizes among " \
+           "1,2,4,8" in out
+    assert "LoRA" not in out and "leanest layout" not in out
+
+
+def test_an_empty_search_names_the_global_batch_that_no_data_parallel_size_divides(capsys):
+    """The tiny model (4 layers, 2 key/value heads) on 16 GPUs without context parallelism leaves dp 2 at the
+    least (tp 2 x pp 4): a global batch of 3 divides no mesh."""
+    argv = ["--model", "tiny", "--gpus", "16", "--nodes", "2", "--cp-sizes", "1", "--global-batch", "3"]
+    rc, out = _plan(capsys, *argv)
+    assert rc == 1 and "nothing to price." in out
+    assert "6 meshes ruled out: the global batch must be a multiple of the data-parallel size" in out
+    assert "--global-batch 3 is not a multiple of the data-parallel sizes the mesh leaves (2, 4, 8, 16); use a " \
+           "multiple of 2, e.g. 4" in out
+    assert "LoRA" not in out
+    assert main(["plan", *argv, "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["considered"] == 0 and data["rejected"]["batch_dp"]["count"] == 6
+    assert data["rejected"]["pp_layers"]["count"] == 3          # pp 8 and 16 over 4 layers
+    assert data["emptied_by"][0].startswith("no layout to price") and "e.g. 4" in data["suggestions"][0]
+    # the same batch over 16 data-parallel ranks the user can have: fits
+    assert main(["plan", *argv[:-1], "16", "--top", "1", "--zero-stages", "0", "--recompute", "none"]) == 0
+
+
+def test_a_search_emptied_by_memory_says_so_and_what_would_fit(capsys):
+    """7B under ZeRO-0 on one 24 GiB A10: every layout priced is past memory; the narrowed options, then the
+    memory advice (NVMe offload, more GPUs, LoRA)."""
+    rc, out = _plan(capsys, "--model", "7b", "--gpus", "1", "--gpu", "a10", "--zero-stages", "0", "--recompute",
+                    "full", "--seq-len", "2048")
+    assert rc == 1 and "nothing fits." in out
+    assert "memory: every one of the 8 layouts priced was dropped" in out
+    assert "8 layouts ruled out: the peak must be within GPU memory" in out and "25.7 GiB the search ranks" in out
+    assert "the search was narrowed (--zero-stages 0; --recompute full)" in out
+    assert "offload optimizer states and parameters to NVMe" in out and "LoRA fine-tuning" in out
+

@@ -304,9 +304,12 @@ def cmd_plan(args) -> int:
     console.print(f"{result.considered} layouts priced, {result.too_big} too big, {len(result.ranked)} shown"
                   + (f" ({risky} of them at risk of running out of memory, ranked last)" if risky else ""))
     if not result.ranked:
-        console.print("[bold red]nothing fits.[/] What would:")
+        console.print("[bold red]nothing to price.[/]" if not result.considered else "[bold red]nothing fits.[/]")
+        for line in result.emptied_by:
+            console.print(f"  {line}", highlight=False)
+        console.print("What would:" if result.considered else "What to change:")
         for s in result.suggestions:
-            console.print(f"  - {s}")
+            console.print(f"  - {s}", highlight=False)
         return 1
     table = Table()
     cols = ["#", "layout", "peak GiB", "host GiB/node", "step s", "tokens/s", "MFU", "why"]
@@ -364,7 +367,8 @@ def plan_json(result, top: int) -> dict:
     return {"model": result.model, "params": result.n_params, "gpus": result.gpus, "nodes": result.nodes,
             "gpu": result.gpu.name, "gpu_memory_bytes": result.gpu_memory,
             "usable_bytes": result.rule.usable(result.gpu_memory), "memory_rule": result.rule.to_json(),
-            "considered": result.considered, "too_big": result.too_big,
+            "considered": result.considered, "too_big": result.too_big, "rejected": result.rejected.to_json(),
+            "emptied_by": list(result.emptied_by),
             "ranked": [candidate(n, c) for n, c in enumerate(result.ranked[:top], 1)],
             "suggestions": list(result.suggestions)}
 

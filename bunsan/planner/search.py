@@ -21,6 +21,7 @@ from bunsan.estimator.estimate import Estimate, estimate_layout
 from bunsan.estimator.shape import ModelShape, load_shape, rank_params
 from bunsan.planner.cost import COMPONENTS, StepTime, step_time, train_time
 from bunsan.planner.margin import MemoryRule
+from bunsan.planner.rejected import PRICED, Rejected
 from bunsan.estimator.hardware import GPU, Interconnect, gpu_spec, interconnect, intra_link
 from bunsan.estimator.layout import Layout
 from bunsan.planner.space import Space, layouts
@@ -79,7 +80,9 @@ class Plan:
     considered: int
     too_big: int
     smallest: Candidate | None = None             # the least memory of all candidates (when none fits)
-    suggestions: list[str] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)   # what to change, when nothing is ranked
+    rejected: Rejected = field(default_factory=Rejected)  # what each rule of the search left out (rejected.py)
+    emptied_by: list[str] = field(default_factory=list)   # when nothing is ranked: the rules that emptied it
     total_tokens: int | None = None
     pricing: Pricing | None = None
 
@@ -139,9 +142,9 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
     def host_ok(e: Estimate) -> bool:
         return host_memory is None or e.host_per_node <= host_memory
 
-    fits, considered, too_big, smallest = [], 0, 0, None
-    candidates = itertools.chain.from_iterable(layouts(shape, gpus, per_node, seq, batch, p, optimizer, space)
-                                               for p in precisions)
+    fits, considered, too_big, smallest, rejected = [], 0, 0, None, Rejected()
+    candidates = itertools.chain.from_iterable(layouts(shape, gpus, per_node, seq, batch, p, optimizer, space,
+                                                       rejected) for p in precisions)
     for lay in candidates:
         considered += 1
         est = estimate_layout(shape, lay, nodes=nodes, gpu_memory=memory, device_type=device_type,
@@ -155,21 +158,48 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
             smallest = cand
         if not rule.ranked(est.peak, memory) or not host_ok(est):
             too_big += 1
+            if not rule.ranked(est.peak, memory):
+                rejected.add("memory", example=f"{lay.describe()} peaks at {est.peak / GiB:.1f} GiB, "
+                                               f"{rule.dropped(memory)}")
+            else:
+                rejected.add("host_memory", example=f"{lay.describe()} keeps {est.host_per_node / GiB:,.0f} GiB "
+                                                    f"per node in host memory, against {host_memory / GiB:,.1f} GiB")
             continue
         if c is not None:
             cand.step = step_time(c, lay, spec, intra, inter, per_node, efficiency, attention)
         fits.append(cand)
     fits.sort(key=_order)
     result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, rule, fits[:keep or None], considered,
-                  too_big, smallest, total_tokens=total_tokens,
+                  too_big, smallest, total_tokens=total_tokens, rejected=rejected,
                   pricing=Pricing(shape, spec, memory, rule, nodes, per_node, intra, inter, efficiency, attention,
                                   device_type))
     for cand in result.ranked:
         cand.why = _why(cand, result.ranked[0]) if cand.step else "fits"
-    if not fits:
-        result.suggestions = _what_would_fit(shape, gpus, nodes, memory, rule, seq, batch, precisions[0], smallest,
-                                             device_type, host_ok, host_memory)
+    if not fits and not considered:       # the walk ruled every layout out: what ruled them out, not memory
+        result.emptied_by = ["no layout to price: the search's rules ruled out every one before its memory was "
+                             "estimated", *rejected.lines()]
+        fixes = rejected.fixes(gpus=gpus, seq_len=seq, global_batch=batch, cp_asked=space.cp)
+        result.suggestions = fixes + _narrowed(space, said=("cp",) if rejected.counts["cp_gpus"] else ())
+    elif not fits:
+        result.emptied_by = [f"memory: every one of the {considered} layouts priced was dropped",
+                             *rejected.lines(PRICED)]
+        result.suggestions = _narrowed(space) + _what_would_fit(
+            shape, gpus, nodes, memory, rule, seq, batch, precisions[0], smallest, device_type, host_ok, host_memory,
+            ranks)
     return result
+
+
+def _narrowed(space: Space, said: tuple = ()) -> list[str]:
+    """The options the caller narrowed the search to, when they may be what left nothing (but those a fix
+    has `said` already). Offload aside: NVMe is left out without a host memory (_searched). Precision aside:
+    one asked for is the run's own (the doctor passes its run's), not a narrowing to undo."""
+    wide, flags = Space(), {"zero": "--zero-stages", "recompute": "--recompute", "sequence_parallel": "--no-sp",
+                            "cp": "--cp-sizes", "micro_batches": "Space.micro_batches", "schedules": "Space.schedules",
+                            "pipeline_gather": "Space.pipeline_gather"}
+    narrowed = [flag if name == "sequence_parallel" else f"{flag} {','.join(map(str, getattr(space, name)))}"
+                for name, flag in flags.items() if getattr(space, name) != getattr(wide, name) and name not in said]
+    return [f"the search was narrowed ({'; '.join(narrowed)}): drop those options to search every layout"] \
+        if narrowed else []
 
 
 def _check_gpus(gpus: int, nodes: int) -> None:
@@ -233,9 +263,15 @@ def _offload_what_does_not_fit(shape: ModelShape, lay: Layout, est: Estimate, ru
 
 
 def _what_would_fit(shape, gpus, nodes, memory, rule: MemoryRule, seq, batch, precision, smallest, device_type,
-                    host_ok, host_memory) -> list[str]:
+                    host_ok, host_memory, ranks) -> list[str]:
+    """`ranks(tp, pp, v)`: the search's cache of rank_params (cutting a 70B model up for each of the thousands
+    of layouts priced here took minutes)."""
     def ok(e: Estimate) -> bool:
         return rule.fits(e.peak, e.gpu_memory) and host_ok(e)
+
+    def priced(lay: Layout, nodes: int) -> Estimate:
+        return estimate_layout(shape, lay, nodes=nodes, gpu_memory=memory, device_type=device_type,
+                               ranks=ranks(lay.tp, lay.pp, lay.virtual_stages))
 
     out = []
     if smallest is None and host_memory is not None:
@@ -247,7 +283,7 @@ def _what_would_fit(shape, gpus, nodes, memory, rule: MemoryRule, seq, batch, pr
         if batch % gpus == 0:
             nvme = Layout(dp=gpus, zero=3, micro_batch=1, grad_accum=batch // gpus, seq_len=seq, precision=precision,
                           checkpointing=True, offload_optimizer="nvme", offload_param="nvme")
-            e = estimate_layout(shape, nvme, nodes=nodes, gpu_memory=memory, device_type=device_type)
+            e = priced(nvme, nodes)
             if ok(e):
                 out.append(f"offload optimizer states and parameters to NVMe: {nvme.describe()} peaks at "
                            f"{e.peak / GiB:.1f} GiB and puts {e.disk_per_node / GiB:,.0f} GiB on each node's "
@@ -257,7 +293,7 @@ def _what_would_fit(shape, gpus, nodes, memory, rule: MemoryRule, seq, batch, pr
             lean = None
             for more in layouts(shape, gpus * factor, per_node, seq, batch * factor, precision):
                 if more.micro_batch == 1 and more.checkpointing == "full":
-                    e = estimate_layout(shape, more, nodes=nodes * factor, gpu_memory=memory, device_type=device_type)
+                    e = priced(more, nodes * factor)
                     if host_ok(e) and (lean is None or e.peak < lean.peak):
                         lean = e
             if lean is not None and ok(lean):
@@ -266,7 +302,7 @@ def _what_would_fit(shape, gpus, nodes, memory, rule: MemoryRule, seq, batch, pr
                 break
         if seq > 256:
             short = lay.replace(seq_len=seq // 2)
-            e = estimate_layout(shape, short, nodes=nodes, gpu_memory=memory, device_type=device_type)
+            e = priced(short, nodes)
             if ok(e):
                 out.append(f"sequence length {seq // 2}: {short.describe()} peaks at {e.peak / GiB:.1f} GiB")
     if shape.llama is not None:

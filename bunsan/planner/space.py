@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from bunsan.estimator.layout import RECOMPUTE, Layout
 from bunsan.estimator.shape import ModelShape
+from bunsan.planner.rejected import Rejected
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 OFFLOADS = ("none", "cpu", "nvme")
@@ -57,12 +58,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def tp_sizes(shape: ModelShape, gpus_per_node: int, gpus: int) -> list[int]:
+def tp_sizes(shape: ModelShape, gpus_per_node: int, gpus: int, rejected: Rejected | None = None) -> list[int]:
+    """Tensor-parallel sizes inside a node, to 8, that split the heads, key/value heads and MLP width."""
     c = shape.llama
     if c is None:
         return [1]
-    return [t for t in _divisors(min(gpus_per_node, gpus)) if gpus % t == 0 and t <= 8
-            and c.num_attention_heads % t == 0 and c.num_key_value_heads % t == 0 and c.intermediate_size % t == 0]
+    out = []
+    for t in (t for t in _divisors(min(gpus_per_node, gpus)) if gpus % t == 0 and t <= 8):
+        if c.num_attention_heads % t == 0 and c.num_key_value_heads % t == 0 and c.intermediate_size % t == 0:
+            out.append(t)
+        elif rejected is not None:
+            rejected.add("tp_heads", t, f"tp {t} against {c.num_attention_heads} heads, {c.num_key_value_heads} "
+                                        f"key/value heads, MLP width {c.intermediate_size}")
+    return out
 
 
 def _offloads(zero: int, dp: int, space: Space) -> list[tuple[str, str]]:
@@ -92,7 +100,8 @@ def _schedules(pp: int, accum: int, layers: int, space: Space) -> list[tuple[str
 LONG_ROW_TOKENS_PER_RANK = 8192
 
 
-def cp_sizes(shape: ModelShape, gpus: int, tp: int, seq_len: int, space: Space) -> list[int]:
+def cp_sizes(shape: ModelShape, gpus: int, tp: int, seq_len: int, space: Space,
+             rejected: Rejected | None = None) -> list[int]:
     """Context-parallel sizes that divide the GPUs left after tp and cut each row into 2 x cp equal chunks
     (bunsan's Llama attention only: other models run cp 1): the space's, else every power of two the mesh
     allows, up to 8 and beyond while each rank keeps LONG_ROW_TOKENS_PER_RANK of the row."""
@@ -100,30 +109,61 @@ def cp_sizes(shape: ModelShape, gpus: int, tp: int, seq_len: int, space: Space) 
         return [1]
     sizes = space.cp or tuple(c for c in (2 ** i for i in range(12))
                               if c <= 8 or seq_len // c >= LONG_ROW_TOKENS_PER_RANK)
-    return [c for c in sizes if (gpus // tp) % c == 0 and (c == 1 or seq_len % (2 * c) == 0)]
+    out = []
+    for c in sizes:
+        if (gpus // tp) % c:
+            rule, why = "cp_gpus", f"cp {c} does not divide the {gpus // tp} GPUs left after tp {tp}"
+        elif c > 1 and seq_len % (2 * c):
+            rule, why = "cp_seq", f"seq_len {seq_len} is not a multiple of 2 x cp {c}"
+        else:
+            out.append(c)
+            continue
+        if rejected is not None:
+            rejected.add(rule, (tp, c), why)
+    return out
 
 
 def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int,
-            precision: str, optimizer: str = "AdamW", space: Space | None = None):
-    """Every layout worth pricing in `space` (bunsan can run each one)."""
+            precision: str, optimizer: str = "AdamW", space: Space | None = None, rejected: Rejected | None = None):
+    """Every layout worth pricing in `space` (bunsan can run each one); what is ruled out is counted in
+    `rejected` by the rule that ruled it out (rejected.py)."""
     space = space or Space()
+    no = rejected if rejected is not None else Rejected()
     layers = shape.llama.num_hidden_layers if shape.llama else 1
-    for tp, cp in ((t, c) for t in tp_sizes(shape, gpus_per_node, gpus)
-                   for c in cp_sizes(shape, gpus, t, seq_len, space)):
-        for pp in (p for p in _divisors(gpus // (tp * cp)) if p == 1 or (shape.llama is not None and p <= layers)):
+    for tp, cp in ((t, c) for t in tp_sizes(shape, gpus_per_node, gpus, no)
+                   for c in cp_sizes(shape, gpus, t, seq_len, space, no)):
+        for pp in _divisors(gpus // (tp * cp)):
+            if pp > 1 and (shape.llama is None or pp > layers):
+                no.add("pp_layers", (tp, cp, pp), f"pp {pp} over {layers} layer(s)" if shape.llama else
+                       f"pp {pp}: bunsan's Llama only is split into pipeline stages by the search")
+                continue
             dp = gpus // (tp * cp * pp)
+            mesh = f"tp {tp}, cp {cp}, pp {pp}, dp {dp}"
             if global_batch % dp:
+                no.add("batch_dp", (tp, cp, pp, dp), f"global batch {global_batch} over {mesh}")
                 continue
             per_rank = global_batch // dp
-            for mb in (m for m in space.micro_batches if per_rank % m == 0):
+            for mb in space.micro_batches:
+                if per_rank % mb:
+                    no.add("micro_batch", (tp, cp, pp, mb), f"micro-batch {mb} of {per_rank} rows per rank, {mesh}")
+                    continue
                 accum = per_rank // mb
-                if pp > 1 and accum < pp:
-                    continue          # fewer micro-batches than stages leaves stages idle
+                if pp > 1 and accum < pp:       # fewer micro-batches than stages leaves stages idle
+                    no.add("pp_accum", (tp, cp, pp, dp, mb), f"{accum} micro-batch(es) of {mb} over {mesh}")
+                    continue
                 sps = [sp for sp in space.sequence_parallel if not sp or (tp > 1 and seq_len // cp % tp == 0)]
-                for (sched, v), ckpt, zero, sp in itertools.product(
-                        _schedules(pp, accum, layers, space), space.recompute, space.zero, sps):
+                schedules = _schedules(pp, accum, layers, space)
+                if not sps:
+                    no.add("sp", (tp, cp, pp), f"sequence parallelism only, {mesh}")
+                if not schedules:
+                    no.add("schedule", (tp, cp, pp, mb), f"schedules {space.schedules} with {accum} micro-batches "
+                                                         f"over {mesh}")
+                for (sched, v), ckpt, zero, sp in itertools.product(schedules, space.recompute, space.zero, sps):
                     gathers = space.pipeline_gather if zero == 3 and pp > 1 else ("micro_batch",)
-                    for (off_opt, off_par), gather in itertools.product(_offloads(zero, dp * cp, space), gathers):
+                    offloads = _offloads(zero, dp * cp, space)
+                    if not offloads:
+                        no.add("offload", (tp, cp, pp, zero), f"ZeRO-{zero} on one rank, offload {space.offload}")
+                    for (off_opt, off_par), gather in itertools.product(offloads, gathers):
                         yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, zero=zero, micro_batch=mb, grad_accum=accum,
                                      seq_len=seq_len, precision=precision, optimizer=optimizer,
                                      checkpointing=ckpt, sequence_parallel=sp, schedule=sched,
