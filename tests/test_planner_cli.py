@@ -65,3 +65,31 @@ def test_a_search_emptied_by_memory_says_so_and_what_would_fit(capsys):
     assert "the search was narrowed (--zero-stages 0; --recompute full)" in out
     assert "offload optimizer states and parameters to NVMe" in out and "LoRA fine-tuning" in out
 
+
+def test_estimate_and_plan_give_one_verdict_on_a_layout_within_the_estimates_error(capsys):
+    """A peak 5% under the GPU's memory: a margin-0 cut called it fitting; `plan` ranks it at risk (the measured
+    peak reached 1.119x the estimate). `estimate` now says what `plan` says, in its text and its --json."""
+    layout = ["--model", "1b", "--gpus", "8", "--zero", "1", "--bf16", "--seq-len", "2048", "--micro-batch", "2",
+              "--grad-accum", "1"]
+    assert main(["estimate", *layout, "--json"]) == 0
+    peak = json.loads(capsys.readouterr().out)["peak_bytes"]
+    memory = str(int(peak * 1.05))
+    assert main(["estimate", *layout, "--gpu-memory", memory]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "may NOT fit, headroom +" in out and "fits to " in out
+    assert "at risk: +7% past memory if the estimate is as low as measured (x1.119)" in out
+    assert main(["estimate", *layout, "--gpu-memory", memory, "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["peak_bytes"] <= int(memory) and est["fits"] is False and est["verdict"] == "at risk"
+    assert main(["plan", "--model", "1b", "--gpus", "8", "--seq-len", "2048", "--global-batch", "16",
+                 "--zero-stages", "1", "--recompute", "none", "--gpu-memory", memory, "--explain", "zero=1,mb=2",
+                 "--json"]) == 0
+    asked = json.loads(capsys.readouterr().out)["explain"]
+    assert asked["peak_bytes"]["asked"] == peak and asked["asked_risk"] == est["risk"]
+    # past memory even at the lowest measured ratio: dropped by plan, "does NOT fit" here
+    assert main(["estimate", *layout, "--gpu-memory", str(int(peak * 0.9))]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "does NOT fit" in out and "`bunsan plan` drops it" in out
+    # --margin: the flat cut, as plan's --margin
+    assert main(["estimate", *layout, "--gpu-memory", memory, "--margin", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "fits"

@@ -68,6 +68,8 @@ def add_parsers(sub) -> None:
         e.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, help=f"sets {key}")
     for flag, key in ESTIMATE_SWITCHES.items():
         e.add_argument("--" + flag, action="store_true", help=f"sets {key}")
+    e.add_argument("--margin", type=float, default=None, help="fraction of GPU memory kept free (default: the "
+                   "estimate's measured error decides, as in `bunsan plan`)")
     e.add_argument("--json", action="store_true", help="print the estimate as JSON")
 
     p = sub.add_parser("plan", help="layouts that fit a model on given GPUs, ranked by estimated step time")
@@ -138,7 +140,9 @@ def cmd_estimate(args) -> int:
     from bunsan.config.root import Config
     from bunsan.estimator import estimate
     from bunsan.estimator.hardware import gpu_spec
+    from bunsan.planner.margin import MemoryRule
 
+    rule = MemoryRule.of(args.margin)       # the rule `bunsan plan` ranks with: one verdict for a layout
     cfg = Config.load(args.config)
     updates = {key: v for name, (key, _) in ESTIMATE_FLAGS.items() if (v := getattr(args, name)) is not None}
     updates.update({key: True for flag, key in ESTIMATE_SWITCHES.items() if getattr(args, flag)})
@@ -153,7 +157,9 @@ def cmd_estimate(args) -> int:
         print(json.dumps({"model": est.model, "params": est.n_params, "layout": est.layout.describe(),
                           "peak_bytes": est.peak, "stage_peaks": est.stage_peaks,
                           "host_bytes_per_node": est.host_per_node, "disk_bytes_per_node": est.disk_per_node,
-                          "gpu_memory": memory, "fits": est.fits(),
+                          "gpu_memory": memory, "fits": est.fits(args.margin),
+                          "verdict": rule.verdict(est.peak, memory) if memory is not None else None,
+                          "risk": rule.risk(est.peak, memory) or None, "memory_rule": rule.to_json(),
                           "items": [vars(i) for i in est.items]}, indent=2))
         return 0
     console = _console()
@@ -174,11 +180,18 @@ def cmd_estimate(args) -> int:
     console.print(f"per node: host {est.host_per_node / GiB:,.1f} GiB, disk {est.disk_per_node / GiB:,.1f} GiB")
     _zero_table(console, est)
     if memory is not None:
-        verdict = "fits" if est.fits() else "does NOT fit"
+        verdict = rule.verdict(est.peak, memory)
+        said = {"fits": "fits", "at risk": "may NOT fit", "does not fit": "does NOT fit"}[verdict]
         unpriced = any(i.note.startswith("NOT PRICED") for i in est.items)
-        console.print(f"GPU memory {memory / GiB:.1f} GiB: {verdict}"
+        console.print(f"GPU memory {memory / GiB:.1f} GiB: {said}"
                       + (" before activations (not priced: see the table)" if unpriced else "")
-                      + f", headroom {est.headroom / GiB:+.2f} GiB")
+                      + f", headroom {est.headroom / GiB:+.2f} GiB; fits to {rule.usable(memory) / GiB:.2f} GiB "
+                      f"({rule.usable_line})", highlight=False)
+        if verdict == "at risk":
+            console.print(f"  {rule.risk(est.peak, memory)}; `bunsan plan` ranks it after the layouts that fit",
+                          highlight=False)
+        elif verdict == "does not fit":
+            console.print(f"  {rule.dropped(memory)}; `bunsan plan` drops it", highlight=False)
     return 0
 
 

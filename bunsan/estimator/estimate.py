@@ -86,9 +86,11 @@ class Estimate:
     def headroom(self) -> float | None:
         return None if self.gpu_memory is None else self.gpu_memory - self.peak
 
-    def fits(self, margin: float = 0.0) -> bool:
-        """Peak within the GPU's memory less `margin` (a fraction kept free for fragmentation)."""
-        return self.gpu_memory is None or self.peak <= self.gpu_memory * (1 - margin)
+    def fits(self, margin: float | None = None) -> bool:
+        """Peak within the GPU's memory by the rule `bunsan plan` ranks with (planner/margin.py): within it even
+        if the estimate is as low as measured; `margin`, a fraction kept free, makes it a flat cut instead."""
+        from bunsan.planner.margin import MemoryRule      # (the planner's module imports none of the estimator)
+        return MemoryRule.of(margin).fits(self.peak, self.gpu_memory)
 
 
 def _in_flight(layout: Layout, rank: int) -> int:

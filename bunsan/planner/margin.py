@@ -47,6 +47,10 @@ class MemoryRule:
             return self.fits(peak, memory)
         return peak * self.low <= memory
 
+    def verdict(self, peak: float, memory: float | None) -> str:
+        """'fits', 'at risk' (ranked after those that fit, see `risk`) or 'does not fit' (dropped)."""
+        return "fits" if self.fits(peak, memory) else "at risk" if self.ranked(peak, memory) else "does not fit"
+
     def risk(self, peak: float, memory: float | None) -> str:
         """'' for a layout that fits; else how far past memory it may go."""
         if self.fits(peak, memory) or not self.ranked(peak, memory):
