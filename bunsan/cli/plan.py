@@ -105,10 +105,11 @@ def add_parsers(sub) -> None:
                    "(default 0.8: planner/constants.py)")
     p.add_argument("--margin", type=float, default=None,
                    help="fraction of GPU memory kept free (default: the estimate's measured error decides)")
-    p.add_argument("--top", type=int, default=8, help="layouts to show")
+    p.add_argument("--top", type=int, default=None, help="layouts to show (default 8; with --json every ranked "
+                   "layout); 0: all")
     p.add_argument("--output", help="write the best layout's config here (JSON) and print its launch line per node")
     p.add_argument("--json", action="store_true",
-                   help="print the search as JSON: every ranked layout (up to --top) with its priced terms")
+                   help="print the search as JSON: every ranked layout (unless --top caps it) with its priced terms")
     p.add_argument("--calibrate", metavar="FILE",
                    help="JSON list of measured runs ({\"layout\": \"tp=8,pp=2\", \"step_s\": 1.4} or tokens_per_s) "
                         "of this model, GPUs, sequence and batch: fit the compute and link scales, then plan")
@@ -154,19 +155,15 @@ def cmd_estimate(args) -> int:
     est = estimate(args.model, cfg, gpus=args.gpus, nodes=nodes_for(args.gpus, args.nodes), gpu_memory=memory,
                    device_type=args.device)
     if args.json:
-        print(json.dumps({"model": est.model, "params": est.n_params, "layout": est.layout.describe(),
-                          "peak_bytes": est.peak, "stage_peaks": est.stage_peaks,
-                          "host_bytes_per_node": est.host_per_node, "disk_bytes_per_node": est.disk_per_node,
-                          "gpu_memory": memory, "fits": est.fits(args.margin),
-                          "verdict": rule.verdict(est.peak, memory) if memory is not None else None,
-                          "risk": rule.risk(est.peak, memory) or None, "memory_rule": rule.to_json(),
-                          "items": [vars(i) for i in est.items]}, indent=2))
+        from bunsan.cli.plan_json import estimate_json
+        print(json.dumps(estimate_json(est, memory, rule), indent=2))
         return 0
     console = _console()
     lay = est.layout
     title = (f"{est.model}: {est.n_params / 1e9:.3g}B parameters, {lay.describe()}, seq {lay.seq_len}, "
              f"{lay.gpus} GPU(s) on {est.nodes} node(s)")
-    table = Table(title=title)
+    console.print(title, highlight=False)     # (its own line: rich wraps a table's title to the table's width)
+    table = Table()
     for col in ("item", "per GPU GiB", "host GiB", "disk GiB", "when", "what"):
         table.add_column(col, justify="right" if "GiB" in col else "left")
     for i in est.items:
@@ -199,29 +196,17 @@ def _zero_table(console, est) -> None:
     """Model states per GPU for every ZeRO stage: the paper's accounting next to bunsan's buffers."""
     from rich.table import Table
 
-    from bunsan.estimator import zero_paper
-    from bunsan.memory.theory import optimizer_bytes
-    lay = est.layout
-    psi = est.n_params / (lay.tp * lay.pp)
-    k = optimizer_bytes(lay.optimizer, [(1,)]) + (4 if lay.dtype_bytes < 4 else 0)
-    t = Table(title=f"model states per GPU by ZeRO stage (Ψ = {psi / 1e9:.3g}B per model-parallel rank, "
-                    f"N = {lay.shard_ranks}, K = {k:g})")
+    from bunsan.cli.plan_json import zero_stages
+    z = zero_stages(est)
+    console.print(f"model states per GPU by ZeRO stage (Ψ = {z['psi_params_per_model_parallel_rank'] / 1e9:.3g}B "
+                  f"per model-parallel rank, N = {z['shard_ranks']}, K = {z['k_bytes_per_param']:g})", highlight=False)
+    t = Table()
     for col in ("stage", "ZeRO paper GB (16-bit Ψ, grads)", "this layout's precision GB"):
         t.add_column(col, justify="right")
-    for stage in range(4):
-        ours = _states_at(est, stage)
-        t.add_row(str(stage), f"{zero_paper(psi, lay.shard_ranks, k, stage) / 1e9:,.1f}",
-                  f"{ours / 1e9:,.1f}" if ours else "-")
+    for row in z["stages"]:
+        ours = row["this_layout_bytes"]
+        t.add_row(str(row["stage"]), f"{row['zero_paper_bytes'] / 1e9:,.1f}", f"{ours / 1e9:,.1f}" if ours else "-")
     console.print(t)
-
-
-def _states_at(est, stage: int) -> float | None:
-    from bunsan.estimator.shape import rank_params
-    from bunsan.memory.theory import model_states
-    lay = est.layout
-    rp = max(rank_params(est.shape, lay.tp, lay.pp, lay.virtual_stages), key=lambda r: r.total)
-    st = model_states(rp, lay.shard_ranks, stage, lay.dtype_bytes, lay.optimizer)
-    return st["model_states"] + st["disk"]
 
 
 def _links(args):
@@ -278,6 +263,10 @@ def cmd_plan(args) -> int:
     from bunsan.planner.search import plan
 
     tokens = int(args.tokens) if args.tokens else None
+    if args.top is not None and args.top < 0:
+        raise ValueError(f"--top {args.top}: the number of layouts to show, or 0 for all of them")
+    # (the table shows 8 unless told; --json holds every ranked layout unless --top caps it)
+    top = args.top if args.top is not None else 0 if args.json else 8
     intra, inter = _links(args)
 
     def search(efficiency, intra, inter):
@@ -285,7 +274,7 @@ def cmd_plan(args) -> int:
                     nodes=nodes_for(args.gpus, args.nodes),
                     seq_len=args.seq_len, global_batch=args.global_batch, interconnect_name=intra,
                     inter_node=inter, precision=args.precision, margin=args.margin, total_tokens=tokens,
-                    efficiency=efficiency, host_memory=_bytes(args.host_memory), keep=max(args.top, 1),
+                    efficiency=efficiency, host_memory=_bytes(args.host_memory), keep=top,
                     attention=args.attention, space=_space(args))
     result = search(args.efficiency, intra, inter)
     calibration = None
@@ -300,7 +289,8 @@ def cmd_plan(args) -> int:
         from bunsan.planner.explain import explain
         comparison = explain(result, args.explain)
     if args.json:
-        out = plan_json(result, args.top)
+        from bunsan.cli.plan_json import plan_json
+        out = plan_json(result, top)
         if comparison is not None:
             out["explain"] = comparison.to_json()
         if calibration is not None:
@@ -313,9 +303,9 @@ def cmd_plan(args) -> int:
     console.print(f"{result.model}: {result.n_params / 1e9:.3g}B parameters on {result.gpus} x {result.gpu.name} "
                   f"({result.gpu_memory / GiB:.0f} GiB; {result.rule.usable_line}), {result.nodes} node(s)"
                   + (f"; seq {lay0.seq_len}, global batch {lay0.global_batch}" if lay0 else ""))
-    risky = sum(bool(c.risk) for c in result.ranked)
-    console.print(f"{result.considered} layouts priced, {result.too_big} too big, {len(result.ranked)} shown"
-                  + (f" ({risky} of them at risk of running out of memory, ranked last)" if risky else ""))
+    shown = min(len(result.ranked), top or len(result.ranked))
+    console.print(f"{result.considered} layouts priced: {result.fit} fit, {result.at_risk} at risk of running out "
+                  f"of memory (ranked last), {result.too_big} too big; {shown} shown")
     if not result.ranked:
         console.print("[bold red]nothing to price.[/]" if not result.considered else "[bold red]nothing fits.[/]")
         for line in result.emptied_by:
@@ -330,7 +320,7 @@ def cmd_plan(args) -> int:
         cols.insert(7, "days")
     for col in cols:
         table.add_column(col, justify="left" if col in ("layout", "why") else "right")
-    for n, c in enumerate(result.ranked[:args.top], 1):
+    for n, c in enumerate(result.ranked[:top or None], 1):
         timed = c.step is not None       # (the step time is modelled for bunsan's Llama only)
         row = [str(n), c.layout.describe(), f"{c.peak / GiB:.1f}", f"{c.estimate.host_per_node / GiB:.0f}",
                f"{c.step.total:.3g}" if timed else "-", f"{c.step.tokens_per_s:,.0f}" if timed else "-",
@@ -360,30 +350,6 @@ def cmd_plan(args) -> int:
         for line in launch_lines(args.output, result.nodes, result.gpus // result.nodes):
             console.print("  " + line, soft_wrap=True, highlight=False)
     return 0
-
-
-def plan_json(result, top: int) -> dict:
-    """What `plan` prints, as data: the search's numbers, and per ranked layout its fields, its memory and, where
-    the step time is modelled, every priced term in seconds."""
-    import dataclasses
-
-    def candidate(rank: int, c) -> dict:
-        step = None
-        if c.step is not None:
-            step = {k: v for k, v in dataclasses.asdict(c.step).items() if k != "assumptions"}
-            step |= {"total": c.step.total, "tokens_per_s": c.step.tokens_per_s, "mfu": c.step.mfu,
-                     "assumptions": list(c.step.assumptions)}
-        return {"rank": rank, "layout": dataclasses.asdict(c.layout), "describe": c.layout.describe(),
-                "peak_bytes": c.peak, "host_bytes_per_node": c.estimate.host_per_node, "step_seconds": step,
-                "days": result.days(c) if result.total_tokens and c.step is not None else None, "why": c.why,
-                "risk": c.risk or None}
-    return {"model": result.model, "params": result.n_params, "gpus": result.gpus, "nodes": result.nodes,
-            "gpu": result.gpu.name, "gpu_memory_bytes": result.gpu_memory,
-            "usable_bytes": result.rule.usable(result.gpu_memory), "memory_rule": result.rule.to_json(),
-            "considered": result.considered, "too_big": result.too_big, "rejected": result.rejected.to_json(),
-            "emptied_by": list(result.emptied_by),
-            "ranked": [candidate(n, c) for n, c in enumerate(result.ranked[:top], 1)],
-            "suggestions": list(result.suggestions)}
 
 
 def launch_lines(config: str, nodes: int, per_node: int) -> list[str]:

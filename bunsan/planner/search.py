@@ -79,6 +79,8 @@ class Plan:
     ranked: list[Candidate]                       # fit, fastest first; then those at risk, fastest first
     considered: int
     too_big: int
+    fit: int = 0                                  # of the layouts priced, those that fit (all, not only `ranked`)
+    at_risk: int = 0                              # those that may fit (margin.py), ranked after
     smallest: Candidate | None = None             # the least memory of all candidates (when none fits)
     suggestions: list[str] = field(default_factory=list)   # what to change, when nothing is ranked
     rejected: Rejected = field(default_factory=Rejected)  # what each rule of the search left out (rejected.py)
@@ -170,7 +172,8 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
         fits.append(cand)
     fits.sort(key=_order)
     result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, rule, fits[:keep or None], considered,
-                  too_big, smallest, total_tokens=total_tokens, rejected=rejected,
+                  too_big, sum(not c.risk for c in fits), sum(bool(c.risk) for c in fits), smallest,
+                  total_tokens=total_tokens, rejected=rejected,
                   pricing=Pricing(shape, spec, memory, rule, nodes, per_node, intra, inter, efficiency, attention,
                                   device_type))
     for cand in result.ranked:
