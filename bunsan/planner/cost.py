@@ -134,19 +134,20 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
                     dp_comm_total=dp_total, tokens_per_step=tokens, flops_per_token=flops_per_token,
                     gpus=layout.gpus, peak_flops=peak, cp_comm=_cp_comm(model, layout, topo, blocks),
                     assumptions=_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token)
-                    + _cp_note(layout))
+                    + _cp_note(layout, topo))
 
 
 def _notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token) -> tuple:
     link = {name: topo.link(size, stride).name for name, size, stride in
-            (("tp", layout.tp, 1), ("dp", layout.shard_ranks, layout.tp),
+            (("tp", layout.tp, 1), ("cp", layout.cp, layout.tp), ("dp", layout.shard_ranks, layout.tp),
              ("pp", layout.pp, layout.tp * layout.shard_ranks))}
     return (
         f"{flops_per_token / 1e9:.4g} GFLOP/token = 6N (N={n_flops:,}, no input embedding) + 12·L·h·s counts "
         f"MFU; time is priced per GEMM: roofline of {eff:.0%} of {gpu.flops(layout.precision) / 1e12:g} TFLOP/s "
         f"{layout.precision} and {K.HBM_EFFICIENCY:.0%} of {gpu.hbm_bytes_per_s / 1e12:.3g} TB/s HBM on {gpu.name}; "
         f"element-wise ops by their bytes; attention {attention}",
-        f"links: tp {link['tp']}, dp {link['dp']}, pp {link['pp']} (mesh order pp, dp, cp, tp: tp innermost; "
+        f"links: tp {link['tp']}, cp {link['cp']}, dp {link['dp']}, pp {link['pp']} (mesh order pp, dp, cp, tp: "
+        f"tp innermost, cp ranks tp apart, the gradients' dp x cp group too; "
         f"{topo.gpus_per_node} GPUs per node); collectives = NCCL latency model + bytes / bandwidth",
         "tp: 2 all-reduces forward + 2 backward per layer per micro-batch (+2 when recomputing, +1 under "
         "selective recompute: o_proj's, and under SP the all-gathers into attention and MLP); "
@@ -305,12 +306,15 @@ def _cp_comm(model: LlamaConfig, layout: Layout, topo: Topology, blocks: int) ->
     return layout.grad_accum * blocks * ((2 if again else 1) * gather + scatter)
 
 
-def _cp_note(layout: Layout) -> tuple:
+def _cp_note(layout: Layout, topo: Topology) -> tuple:
     if layout.cp == 1:
         return ()
-    return ("cp: per layer and micro-batch an all-gather of the row's K and V forward (again under recompute) "
-            "and a reduce-scatter of their gradients backward; ZeRO and gradients over dp x cp; compute of "
-            "seq_len/cp tokens per rank, their attention against the whole row",)
+    per_node, nodes = topo.span(layout.cp, layout.tp)
+    return (f"cp: per layer and micro-batch an all-gather of the row's K and V forward (again under recompute) "
+            f"and a reduce-scatter of their gradients backward, over {topo.link(layout.cp, layout.tp).name} (the cp "
+            f"group's {layout.cp} ranks, tp {layout.tp} apart, sit {per_node} to a node on {nodes} node(s)); ZeRO "
+            "and gradients over dp x cp; compute of seq_len/cp tokens per rank, their attention against the whole "
+            "row",)
 
 
 def _bubble(layout: Layout, ideal: float) -> float:
