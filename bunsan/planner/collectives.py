@@ -1,7 +1,8 @@
 """Collectives priced as latency + size / bandwidth over the machine's real topology.
 
-A group is `size` ranks `stride` apart in the rank order (the mesh is pp, dp, tp with tp innermost: a
-tensor-parallel group has stride 1, a data-parallel group stride tp, a pipeline group stride tp x dp).
+A group is `size` ranks `stride` apart in the rank order (the mesh is pp, dp, cp, tp with tp innermost: a
+tensor-parallel group has stride 1, a context-parallel group stride tp, the gradients' dp x cp group stride
+tp, a pipeline group stride tp x cp x dp).
 Consecutive ranks share a node, so a group keeps `per_node` members in each of the `nodes` nodes it spans.
 
 NCCL runs all-gather and reduce-scatter as rings only, and all-reduce as a ring or (across nodes) a tree;
