@@ -89,6 +89,12 @@ class Engine:
             events = [self.outbox.popleft() for _ in range(len(self.outbox))]
             self._send(("events", events, counters(self.batcher)))
 
+    def run(self) -> None:
+        """The batcher's loop, until stopped; then the HTTP side hears that it stopped (and why, if it failed)."""
+        with torch.no_grad():
+            self.batcher.run()
+        self._send(("stopped", self.batcher.fatal))
+
     def listen(self) -> None:
         """The HTTP process's messages, until it stops the batcher or goes away (its own thread)."""
         try:
@@ -208,9 +214,7 @@ def _run(batcher, engine: Engine, child, join_s: float) -> int:
     listener = threading.Thread(target=engine.listen, name="bunsan-engine-inbox", daemon=True)
     listener.start()
     try:
-        with torch.no_grad():
-            batcher.run()
-        engine._send(("stopped", batcher.fatal))
+        engine.run()
         child.join(join_s)
     finally:
         for s, handler in old.items():
