@@ -42,3 +42,31 @@ def test_plan_prints_the_link_context_parallel_traffic_crosses(capsys, monkeypat
     out = capsys.readouterr().out
     assert "dp1 cp16 tp1" in out and "links: tp nvlink, cp infiniband," in out
     assert "over infiniband (the cp group's 16 ranks, tp 1 apart, sit 8 to a node on 2 node(s))" in out
+    assert "flash attention on chunks of 4096 queries at x0.92 the whole row's speed" in out
+
+
+def test_short_chunks_run_flash_attention_below_its_whole_row_speed():
+    """8K tokens: cp 2 runs chunks of 2048 queries, cp 8 chunks of 512. By FLOPs alone the attention of the whole
+    row costs the same however it is cut (each rank 1/cp of it); priced by chunk, cp 8's costs more than cp 2's
+    by the flash curve's ratio at those lengths (constants.FLASH_BY_CHUNK), and the step says so."""
+    from bunsan.planner import compute
+    from bunsan.planner.context import cp_chunk
+
+    def attention(cp: int) -> float:             # the whole row's attention core: cp ranks' shares
+        lay = Layout(dp=8 // cp, cp=cp, seq_len=8192, micro_batch=1, grad_accum=1)
+        local = Layout(seq_len=lay.rank_tokens, micro_batch=1)
+        return cp * compute.block_time(SEVEN_B, local, H100, 0.8, keys=8192, chunk=cp_chunk(lay)).attention_forward
+    whole = compute.block_time(SEVEN_B, Layout(seq_len=8192, micro_batch=1), H100, 0.8).attention_forward
+    assert cp_chunk(Layout(cp=2, seq_len=8192)) == 2048 and cp_chunk(Layout(cp=8, seq_len=8192)) == 512
+    assert attention(2) == pytest.approx(whole * compute.flash_at(8192) / compute.flash_at(2048))
+    assert attention(8) == pytest.approx(whole * compute.flash_at(8192) / compute.flash_at(512))
+    assert attention(8) > 1.5 * attention(2) > 1.5 * whole
+    assert compute.flash_at(512) == 0.5 and compute.flash_at(256) == 0.5 and compute.flash_at(1 << 20) == 1.0
+    assert 0.68 < compute.flash_at(1500) < 0.83              # between the readings, in log2 of the length
+    # the step: the same 8 GPUs, rows and global batch (4), each rank 4096 tokens a step, cp 8 against cp 2
+    cp2, cp8 = (_price(Layout(dp=8 // cp, cp=cp, seq_len=8192, micro_batch=1, grad_accum=cp // 2)) for cp in (2, 8))
+    assert cp8.compute > cp2.compute and "flash attention on chunks of 512 queries at x0.52" in cp8.assumptions[-1]
+    # materialised attention (no flash kernel) is priced by its GEMMs' roofline, not this curve
+    lay = Layout(seq_len=1024, micro_batch=1)
+    assert compute.block_time(SEVEN_B, lay, H100, 0.8, "materialized", keys=8192, chunk=512).attention_forward == \
+        compute.block_time(SEVEN_B, lay, H100, 0.8, "materialized", keys=8192).attention_forward

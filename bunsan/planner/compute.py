@@ -10,6 +10,7 @@ the norms and residuals run on every rank's whole sequence (replicated), with it
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from bunsan.estimator.hardware import GPU
@@ -42,11 +43,25 @@ def streamed(nbytes: float, gpu: GPU) -> float:
     return nbytes / (gpu.hbm_bytes_per_s * K.HBM_EFFICIENCY)
 
 
+def flash_at(tokens: float) -> float:
+    """A flash kernel's throughput at `tokens` query rows per call, as a fraction of its long-row plateau
+    (constants.FLASH_BY_CHUNK, interpolated in log2 of the length; held flat past either end)."""
+    points = K.FLASH_BY_CHUNK
+    if tokens <= points[0][0]:
+        return points[0][1]
+    for (n0, e0), (n1, e1) in zip(points, points[1:]):
+        if tokens <= n1:
+            return e0 + (e1 - e0) * math.log2(tokens / n0) / math.log2(n1 / n0)
+    return points[-1][1]
+
+
 def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
-               attention: str = "flash", keys: int | None = None) -> BlockTime:
+               attention: str = "flash", keys: int | None = None, chunk: int | None = None) -> BlockTime:
     """Seconds for one block's forward and backward on one micro-batch on one tensor-parallel rank.
     `keys`: the row length the queries attend to, when it is longer than the rank's `layout.seq_len`
-    tokens (context parallelism: each rank's queries against the whole row's keys)."""
+    tokens (context parallelism: each rank's queries against the whole row's keys). `chunk`: the query rows
+    one attention call runs when context parallelism cuts them shorter than the row (`keys`): flash attention
+    then runs at flash_at(chunk) / flash_at(row) of its whole-row speed."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}; 'flash' for a "
                          "fused kernel (bunsan's SDPA), 'materialized' when the scores are written out")
@@ -61,7 +76,10 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
     qkv = mm(tokens, h, (heads + 2 * kv) * d // t)
     o_proj = mm(tokens, h // t, h)
     mlp = mm(tokens, h, 2 * inter // t) + mm(tokens, inter // t, h)
-    core = _attention_core(b, s, keys or s, heads // t, kv // t or 1, d, gpu, p, nb, efficiency, attention)
+    # (a chunk's efficiency relative to the whole row's: the GEMM efficiency already holds the row's own)
+    chunked = flash_at(chunk) / flash_at(keys or s) if chunk and attention == "flash" else 1.0
+    core = _attention_core(b, s, keys or s, heads // t, kv // t or 1, d, gpu, p, nb, efficiency * chunked,
+                           attention)
     hidden_tokens = tokens / (t if layout.sequence_parallel else 1)
     elementwise = streamed((K.HIDDEN_PASSES * hidden_tokens * h + K.MLP_ACT_PASSES * tokens * inter / t) * nb, gpu)
     forward = qkv + o_proj + mlp + core + elementwise

@@ -30,6 +30,17 @@ BACKWARD_FACTOR = 2.0
 # AdamW step on the rank's fp32 shard, bytes per parameter moved through HBM: master weight, two moments
 # (read + write, 4 bytes each), the fp32 gradient read, the 16-bit weight written.
 OPTIMIZER_BYTES_PER_PARAM = 3 * 2 * 4 + 4 + 2
+# A flash attention kernel's throughput by the query rows one call runs, as a fraction of its long-row plateau:
+# FlashAttention-2 (Dao 2023, arXiv:2307.08691) Figure 4 (A100, forward + backward, causal, head dim 128, 16k
+# tokens per batch) and Figure 7 (H100, same shape) rise from about half the 16k figure at 512 tokens to within
+# a few percent by 8k, as fewer key blocks per query block leave the kernel's per-block work (loading Q, the
+# softmax rescale, writing O, the diagonal block's mask) less to amortise over. The figures are approximate
+# readings of the plotted bars (not re-measured: no GPU has been lent). Context parallelism cuts a row into
+# chunks of seq / (2 cp) queries (context_parallel/attention.py runs the rank's two chunks one call each), so
+# the planner prices its attention at this curve's figure for the chunk over the figure for the whole row
+# (compute.py): the GEMM efficiency already holds the kernel's efficiency at the row's own length. Below 512
+# tokens (no reading) the 512 figure is kept: an optimistic floor.
+FLASH_BY_CHUNK = ((512, 0.50), (1024, 0.68), (2048, 0.83), (4096, 0.92), (8192, 0.97), (16384, 1.0))
 # NCCL's latencies (per collective, per ring step) and the links' bandwidths: bunsan/estimator/hardware.py.
 NCCL_BASE_LATENCY_S = hardware.NCCL_BASE_LATENCY_S
 
@@ -44,6 +55,8 @@ SOURCES = (
     ("MLP_ACT_PASSES", MLP_ACT_PASSES, "counted: SwiGLU reads gate and up, writes one"),
     ("SCORE_PASSES", SCORE_PASSES, "counted from Megatron-LM's unfused-attention path (only when "
      "attention='materialized')"),
+    ("FLASH_BY_CHUNK", "0.50 at 512 .. 1 at 16k", "FlashAttention-2 (arXiv:2307.08691) Figs. 4 and 7: causal "
+     "forward + backward TFLOP/s by sequence length, as a fraction of the 16k figure (read approximately)"),
     ("BACKWARD_FACTOR", BACKWARD_FACTOR, "a GEMM's backward is two GEMMs of its size (dgrad, wgrad)"),
     ("OPTIMIZER_BYTES_PER_PARAM", OPTIMIZER_BYTES_PER_PARAM, "counted: fused AdamW on an fp32 shard"),
     ("NCCL_BASE_LATENCY_S", NCCL_BASE_LATENCY_S, "NCCL src/graph/tuning.cc baseLat, ring / Simple"),

@@ -45,6 +45,7 @@ from bunsan.estimator.recompute import offloaded_count, offloaded_per_block
 from bunsan.planner import constants as K
 from bunsan.planner.collectives import Topology, collective, p2p
 from bunsan.planner.compute import BlockTime, block_time, head_time, optimizer_time
+from bunsan.planner.context import cp_chunk, cp_comm, cp_kv_bytes, cp_note  # noqa: F401  (cp_kv_bytes: the API)
 
 EFFICIENCY = K.GEMM_EFFICIENCY   # the default GEMM efficiency (`efficiency=` overrides it)
 MASTER_BYTES = 4
@@ -117,7 +118,7 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
     # Under context parallelism a rank computes its seq_len/cp tokens of each row, their queries attending
     # to the whole row's keys (the balanced causal split gives every rank the same share of the square)
     local = dataclasses.replace(layout, seq_len=layout.rank_tokens, cp=1) if layout.cp > 1 else layout
-    blk = block_time(model, local, gpu, eff, attention, keys=layout.seq_len)
+    blk = block_time(model, local, gpu, eff, attention, keys=layout.seq_len, chunk=cp_chunk(layout))
     blocks = stage_blocks(model, layout)
     head = head_time(model, local, gpu, eff)
     compute = m * (blocks * (blk.forward + blk.backward) + head)
@@ -132,9 +133,9 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
                     pp_comm=_pp_comm(model, layout, topo), bubble=bubble,
                     offload=_offload(layout, psi) + _activation_offload(model, layout), optimizer=optimizer,
                     dp_comm_total=dp_total, tokens_per_step=tokens, flops_per_token=flops_per_token,
-                    gpus=layout.gpus, peak_flops=peak, cp_comm=_cp_comm(model, layout, topo, blocks),
+                    gpus=layout.gpus, peak_flops=peak, cp_comm=cp_comm(model, layout, topo, blocks),
                     assumptions=_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token)
-                    + _cp_note(layout, topo))
+                    + cp_note(layout, topo, attention))
 
 
 def _notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token) -> tuple:
@@ -279,42 +280,6 @@ def _pp_comm(model: LlamaConfig, layout: Layout, topo: Topology) -> float:
     size = _activation_bytes(model, layout) / (layout.tp if layout.sequence_parallel else 1)
     sends = 2 * layout.grad_accum * layout.virtual_stages
     return sends * p2p(size / layout.cp, topo.link(layout.pp, layout.tp * layout.shard_ranks))
-
-
-def _row_kv_bytes(model: LlamaConfig, layout: Layout) -> float:
-    """The whole row's K and V per layer and micro-batch (this rank's tensor-parallel share of the key/value
-    heads): what the K/V all-gather assembles, and its backward reduce-scatter splits."""
-    kv = 2 * layout.micro_batch * layout.seq_len * model.num_key_value_heads * model.head_dim / layout.tp
-    return kv * layout.dtype_bytes
-
-
-def cp_kv_bytes(model: LlamaConfig, layout: Layout) -> float:
-    """Bytes one rank receives per layer and micro-batch in the K/V all-gather: (cp-1)/cp of the row's K/V;
-    the backward reduce-scatter sends as much."""
-    return (layout.cp - 1) / layout.cp * _row_kv_bytes(model, layout)
-
-
-def _cp_comm(model: LlamaConfig, layout: Layout, topo: Topology, blocks: int) -> float:
-    """Per layer and micro-batch: the K/V all-gather forward (again when recompute reruns attention) and the
-    reduce-scatter of their gradients backward, over the cp ranks (tp apart); never overlapped."""
-    if layout.cp == 1:
-        return 0.0
-    gather = collective("all_gather", _row_kv_bytes(model, layout), layout.cp, layout.tp, topo)
-    scatter = collective("reduce_scatter", _row_kv_bytes(model, layout), layout.cp, layout.tp, topo)
-    again = layout.checkpointing == "full" or (layout.checkpointing == "selective"
-                                               and "attention" in layout.recompute_ops)
-    return layout.grad_accum * blocks * ((2 if again else 1) * gather + scatter)
-
-
-def _cp_note(layout: Layout, topo: Topology) -> tuple:
-    if layout.cp == 1:
-        return ()
-    per_node, nodes = topo.span(layout.cp, layout.tp)
-    return (f"cp: per layer and micro-batch an all-gather of the row's K and V forward (again under recompute) "
-            f"and a reduce-scatter of their gradients backward, over {topo.link(layout.cp, layout.tp).name} (the cp "
-            f"group's {layout.cp} ranks, tp {layout.tp} apart, sit {per_node} to a node on {nodes} node(s)); ZeRO "
-            "and gradients over dp x cp; compute of seq_len/cp tokens per rank, their attention against the whole "
-            "row",)
 
 
 def _bubble(layout: Layout, ideal: float) -> float:
