@@ -264,6 +264,11 @@ def _serve(args, threads: int, http) -> int:
     if on_cpu:                        # (torchrun gives each tensor-parallel rank its own thread count)
         import torch
         torch.set_num_threads(threads)
+    packed = 0
+    if on_cpu and not (args.lora_modules or args.allow_runtime_lora):    # (adapters wrap plain nn.Linear)
+        from bunsan.serve.cpu_linear import pack_linears, packable
+        if packable(model):
+            packed = pack_linears(model, rows=min(64, args.slots if isinstance(args.slots, int) else 64))
     leader, kv_heads, shard = None, None, None
     if args.tp > 1:
         from bunsan.inference.tp import split_over_ranks
@@ -280,7 +285,7 @@ def _serve(args, threads: int, http) -> int:
         leader = Leader(shard.comm, shard.group, shard.device)
     batcher = Batcher(model, slots, context, kv_heads, leader, prefix_reuse=not args.no_prefix_reuse,
                       num_blocks=blocks, block_size=args.block_size, adapters=lora_adapters(args, model))
-    banner = {"slots": slots, "cache_line": cache_line, "threads": threads if on_cpu else None}
+    banner = {"slots": slots, "cache_line": cache_line, "threads": threads if on_cpu else None, "packed": packed}
     if http is None:
         return http_server(None, batcher, args, tokenizer, name, context, banner)
     return http.serve(batcher, tokenizer, (args, tokenizer, name, context, banner))
@@ -305,6 +310,7 @@ def http_server(conn, batcher, args, tokenizer, name: str, context: int, banner:
           f"{context} tokens each" + (f", tensor parallel over {args.tp} processes" if args.tp > 1 else "") + ")\n"
           f"  {banner['cache_line']}\n  chat: {template}; prefix reuse {'off' if args.no_prefix_reuse else 'on'}"
           + (f"; {banner['threads']} CPU threads for the model" if banner["threads"] else "")
+          + (f"; {banner['packed']} linear layers prepacked (oneDNN)" if banner["packed"] else "")
           + ("; the model in a process of its own" if conn is not None else "") + "\n"
           + (f"  {vision_line}\n" if vision_line else "") +
           "  POST /v1/completions /v1/chat/completions /v1/embeddings /api/generate /api/chat /api/embed /api/show;"
