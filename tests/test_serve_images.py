@@ -168,6 +168,11 @@ def test_openai_image_parts_and_ollama_images_answer_as_transformers(llava_dir, 
         "messages": [{"role": "user", "content": "what is", "images": [base64.b64encode(two).decode()]}]})
     assert ollama.status_code == 200, ollama.text
     assert ollama.json()["message"]["content"] == want_two
+    generated = httpx.post(url + "/api/generate", timeout=120, json={
+        "model": "llava", "stream": False, "options": {"temperature": 0, "num_predict": NEW}, "prompt": "what is",
+        "images": [base64.b64encode(one).decode()]})
+    assert generated.status_code == 200, generated.text
+    assert generated.json()["response"] == want_one             # its template's user turn, as /api/chat's
     show = httpx.post(url + "/api/show", json={"model": "llava"}).json()
     assert "vision" in show["capabilities"]
     assert httpx.get(url + "/health").json()["prefix_tokens_reused"] > 0     # the same image asked again
