@@ -1,7 +1,7 @@
 r"""Structured outputs on `bunsan serve` (structured.py, llguidance): a tiny random model's answers follow the
 JSON schema, regex, choice or Lark grammar asked for, valid by construction, through the official openai
 client's parse helper, vLLM's fields and Ollama's `format`; a constraint that cannot be used is a 400. A regex's
-`\d` and `\w` are ASCII (as outlines, xgrammar and ECMA-262 read them), also where the model would rather draw
+`\d` and `\w` are ASCII (as xgrammar and ECMA-262 read them), also where the model would rather draw
 another script's digits; and all of it over a trained BPE tokenizer.json as over the byte tokenizer."""
 
 from __future__ import annotations
