@@ -20,7 +20,9 @@ Figures and where they come from:
 
 Megatron's GPT blocks have a 4h GELU MLP (8h² parameters); bunsan prices Llama blocks, so each GPT block is
 the Llama block with the same parameters and FLOPs (intermediate 8h/3, rounded to the tensor-parallel
-size) and tied embeddings. Megatron-LM 2021 and BLOOM used no flash attention: attention "materialized".
+size) and tied embeddings. Megatron-LM 2021 and BLOOM used no flash attention: attention "materialized"; their
+element-wise ops ran as Megatron's fused kernels (fused layer norm, bias + GeLU, scale + mask + softmax):
+priced compiled.
 """
 
 from __future__ import annotations
@@ -132,13 +134,13 @@ def reproduce(run: Run, search: bool = True, space: Space | None = None) -> Repr
     """The planner's price and rank of `run`'s layout among `space` (default: the authors' options)."""
     gpu, intra, inter = gpu_spec(run.gpu), interconnect("nvlink3"), interconnect(run.inter_node)
     flops = megatron_flops(run.model, run.global_batch, run.seq_len)
-    own = step_time(run.model, run.layout, gpu, intra, inter, 8, attention="materialized")
+    own = step_time(run.model, run.layout, gpu, intra, inter, 8, attention="materialized", compiled=True)
     predicted = flops / own.total / run.gpus / 1e12
     if not (search and run.ranked):
         return Reproduction(run, predicted, None, 0, None, None)
     p = plan(run.model, run.gpus, gpu=gpu, nodes=run.gpus // 8, seq_len=run.seq_len,
              global_batch=run.global_batch, interconnect_name=intra, inter_node=inter, precision=run.precision,
-             attention="materialized", keep=0, space=space or run.space)
+             attention="materialized", keep=0, space=space or run.space, compiled=True)
     rank = next((i for i, c in enumerate(p.ranked, 1) if _same(c.layout, run.layout)), None)
     first = p.best
     first_tflops = flops / first.step.total / run.gpus / 1e12 if first else None

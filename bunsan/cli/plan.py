@@ -76,9 +76,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--model", required=True, help="preset, Hugging Face config.json or model directory")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     p.add_argument("--nodes", type=int, help=f"nodes the GPUs are on (default: {GPUS_PER_NODE} GPUs per node)")
-    p.add_argument("--gpu", default="h100", help="GPU model (h100, h200, a100, a100-40gb, l40s, a10, v100, rtx4090)")
+    p.add_argument("--gpu", default="h100", help="GPU model (h100, h100-pcie, h200, a100, a100-pcie, a100-40gb, l40s, "
+                   "a10, v100, rtx4090)")
     p.add_argument("--gpu-spec", help="measured or custom GPU figures: NAME[,bf16=312T][,fp16=..][,fp32=..]"
-                   "[,memory=80GiB][,hbm=2TB] (a known NAME or custom; replaces --gpu)")
+                   "[,memory=80GiB][,hbm=2TB][,form=SXM|PCIe][,power=400W][,sms=108] (a known NAME or custom; "
+                   "replaces --gpu)")
     p.add_argument("--gpu-memory", help="memory per GPU (default: the --gpu's), e.g. 80GB")
     p.add_argument("--host-memory", help="host memory per node, to rule out offload that cannot fit, e.g. 1TB")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: min(model max, 4096))")
@@ -90,6 +92,8 @@ def add_parsers(sub) -> None:
                    help="measured bandwidth per GPU, one direction, e.g. inter=6.25GB/s (repeatable)")
     p.add_argument("--link-latency", action="append", metavar="intra|inter=SECONDS", default=[],
                    help="per-step latency of a link, e.g. inter=1e-5 (repeatable)")
+    p.add_argument("--compile", action="store_true", help="price torch.compile's fused element-wise ops (and write "
+                   "train.compile into --output's config); default: eager PyTorch, each op a pass over memory")
     p.add_argument("--attention", choices=("flash", "materialized"), default="flash",
                    help="materialized: price attention that writes its scores out (no flash kernel)")
     p.add_argument("--zero-stages", help="ZeRO stages to search, e.g. 0,1 (default 0,1,2,3)")
@@ -275,7 +279,7 @@ def cmd_plan(args) -> int:
                     seq_len=args.seq_len, global_batch=args.global_batch, interconnect_name=intra,
                     inter_node=inter, precision=args.precision, margin=args.margin, total_tokens=tokens,
                     efficiency=efficiency, host_memory=_bytes(args.host_memory), keep=top,
-                    attention=args.attention, space=_space(args))
+                    attention=args.attention, space=_space(args), compiled=args.compile)
     result = search(args.efficiency, intra, inter)
     calibration = None
     if args.calibrate:
@@ -345,6 +349,8 @@ def cmd_plan(args) -> int:
     if args.output:
         cfg = best.layout.to_config(_model_section(args.model))
         cfg["train_batch_size"] = best.layout.global_batch
+        if args.compile:        # priced compiled: the config runs what was priced
+            cfg.setdefault("train", {})["compile"] = True
         Path(args.output).write_text(json.dumps(cfg, indent=2) + "\n")
         console.print(f"wrote {args.output}; launch it with, on each node:")
         for line in launch_lines(args.output, result.nodes, result.gpus // result.nodes):

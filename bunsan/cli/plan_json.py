@@ -68,9 +68,10 @@ def pricing_json(result) -> dict:
     p = result.pricing
     gpu = p.gpu
     return {"gpu": {"name": gpu.name, "memory_bytes": gpu.memory_bytes, "peak_flops": dict(gpu.peak_flops),
-                    "hbm_bytes_per_s": gpu.hbm_bytes_per_s},
+                    "hbm_bytes_per_s": gpu.hbm_bytes_per_s, "form": gpu.form, "power_w": gpu.power_w,
+                    "sms": gpu.sms},
             "gpus_per_node": p.per_node, "intra_link": dataclasses.asdict(p.intra),
-            "inter_link": dataclasses.asdict(p.inter), "attention": p.attention,
+            "inter_link": dataclasses.asdict(p.inter), "attention": p.attention, "compiled": p.compiled,
             "gemm_efficiency": K.GEMM_EFFICIENCY if p.efficiency is None else p.efficiency,
             "host": {"host_link_bytes_per_s": hardware.HOST_LINK_BYTES_PER_S,
                      "nvme_read_bytes_per_s": hardware.NVME_READ_BYTES_PER_S,

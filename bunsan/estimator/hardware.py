@@ -27,6 +27,11 @@ class GPU:
     memory_bytes: int
     peak_flops: dict = field(hash=False)  # precision -> dense FLOP/s; a missing key means "not supported"
     hbm_bytes_per_s: float
+    form: str = ""                # "SXM" (NVLink baseboard) or "PCIe" (a card): which link a node's GPUs share
+    # recorded, not priced yet: the board's power limit (TDP; the datasheet peaks are at the clocks it allows)
+    # and its streaming multiprocessors (a GEMM's tiles run in waves of this many)
+    power_w: float | None = None
+    sms: int | None = None
 
     def flops(self, precision: str) -> float:
         """Dense peak FLOP/s for `precision`; a clear error where the chip lacks it (bf16 on V100)."""
@@ -37,28 +42,36 @@ class GPU:
         return self.peak_flops[precision]
 
 
-def _gpu(name, gib, bf16, fp16, fp32, hbm_tb_s) -> GPU:
+def _gpu(name, gib, bf16, fp16, fp32, hbm_tb_s, form, watts, sms) -> GPU:
     flops = {k: v * T for k, v in (("bf16", bf16), ("fp16", fp16), ("fp32", fp32)) if v is not None}
-    return GPU(name, int(gib * GiB), flops, hbm_tb_s * T)
+    return GPU(name, int(gib * GiB), flops, hbm_tb_s * T, form, watts, sms)
 
 
 GPUS = {g.name: g for g in (
-    # name, memory GiB, bf16, fp16, fp32 (TF32 where it exists), HBM TB/s
-    _gpu("h100", 80, 989, 989, 494.5, 3.35),     # NVIDIA H100 Tensor Core GPU datasheet, SXM5 column; fp32 = TF32
-    _gpu("h200", 141, 989, 989, 494.5, 4.8),     # NVIDIA H200 Tensor Core GPU datasheet, SXM column; fp32 = TF32
-    _gpu("a100", 80, 312, 312, 156, 2.039),      # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM; fp32 = TF32
-    _gpu("a100-40gb", 40, 312, 312, 156, 1.555),  # NVIDIA A100 Tensor Core GPU datasheet, 40GB SXM; fp32 = TF32
-    _gpu("l40s", 48, 362, 362, 183, 0.864),      # NVIDIA L40S datasheet (dense = half the sparse figure); fp32 = TF32
-    _gpu("a10", 24, 125, 125, 62.5, 0.6),        # NVIDIA A10 Tensor Core GPU datasheet; fp32 = TF32
-    _gpu("v100", 32, None, 125, 15.7, 0.9),      # NVIDIA Tesla V100 datasheet, SXM2; no bf16, no TF32 (plain fp32)
-    _gpu("rtx4090", 24, 165.2, 165.2, 82.6, 1.008),  # NVIDIA Ada GPU architecture whitepaper, fp32 accumulate; fp32 = TF32
+    # name, memory GiB, bf16, fp16, fp32 (TF32 where it exists), HBM TB/s, form factor, power limit W, SMs.
+    # Dense figures (half the datasheets' "with sparsity" ones); SMs from the architecture whitepapers
+    # (GH100: 132 on the SXM5 part, 114 on the PCIe card; GA100: 108; AD102: 142 on L40S, 128 on the 4090;
+    # GA102: 72 on A10; GV100: 80).
+    _gpu("h100", 80, 989, 989, 494.5, 3.35, "SXM", 700, 132),   # H100 Tensor Core GPU datasheet, SXM5 column
+    _gpu("h100-pcie", 80, 756, 756, 378, 2.0, "PCIe", 350, 114),  # the same datasheet, PCIe column (300-350 W)
+    _gpu("h200", 141, 989, 989, 494.5, 4.8, "SXM", 700, 132),   # H200 Tensor Core GPU datasheet, SXM column
+    _gpu("a100", 80, 312, 312, 156, 2.039, "SXM", 400, 108),    # A100 Tensor Core GPU datasheet, 80GB SXM
+    _gpu("a100-pcie", 80, 312, 312, 156, 1.935, "PCIe", 300, 108),  # the same datasheet, 80GB PCIe
+    _gpu("a100-40gb", 40, 312, 312, 156, 1.555, "SXM", 400, 108),  # the same datasheet, 40GB SXM
+    _gpu("l40s", 48, 362, 362, 183, 0.864, "PCIe", 350, 142),   # L40S datasheet
+    _gpu("a10", 24, 125, 125, 62.5, 0.6, "PCIe", 150, 72),      # A10 Tensor Core GPU datasheet
+    _gpu("v100", 32, None, 125, 15.7, 0.9, "SXM", 300, 80),     # Tesla V100 datasheet, SXM2; no bf16, no TF32
+    _gpu("rtx4090", 24, 165.2, 165.2, 82.6, 1.008, "PCIe", 450, 128),  # Ada whitepaper, fp32 accumulate; 450 W TGP
     # Nominal figure for planning CPU test runs (a few cores with AVX2/AVX-512); not a datasheet number.
     GPU("cpu", 24 * GiB, {"bf16": 1e11, "fp16": 1e11, "fp32": 1e11}, 2e10),
 )}
+# (fp32 above is the TF32 tensor-core figure where the chip has TF32; V100's is plain fp32.)
 
 GPU_ALIASES = {
     "h100-sxm": "h100", "h100-sxm5": "h100", "h100-80gb": "h100", "h100-80gb-hbm3": "h100", "h100-sxm5-80gb": "h100",
+    "h100-pcie-80gb": "h100-pcie", "h100-80gb-pcie": "h100-pcie",
     "h200-sxm": "h200", "h200-141gb": "h200",
+    "a100-pcie-80gb": "a100-pcie", "a100-80gb-pcie": "a100-pcie",
     "a100-80gb": "a100", "a100-sxm": "a100", "a100-sxm4-80gb": "a100", "a100-sxm-80gb": "a100",
     "a100-40g": "a100-40gb", "a100-sxm4-40gb": "a100-40gb", "a100-sxm-40gb": "a100-40gb",
     "l40s-48gb": "l40s",
@@ -167,13 +180,15 @@ def parse_bytes(text) -> int:
     return int(value)
 
 
-# The link inside a node each GPU comes with (parts without NVLink talk over PCIe).
-INTRA_LINK = {"a100": "nvlink3", "a100-40gb": "nvlink3", "v100": "nvlink3", "l40s": "pcie", "a10": "pcie",
-              "rtx4090": "pcie", "cpu": "loopback"}
+# The NVLink an SXM part's baseboard has; a PCIe card talks to its node's others over PCIe.
+INTRA_LINK = {"a100": "nvlink3", "a100-40gb": "nvlink3", "v100": "nvlink3", "cpu": "loopback"}
 
 
 def intra_link(gpu: GPU) -> Interconnect:
-    """The link inside a node that `gpu` comes with: NVLink4 for H100/H200, NVLink3 for A100, else PCIe."""
+    """The link inside a node that `gpu` comes with: PCIe for a PCIe card; NVLink4 for H100/H200 SXM, NVLink3
+    for A100 and V100 SXM."""
+    if gpu.form == "PCIe":
+        return interconnect("pcie")
     return interconnect(INTRA_LINK.get(gpu.name.rstrip("*"), "nvlink"))
 
 
@@ -219,9 +234,18 @@ def _flops(key: str, text: str) -> float:
     return float(m[1]) * _FLOP_SCALE[m[2].lower()]
 
 
+def _count(key: str, text: str) -> int:
+    """--gpu-spec power=400W / sms=108: a positive whole number (watts with or without the W)."""
+    digits = text[:-1] if key == "power" and text.lower().endswith("w") else text
+    if not digits.isdigit() or int(digits) <= 0:
+        raise ValueError(f"--gpu-spec {key}={text!r}: a positive whole number, e.g. "
+                         + ("power=400W" if key == "power" else "sms=108"))
+    return int(digits)
+
+
 def parse_gpu_spec(text: str) -> GPU:
     """'a100,bf16=300T,memory=80GiB,hbm=2TB' -> the named GPU with those figures replaced (a name first, or
-    'custom' and every figure given)."""
+    'custom' and every figure given); form=SXM|PCIe, power=400W and sms=108 likewise."""
     import dataclasses
     parts = [p.strip() for p in str(text).split(",") if p.strip()]
     if not parts:
@@ -238,9 +262,16 @@ def parse_gpu_spec(text: str) -> GPU:
             changes["memory_bytes"] = parse_bytes(value.strip())
         elif key == "hbm":
             changes["hbm_bytes_per_s"] = parse_rate(value.strip())
+        elif key == "form":
+            forms = {"sxm": "SXM", "pcie": "PCIe"}
+            if value.strip().lower() not in forms:
+                raise ValueError(f"--gpu-spec form={value.strip()!r}: SXM (an NVLink baseboard) or PCIe (a card)")
+            changes["form"] = forms[value.strip().lower()]
+        elif key in ("power", "sms"):
+            changes["power_w" if key == "power" else "sms"] = _count(key, value.strip())
         else:
-            raise ValueError(f"--gpu-spec key {key!r} is not one of bf16, fp16, fp32, memory, hbm; write e.g. "
-                             "a100,bf16=312T,memory=80GiB,hbm=2.039TB")
+            raise ValueError(f"--gpu-spec key {key!r} is not one of bf16, fp16, fp32, memory, hbm, form, power, sms; "
+                             "write e.g. a100,bf16=312T,memory=80GiB,hbm=2.039TB,form=SXM,power=400W,sms=108")
     gpu = dataclasses.replace(base, name=base.name if not pairs else f"{base.name}*", peak_flops=flops, **changes)
     if not gpu.peak_flops or gpu.memory_bytes <= 0 or gpu.hbm_bytes_per_s <= 0:
         raise ValueError(f"--gpu-spec {text!r} leaves the GPU without FLOP/s, memory or HBM bandwidth; a custom "

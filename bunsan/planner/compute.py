@@ -56,12 +56,14 @@ def flash_at(tokens: float) -> float:
 
 
 def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
-               attention: str = "flash", keys: int | None = None, chunk: int | None = None) -> BlockTime:
+               attention: str = "flash", keys: int | None = None, chunk: int | None = None,
+               compiled: bool = False) -> BlockTime:
     """Seconds for one block's forward and backward on one micro-batch on one tensor-parallel rank.
     `keys`: the row length the queries attend to, when it is longer than the rank's `layout.seq_len`
     tokens (context parallelism: each rank's queries against the whole row's keys). `chunk`: the query rows
     one attention call runs when context parallelism cuts them shorter than the row (`keys`): flash attention
-    then runs at flash_at(chunk) / flash_at(row) of its whole-row speed."""
+    then runs at flash_at(chunk) / flash_at(row) of its whole-row speed. `compiled`: torch.compile's fused
+    element-wise ops (`train.compile`), else eager PyTorch's, an HBM pass per op (constants.EAGER_*)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}; 'flash' for a "
                          "fused kernel (bunsan's SDPA), 'materialized' when the scores are written out")
@@ -81,7 +83,12 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
     core = _attention_core(b, s, keys or s, heads // t, kv // t or 1, d, gpu, p, nb, efficiency * chunked,
                            attention)
     hidden_tokens = tokens / (t if layout.sequence_parallel else 1)
-    elementwise = streamed((K.HIDDEN_PASSES * hidden_tokens * h + K.MLP_ACT_PASSES * tokens * inter / t) * nb, gpu)
+    if compiled:
+        passes = K.HIDDEN_PASSES * hidden_tokens * h + K.MLP_ACT_PASSES * tokens * inter / t
+    else:       # (rotary runs on the rank's q and k heads, split by tp whatever sequence parallelism does)
+        passes = (K.EAGER_HIDDEN_PASSES * hidden_tokens * h + K.EAGER_ROPE_PASSES * tokens * (heads + kv) * d / t
+                  + K.EAGER_MLP_ACT_PASSES * tokens * inter / t)
+    elementwise = streamed(passes * nb, gpu)
     forward = qkv + o_proj + mlp + core + elementwise
     return BlockTime(forward=forward, backward=K.BACKWARD_FACTOR * forward, attention_forward=core,
                      o_proj_forward=o_proj)

@@ -20,6 +20,17 @@ HBM_EFFICIENCY = 0.80
 HIDDEN_PASSES = 12
 # SwiGLU's element-wise part: reads gate and up, writes their product (per element of tokens x I / tp).
 MLP_ACT_PASSES = 3
+# HIDDEN_PASSES and MLP_ACT_PASSES are fused ops (torch.compile, `train.compile`; Megatron's fused kernels):
+# each reads its inputs and writes its output once. Eager PyTorch runs each op of bunsan's block as a kernel of
+# its own, each a pass over HBM; counted from the code in 16-bit passes over tokens x hidden (fp32: two):
+# RMSNorm (models/saving.py) x.float() 1+2, pow 2+2, mean 2, the in-place multiply by rstd 2+2, back to 16-bit
+# 2+1, the weight's multiply 1+1: 18, two per block 36; two residual adds (two reads + one write) 6.
+EAGER_HIDDEN_PASSES = 42
+# Eager rotary embedding (models/llama.py apply_rope) per element of q and k (tokens x (heads + key/value heads)
+# x head_dim / tp): x * cos 1+1, rotate_half's negation 0.5+0.5 and concatenation 1+1, * sin 1+1, the sum 2+1.
+EAGER_ROPE_PASSES = 10
+# Eager SwiGLU (models/saving.py swiglu): silu(gate) 1+1, times up 2+1. (Kernel launches are not priced.)
+EAGER_MLP_ACT_PASSES = 5
 # A materialised attention (no flash kernel: Megatron-LM 2021, BLOOM 2022): the scores written by QK^T, read
 # and written by scale + mask + softmax (fused), read and written by dropout with its mask, read by the
 # product with V: about 6 passes over micro-batch x heads/tp x seq^2.
@@ -53,6 +64,8 @@ SOURCES = (
     ("HIDDEN_PASSES", HIDDEN_PASSES, "counted from bunsan's Llama block (models/blocks.py): norms, residuals, "
      "rotary"),
     ("MLP_ACT_PASSES", MLP_ACT_PASSES, "counted: SwiGLU reads gate and up, writes one"),
+    ("EAGER_HIDDEN_PASSES / ROPE / MLP_ACT", f"{EAGER_HIDDEN_PASSES} / {EAGER_ROPE_PASSES} / {EAGER_MLP_ACT_PASSES}",
+     "counted from bunsan's eager block, op by op (models/saving.py, models/llama.py); without --compile"),
     ("SCORE_PASSES", SCORE_PASSES, "counted from Megatron-LM's unfused-attention path (only when "
      "attention='materialized')"),
     ("FLASH_BY_CHUNK", "0.50 at 512 .. 1 at 16k", "FlashAttention-2 (arXiv:2307.08691) Figs. 4 and 7: causal "

@@ -105,10 +105,12 @@ class StepTime:
 
 
 def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect, inter: Interconnect,
-              gpus_per_node: int, efficiency: float | None = None, attention: str = "flash") -> StepTime:
+              gpus_per_node: int, efficiency: float | None = None, attention: str = "flash",
+              compiled: bool = False) -> StepTime:
     """Estimated seconds per optimizer step of `layout` training `model` on `gpu`s, `gpus_per_node` per node.
     `efficiency` is the fraction of the tensor-core peak a large GEMM reaches (default GEMM_EFFICIENCY);
-    `attention` "materialized" prices a kernel that writes the scores out (no flash attention)."""
+    `attention` "materialized" prices a kernel that writes the scores out (no flash attention); `compiled`
+    prices torch.compile's fused element-wise ops (`train.compile`), else eager PyTorch's op-by-op passes."""
     eff = K.GEMM_EFFICIENCY if efficiency is None else efficiency
     peak = _validate(model, layout, gpu, gpus_per_node, eff)
     topo = Topology(gpus_per_node, intra, inter)
@@ -118,7 +120,8 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
     # Under context parallelism a rank computes its seq_len/cp tokens of each row, their queries attending
     # to the whole row's keys (the balanced causal split gives every rank the same share of the square)
     local = dataclasses.replace(layout, seq_len=layout.rank_tokens, cp=1) if layout.cp > 1 else layout
-    blk = block_time(model, local, gpu, eff, attention, keys=layout.seq_len, chunk=cp_chunk(layout))
+    blk = block_time(model, local, gpu, eff, attention, keys=layout.seq_len, chunk=cp_chunk(layout),
+                     compiled=compiled)
     blocks = stage_blocks(model, layout)
     head = head_time(model, local, gpu, eff)
     compute = m * (blocks * (blk.forward + blk.backward) + head)
@@ -134,19 +137,23 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
                     offload=_offload(layout, psi) + _activation_offload(model, layout), optimizer=optimizer,
                     dp_comm_total=dp_total, tokens_per_step=tokens, flops_per_token=flops_per_token,
                     gpus=layout.gpus, peak_flops=peak, cp_comm=cp_comm(model, layout, topo, blocks),
-                    assumptions=_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token)
+                    assumptions=_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled)
                     + cp_note(layout, topo, attention))
 
 
-def _notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token) -> tuple:
+def _notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled) -> tuple:
     link = {name: topo.link(size, stride).name for name, size, stride in
             (("tp", layout.tp, 1), ("cp", layout.cp, layout.tp), ("dp", layout.shard_ranks, layout.tp),
              ("pp", layout.pp, layout.tp * layout.shard_ranks))}
     return (
         f"{flops_per_token / 1e9:.4g} GFLOP/token = 6N (N={n_flops:,}, no input embedding) + 12·L·h·s counts "
         f"MFU; time is priced per GEMM: roofline of {eff:.0%} of {gpu.flops(layout.precision) / 1e12:g} TFLOP/s "
-        f"{layout.precision} and {K.HBM_EFFICIENCY:.0%} of {gpu.hbm_bytes_per_s / 1e12:.3g} TB/s HBM on {gpu.name}; "
-        f"element-wise ops by their bytes; attention {attention}",
+        f"{layout.precision} and {K.HBM_EFFICIENCY:.0%} of {gpu.hbm_bytes_per_s / 1e12:.3g} TB/s HBM on {gpu.name}"
+        + (f" ({gpu.form}, {gpu.power_w:g} W)" if gpu.form and gpu.power_w else "") + "; "
+        f"element-wise ops by their bytes, "
+        + ("compiled (torch.compile fuses them: constants.HIDDEN_PASSES)" if compiled else
+           "eager (each op a pass over HBM: constants.EAGER_*; --compile fuses them)")
+        + f"; attention {attention}",
         f"links: tp {link['tp']}, cp {link['cp']}, dp {link['dp']}, pp {link['pp']} (mesh order pp, dp, cp, tp: "
         f"tp innermost, cp ranks tp apart, the gradients' dp x cp group too; "
         f"{topo.gpus_per_node} GPUs per node); collectives = NCCL latency model + bytes / bandwidth",

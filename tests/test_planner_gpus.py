@@ -1,0 +1,63 @@
+"""The GPU table's form factor, power limit and SMs, and eager against compiled element-wise work."""
+
+import json
+
+import pytest
+
+from bunsan.cli.main import main
+from bunsan.config.root import Config
+from bunsan.estimator.hardware import GPUS, gpu_spec, intra_link, parse_gpu_spec
+from bunsan.estimator.layout import Layout
+from bunsan.models.presets import get_preset
+from bunsan.planner import compute, constants
+
+
+def test_every_datasheet_gpu_has_its_form_power_and_sms_and_a_pcie_card_talks_over_pcie():
+    for name, gpu in GPUS.items():
+        if name != "cpu":
+            assert gpu.form in ("SXM", "PCIe") and gpu.power_w > 0 and gpu.sms > 0, name
+    assert intra_link(gpu_spec("h100")).name == "nvlink" and intra_link(gpu_spec("a100")).name == "nvlink3"
+    for card in ("h100-pcie", "a100-pcie", "l40s", "a10", "rtx4090"):
+        assert intra_link(gpu_spec(card)).name == "pcie", card
+    # the names torch.cuda.get_device_name() gives
+    assert gpu_spec("NVIDIA H100 PCIe").name == "h100-pcie" and gpu_spec("NVIDIA A100 80GB PCIe").name == "a100-pcie"
+    pcie, sxm = gpu_spec("h100-pcie"), gpu_spec("h100")
+    assert pcie.flops("bf16") < sxm.flops("bf16") and pcie.power_w < sxm.power_w and pcie.sms < sxm.sms
+
+
+def test_gpu_spec_takes_form_power_and_sms_and_names_a_bad_one():
+    gpu = parse_gpu_spec("a100,form=PCIe,power=250W,sms=108")
+    assert (gpu.form, gpu.power_w, gpu.sms) == ("PCIe", 250, 108) and intra_link(gpu).name == "pcie"
+    with pytest.raises(ValueError, match=r"form='OAM': SXM \(an NVLink baseboard\) or PCIe"):
+        parse_gpu_spec("a100,form=OAM")
+    with pytest.raises(ValueError, match=r"power='lots': a positive whole number, e.g. power=400W"):
+        parse_gpu_spec("a100,power=lots")
+
+
+def test_eager_pays_each_elementwise_op_a_pass_and_compiled_fuses_them():
+    """The difference is the counted passes, exactly: 42 against 12 over the hidden state, rotary's 10 per q/k
+    element (fused into the 12), SwiGLU's 5 against 3."""
+    c, h100 = get_preset("7b"), gpu_spec("h100")
+    lay = Layout(tp=2, seq_len=4096, micro_batch=1)
+    eager, fused = (compute.block_time(c, lay, h100, 0.8, compiled=k) for k in (False, True))
+    tokens, h, t, d = 4096, c.hidden_size, 2, c.head_dim
+    passes = ((constants.EAGER_HIDDEN_PASSES - constants.HIDDEN_PASSES) * tokens * h
+              + constants.EAGER_ROPE_PASSES * tokens * (c.num_attention_heads + c.num_key_value_heads) * d / t
+              + (constants.EAGER_MLP_ACT_PASSES - constants.MLP_ACT_PASSES) * tokens * c.intermediate_size / t)
+    assert eager.forward - fused.forward == pytest.approx(compute.streamed(passes * 2, h100))
+    assert eager.backward == pytest.approx(constants.BACKWARD_FACTOR * eager.forward)
+
+
+def test_plan_compile_prices_fused_ops_and_writes_the_compile_it_priced(tmp_path, capsys):
+    args = ["plan", "--model", "1b", "--gpus", "8", "--seq-len", "2048", "--global-batch", "16", "--zero-stages",
+            "1", "--recompute", "none", "--top", "1", "--json"]
+    eager = json.loads((main(args), capsys.readouterr().out)[1])
+    fused = json.loads((main(args + ["--compile"]), capsys.readouterr().out)[1])
+    assert eager["pricing"]["compiled"] is False and fused["pricing"]["compiled"] is True
+    first = [r["ranked"][0]["step_seconds"] for r in (eager, fused)]
+    assert first[0]["total"] > first[1]["total"]
+    assert "eager (each op a pass over HBM" in first[0]["assumptions"][0]
+    assert "compiled (torch.compile fuses them" in first[1]["assumptions"][0]
+    out = tmp_path / "best.json"
+    assert main(args[:-1] + ["--compile", "--output", str(out)]) == 0
+    assert Config.load(out).train.compile is True
