@@ -97,7 +97,8 @@ class _PagedLayer:
         query heads (a multi-query row of heads // kv) over its kv head. q [n, kv, rep, hd] -> the same."""
         w = self.view
         n, kv, rep, hd = q.shape
-        shared = w.on("shared_blocks", pool_k.device)
+        # consecutive blocks (a prefix prefilled into a fresh pool) are read in place; else gathered
+        shared = w.shared_run if w.shared_run is not None else w.on("shared_blocks", pool_k.device)
         pk, pv = (pool[shared].reshape(1, -1, kv, hd).transpose(1, 2).float() for pool in (pool_k, pool_v))
         first, first_lse = _CPU_FLASH(q.permute(1, 0, 2, 3).reshape(1, kv, n * rep, hd), pk, pv, 0.0, False,
                                       scale=scale)
@@ -174,8 +175,12 @@ class PagedView:
         width = -(-int(ends[decode].max()) // bs) if self.decoding.numel() else 0
         self.decode_tables = tables[decode, :width]
         self.shared = self._shared_blocks()
+        self.shared_run: slice | None = None
         if self.shared:                          # cascade attention (_PagedLayer._cascade): the common blocks
             self.shared_blocks = self.decode_tables[0, :self.shared]
+            first = int(self.shared_blocks[0])
+            consecutive = bool((self.shared_blocks == torch.arange(first, first + self.shared)).all())
+            self.shared_run = slice(first, first + self.shared) if consecutive else None
             self.own_tables = self.decode_tables[:, self.shared:]
             own = torch.arange(self.own_tables.shape[1] * bs)[None, :] + self.shared * bs
             self.own_mask = (own <= self.decode_at[:, None])[:, None, None]    # [rows, 1, 1, own keys]
