@@ -302,8 +302,11 @@ def http_server(conn, batcher, args, tokenizer, name: str, context: int, banner:
     server = Server(app, args.host, args.port, grace_s=args.shutdown_grace, keep_alive_s=args.keep_alive_timeout)
 
     def fatal(message: str) -> None:        # a tensor-parallel rank (or the model's process) is gone
-        print(f"bunsan serve: {message}; shutting down", flush=True)
         server.should_exit = True
+        try:
+            print(f"bunsan serve: {message}; shutting down", flush=True)
+        except OSError:                     # (nobody reads our output any more: shut down all the same)
+            pass
     batcher.on_fatal = fatal
     served = app.state.service.served
     print(f"bunsan serve: {', '.join(served)} on http://{args.host}:{args.port} ({banner['slots']} sequences, "

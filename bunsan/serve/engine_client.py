@@ -146,6 +146,9 @@ class EngineClient:
                 self._tell_cancelled()
         except (EOFError, OSError):
             self._fail("the model's process ended")
+        except BaseException as e:      # the reader's own failure ends serving too, never leaves it deaf
+            self._fail(f"the HTTP side's reader failed: {type(e).__name__}: {e}")
+            raise
         finally:
             self.stopped = True
             reason = f"error: {self.fatal}" if self.fatal else "error: the server is shutting down"
