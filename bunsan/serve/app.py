@@ -103,6 +103,9 @@ class Service:
         except ValueError as e:           # the batcher refuses what its KV pool could never hold
             job.close()                    # its sequences already queued are cancelled, the count given back
             raise ApiError(400, str(e), param="max_tokens") from None
+        except ApiError:                   # the model's process is gone (engine_client.py): a 503
+            job.close()
+            raise
         self.metrics.accepted(job)
         return job
 

@@ -62,6 +62,7 @@ class Engine:
         self.outbox: deque = deque()          # (id, kind, value), from the batcher's thread
         self.requests: dict[int, Request] = {}
         self.media: dict[int, list] = {}      # a prompt's images: [Media, sequences still holding it]
+        self.media_lock = threading.Lock()
         self.grammar_tokenizer = None
         self.closed = False                   # the HTTP process is gone
         batcher.after_loop = self.flush
@@ -111,20 +112,19 @@ class Engine:
     def _on_submit(self, rid: int, work: dict) -> None:
         try:
             r = self._request(rid, work)
-            self.requests[rid] = r
-            self.batcher.submit(r)
         except Exception as e:            # this request's failure is its own
-            self._ended(rid, work.get("media_key"))
             self.outbox.append((rid, "end", f"error: {type(e).__name__}: {e}"))
+            self.batcher.wake.set()
+            return
+        self.requests[rid] = r
+        try:
+            self.batcher.submit(r)
+        except Exception as e:
+            r.finish(f"error: {type(e).__name__}: {e}")
             self.batcher.wake.set()
 
     def _request(self, rid: int, work: dict) -> Request:
         key = work["media_key"]
-        if key is not None:
-            if key not in self.media and work["media"] is None:
-                raise ValueError("the prompt's images did not reach the model's process")
-            held = self.media.setdefault(key, [work["media"], 0])
-            held[1] += 1
         sampler = None
         if work["params"] is not None:
             constraint = None
@@ -136,18 +136,27 @@ class Engine:
         def finish(reason: str) -> None:
             self._ended(rid, key)
             self.outbox.append((rid, "end", reason))
+        media = None
+        if key is not None:              # (the last step: a failure above holds no image)
+            with self.media_lock:
+                if key not in self.media and work["media"] is None:
+                    raise ValueError("the prompt's images did not reach the model's process")
+                held = self.media.setdefault(key, [work["media"], 0])
+                held[1] += 1
+                media = held[0]
         return Request(ids=work["ids"], max_tokens=work["max_tokens"], finish=finish, sampler=sampler,
                        emit=lambda token: self.outbox.append((rid, "token", token)), eos=work["eos"],
                        prompt_logprobs=work["prompt_logprobs"], adapter=work["adapter"], root=work["root"],
                        on_prompt=lambda tokens: self.outbox.append((rid, "prompt", tokens)),
-                       media=None if key is None else self.media[key][0])
+                       media=media)
 
     def _ended(self, rid: int, key: int | None) -> None:
         self.requests.pop(rid, None)
-        if key is not None and key in self.media:
-            self.media[key][1] -= 1
-            if self.media[key][1] <= 0:
-                del self.media[key]
+        with self.media_lock:            # (ends come on the batcher's thread, submissions on the listener's)
+            if key is not None and key in self.media:
+                self.media[key][1] -= 1
+                if self.media[key][1] <= 0:
+                    del self.media[key]
 
     def _grammar_tokenizer(self):
         """Structured outputs' view of the vocabulary, built at the first request with a grammar."""

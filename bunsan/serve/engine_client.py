@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import torch
 
+from bunsan.serve.errors import ApiError
 from bunsan.serve.sequence import Request, check_embeddable, check_fits
 
 POLL_S = 0.1
@@ -88,10 +89,19 @@ class EngineClient:
         with self.send_lock:
             self.conn.send(message)
 
+    def _send_or_503(self, *message) -> None:
+        """A request's message; the model's process gone (its reader not yet aware) is a 503, never a 500."""
+        try:
+            if self.stopped:
+                raise OSError("stopped")
+            self._send(*message)
+        except (OSError, ValueError):
+            self.open.pop(message[1], None)
+            self.waiters.pop(message[1], None)
+            raise ApiError(503, "the model's process has stopped; the server is shutting down") from None
+
     def submit(self, r: Request) -> None:
         check_fits(len(r.ids), r.max_tokens, self.max_len, self.pool.block_size, self.pool.usable)
-        if self.stopped:
-            raise RuntimeError("the model's process has stopped")
         rid = next(self.ids)
         sampler = r.sampler
         constraint = getattr(sampler, "constraint", None)
@@ -100,7 +110,7 @@ class EngineClient:
         if key is not None:
             self.media_keys[key] = r.media
         self.open[rid] = r
-        self._send("submit", rid, {
+        self._send_or_503("submit", rid, {
             "ids": r.ids, "max_tokens": r.max_tokens, "eos": r.eos, "prompt_logprobs": r.prompt_logprobs,
             "adapter": r.adapter, "root": r.root, "params": None if sampler is None else sampler.params,
             "grammar": None if constraint is None else constraint.grammar, "media_key": key,
@@ -110,7 +120,7 @@ class EngineClient:
         check_embeddable(len(ids), self.max_len, self.leader is not None)
         hid = next(self.ids)
         self.waiters[hid] = done = Future()
-        self._send("hidden", hid, ids)
+        self._send_or_503("hidden", hid, ids)
         return done
 
     def call(self, kind: str, *args):
@@ -182,7 +192,7 @@ class EngineClient:
             elif what == "end":
                 r = self.open.pop(rid)
                 self.told.discard(rid)
-                if r.media is not None and not any(o.media is r.media for o in self.open.values()):
+                if r.media is not None and not any(o.media is r.media for o in list(self.open.values())):
                     self.media_keys.pop(id(r.media), None)
                 r.finish(value)
             elif what == "prompt":
@@ -193,7 +203,7 @@ class EngineClient:
                 waiter.set_result(state) if ok else waiter.set_exception(RuntimeError(state))
 
     def _tell_cancelled(self) -> None:
-        for rid, r in self.open.items():
+        for rid, r in list(self.open.items()):      # (a copy: the event loop's thread adds to it)
             if r.cancelled and rid not in self.told:
                 self.told.add(rid)
                 self._send("cancel", rid)
