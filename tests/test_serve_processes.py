@@ -35,9 +35,11 @@ def llama_dir(tmp_path_factory):
 class Served:
     def __init__(self, folder, *flags):
         self.port = free_port()
+        # a session of its own, as a terminal's: Ctrl-C is its whole process group's SIGINT
         self.proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", "--checkpoint", str(folder),
                                       "--port", str(self.port), "--context", "96", *flags], env=ENV,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"
         wait_until_healthy(self.proc, self.url)
 
@@ -126,14 +128,20 @@ def test_a_cancelled_sequence_stops_in_the_models_process(llama_dir):
     assert client.stopped and not batcher.running
 
 
-def test_sigterm_drains_then_both_processes_end(llama_dir):
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_a_signal_drains_then_both_processes_end(llama_dir, how):
+    """SIGTERM to the model's process, or Ctrl-C (SIGINT to both): one graceful drain (a second signal would
+    be uvicorn's forced exit), the running stream ends with its [DONE], both processes leave, status 0."""
     s = Served(llama_dir[0], "--shutdown-grace", "0.5")
     http = s.http_pid()
     with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
                       json={"prompt": "a", "max_tokens": 90, "temperature": 0, "stream": True}) as r:
         lines = r.iter_lines()
         next(lines)
-        s.proc.send_signal(signal.SIGTERM)
+        if how == "sigterm":
+            s.proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(s.proc.pid, signal.SIGINT)
         events = [line for line in lines if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]"
     out = s.close()

@@ -299,7 +299,8 @@ def http_server(conn, batcher, args, tokenizer, name: str, context: int, banner:
         from bunsan.serve.engine_client import EngineClient
         batcher = EngineClient(conn, batcher)
     app, template, vision_line = serve_app(args, batcher.model, tokenizer, name, context, batcher)
-    server = Server(app, args.host, args.port, grace_s=args.shutdown_grace, keep_alive_s=args.keep_alive_timeout)
+    server = Server(app, args.host, args.port, grace_s=args.shutdown_grace, keep_alive_s=args.keep_alive_timeout,
+                    ignore_sigint=conn is not None)
 
     def fatal(message: str) -> None:        # a tensor-parallel rank (or the model's process) is gone
         server.should_exit = True

@@ -235,7 +235,9 @@ def _run(batcher, engine: Engine, child, join_s: float) -> int:
 
 
 def _http_child(http_main, conn) -> None:
-    os.setsid()          # a terminal's Ctrl-C reaches the model's process, which passes it on once
+    # (in the model's session, so the kernel's per-session CPU share (autogroup) counts the two as one job; a
+    # terminal's Ctrl-C reaches both: the HTTP server leaves SIGINT to the model's process, which passes it on)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import bunsan.serve.app  # noqa: F401  (the server's imports, while the model's process loads the model)
     try:
         facts, http_args = conn.recv()

@@ -6,6 +6,7 @@ later, cuts a client that does not even read its error."""
 from __future__ import annotations
 
 import os
+import signal
 
 import uvicorn
 
@@ -32,12 +33,19 @@ def cpu_threads(requested: int | None = None) -> int:
 
 class Server(uvicorn.Server):
     def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 5.0,
-                 log_level: str = "warning", keep_alive_s: float = KEEP_ALIVE_S):
+                 log_level: str = "warning", keep_alive_s: float = KEEP_ALIVE_S, ignore_sigint: bool = False):
+        """`ignore_sigint`: the HTTP process of bunsan serve's two (engine.py), whose SIGINT the model's process
+        turns into one SIGTERM (uvicorn would take a second signal as a forced exit)."""
         self.service: Service = app.state.service
-        self.grace_s = grace_s
+        self.grace_s, self.ignore_sigint = grace_s, ignore_sigint
         super().__init__(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                         timeout_graceful_shutdown=grace_s + SEND_ERRORS_S,
                                         timeout_keep_alive=keep_alive_s, backlog=4096))
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.ignore_sigint and sig == signal.SIGINT:
+            return
+        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:
         await self.service.drain(self.grace_s)
