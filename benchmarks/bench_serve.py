@@ -29,6 +29,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -323,42 +324,65 @@ def main(argv: list[str] | None = None) -> int:
                    help="N processes spinning on the CPU while the clients run (loaded cores; default 0: quiet)")
     p.add_argument("--threads", type=int, default=None,
                    help="bunsan serve's torch threads (default: its own, every core but one)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the whole field this many times, one after another, and report medians (a shared "
+                        "machine's speed drifts between contenders run minutes apart)")
     p.add_argument("--markdown", metavar="PATH", help="append a markdown section with the table to PATH")
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds} must be at least 1")
     LOAD[0], THREADS[0] = a.load, a.threads
     clients = [int(c) for c in a.clients.split(",")]
     contenders = a.contenders.split(",")
-    load_before, rows = os.getloadavg()[0], []
-    import tempfile
+    load_before = os.getloadavg()[0]
+    rounds = [field(a, clients, contenders) for _ in range(a.rounds)]
+    rows = rounds[0] if a.rounds == 1 else medians(rounds)
+    header = ["contender", "clients", "requests", "tokens/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 s", "ITL p99 s",
+              "note"]
+    load = (f"- {a.load} spinning processes beside the clients ({'loaded' if a.load else 'quiet'} cores); load "
+            f"average (1 min) before and after: {load_before:.1f}, {os.getloadavg()[0]:.1f}")
+    notes = [load] + ([f"- {a.rounds} rounds of the whole field, one after another: each figure the median of "
+                       "the rounds' (the note: every round's tokens/s)"] if a.rounds > 1 else [])
+    write_table(f"Serving: bunsan serve vs the others ({a.max_tokens} new tokens, 256-token shared prefix)", header,
+                rows, a.markdown, notes)
+    return 0
+
+
+def medians(rounds: list[list[list[str]]]) -> list[list[str]]:
+    """One row per contender and client count: each figure the median of the rounds', tokens/s of every round
+    in the note."""
+    import statistics
+    out = []
+    for same in zip(*rounds):
+        figures = [statistics.median(float(r[k]) for r in same) for k in range(3, 8)]
+        cells = [f"{figures[0]:.1f}"] + [f"{f:.3f}" for f in figures[1:]]
+        requests = {r[2] for r in same}          # (a round's failed requests show here)
+        out.append([*same[0][:2], " / ".join(sorted(requests)), *cells,
+                    f"{same[0][8]}; rounds {' / '.join(r[3] for r in same)}"])
+    return out
+
+
+def field(a, clients: list[int], contenders: list[str]) -> list[list[str]]:
+    """Every contender's rows, one after another."""
+    rows = []
     for contender, reuse, one in (("reuse", True, False), ("noreuse", False, False), ("one-process", True, True)):
         if contender in contenders:
             with tempfile.TemporaryDirectory() as tmp:
                 rows += bunsan_rows(clients, a.requests_per_client, a.max_tokens, reuse, Path(tmp), one)
     if "vllm" in contenders:
-        import tempfile
-
         from serve_peers import vllm_rows
         with tempfile.TemporaryDirectory() as tmp:
             rows += vllm_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp), a.vllm_venv, _clients)
     for contender, continuous in (("hf-serve", False), ("hf-serve-cb", True)):
         if contender in contenders:
-            import tempfile
-
             from serve_peers import transformers_serve_rows
             with tempfile.TemporaryDirectory() as tmp:
                 rows += transformers_serve_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp),
                                                 a.vllm_venv, continuous, _clients)
     if "transformers" in contenders:
-        import tempfile
         with tempfile.TemporaryDirectory() as tmp:
             rows += transformers_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp))
-    header = ["contender", "clients", "requests", "tokens/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 s", "ITL p99 s",
-              "note"]
-    load = (f"- {a.load} spinning processes beside the clients ({'loaded' if a.load else 'quiet'} cores); load "
-            f"average (1 min) before and after: {load_before:.1f}, {os.getloadavg()[0]:.1f}")
-    write_table(f"Serving: bunsan serve vs the others ({a.max_tokens} new tokens, 256-token shared prefix)", header,
-                rows, a.markdown, [load])
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -131,32 +131,67 @@ def test_adapters_by_name_over_http_and_loaded_at_run_time(qwen, tmp_path):
     try:
         while not server.started:
             thread.join(0.05)
-        prompt = [5, 17, 42, 7, 99]
-
-        def complete(model):
-            r = httpx.post(url + "/v1/completions", timeout=60, json={"model": model, "prompt": prompt,
-                                                                       "max_tokens": 6, "temperature": 0})
-            return r.status_code, r.json()
-        assert complete("a")[1]["choices"][0]["text"] == tokenizer.decode(_greedy(merged["a"], prompt, 6))
-        assert complete("base")[1]["choices"][0]["text"] == tokenizer.decode(_greedy(base, prompt, 6))
-        assert complete("b")[0] == 404                           # not loaded yet
-        bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(tmp_path / "tok")})
-        assert bad.status_code == 400 and "is not a LoRA adapter" in bad.text
-        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(root / "b")})
-        assert r.status_code == 200, r.text
-        answer = complete("b")
-        assert answer[0] == 200, answer
-        assert answer[1]["choices"][0]["text"] == tokenizer.decode(_greedy(merged["b"], prompt, 6))
-        cards = {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
-        assert cards["b"]["parent"] == "base" and cards["base"]["parent"] is None
-        full = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(root / "a")})
-        assert full.status_code == 400 and "--max-loras" in full.text
-        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 200
-        assert complete("b")[0] == 404
-        assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 404
+        _adapters_over_http(url, tokenizer, qwen, tmp_path)
     finally:
         server.should_exit = True
         thread.join(20)
+
+
+def test_adapters_loaded_at_run_time_in_the_model_process_of_bunsan_serve(qwen, tmp_path):
+    """The same through `bunsan serve` as a user starts it: the adapters load in the model's process, the
+    HTTP process names them (serve/engine.py)."""
+    import os
+    import subprocess
+    import sys
+
+    from bunsan.training.data import load_tokenizer
+    from chat_tokenizer import save_chat_tokenizer
+    from serve_harness import free_port, wait_until_healthy
+    base, root, _ = qwen
+    base.save_pretrained(tmp_path / "base")
+    save_chat_tokenizer(tmp_path / "base")
+    save_chat_tokenizer(tmp_path / "tok")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", "--checkpoint", str(tmp_path / "base"),
+                             "--port", str(port), "--context", "64", "--max-tokens", "16", "--lora-modules",
+                             f"a={root / 'a'}", "--allow-runtime-lora", "--max-loras", "2", "--max-lora-rank", "8"],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(proc, url)
+        _adapters_over_http(url, load_tokenizer(str(tmp_path / "base" / "tokenizer.json")), qwen, tmp_path)
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    assert "the model in a process of its own" in out, out
+
+
+def _adapters_over_http(url: str, tokenizer, qwen, tmp_path) -> None:
+    base, root, merged = qwen
+    prompt = [5, 17, 42, 7, 99]
+
+    def complete(model):
+        r = httpx.post(url + "/v1/completions", timeout=60, json={"model": model, "prompt": prompt,
+                                                                   "max_tokens": 6, "temperature": 0})
+        return r.status_code, r.json()
+    assert complete("a")[1]["choices"][0]["text"] == tokenizer.decode(_greedy(merged["a"], prompt, 6))
+    assert complete("base")[1]["choices"][0]["text"] == tokenizer.decode(_greedy(base, prompt, 6))
+    assert complete("b")[0] == 404                           # not loaded yet
+    bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(tmp_path / "tok")})
+    assert bad.status_code == 400 and "is not a LoRA adapter" in bad.text
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(root / "b")})
+    assert r.status_code == 200, r.text
+    answer = complete("b")
+    assert answer[0] == 200, answer
+    assert answer[1]["choices"][0]["text"] == tokenizer.decode(_greedy(merged["b"], prompt, 6))
+    cards = {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
+    assert cards["b"]["parent"] == "base" and cards["base"]["parent"] is None
+    full = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(root / "a")})
+    assert full.status_code == 400 and "--max-loras" in full.text
+    assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 200
+    assert complete("b")[0] == 404
+    assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 404
 
 
 def test_the_commands_lora_flags(qwen):

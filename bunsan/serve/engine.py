@@ -98,24 +98,32 @@ class Engine:
 
     def listen(self) -> None:
         """The HTTP process's messages, until it stops the batcher or goes away (its own thread)."""
-        try:
-            while True:
+        while True:
+            try:
                 message = self.conn.recv()
-                kind = message[0]
-                if kind == "stop":
-                    break
-                getattr(self, f"_on_{kind}")(*message[1:])
-        except (EOFError, OSError):
-            self.closed = True
+            except (EOFError, OSError):
+                self.closed = True
+                break
+            if message[0] == "stop":
+                break
+            try:
+                getattr(self, f"_on_{message[0]}")(*message[1:])
+            except Exception as e:        # one message's failure is its sender's: this thread goes on listening
+                self._refuse(message, f"{type(e).__name__}: {e}")
         self.batcher.stop()
 
+    def _refuse(self, message, error: str) -> None:
+        kind, key = message[0], message[1] if len(message) > 1 else None
+        if kind.startswith("lora_"):
+            self._send(("reply", key, False, error))
+        elif kind == "hidden":
+            self.outbox.append((key, "hidden", (False, error)))
+        elif kind == "submit":
+            self.outbox.append((key, "end", f"error: {error}"))
+        self.batcher.wake.set()
+
     def _on_submit(self, rid: int, work: dict) -> None:
-        try:
-            r = self._request(rid, work)
-        except Exception as e:            # this request's failure is its own
-            self.outbox.append((rid, "end", f"error: {type(e).__name__}: {e}"))
-            self.batcher.wake.set()
-            return
+        r = self._request(rid, work)          # (a failure here: _refuse ends it)
         self.requests[rid] = r
         try:
             self.batcher.submit(r)
@@ -177,18 +185,15 @@ class Engine:
         def done(future) -> None:
             error = future.exception()
             self.outbox.append((hid, "hidden", (False, str(error)) if error else (True, future.result())))
-        try:
-            self.batcher.hidden(ids).add_done_callback(done)
-        except ValueError as e:
-            self.outbox.append((hid, "hidden", (False, str(e))))
+        self.batcher.hidden(ids).add_done_callback(done)
 
     def _on_lora_add(self, cid: int, name: str, path: str) -> None:
         adapters = self.batcher.adapters
         try:
             adapters.add(name, path)
-            self._send(("reply", cid, True, adapter_state(adapters)))
-        except ValueError as e:
-            self._send(("reply", cid, False, str(e)))
+        except ValueError as e:           # (its own words: the HTTP side shows them as they are)
+            return self._send(("reply", cid, False, str(e)))
+        self._send(("reply", cid, True, adapter_state(adapters)))
 
     def _on_lora_remove(self, cid: int, name: str) -> None:
         self.batcher.adapters.remove(name)
