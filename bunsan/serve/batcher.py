@@ -405,4 +405,3 @@ class Batcher:
             s.blocks = []
             r.seq = None
         r.finish(reason)
-
