@@ -83,8 +83,8 @@ class _BatcherState:
                                     b.reused_tokens),
                                    ("bunsan_engine_iterations", "Serving loops run (one forward each)", b.loops),
                                    ("bunsan_engine_busy_seconds", "Seconds in serving loops", b.busy_s),
-                                   ("bunsan_engine_forward_seconds", "Seconds in the model's forwards (on a GPU: launching them)",
-                                    b.forward_s)]:
+                                   ("bunsan_engine_forward_seconds",
+                                    "Seconds in the model's forwards (on a GPU: launching them)", b.forward_s)]:
             family = CounterMetricFamily(metric, doc, labels=["model_name"])
             family.add_metric([name], value)
             yield family
