@@ -9,7 +9,7 @@ from bunsan.config.root import Config
 from bunsan.estimator import estimate_layout
 from bunsan.estimator.layout import Layout
 from bunsan.models.llama import LlamaConfig
-from bunsan.planner.margin import MEASURED_RATIO, MemoryRule
+from bunsan.estimator.margin import MEASURED_RATIO, MemoryRule
 from bunsan.planner.search import layouts, plan
 from bunsan.planner.space import Space
 from bunsan.estimator import load_shape

@@ -103,8 +103,8 @@ def test_a_constraint_that_cannot_be_used_is_a_400(server, extra, words):
 def _accepts(grammar: str, text: str) -> bool:
     """Whether llguidance's matcher, over the byte tokenizer, takes all of `text` and may end there."""
     import llguidance
-    from bunsan.serve.structured import _Bytes
-    matcher = llguidance.LLMatcher(llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes(256))), grammar,
+    from bunsan.serve.structured import ByteVocabulary
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteVocabulary(256))), grammar,
                                    log_level=0)
     return all(matcher.consume_token(b) for b in text.encode()) and matcher.is_accepting()
 

@@ -145,7 +145,7 @@ def cmd_estimate(args) -> int:
     from bunsan.config.root import Config
     from bunsan.estimator import estimate
     from bunsan.estimator.hardware import gpu_spec
-    from bunsan.planner.margin import MemoryRule
+    from bunsan.estimator.margin import MemoryRule
 
     rule = MemoryRule.of(args.margin)       # the rule `bunsan plan` ranks with: one verdict for a layout
     cfg = Config.load(args.config)

@@ -193,9 +193,8 @@ class Train(Section):
                                                        "start the run; None = the model section, fresh weights")
     objective: Literal["lm", "dpo", "simpo", "orpo"] = Field("lm", description="lm: next-token loss; dpo, simpo, "
                                                              "orpo: preference pairs (the section of that name)")
-    freeze: list[str] = Field(default_factory=list, description="`bunsan train`: parameters kept frozen, by name "
-                              "glob or a module's name, e.g. [vision_tower, multi_modal_projector] (training/freeze.py; "
-                              "the Python API: requires_grad_(False) before initialize)")
+    freeze: list[str] = Field(default_factory=list, description="Parameters `bunsan train` keeps frozen, by name "
+                              "glob or module name, e.g. [vision_tower]")
     compile: bool = Field(False, description="torch.compile each transformer block (after activation checkpointing)")
     saving_forms: bool = Field(True, description="Run a transformers model's Llama-form RMSNorms and SiLU MLPs as "
                                                  "bunsan's (same forward; backward keeps only what it needs)")

@@ -87,9 +87,9 @@ class Estimate:
         return None if self.gpu_memory is None else self.gpu_memory - self.peak
 
     def fits(self, margin: float | None = None) -> bool:
-        """Peak within the GPU's memory by the rule `bunsan plan` ranks with (planner/margin.py): within it even
+        """Peak within the GPU's memory by the rule `bunsan plan` ranks with (estimator/margin.py): within it even
         if the estimate is as low as measured; `margin`, a fraction kept free, makes it a flat cut instead."""
-        from bunsan.planner.margin import MemoryRule      # (the planner's module imports none of the estimator)
+        from bunsan.estimator.margin import MemoryRule
         return MemoryRule.of(margin).fits(self.peak, self.gpu_memory)
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from bunsan.models.hf_layout import encoder_paths, hf_composite_base, hf_decoder_prefix
+
 PARTITIONS = ("uniform", "parameters", "balanced")
 
 
@@ -49,40 +51,6 @@ def _numel(mods: list[nn.Module], skip_embedding: bool) -> int:
 
 def is_llama(model: nn.Module) -> bool:
     return all(hasattr(model, a) for a in ("embed_tokens", "layers", "norm", "lm_head", "rope_cos"))
-
-
-def _decoder_shaped(base) -> bool:
-    has = all(isinstance(getattr(base, a, None), nn.Module) for a in ("embed_tokens", "norm", "rotary_emb"))
-    return has and isinstance(getattr(base, "layers", None), nn.ModuleList)
-
-
-def hf_decoder_prefix(model: nn.Module) -> str | None:
-    """The path of a Hugging Face LM's decoder laid out as Llama's (embed_tokens, layers, norm, rotary_emb
-    under it; lm_head beside the base model): the base model itself ("model"), or a multimodal model's
-    language model inside it ("model.language_model", beside its encoders: hf_composite_base); else None."""
-    prefix = getattr(model, "base_model_prefix", None)
-    base = getattr(model, prefix, None) if isinstance(prefix, str) else None
-    if base is None or not isinstance(getattr(model, "lm_head", None), nn.Module):
-        return None
-    if _decoder_shaped(base):
-        return prefix
-    return f"{prefix}.language_model" if _decoder_shaped(getattr(base, "language_model", None)) else None
-
-
-def hf_composite_base(model: nn.Module) -> str | None:
-    """A multimodal model's base (LLaVA's, Qwen2-VL's: encoders, projector and a language model) path, else None."""
-    prefix = hf_decoder_prefix(model)
-    return prefix.rpartition(".")[0] if prefix and prefix.endswith(".language_model") else None
-
-
-def encoder_paths(model: nn.Module) -> list[str]:
-    """A multimodal model's modules beside its language model (vision or audio tower, projector): the first
-    pipeline layer's, with the embedding, since they make the decoder's input."""
-    base = hf_composite_base(model)
-    if base is None:
-        return []
-    return [f"{base}.{n}" for n, m in model.get_submodule(base).named_children()
-            if n != "language_model" and any(True for _ in m.parameters())]
 
 
 def model_layers(model: nn.Module) -> list[Layer]:
@@ -192,6 +160,10 @@ class StageModule(nn.Module):
         self.llama = is_llama(model)
         self.config = getattr(model, "config", None)
         self.architecture = type(model).__name__     # what a checkpoint records the model as (not this stage)
+        # a transformers model's block classes: its stage's blocks are then found as the whole model's are
+        # (models/blocks.py), so that recompute wraps them and ZeRO-3 gathers them one by one (without it a
+        # stage had no blocks: recompute was skipped and the stage was gathered whole)
+        self._no_split_modules = getattr(model, "_no_split_modules", None)
         self.chunk_layers = [[layer.paths for layer in chunk] for chunk in chunks]
         self.stage_ids, self.n_stages = stage_ids, n_stages
         for chunk in chunks:

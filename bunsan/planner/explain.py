@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from bunsan.estimator.layout import Layout
 from bunsan.planner.cost import COMPONENTS
-from bunsan.planner.margin import MemoryRule
+from bunsan.estimator.margin import MemoryRule
 from bunsan.planner.search import Candidate, Plan
 
 GiB = 1024 ** 3

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from bunsan.estimator.estimate import Estimate, estimate_layout
 from bunsan.estimator.shape import ModelShape, load_shape, rank_params
 from bunsan.planner.cost import COMPONENTS, StepTime, step_time, train_time
-from bunsan.planner.margin import MemoryRule
+from bunsan.estimator.margin import MemoryRule
 from bunsan.planner.rejected import PRICED, Rejected
 from bunsan.estimator.hardware import GPU, Interconnect, gpu_spec, interconnect, intra_link
 from bunsan.estimator.layout import Layout

@@ -100,10 +100,10 @@ def grammar_tokenizer(tokenizer, vocab_size: int, end_ids: list[int]):
     path = getattr(tokenizer, "path", None)
     if path is not None:                      # a Hugging Face tokenizer.json
         return llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size, eos_token=end_ids or None)
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes(vocab_size)))
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteVocabulary(vocab_size)))
 
 
-class _Bytes:
+class ByteVocabulary:
     """bunsan's byte tokenizer for llguidance: token i is byte i; an end token past the model's vocabulary
     (the model never draws it: a complete grammar ends the sequence instead)."""
 

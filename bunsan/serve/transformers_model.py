@@ -30,7 +30,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bunsan.models.hf import cache_keyword, input_device
-from bunsan.pipeline.partition import hf_composite_base, hf_decoder_prefix
+from bunsan.models.hf_layout import hf_composite_base, hf_decoder_prefix
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 ATTENTION_FUNCTIONS = ("sdpa", "eager")      # the kernels the paged attention reproduces

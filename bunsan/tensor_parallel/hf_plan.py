@@ -125,7 +125,7 @@ def whole_towers(model: nn.Module) -> dict[str, list[str]]:
     Qwen2-VL's and Qwen2.5-VL's vision blocks (their attention's q, k and v fused in one qkv linear, whose
     column split would have to take each rank's heads from all three)."""
     from bunsan.models.blocks import repeated_blocks
-    from bunsan.pipeline.partition import encoder_paths
+    from bunsan.models.hf_layout import encoder_paths
     blocks = repeated_blocks(model)
     out = {}
     for path in encoder_paths(model):

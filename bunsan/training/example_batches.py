@@ -103,7 +103,7 @@ def example_rows(records, renderer, seq_len: int, pad_id: int, packing: bool = F
                        np.asarray(docs, dtype=np.int32) if packing else None, used,
                        media=media if multimodal else None, media_chat=renderer.media if multimodal else None)
     if multimodal:
-        from bunsan.training.media_batches import check_media_rows
+        from bunsan.training.media_chat import check_media_rows
         check_media_rows(rows)
     return rows
 

@@ -14,27 +14,11 @@ import torch
 from bunsan.training.example_batches import ExampleBatches, ExampleRows
 from bunsan.training.media_chat import PER_TOKEN
 
-__all__ = ["MediaBatches", "example_batches", "check_media_rows", "takes_inputs"]
+__all__ = ["MediaBatches", "example_batches", "takes_inputs"]
 
 
 def example_batches(rows: ExampleRows, *args, **kwargs) -> ExampleBatches:
     return (MediaBatches if rows.media is not None else ExampleBatches)(rows, *args, **kwargs)
-
-
-def check_media_rows(rows: ExampleRows) -> None:
-    """A processor that gives one tensor entry per image or clip (not flat patches with grids) gets batches whose
-    rows all have one, or none: mixed, a batch's entries would not be one per row, which the engine cannot cut."""
-    chat = rows.media_chat
-    for kind in ("image", "audio"):
-        if kind == "image" and chat.grouped:
-            continue
-        have = [any(s.kind == kind for s in spec.sources) for spec in rows.media]
-        if any(have) and not all(have):
-            with_, without = rows.media[have.index(True)].where, rows.media[have.index(False)].where
-            raise ValueError(f"some records have an {kind} ({with_}) and some none ({without}): "
-                             f"{type(chat.processor).__name__} gives one tensor entry per {kind}, and a batch is cut "
-                             f"by rows, so every record needs exactly one {kind} or none; train them in separate "
-                             "runs")
 
 
 def takes_inputs(model_inputs: set[str] | None, *batches) -> None:
