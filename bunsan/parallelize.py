@@ -26,6 +26,7 @@ from bunsan.config.root import Config
 from bunsan.context_parallel import CPContext, apply_context_parallel
 from bunsan.engine.engine import Engine
 from bunsan.engine.precision import model_dtype
+from bunsan.models.blocks import repeated_blocks
 from bunsan.models.llama import Llama
 from bunsan.optim.optimizers import optimizer_class, rebuild_over
 from bunsan.optim.stepping import check_where, refuse_stepped
@@ -243,7 +244,7 @@ def recompute(model: nn.Module, cfg: Config, pipe) -> None:
     has no blocks."""
     ac = cfg.activation_checkpointing
     mode, offloaded = ac.recompute_mode, ac.offloaded
-    if (mode == "none" and not offloaded) or (pipe is not None and not hasattr(model, "layers")):
+    if (mode == "none" and not offloaded) or (pipe is not None and not repeated_blocks(model)):
         return
     if mode == "full":
         apply_activation_checkpointing(model)

@@ -58,7 +58,17 @@ def test_estimate_and_plan_say_what_they_do_not_price(llava, capsys, monkeypatch
     assert "transformers blocks priced as a Llama block" in out and "before activations (not priced" in out
     assert main(["plan", "--model", str(llava), "--gpus", "8", "--gpu", "a100", "--seq-len", "2048", "--top",
                  "2"]) == 0
-    assert "(NOT PRICED: the activations of model.vision_tower, model.multi_modal_projector)" in _said(capsys)
+    out = _said(capsys)
+    assert "(NOT PRICED: the activations of model.vision_tower, model.multi_modal_projector)" in out
+    assert "the peaks price its language model's blocks' activations (each as a Llama block of its shape), not its " \
+           "encoders' (NOT PRICED: the peaks are floors)" in out
+    # searched over tensor and pipeline parallelism as the engine splits it (the CLIP tower too), but not over
+    # sequence parallelism, which the engine refuses for a composite model: said
+    assert "- sp: sequence parallelism: the engine refuses it for a composite model" in out
+    assert main(["plan", "--model", str(llava), "--gpus", "8", "--gpu", "a100", "--seq-len", "2048", "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert {c["layout"]["tp"] for c in ranked} >= {2, 4, 8} and {c["layout"]["pp"] for c in ranked} > {1}
+    assert not any(c["layout"]["sequence_parallel"] for c in ranked)
 
 
 def test_the_estimate_prices_the_language_model_and_names_the_encoders(llava):

@@ -181,6 +181,26 @@ def test_hf_decoder_pipeline_matches_the_hf_loop(pools, arch):
     assert not any(n.startswith("model.layers.1.") for n in first)
 
 
+def _train_pp_blocks(rank, world, arch, cfg, batches):
+    engine = bunsan.initialize(tiny(arch), cfg)
+    losses = [engine.train_batch(b) for b in batches]
+    blocks = [m for m in engine.module.modules() if type(m).__name__.endswith("DecoderLayer")]
+    wrapped = sum("forward" in b.__dict__ for b in blocks)         # recompute wraps a block's forward
+    return losses, engine.consolidated_state_dict(), (len(engine.strategy.units), len(blocks), wrapped)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_hf_decoder_stages_recompute_and_gather_block_by_block(pools, mode):
+    """A transformers decoder's pipeline stage finds its blocks as the whole model does (its _no_split_modules):
+    recompute wraps each, and ZeRO-3 gathers them one by one. Before, a stage had no blocks: recompute was
+    skipped silently and ZeRO-3 gathered the stage whole, against what the estimate prices."""
+    batches = data()
+    cfg = {**_cfg(3, ga=2), "pipeline": {"stages": 2}, "activation_checkpointing": {"mode": mode}}
+    results = pools.run(2, _train_pp_blocks, 2, "qwen2", cfg, batches)
+    check_runs([(r[0], r[1], None) for r in results], *reference("qwen2", batches))
+    assert [r[2] for r in results] == [(2, 1, 1)] * 2      # the root unit and the stage's one block, recomputed
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_hf_decoder_pp2_x_tp2(pools, arch):
     batches = data()

@@ -202,8 +202,11 @@ def _zero_table(console, est) -> None:
 
     from bunsan.cli.plan_json import zero_stages
     z = zero_stages(est)
+    phi = z["frozen_params_per_model_parallel_rank"]
     console.print(f"model states per GPU by ZeRO stage (Ψ = {z['psi_params_per_model_parallel_rank'] / 1e9:.3g}B "
-                  f"per model-parallel rank, N = {z['shard_ranks']}, K = {z['k_bytes_per_param']:g})", highlight=False)
+                  f"per model-parallel rank, N = {z['shard_ranks']}, K = {z['k_bytes_per_param']:g}"
+                  + (f"; Φ = {phi / 1e9:.3g}B frozen: weights only, no grads or optimizer states" if phi else "")
+                  + ")", highlight=False)
     t = Table()
     for col in ("stage", "ZeRO paper GB (16-bit Ψ, grads)", "this layout's precision GB"):
         t.add_column(col, justify="right")
@@ -287,7 +290,8 @@ def cmd_plan(args) -> int:
         runs = read_runs(args.calibrate)
         calibration = fit(result, runs, args.efficiency)
         result = search(calibration.efficiency, *scaled_links(result, calibration.comm_scale))
-    from bunsan.cli.plan_report import print_calibration, print_comparison, runs_after
+    from bunsan.cli.plan_report import (print_calibration, print_comparison, print_not_searched, runs_after,
+                                        unmodelled_line)
     comparison = None
     if args.explain:
         from bunsan.planner.explain import explain
@@ -310,6 +314,7 @@ def cmd_plan(args) -> int:
     shown = min(len(result.ranked), top or len(result.ranked))
     console.print(f"{result.considered} layouts priced: {result.fit} fit, {result.at_risk} at risk of running out "
                   f"of memory (ranked last), {result.too_big} too big; {shown} shown")
+    print_not_searched(console, result)
     if not result.ranked:
         console.print("[bold red]nothing to price.[/]" if not result.considered else "[bold red]nothing fits.[/]")
         for line in result.emptied_by:
@@ -336,8 +341,7 @@ def cmd_plan(args) -> int:
     if best.step is not None:
         console.print(best.step.explain())
     else:
-        console.print(f"{result.ranked[0].estimate.model}: not bunsan's Llama, so neither its step time nor its "
-                      "activations are modelled: layouts are ranked by memory, and the peaks leave activations out")
+        console.print(unmodelled_line(result), highlight=False)
     if calibration is not None:
         print_calibration(console, calibration, runs_after(result, runs))
     if comparison is not None:
@@ -347,11 +351,17 @@ def cmd_plan(args) -> int:
         console.print("constants (bunsan/planner/constants.py, bunsan/estimator/hardware.py):\n"
                       + constants_table(), highlight=False)
     if args.output:
-        cfg = best.layout.to_config(_model_section(args.model))
+        section = _model_section(args.model)
+        cfg = best.layout.to_config(section)
         cfg["train_batch_size"] = best.layout.global_batch
         if args.compile:        # priced compiled: the config runs what was priced
             cfg.setdefault("train", {})["compile"] = True
         Path(args.output).write_text(json.dumps(cfg, indent=2) + "\n")
+        if not section:    # (`bunsan train` would build bunsan's Llama in its place: no launch line to give)
+            console.print(f"wrote {args.output}, the layout only: `bunsan train` builds bunsan's Llama, not this "
+                          f"{type(result.pricing.shape.module).__name__}; train it with bunsan.initialize(model, "
+                          f"\"{args.output}\") under `bunsan run`", highlight=False)
+            return 0
         console.print(f"wrote {args.output}; launch it with, on each node:")
         for line in launch_lines(args.output, result.nodes, result.gpus // result.nodes):
             console.print("  " + line, soft_wrap=True, highlight=False)
@@ -367,13 +377,16 @@ def launch_lines(config: str, nodes: int, per_node: int) -> list[str]:
 
 
 def _model_section(model: str) -> dict:
-    """The config's model section: the preset, or a Hugging Face config's shape as overrides."""
+    """The config's model section: the preset, or a Llama config's shape as overrides; none for any other model
+    (a transformers Qwen2, LLaVA, ...), which `bunsan train` cannot build."""
     from bunsan.models.presets import canonical_name, presets
     name = canonical_name(model)
     if name in presets:
         return {"model": {"preset": name}}
     from bunsan.estimator import load_shape
     c = load_shape(model).llama
+    if c is None:
+        return {}
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
     return {"model": {"preset": "small", **{f: getattr(c, f) for f in fields}}}

@@ -17,22 +17,28 @@ GiB = 1024 ** 3
 def zero_stages(est) -> dict:
     """Model states per GPU for every ZeRO stage: the ZeRO paper's accounting (16-bit parameters and
     gradients, K bytes of optimizer states per parameter) next to bunsan's at this layout's precision (which
-    keeps the gradient shard in fp32), with the paper's Ψ, N and K."""
+    keeps the gradient shard in fp32), with the paper's Ψ, N and K. Frozen parameters (LoRA's base, a frozen
+    encoder: Φ of them) are weights only, in both columns as in the estimate: no gradients, master weights or
+    optimizer states, sharded at stage 3."""
     from bunsan.estimator import zero_paper
-    from bunsan.estimator.shape import rank_params
-    from bunsan.memory.theory import model_states, optimizer_bytes
+    from bunsan.memory.theory import model_states, optimizer_bytes, with_frozen_base
     lay = est.layout
-    psi = est.n_params / (lay.tp * lay.pp)
     k = optimizer_bytes(lay.optimizer, [(1,)]) + (4 if lay.dtype_bytes < 4 else 0)
-    rp = max(rank_params(est.shape, lay.tp, lay.pp, lay.virtual_stages), key=lambda r: r.total)
+    # the fullest pipeline rank by elements held, trained and frozen (the ranks the estimate priced)
+    frozen = est.frozen or [None] * len(est.trained)
+    rp, base = max(zip(est.trained, frozen), key=lambda r: r[0].total + (r[1].total if r[1] else 0))
+    phi = base.total if base is not None else 0
+    # (Ψ: the paper's even share of the model; with frozen weights, the trained elements of the rank shown)
+    psi = est.n_params / (lay.tp * lay.pp) if not phi else rp.total
     rows = []
     for stage in range(4):
-        st = model_states(rp, lay.shard_ranks, stage, lay.dtype_bytes, lay.optimizer)
+        st = with_frozen_base(model_states(rp, lay.shard_ranks, stage, lay.dtype_bytes, lay.optimizer), phi,
+                              lay.shard_ranks, stage, lay.dtype_bytes)
         ours = st["model_states"] + st["disk"]
-        rows.append({"stage": stage, "zero_paper_bytes": zero_paper(psi, lay.shard_ranks, k, stage),
-                     "this_layout_bytes": ours or None})
-    return {"psi_params_per_model_parallel_rank": psi, "shard_ranks": lay.shard_ranks, "k_bytes_per_param": k,
-            "stages": rows}
+        paper = zero_paper(psi, lay.shard_ranks, k, stage) + 2 * phi / (lay.shard_ranks if stage == 3 else 1)
+        rows.append({"stage": stage, "zero_paper_bytes": paper, "this_layout_bytes": ours or None})
+    return {"psi_params_per_model_parallel_rank": psi, "frozen_params_per_model_parallel_rank": phi,
+            "shard_ranks": lay.shard_ranks, "k_bytes_per_param": k, "stages": rows}
 
 
 def estimate_json(est, memory: float | None, rule) -> dict:
@@ -96,8 +102,8 @@ def candidate_json(result, rank: int, c) -> dict:
 
 def plan_json(result, top: int) -> dict:
     """The search as data: its inputs, how many layouts were priced, fit, were at risk and too big, what each
-    rule left out, every ranked layout (`top` of them; 0: all), the suggestions when none is ranked, and the
-    pricing constants."""
+    rule left out, the dimensions not searched for this model and why, every ranked layout (`top` of them; 0:
+    all), the suggestions when none is ranked, and the pricing constants."""
     lay0 = result.best.layout if result.best else None
     shown = result.ranked[:top or None]
     return {"model": result.model, "params": result.n_params, "gpus": result.gpus, "nodes": result.nodes,
@@ -108,6 +114,7 @@ def plan_json(result, top: int) -> dict:
             "considered": result.considered, "fit": result.fit, "at_risk": result.at_risk,
             "too_big": result.too_big, "shown": len(shown), "rejected": result.rejected.to_json(),
             "emptied_by": list(result.emptied_by),
+            "not_searched": dict(result.not_searched),
             "ranked": [candidate_json(result, n, c) for n, c in enumerate(shown, 1)],
             "suggestions": list(result.suggestions),
             "pricing": pricing_json(result) if result.pricing is not None else None}

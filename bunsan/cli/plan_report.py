@@ -1,5 +1,6 @@
 """What `plan --explain` and `plan --calibrate` print: the named layout against the first choice, term by
-term, and each calibration run's measured step against its price before and after the fit."""
+term, and each calibration run's measured step against its price before and after the fit; and what a plan of a
+model other than bunsan's Llama leaves out: the dimensions not searched, the terms not priced."""
 
 from __future__ import annotations
 
@@ -44,3 +45,32 @@ def print_calibration(console, calibration, after: list[float]) -> None:
         table.add_row(text, f"{measured:.4g}", f"{before:.4g}", f"{before / measured - 1:+.1%}", f"{now:.4g}",
                       f"{now / measured - 1:+.1%}")
     console.print(table)
+
+
+def print_not_searched(console, result) -> None:
+    """The layout dimensions the search left out for this model (planner/space.py's not_searched), each with
+    why: the ranking is of the layouts searched, and a reader must not take it for the whole space."""
+    if not result.not_searched:
+        return
+    console.print("not searched for this model (the ranking is of the rest):", highlight=False)
+    for dim, why in result.not_searched.items():
+        console.print(f"  - {dim}: {why}", highlight=False)
+
+
+def unmodelled_line(result) -> str:
+    """The closing line of a plan whose step time is not modelled (a model other than bunsan's Llama), saying
+    what its peaks price, from the first choice's own items: the activations of the language model's blocks
+    (Llama-form), or none; a composite model's encoders named as not priced."""
+    est = result.ranked[0].estimate
+    name = type(est.shape.module).__name__ if est.shape is not None else est.model
+    unpriced = {i.name for i in est.items if i.note.startswith("NOT PRICED")}
+    line = (f"{name}: its step time is modelled for bunsan's Llama only, so layouts are ranked by memory (ZeRO "
+            "stage, offload, micro-batch, peak), not by speed; ")
+    if "activations" in unpriced:
+        return line + ("the peaks leave its activations out (NOT PRICED: they are floors; measure a step, "
+                       "engine.memory_report())")
+    said = "the peaks price its blocks' activations (each as a Llama block of its shape)"
+    if "encoder activations" in unpriced:
+        return line + said.replace("its blocks'", "its language model's blocks'") + \
+            ", not its encoders' (NOT PRICED: the peaks are floors)"
+    return line + said

@@ -12,6 +12,7 @@ for attention's backward, and shares ZeRO shards with its dp x cp peers.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from bunsan.pipeline import schedules
@@ -67,6 +68,10 @@ class Estimate:
     stage_peaks: list[float] = field(default_factory=list)    # peak of every pipeline rank
     stage_states: list[dict] = field(default_factory=list)    # model states of every pipeline rank
     shape: ModelShape | None = field(default=None, repr=False)
+    # what every pipeline rank holds, priced above: the trained parameters, and the frozen ones (LoRA's base, a
+    # frozen encoder) held as weights only; the ZeRO-by-stage table prices the same (cli/plan_json.zero_stages)
+    trained: list[RankParams] = field(default_factory=list, repr=False)
+    frozen: list[RankParams] | None = field(default=None, repr=False)
 
     @property
     def peak(self) -> float:
@@ -316,7 +321,7 @@ def estimate_layout(model, layout: Layout, *, nodes: int = 1, gpu_memory: float 
     worst = max(range(len(peaks)), key=peaks.__getitem__)
     items, st = priced[worst]
     return Estimate(shape.name, shape.n_params, layout, nodes, device_type, gpu_memory, items, worst, st, peaks,
-                    [s for _, s in priced], shape)
+                    [s for _, s in priced], shape, ranks, bases)
 
 
 def estimate(model, config=None, *, gpus: int | None = None, nodes: int = 1, gpu_memory: float | None = None,
@@ -331,8 +336,9 @@ def estimate(model, config=None, *, gpus: int | None = None, nodes: int = 1, gpu
     if device_type is None:
         device_type = "cuda"
     if not cfg.train.saving_forms:     # a transformers model's blocks then save what transformers saves
-        import dataclasses
         model = dataclasses.replace(load_shape(model), blocks_as=None)
+    if cfg.tensor_parallel.encoders != "split":     # a composite model's towers kept whole on every rank
+        model = dataclasses.replace(load_shape(model), tp_encoders=cfg.tensor_parallel.encoders)
     return estimate_layout(model, layout, nodes=nodes, gpu_memory=gpu_memory, device_type=device_type,
                            runtime_bytes=runtime_bytes, zero=cfg.zero_optimization.model_dump(),
                            optimizer_params=cfg.optimizer.params, partition=cfg.pipeline.partition,

@@ -4,7 +4,8 @@ A model comes from a preset name, a Hugging Face `config.json` (or the directory
 holding one), a `LlamaConfig`, or any `nn.Module` (build it on the meta device:
 nothing is allocated). `rank_params` then says which parameters, at what size, one
 rank holds under tensor and pipeline parallelism: it cuts the real (meta) model with
-the same plan and partitioner training uses, so the estimate cannot drift from them.
+the same plan and partitioner training uses (a transformers model split by the engine's
+own layers: hf_split.py), so the estimate cannot drift from them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from bunsan.estimator.hf_split import split_module
 from bunsan.models.blocks import repeated_blocks
 
 from bunsan.models.llama import Llama, LlamaConfig
@@ -43,6 +45,7 @@ class ModelShape:
     # `bunsan estimate` and `plan` print as the model's title
     caveats: tuple[str, ...] = ()
     unpriced_encoders: str = ""       # a composite model's encoders whose activations are not priced, said in full
+    tp_encoders: str = "split"        # tensor_parallel.encoders: a composite model's towers split over tp, or whole
 
     @property
     def priced_as(self) -> LlamaConfig | None:
@@ -315,12 +318,12 @@ def _tp_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, ...]:
 def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
                 partition_method: str = "uniform", trainable: bool = True) -> list[RankParams]:
     """One RankParams per pipeline rank: of the parameters that train (or, `trainable=False`, of the frozen)."""
-    model = shape.module
+    model = held = shape.module
     if tp > 1:
-        if shape.llama is None:
-            raise ValueError(f"the estimator knows the tensor-parallel split of bunsan's Llama only; "
-                             f"{shape.name} is a {type(model).__name__}: estimate it with tp 1")
-        check_llama(shape.llama, tp)
+        if shape.priced_as is not None:     # (the activations are priced per rank's heads: they must split)
+            check_llama(shape.priced_as, tp)
+        if shape.llama is None:     # a transformers model: its parameters as the engine's split leaves them
+            held = split_module(model, tp, shape.tp_encoders, llama_activations=shape.blocks_as is not None)
     if pp > 1:
         layers = model_layers(model)
         chunks = partition(layers, pp * virtual_stages, partition_method)
@@ -332,20 +335,22 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
     def holds(r: int, name: str) -> bool:
         return any(p == "" or name == p or name.startswith(p + ".") for p in paths[r])
 
+    # (the split keeps every parameter's name: the stages cut from the whole model hold the split's parameters,
+    # as the engine cuts the pipeline before it splits the layers)
     names_of: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in held.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(p), []).append(name)
     # ZeRO-3's units as the engine finds them (zero/units.py): `layers.N` in bunsan's Llama, a transformers
     # model's `_no_split_modules` blocks (`model.layers.N`, a vision tower's `encoder.layers.N`)
-    module_names = {id(m): n for n, m in model.named_modules()}
-    prefixes = [module_names[id(b)] + "." for b in repeated_blocks(model) if id(b) in module_names]
+    module_names = {id(m): n for n, m in held.named_modules()}
+    prefixes = [module_names[id(b)] + "." for b in repeated_blocks(held) if id(b) in module_names]
 
     def block_of(name: str) -> str | None:
         return next((p for p in prefixes if name.startswith(p)), None)
     # the blocks whose activations are priced: a composite model's language model's, not its encoders'
     decoder = "layers." if shape.llama is not None else \
         f"{hf}.layers." if shape.blocks_as is not None and (hf := hf_decoder_prefix(model)) else ""
-    params = {id(p): p for p in model.parameters()}
+    params = {id(p): p for p in held.parameters()}
     out = []
     for r in range(len(paths)):
         shapes, root, tied = [], 0, 0
@@ -358,7 +363,7 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
             here = [n for n in names if holds(r, n)]
             if not here or p.requires_grad != trainable:
                 continue
-            shapes.append(_tp_shape(here[0], p.shape, tp))
+            shapes.append(_tp_shape(here[0], p.shape, tp) if shape.llama is not None else tuple(p.shape))
             n = math.prod(shapes[-1])
             if sum(any(holds(q, m) for m in names) for q in range(len(paths))) > 1:
                 tied += n

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 # rule -> what one count is, and what the rule asks
 RULES = {
     "tp_heads": ("tensor-parallel sizes", "tp must divide the attention heads, the key/value heads and the MLP width"),
+    "tp_engine": ("tensor-parallel sizes", "the engine must split every layer the model's plan names (an encoder "
+                                           "tower's heads and MLP width too)"),
+    "unsearched": ("meshes", "a dimension this model is not searched over (the plan's `not searched` lines say why)"),
     "cp_gpus": ("(tp, cp) pairs", "cp must divide the GPUs left after tensor parallelism"),
     "cp_seq": ("(tp, cp) pairs", "cp must cut the row into 2 x cp equal chunks (seq_len a multiple of 2 x cp)"),
     "pp_layers": ("meshes", "pp must be at most the layer count"),
@@ -88,7 +91,7 @@ class Rejected:
             dp, pp = min((k[3], k[2]) for k in keys["pp_accum"])
             out.append(f"--global-batch {global_batch} leaves a pipeline of {pp} stages (dp {dp}) fewer "
                        f"micro-batches than stages; raise it to at least dp x pp = {dp * pp}")
-        for rule in ("tp_heads", "pp_layers", "micro_batch", "schedule", "sp", "offload"):
+        for rule in ("tp_heads", "tp_engine", "pp_layers", "micro_batch", "schedule", "sp", "offload"):
             if fired[rule] and not out:
                 out.append(f"widen the search: {RULES[rule][1]} ({self.examples.get(rule, '')})")
         return out

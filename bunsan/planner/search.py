@@ -24,7 +24,7 @@ from bunsan.estimator.margin import MemoryRule
 from bunsan.planner.rejected import PRICED, Rejected
 from bunsan.estimator.hardware import GPU, Interconnect, gpu_spec, interconnect, intra_link
 from bunsan.estimator.layout import Layout
-from bunsan.planner.space import Space, layouts
+from bunsan.planner.space import Space, layouts, not_searched
 
 GiB = 1024 ** 3
 
@@ -88,6 +88,7 @@ class Plan:
     emptied_by: list[str] = field(default_factory=list)   # when nothing is ranked: the rules that emptied it
     total_tokens: int | None = None
     pricing: Pricing | None = None
+    not_searched: dict = field(default_factory=dict)     # dimension -> why the search left it out (space.py)
 
     @property
     def best(self) -> Candidate | None:
@@ -137,7 +138,7 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
     precisions = _precisions(spec, precision)
     space = _searched(space or Space(), host_memory)
     c = shape.llama
-    seq = seq_len or (min(c.max_position_embeddings, 4096) if c else 2048)
+    seq = seq_len or min(_longest_row(shape) or 2048, 4096)
     batch = global_batch or max(gpus, 8)
     per_node = gpus // nodes
     intra, inter = _links(spec, interconnect_name, inter_node, device_type)
@@ -177,7 +178,7 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
                   too_big, sum(not c.risk for c in fits), sum(bool(c.risk) for c in fits), smallest,
                   total_tokens=total_tokens, rejected=rejected,
                   pricing=Pricing(shape, spec, memory, rule, nodes, per_node, intra, inter, efficiency, attention,
-                                  device_type, compiled))
+                                  device_type, compiled), not_searched=not_searched(shape))
     for cand in result.ranked:
         cand.why = _why(cand, result.ranked[0]) if cand.step else "fits"
     if not fits and not considered:       # the walk ruled every layout out: what ruled them out, not memory
@@ -192,6 +193,16 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
             shape, gpus, nodes, memory, rule, seq, batch, precisions[0], smallest, device_type, host_ok, host_memory,
             ranks)
     return result
+
+
+def _longest_row(shape: ModelShape) -> int | None:
+    """The model's own longest sequence (a transformers config's, GPT-2's n_positions too), if it says one."""
+    if shape.priced_as is not None:
+        return shape.priced_as.max_position_embeddings
+    config = getattr(shape.module, "config", None)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    longest = getattr(text, "max_position_embeddings", None)
+    return longest if isinstance(longest, int) and longest > 0 else None
 
 
 def _narrowed(space: Space, said: tuple = ()) -> list[str]:
@@ -250,7 +261,7 @@ def _offload_what_does_not_fit(shape: ModelShape, lay: Layout, est: Estimate, ru
                                price) -> tuple[Layout, Estimate]:
     """The layout with the fewest blocks per rank whose activations go to host memory that makes it fit
     (`price` estimates a layout); `lay` itself when even offloading every block does not."""
-    if shape.llama is None:
+    if shape.llama is None:       # (space.not_searched says so for any other model)
         return lay, est
     blocks = -(-shape.llama.num_hidden_layers // lay.pp)
     every = price(lay.replace(offload_blocks=blocks))

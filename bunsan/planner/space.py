@@ -8,6 +8,8 @@ The mesh is pp x dp x cp x tp (tp innermost): tensor-parallel sizes stay inside 
 sizes split each row (seq_len a multiple of 2 x cp, bunsan's balanced causal split), pipeline depths take
 any number of stages up to the layer count, and interleaved schedules 2 or 4 virtual stages wherever the
 chunks hold a block each: uneven chunks get the extra blocks first, as the engine's uniform partition does.
+A transformers model is walked over what the engine runs for it and the estimator prices (`not_searched`
+names the rest, with why, and the plan prints it).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from bunsan.estimator.hf_split import pipeline_blocks, pp_refusal, split_module, tp_refusal
 from bunsan.estimator.layout import RECOMPUTE, Layout
 from bunsan.estimator.shape import ModelShape
+from bunsan.pipeline.partition import encoder_paths
 from bunsan.planner.rejected import Rejected
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
@@ -58,18 +62,77 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def not_searched(shape: ModelShape) -> dict[str, str]:
+    """The layout dimensions the search leaves at 1 (or off) for this model, each with why and what to do
+    instead (the plan prints them: a dimension left out silently would rank a narrower search as the whole
+    one). bunsan's Llama is searched over every one. A transformers model is split as the engine splits it
+    (estimator/hf_split.py) where its blocks' activations are priced (a Llama-form language model)."""
+    if shape.llama is not None:
+        return {}
+    name, module = type(shape.module).__name__, shape.module
+
+    def unpriced(flag: str) -> str:
+        return (f"{name}'s activations are not priced (its blocks are not one of estimator/shape.py's "
+                "LLAMA_FORM_BLOCKS), so layouts that split them would be ranked on weights alone; price one with "
+                f"`bunsan estimate --{flag} N` (its model states as the engine splits them) and measure its "
+                "activations (engine.memory_report())")
+    out = {}
+    tp = tp_refusal(module, llama_activations=shape.blocks_as is not None)
+    if tp or shape.priced_as is None:
+        out["tp"] = "tensor parallelism (tp 1 only): " + (f"{tp} (the search splits a model by its own plan)" if tp
+                                                          else unpriced("tp"))
+    pp = pp_refusal(module)
+    if pp or shape.priced_as is None:
+        out["pp"] = "pipeline parallelism (pp 1 only): " + (pp or unpriced("pp"))
+    out["cp"] = ("context parallelism (cp 1 only): the engine splits the attention of bunsan's own Llama only "
+                 "(parallelize.check_context_parallel); a long row of this model needs recompute, or a bunsan Llama "
+                 "of its shape (bunsan.models.hf loads its weights)")
+    if "tp" not in out and encoder_paths(module):        # (sequence parallelism needs tp > 1)
+        out["sp"] = ("sequence parallelism: the engine refuses it for a composite model (its encoders run whole on "
+                     "every tensor-parallel rank, and no sequence is cut inside it)")
+    elif "tp" not in out:
+        out["sp"] = ("sequence parallelism under pipeline stages (searched with pp 1 only): the engine refuses it "
+                     "for a transformers model, whose later stages would build their mask and positions from a "
+                     "slice of the sequence")
+    if shape.priced_as is not None:
+        out["offload_blocks"] = ("blocks' activations offloaded to host memory (activation_checkpointing."
+                                 "offload_blocks): a layout too big is retried with them for bunsan's Llama only, "
+                                 "whose step time prices their traffic (this model's is not modelled); price one "
+                                 "with `bunsan estimate --offload-blocks N`")
+    return out
+
+
+def _sequence_parallel_runs(shape: ModelShape, pp: int) -> bool:
+    """Whether the engine runs sequence parallelism for this model at `pp` stages (hf_plan.py, parallelize.py:
+    a transformers model's at one stage only, and never a composite model's)."""
+    return shape.llama is not None or (pp == 1 and not encoder_paths(shape.module))
+
+
 def tp_sizes(shape: ModelShape, gpus_per_node: int, gpus: int, rejected: Rejected | None = None) -> list[int]:
-    """Tensor-parallel sizes inside a node, to 8, that split the heads, key/value heads and MLP width."""
-    c = shape.llama
-    if c is None:
+    """Tensor-parallel sizes inside a node, to 8, that split the heads, key/value heads and MLP width (and,
+    for a transformers model, every layer its plan names, as the engine splits them)."""
+    sizes = [t for t in _divisors(min(gpus_per_node, gpus)) if gpus % t == 0 and t <= 8]
+    skipped = not_searched(shape).get("tp")
+    c = shape.priced_as
+    if c is None or skipped:
+        for t in (t for t in sizes if t > 1 and rejected is not None):
+            rejected.add("unsearched", ("tp", t), f"tp {t}: {skipped}")
         return [1]
     out = []
-    for t in (t for t in _divisors(min(gpus_per_node, gpus)) if gpus % t == 0 and t <= 8):
-        if c.num_attention_heads % t == 0 and c.num_key_value_heads % t == 0 and c.intermediate_size % t == 0:
-            out.append(t)
-        elif rejected is not None:
-            rejected.add("tp_heads", t, f"tp {t} against {c.num_attention_heads} heads, {c.num_key_value_heads} "
-                                        f"key/value heads, MLP width {c.intermediate_size}")
+    for t in sizes:
+        if c.num_attention_heads % t or c.num_key_value_heads % t or c.intermediate_size % t:
+            if rejected is not None:
+                rejected.add("tp_heads", t, f"tp {t} against {c.num_attention_heads} heads, "
+                                            f"{c.num_key_value_heads} key/value heads, MLP width {c.intermediate_size}")
+            continue
+        if shape.llama is None and t > 1:
+            try:
+                split_module(shape.module, t, shape.tp_encoders, llama_activations=shape.blocks_as is not None)
+            except ValueError as e:
+                if rejected is not None:
+                    rejected.add("tp_engine", t, str(e))
+                continue
+        out.append(t)
     return out
 
 
@@ -129,13 +192,16 @@ def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, glob
     `rejected` by the rule that ruled it out (rejected.py)."""
     space = space or Space()
     no = rejected if rejected is not None else Rejected()
-    layers = shape.llama.num_hidden_layers if shape.llama else 1
+    unsearched_pp = not_searched(shape).get("pp")
+    layers = shape.llama.num_hidden_layers if shape.llama else 1 if unsearched_pp else pipeline_blocks(shape.module)
     for tp, cp in ((t, c) for t in tp_sizes(shape, gpus_per_node, gpus, no)
                    for c in cp_sizes(shape, gpus, t, seq_len, space, no)):
         for pp in _divisors(gpus // (tp * cp)):
-            if pp > 1 and (shape.llama is None or pp > layers):
-                no.add("pp_layers", (tp, cp, pp), f"pp {pp} over {layers} layer(s)" if shape.llama else
-                       f"pp {pp}: bunsan's Llama only is split into pipeline stages by the search")
+            if pp > 1 and unsearched_pp:
+                no.add("unsearched", ("pp", tp, cp, pp), f"pp {pp}: {unsearched_pp}")
+                continue
+            if pp > layers:
+                no.add("pp_layers", (tp, cp, pp), f"pp {pp} over {layers} layer(s)")
                 continue
             dp = gpus // (tp * cp * pp)
             mesh = f"tp {tp}, cp {cp}, pp {pp}, dp {dp}"
@@ -151,7 +217,8 @@ def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, glob
                 if pp > 1 and accum < pp:       # fewer micro-batches than stages leaves stages idle
                     no.add("pp_accum", (tp, cp, pp, dp, mb), f"{accum} micro-batch(es) of {mb} over {mesh}")
                     continue
-                sps = [sp for sp in space.sequence_parallel if not sp or (tp > 1 and seq_len // cp % tp == 0)]
+                sps = [sp for sp in space.sequence_parallel if not sp or (tp > 1 and seq_len // cp % tp == 0
+                                                                             and _sequence_parallel_runs(shape, pp))]
                 schedules = _schedules(pp, accum, layers, space)
                 if not sps:
                     no.add("sp", (tp, cp, pp), f"sequence parallelism only, {mesh}")
