@@ -231,7 +231,7 @@ def test_gpus_without_nodes_are_priced_at_8_per_node_and_an_impossible_node_is_r
 
 def test_plan_calibrate_recovers_the_constants_of_measured_runs(tmp_path, capsys):
     """Four runs priced with a GEMM efficiency of 0.6 and links at half their bandwidth, given as measured:
-    the fit finds both, every run's error falls from 26-49% to under 1%, and the plan is searched with them."""
+    the fit finds both, every run's error falls from over 15% to under 1%, and the plan is searched with them."""
     import dataclasses
     import json
     from bunsan.planner.explain import parse_layout
@@ -253,7 +253,7 @@ def test_plan_calibrate_recovers_the_constants_of_measured_runs(tmp_path, capsys
     cal = json.loads(capsys.readouterr().out)["calibration"]
     assert cal["efficiency"] == pytest.approx(0.6, rel=0.03) and cal["comm_scale"] == pytest.approx(2.0, rel=0.05)
     for run, after in zip(cal["runs"], cal["runs_after_step_s"]):
-        assert abs(run["priced_step_s_before"] / run["measured_step_s"] - 1) > 0.2
+        assert abs(run["priced_step_s_before"] / run["measured_step_s"] - 1) > 0.15
         assert after == pytest.approx(run["measured_step_s"], rel=0.01)
     assert main(args + ["--calibrate", str(path)]) == 0
     assert "--calibrate: compute x" in capsys.readouterr().out

@@ -28,36 +28,88 @@ class GPU:
     peak_flops: dict = field(hash=False)  # precision -> dense FLOP/s; a missing key means "not supported"
     hbm_bytes_per_s: float
     form: str = ""                # "SXM" (NVLink baseboard) or "PCIe" (a card): which link a node's GPUs share
-    # recorded, not priced yet: the board's power limit (TDP; the datasheet peaks are at the clocks it allows)
-    # and its streaming multiprocessors (a GEMM's tiles run in waves of this many)
+    # the board's power limit as run (W) and the one its datasheet peaks are given at (its TDP): a board capped
+    # below its TDP sustains fewer FLOP/s (sustained_flops); its streaming multiprocessors (recorded, not priced)
     power_w: float | None = None
     sms: int | None = None
+    rated_power_w: float | None = None
+    # FlashAttention-2's causal forward + backward throughput (head dim 128, 16k tokens, the FLOPs of the causal
+    # half) as a fraction of the dense 16-bit peak, measured on this architecture; None where unmeasured
+    flash_fraction: float | None = None
+    # the best-shape 16-bit matmul's measured fraction of the dense peak (MAMF), where measured: GEMMs are priced
+    # at constants.GEMM_EFFICIENCY x this / A100 SXM's (gemm_scale), the GPU the efficiency was checked on
+    matmul_fraction: float | None = None
 
     def flops(self, precision: str) -> float:
-        """Dense peak FLOP/s for `precision`; a clear error where the chip lacks it (bf16 on V100)."""
+        """Dense peak FLOP/s for `precision` (the datasheet's: what MFU is counted against); a clear error where
+        the chip lacks it (bf16 on V100)."""
         if precision not in self.peak_flops:
             fix = "fp16" if "fp16" in self.peak_flops else next(iter(self.peak_flops))
             raise ValueError(f"GPU {self.name!r} has no {precision} support (it has {', '.join(self.peak_flops)}); "
                              f"use precision {fix!r} ({self.peak_flops[fix] / T:g} TFLOP/s) instead")
         return self.peak_flops[precision]
 
+    @property
+    def power_scale(self) -> float:
+        """The fraction of the datasheet peak a board capped at `power_w` below its rated TDP sustains:
+        (power_w / rated_power_w) ** POWER_EXPONENT (1 at or above the TDP, or where either is unknown)."""
+        if not self.power_w or not self.rated_power_w or self.power_w >= self.rated_power_w:
+            return 1.0
+        return (self.power_w / self.rated_power_w) ** POWER_EXPONENT
 
-def _gpu(name, gib, bf16, fp16, fp32, hbm_tb_s, form, watts, sms) -> GPU:
+    def sustained_flops(self, precision: str) -> float:
+        """The peak the board's power limit allows: what the cost model prices tensor-core work against."""
+        return self.flops(precision) * self.power_scale
+
+    @property
+    def gemm_scale(self) -> float:
+        """This GPU's best-shape matmul efficiency over A100 SXM's (MAMF_A100); 1 where unmeasured."""
+        return self.matmul_fraction / MAMF_A100 if self.matmul_fraction else 1.0
+
+
+# Tensor-core throughput against the board's power limit, from two datasheets of the same GH100 die with the same
+# 132 SMs: H100 NVL 835 dense bf16 TFLOP/s at 400 W (1,671 with sparsity; 350-400 W) and H100 SXM5 989 at 700 W.
+# ln(989 / 835) / ln(700 / 400) = 0.30: throughput goes as about the cube root of power (the clock as f, dynamic
+# power as f V^2 with V rising with f). A 500 W SXM H100 (Meta's Grand Teton) sustains (500/700)^0.30 = 0.90 of
+# the SXM peak, between the SXM and NVL figures as torchtitan's benchmark notes say.
+POWER_EXPONENT = 0.30
+
+
+def _gpu(name, gib, bf16, fp16, fp32, hbm_tb_s, form, watts, sms, flash=None, mamf=None) -> GPU:
     flops = {k: v * T for k, v in (("bf16", bf16), ("fp16", fp16), ("fp32", fp32)) if v is not None}
-    return GPU(name, int(gib * GiB), flops, hbm_tb_s * T, form, watts, sms)
+    return GPU(name, int(gib * GiB), flops, hbm_tb_s * T, form, watts, sms, rated_power_w=watts,
+               flash_fraction=flash, matmul_fraction=mamf)
+
+
+# Maximum achievable matmul FLOPS (bf16, the best of a sweep of shapes, torch.matmul) over the dense peak,
+# stas00/ml-engineering compute/accelerator/README.md "Maximum Achievable Matmul FLOPS comparison table" (commit
+# 744d01e1): A100 SXM 271.2 of 312 (86.9%), A100 PCIe 252.9 (81.1%, its 300 W), H100 SXM 794.5 of 989 (80.3%,
+# "H200 is the same"). The H100 reaches less of its datasheet peak than the A100 of its own.
+MAMF_A100, MAMF_A100_PCIE, MAMF_H100 = 271.2 / 312, 252.9 / 312, 794.5 / 989
+
+
+# FlashAttention-2's causal forward + backward at head dim 128 and 16k tokens (the FLOPs of the causal half):
+# 189 TFLOP/s on A100 80GB SXM4 (of 312) and 328 on H100 SXM5 (of 989), Dao-AILab/flash-attention README.md,
+# assets/flash2_a100_fwd_bwd_benchmark.png and flash2_h100_fwd_bwd_benchmark.png (commit 4f285b35, July 2023).
+# The kernel does not use Hopper's asynchronous tensor cores (FlashAttention-3 and cuDNN's do): a third of the
+# H100's peak against three fifths of the A100's. Ampere boards share the A100 figure, Hopper boards the H100's.
+FLASH_AMPERE, FLASH_HOPPER = 189 / 312, 328 / 989
 
 
 GPUS = {g.name: g for g in (
-    # name, memory GiB, bf16, fp16, fp32 (TF32 where it exists), HBM TB/s, form factor, power limit W, SMs.
+    # name, memory GiB, bf16, fp16, fp32 (TF32 where it exists), HBM TB/s, form factor, power limit W, SMs,
+    # FlashAttention-2's and the best matmul's measured fractions of the peak (where measured: above).
     # Dense figures (half the datasheets' "with sparsity" ones); SMs from the architecture whitepapers
     # (GH100: 132 on the SXM5 part, 114 on the PCIe card; GA100: 108; AD102: 142 on L40S, 128 on the 4090;
     # GA102: 72 on A10; GV100: 80).
-    _gpu("h100", 80, 989, 989, 494.5, 3.35, "SXM", 700, 132),   # H100 Tensor Core GPU datasheet, SXM5 column
-    _gpu("h100-pcie", 80, 756, 756, 378, 2.0, "PCIe", 350, 114),  # the same datasheet, PCIe column (300-350 W)
-    _gpu("h200", 141, 989, 989, 494.5, 4.8, "SXM", 700, 132),   # H200 Tensor Core GPU datasheet, SXM column
-    _gpu("a100", 80, 312, 312, 156, 2.039, "SXM", 400, 108),    # A100 Tensor Core GPU datasheet, 80GB SXM
-    _gpu("a100-pcie", 80, 312, 312, 156, 1.935, "PCIe", 300, 108),  # the same datasheet, 80GB PCIe
-    _gpu("a100-40gb", 40, 312, 312, 156, 1.555, "SXM", 400, 108),  # the same datasheet, 40GB SXM
+    # H100 Tensor Core GPU datasheet, SXM5 column; the PCIe column (300-350 W); H200 datasheet, SXM column
+    _gpu("h100", 80, 989, 989, 494.5, 3.35, "SXM", 700, 132, FLASH_HOPPER, MAMF_H100),
+    _gpu("h100-pcie", 80, 756, 756, 378, 2.0, "PCIe", 350, 114, FLASH_HOPPER, MAMF_H100),
+    _gpu("h200", 141, 989, 989, 494.5, 4.8, "SXM", 700, 132, FLASH_HOPPER, MAMF_H100),
+    # A100 Tensor Core GPU datasheet: 80GB SXM, 80GB PCIe, 40GB SXM
+    _gpu("a100", 80, 312, 312, 156, 2.039, "SXM", 400, 108, FLASH_AMPERE, MAMF_A100),
+    _gpu("a100-pcie", 80, 312, 312, 156, 1.935, "PCIe", 300, 108, FLASH_AMPERE, MAMF_A100_PCIE),
+    _gpu("a100-40gb", 40, 312, 312, 156, 1.555, "SXM", 400, 108, FLASH_AMPERE, MAMF_A100),
     _gpu("l40s", 48, 362, 362, 183, 0.864, "PCIe", 350, 142),   # L40S datasheet
     _gpu("a10", 24, 125, 125, 62.5, 0.6, "PCIe", 150, 72),      # A10 Tensor Core GPU datasheet
     _gpu("v100", 32, None, 125, 15.7, 0.9, "SXM", 300, 80),     # Tesla V100 datasheet, SXM2; no bf16, no TF32

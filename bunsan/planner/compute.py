@@ -36,7 +36,8 @@ def gemm(m: int, k: int, n: int, gpu: GPU, precision: str, dtype_bytes: int, eff
     """Seconds for `batch` (m x k) @ (k x n) products: the roofline of FLOPs and HBM bytes."""
     flops = 2.0 * batch * m * k * n
     nbytes = batch * (m * k + k * n + m * n) * dtype_bytes
-    return max(flops / (gpu.flops(precision) * efficiency), nbytes / (gpu.hbm_bytes_per_s * K.HBM_EFFICIENCY))
+    return max(flops / (gpu.sustained_flops(precision) * gpu.gemm_scale * efficiency),
+               nbytes / (gpu.hbm_bytes_per_s * K.HBM_EFFICIENCY))
 
 
 def streamed(nbytes: float, gpu: GPU) -> float:
@@ -62,7 +63,7 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
     `keys`: the row length the queries attend to, when it is longer than the rank's `layout.seq_len`
     tokens (context parallelism: each rank's queries against the whole row's keys). `chunk`: the query rows
     one attention call runs when context parallelism cuts them shorter than the row (`keys`): flash attention
-    then runs at flash_at(chunk) / flash_at(row) of its whole-row speed. `compiled`: torch.compile's fused
+    then runs at flash_efficiency's figure for the chunk (flash_at(chunk)). `compiled`: torch.compile's fused
     element-wise ops (`train.compile`), else eager PyTorch's, an HBM pass per op (constants.EAGER_*)."""
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}; 'flash' for a "
@@ -78,10 +79,9 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
     qkv = mm(tokens, h, (heads + 2 * kv) * d // t)
     o_proj = mm(tokens, h // t, h)
     mlp = mm(tokens, h, 2 * inter // t) + mm(tokens, inter // t, h)
-    # (a chunk's efficiency relative to the whole row's: the GEMM efficiency already holds the row's own)
-    chunked = flash_at(chunk) / flash_at(keys or s) if chunk and attention == "flash" else 1.0
-    core = _attention_core(b, s, keys or s, heads // t, kv // t or 1, d, gpu, p, nb, efficiency * chunked,
-                           attention)
+    core = _attention_core(b, s, keys or s, heads // t, kv // t or 1, d, gpu, p, nb,
+                           flash_efficiency(gpu, efficiency, chunk or s, keys or s) if attention == "flash"
+                           else efficiency, attention)
     hidden_tokens = tokens / (t if layout.sequence_parallel else 1)
     if compiled:
         passes = K.HIDDEN_PASSES * hidden_tokens * h + K.MLP_ACT_PASSES * tokens * inter / t
@@ -94,16 +94,28 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
                      o_proj_forward=o_proj)
 
 
+def flash_efficiency(gpu: GPU, efficiency: float, rows: int, keys: int) -> float:
+    """The fraction of the peak a causal flash kernel runs the attention rectangle's FLOPs at (the 12·L·h·s
+    convention counts the whole rectangle; the kernel computes its causal half), with `rows` queries per call.
+    Where the GPU's FlashAttention-2 throughput is measured (hardware.GPU.flash_fraction: the causal half's
+    FLOPs at 16k tokens), twice it (the rectangle is twice the causal half) times the kernel's curve at `rows`
+    (constants.FLASH_BY_CHUNK), scaled as a fitted GEMM efficiency scales (`efficiency` / GEMM_EFFICIENCY).
+    Elsewhere the GEMM efficiency at the row's own length (the causal half at half of it: the same seconds),
+    times the curve's figure for `rows` over the row's (context parallelism's chunks)."""
+    if gpu.flash_fraction is None:
+        return efficiency * (flash_at(rows) / flash_at(keys) if rows < keys else 1.0)
+    return 2 * gpu.flash_fraction * flash_at(rows) * efficiency / K.GEMM_EFFICIENCY
+
+
 def _attention_core(b: int, s: int, keys: int, heads: int, kv: int, d: int, gpu: GPU, precision: str, nb: int,
                     efficiency: float, attention: str) -> float:
     """QK^T and AV of `s` queries against `keys` keys over the full rectangle, as the 12·L·h·s convention
-    counts them (a causal flash kernel skips half the square at about half the GEMM efficiency: the same
-    seconds). Flash keeps the scores on chip and moves only q, k, v and the output; a materialised kernel
-    writes them and runs softmax over them."""
+    counts them, at `efficiency` of the peak (flash_efficiency for a flash kernel). Flash keeps the scores on
+    chip and moves only q, k, v and the output; a materialised kernel writes them and runs softmax over them."""
     if attention == "flash":
         flops = 4.0 * b * heads * s * keys * d
         nbytes = (b * s * 2 * heads + b * keys * 2 * kv) * d * nb
-        return max(flops / (gpu.flops(precision) * efficiency), streamed(nbytes, gpu))
+        return max(flops / (gpu.sustained_flops(precision) * efficiency), streamed(nbytes, gpu))
     core = gemm(s, d, keys, gpu, precision, nb, efficiency, b * heads) + \
         gemm(s, keys, d, gpu, precision, nb, efficiency, b * heads)
     return core + streamed(K.SCORE_PASSES * b * heads * s * keys * nb, gpu)

@@ -147,10 +147,15 @@ def _notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, c
              ("pp", layout.pp, layout.tp * layout.shard_ranks))}
     return (
         f"{flops_per_token / 1e9:.4g} GFLOP/token = 6N (N={n_flops:,}, no input embedding) + 12·L·h·s counts "
-        f"MFU; time is priced per GEMM: roofline of {eff:.0%} of {gpu.flops(layout.precision) / 1e12:g} TFLOP/s "
-        f"{layout.precision} and {K.HBM_EFFICIENCY:.0%} of {gpu.hbm_bytes_per_s / 1e12:.3g} TB/s HBM on {gpu.name}"
-        + (f" ({gpu.form}, {gpu.power_w:g} W)" if gpu.form and gpu.power_w else "") + "; "
-        f"element-wise ops by their bytes, "
+        f"MFU; time is priced per GEMM: roofline of {eff:.0%} of {gpu.sustained_flops(layout.precision) / 1e12:.4g} "
+        f"TFLOP/s {layout.precision} and {K.HBM_EFFICIENCY:.0%} of {gpu.hbm_bytes_per_s / 1e12:.3g} TB/s HBM on "
+        f"{gpu.name}" + (f" ({gpu.form}, {gpu.power_w:g} W)" if gpu.form and gpu.power_w else "")
+        + (f" (the {gpu.flops(layout.precision) / 1e12:g} TFLOP/s peak x{gpu.power_scale:.3f} at {gpu.power_w:g} W of "
+           f"{gpu.rated_power_w:g} W: hardware.POWER_EXPONENT)" if gpu.power_scale < 1 else "") + "; "
+        + (f"flash attention at FlashAttention-2's measured {gpu.flash_fraction:.1%} of the peak (causal, 16k "
+           "tokens; hardware.py) on the kernel's curve by rows per call (constants.FLASH_BY_CHUNK); "
+           if attention == "flash" and gpu.flash_fraction else "")
+        + "element-wise ops by their bytes, "
         + ("compiled (torch.compile fuses them: constants.HIDDEN_PASSES)" if compiled else
            "eager (each op a pass over HBM: constants.EAGER_*; --compile fuses them)")
         + f"; attention {attention}",
