@@ -1,6 +1,7 @@
 """Tiny vision- and audio-language model directories as Hugging Face saves them, built here without downloads:
 a byte-level tokenizer with the model's special tokens, its image processor or feature extractor, a chat
-template, the processor (save_pretrained) and random weights. What `bunsan train --init-from` and the
+template, the processor (save_pretrained; Qwen2-VL's files as its hub folder holds them: transformers cannot
+build its processor without torchvision) and random weights. What `bunsan train --init-from` and the
 multimodal chat records of tests/test_multimodal_data.py are fed; media files written as users have them (PNG
 by PIL, WAV by the standard library's wave)."""
 
@@ -21,6 +22,20 @@ LLAVA_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['cont
               "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}"
               "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen2-VL-Instruct's own template: each image part is <|vision_start|><|image_pad|><|vision_end|> (the processor
+# writes <|image_pad|> out as one token per 2x2 merged patches), a default system turn when none is given
+QWEN2_VL_CHAT = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}")
+QWEN2_VL_PATCH, QWEN2_VL_MERGE = 4, 2      # an image is resized to multiples of 8 pixels, 4x4 patches, 2x2 merged
 AUDIO_RATE = 3200        # the feature extractor's: 32 frames a second, at most 1 s (the tiny encoder's 32 frames)
 
 
@@ -66,7 +81,35 @@ def save_qwen2_audio(folder) -> None:
     transformers.Qwen2AudioProcessor(feature_extractor=features, tokenizer=tokenizer).save_pretrained(folder)
 
 
+def save_qwen2_vl(folder) -> None:
+    """Qwen2-VL's vision tower (4x4 patches, 2x2 merged into one token) + a 2-layer Qwen2 with 3D rotary positions,
+    and the files of its hub folder: preprocessor_config.json (the image processor, processor_class
+    Qwen2VLProcessor), the tokenizer with Qwen2-VL's special tokens and its chat template. The image processor is
+    saved from PIL's (Qwen2VLImageProcessorPil, numpy) as "Qwen2VLImageProcessor", which transformers loads as
+    PIL's where torchvision is missing (as on these machines). An image is resized to 64 to 1024 pixels: the
+    40x48 PNGs of write_png to 24x32 (48 patches, 12 tokens)."""
+    import transformers
+    tokenizer = _tokenizer(folder, ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    ids = dict(zip(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"),
+                   tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                    "<|vision_end|>"])))
+    torch.manual_seed(0)
+    vision = dict(depth=2, embed_dim=32, hidden_size=TEXT["hidden_size"], num_heads=2, patch_size=QWEN2_VL_PATCH,
+                  spatial_merge_size=QWEN2_VL_MERGE, temporal_patch_size=2, in_chans=3)
+    model = transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(
+        text_config=dict(**TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]}, bos_token_id=None,
+                         eos_token_id=tokenizer.eos_token_id), vision_config=vision, **ids))
+    model.save_pretrained(folder)
+    images = transformers.Qwen2VLImageProcessorPil(patch_size=QWEN2_VL_PATCH, merge_size=QWEN2_VL_MERGE,
+                                                    temporal_patch_size=2, min_pixels=8 * 8, max_pixels=32 * 32)
+    images.processor_class = "Qwen2VLProcessor"        # (the hub's preprocessor_config.json names it)
+    images.save_pretrained(folder)
+    tokenizer.chat_template = QWEN2_VL_CHAT
+    tokenizer.save_pretrained(folder)
+
+
 def write_png(path, seed: int, size=(40, 48)) -> None:
+    """A PNG of noise, `size` (height, width) pixels."""
     from PIL import Image
     pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
     Image.fromarray(pixels).save(path, format="PNG")

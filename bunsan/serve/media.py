@@ -176,8 +176,8 @@ class VisionInputs:
     """The served vision-language model's processor: `layout(text, images)` -> (the prompt's ids, its Media)."""
 
     def __init__(self, folder: str | Path, reader: ImageReader, image_token_id: int):
-        from transformers import AutoProcessor
-        self.processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+        from bunsan.models.processor import load_processor
+        self.processor = load_processor(folder)         # (Qwen2-VL's without torchvision too: no video)
         if getattr(self.processor, "image_processor", None) is None:
             raise ValueError(f"{folder}'s processor ({type(self.processor).__name__}) has no image processor")
         self.reader, self.image_token_id = reader, image_token_id

@@ -1,5 +1,6 @@
 """Chat records with images and audio, rendered by the model's own processor (AutoProcessor of its directory:
-its chat template, image processor, feature extractor), masked as text chat is (chat_masks.py).
+its chat template, image processor, feature extractor; models/processor.py), masked as text chat is
+(chat_masks.py).
 
 The template's text is masked by character spans as text chat's, tokenized by the processor's tokenizer; the
 processor then writes each placeholder out as the image's or clip's tokens. Matching the two token sequences
@@ -64,9 +65,9 @@ class MediaChat:
         """The folder's processor when it reads images or audio; None for a tokenizer alone."""
         if not any((Path(folder) / f).is_file() for f in PROCESSOR_FILES):
             return None
-        from transformers import AutoProcessor
+        from bunsan.models.processor import load_processor
         try:
-            processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
+            processor = load_processor(folder)
         except Exception as e:      # noqa: BLE001  (a missing backend's ImportError, a config's ValueError, ...)
             raise ValueError(f"{folder} has a processor ({' or '.join(PROCESSOR_FILES)}) that transformers cannot "
                              f"load ({type(e).__name__}: {str(e).strip()[:300]}); chat records with images or "
