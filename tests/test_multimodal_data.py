@@ -260,11 +260,15 @@ def _records(folder, n: int = 8) -> list[dict]:
             out.append({"image": f"{i}.png", "conversations": [{"from": "human", "value": f"<image>\n{ask}"},
                                                                {"from": "gpt", "value": answer}]})
         else:
-            part = ({"type": "image", "image": f"{i}.png"} if i % 3 == 0
-                    else {"type": "image_url", "image_url": {"url": f"{i}.png"}})
-            out.append({"messages": [{"role": "user", "content": [part, {"type": "text", "text": ask}]},
-                                     {"role": "assistant", "content": answer}]})
+            out.append(parts_record(f"{i}.png", ask, answer, url=i % 3 != 0))
     return out
+
+
+def parts_record(image: str, ask: str, answer: str, url: bool) -> dict:
+    """A chat record asking about `image` as an HF image part, or (`url`) as OpenAI's image_url part."""
+    part = {"type": "image_url", "image_url": {"url": image}} if url else {"type": "image", "image": image}
+    return {"messages": [{"role": "user", "content": [part, {"type": "text", "text": ask}]},
+                         {"role": "assistant", "content": answer}]}
 
 
 def plain_loop(model_dir, data, frozen: list[str], seed: int, seq_len: int = SEQ):

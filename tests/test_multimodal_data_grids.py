@@ -23,7 +23,7 @@ pytest.importorskip("PIL")
 from bunsan.models.processor import load_processor  # noqa: E402
 from bunsan.training.media_batches import example_batches  # noqa: E402
 from multimodal_dirs import QWEN2_VL_MERGE, save_qwen2_vl, write_png  # noqa: E402
-from test_multimodal_data import _jsonl, _rows, bunsan_train, plain_loop  # noqa: E402
+from test_multimodal_data import _jsonl, _rows, bunsan_train, parts_record, plain_loop  # noqa: E402
 
 SEQ = 160                    # Qwen2-VL's template writes a system turn of 38 tokens (a byte-level tokenizer)
 SMALL = (16, 24)             # kept as it is: 4x6 patches, 6 tokens; write_png's 40x48 is cut to 24x32: 12 tokens
@@ -178,10 +178,7 @@ def _vl_records(folder) -> list[dict]:
             out.append({"images": [f"{i}.png"], "messages": [{"role": "user", "content": f"<image>{ask}"},
                                                               {"role": "assistant", "content": answer}]})
         else:
-            part = ({"type": "image", "image": f"{i}.png"} if i % 3 == 0
-                    else {"type": "image_url", "image_url": {"url": f"{i}.png"}})
-            out.append({"messages": [{"role": "user", "content": [part, {"type": "text", "text": ask}]},
-                                     {"role": "assistant", "content": answer}]})
+            out.append(parts_record(f"{i}.png", ask, answer, url=i % 3 != 0))
     return out
 
 
