@@ -25,7 +25,7 @@ from concurrent.futures import Future
 import torch
 
 from bunsan.serve.blocks import BlockPool
-from bunsan.serve.embeddings import final_hidden
+from bunsan.serve.embeddings import HiddenQueue
 from bunsan.serve.media import overlay
 from bunsan.serve.paged import PagedCache
 from bunsan.serve.prefix import common_prefix
@@ -65,7 +65,7 @@ class Batcher:
         # where the serving loop's time goes (/metrics): loops run, the seconds they took, and of those the
         # model's forwards; the rest of a loop is scheduling and sampling on this thread
         self.loops, self.busy_s, self.forward_s = 0, 0.0, 0.0
-        self.embeds: deque[tuple[list[int], Future]] = deque()     # hidden-state requests (embeddings.py)
+        self.embeds = HiddenQueue()                                 # hidden-state requests (embeddings.py)
         self.after_loop = None              # called on this thread after every loop and at the end (engine.py)
 
     def submit(self, r: Request) -> None:
@@ -78,20 +78,9 @@ class Batcher:
         """Every position's final hidden state (the head's input) for `ids`, [len(ids), hidden] fp32 on the CPU,
         computed on the batcher's thread between two steps (the model is never run from two threads)."""
         check_embeddable(len(ids), self.max_len, self.leader is not None)
-        done = Future()
-        with self.lock:
-            self.embeds.append((ids, done))
+        done = self.embeds.put(ids)
         self.wake.set()
         return done
-
-    def _embed(self) -> None:
-        while self.embeds:
-            with self.lock:
-                ids, done = self.embeds.popleft()
-            try:
-                done.set_result(final_hidden(self.model, ids))
-            except Exception as e:        # this input's failure is its own
-                done.set_exception(e)
 
     def load(self) -> tuple[int, int]:
         with self.lock:
@@ -107,7 +96,7 @@ class Batcher:
         beat = time.monotonic()
         try:
             while not self.stopped:
-                self._embed()
+                self.embeds.run(self.model)
                 if not self.running and not self.prefilling and not self.waiting:
                     if self.after_loop is not None:
                         self.after_loop()
@@ -133,8 +122,7 @@ class Batcher:
             self.waiting.clear()
         for r in left:
             r.finish(reason)
-        while self.embeds:
-            self.embeds.popleft()[1].set_exception(RuntimeError(reason.removeprefix("error: ")))
+        self.embeds.fail(RuntimeError(reason.removeprefix("error: ")))
         if self.after_loop is not None:
             self.after_loop()
         if self.leader is not None and not self.fatal:

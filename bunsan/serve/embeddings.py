@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import threading
 import time
+from collections import deque
+from concurrent.futures import Future
 
 import torch
 from starlette.requests import Request as HTTPRequest
@@ -21,6 +24,36 @@ from bunsan.serve.paged import input_device
 from bunsan.serve.requests import Strict, check_model, check_text, prompt_ids, validated
 
 MAX_INPUTS = 256          # per request: each is a forward on the batcher's thread
+
+
+class HiddenQueue:
+    """Hidden-state requests waiting for the batcher's thread: `put` from any thread, `run` between two steps
+    (the model is never run from two threads), `fail` what is left when serving ends."""
+
+    def __init__(self):
+        self.lock, self.waiting = threading.Lock(), deque()
+
+    def put(self, ids: list[int]) -> Future:
+        done = Future()
+        with self.lock:
+            self.waiting.append((ids, done))
+        return done
+
+    def _next(self):
+        with self.lock:
+            return self.waiting.popleft() if self.waiting else None
+
+    def run(self, model) -> None:
+        while (item := self._next()) is not None:
+            ids, done = item
+            try:
+                done.set_result(final_hidden(model, ids))
+            except Exception as e:        # this input's failure is its own
+                done.set_exception(e)
+
+    def fail(self, error: Exception) -> None:
+        while (item := self._next()) is not None:
+            item[1].set_exception(error)
 
 
 def final_hidden(model, ids: list[int]) -> torch.Tensor:
