@@ -110,11 +110,24 @@ def test_a_request_larger_than_the_pool_is_refused_at_once(model):
         batcher.submit(Request(list(range(30)), 10, emit=print, finish=print))
 
 
+LAYOUTS = {   # (lengths, counts, block tables, the blocks shared, whether the prompt chunks share them too)
+    # three decoding rows share blocks 1 and 2; a fresh prompt and a chunk after a cached prefix of its own
+    "decoding-rows-share": ([9, 11, 8, 0, 5], [1, 1, 1, 6, 3],
+                            [[1, 2, 3, 0], [1, 2, 4, 0], [1, 2, 5, 0], [6, 7, 0, 0], [8, 9, 0, 0]], 2, False),
+    # every row after the same two blocks (a system prompt): the chunks join the cascade
+    "every-row-shares": ([9, 11, 8, 8, 10], [1, 1, 1, 6, 3],
+                         [[1, 2, 3, 0], [1, 2, 4, 0], [1, 2, 5, 0], [1, 2, 6, 7], [1, 2, 8, 9]], 2, True),
+    # prompt chunks only (the step after many requests arrived at once), one of them past a third block
+    "chunks-only": ([8, 12, 9], [5, 2, 4], [[1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 7, 8]], 2, True),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("softcap,sdpa", [(None, True), (None, False), (5.0, False)], ids=["sdpa", "eager", "softcap"])
-def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_attention(softcap, sdpa):
-    """One forward of three decoding rows sharing their first two blocks (cascade attention: the shared
-    blocks read once) and two prompt chunks, one after a cached prefix: every token's output equals causal
-    attention over its own sequence's keys, grouped heads included."""
+def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_attention(softcap, sdpa, layout):
+    """One forward of decoding rows and prompt chunks, rows sharing their first two blocks (cascade attention:
+    the shared blocks read once; with the chunks too when every row shares them): every token's output equals
+    causal attention over its own sequence's keys, grouped heads included."""
     from bunsan.serve.paged import PagedCache
     from bunsan.serve.transformers_model import ServedShape
     torch.manual_seed(0)
@@ -132,12 +145,13 @@ def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_att
             return [torch.device("cpu")]
 
     cache = PagedCache(Shape(), 20, bs)
-    lengths, counts = [9, 11, 8, 0, 5], [1, 1, 1, 6, 3]
-    tables = torch.tensor([[1, 2, 3, 0], [1, 2, 4, 0], [1, 2, 5, 0], [6, 7, 0, 0], [8, 9, 0, 0]])
-    history = {j: (torch.randn(kv, lengths[j], hd), torch.randn(kv, lengths[j], hd)) for j in range(5)}
-    for j in (1, 2):                                          # rows 0-2 share blocks 1 and 2: their 8 tokens
-        for t in history[j]:
-            t[:, :8] = history[0][0 if t is history[j][0] else 1][:, :8]
+    lengths, counts, tables, shared, joint = LAYOUTS[layout]
+    tables = torch.tensor(tables)
+    history = {j: (torch.randn(kv, lengths[j], hd), torch.randn(kv, lengths[j], hd)) for j in range(len(lengths))}
+    for j in history:                                         # rows on blocks 1 and 2 share their 8 tokens
+        if j and tables[j, :2].tolist() == [1, 2]:
+            for t in history[j]:
+                t[:, :8] = history[0][0 if t is history[j][0] else 1][:, :8]
     for j, (k, v) in history.items():                       # the keys each row already holds
         for p in range(lengths[j]):
             block, at = int(tables[j, p // bs]), p % bs
@@ -145,10 +159,10 @@ def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_att
     n = sum(counts)
     q, k, v = torch.randn(1, heads, n, hd), torch.randn(1, kv, n, hd), torch.randn(1, kv, n, hd)
     view = cache.view(tables, torch.tensor(lengths), torch.tensor(counts))
-    assert view.shared == 2
+    assert (view.shared, view.joint) == (shared, joint)
     out = view.layer(0).attend(q, k, v, None, softcap, sdpa)
     start = 0
-    for j in range(5):
+    for j in range(len(lengths)):
         c = counts[j]
         keys = torch.cat([history[j][0], k[0, :, start:start + c]], 1).repeat_interleave(heads // kv, 0)
         values = torch.cat([history[j][1], v[0, :, start:start + c]], 1).repeat_interleave(heads // kv, 0)

@@ -9,6 +9,10 @@ its sequence's block at its position; attention then reads each sequence's block
 - the decoding rows together, as a batch of one query each over their keys (a key mask hides what is past a
   row's length and, on sliding-window layers, before its window);
 - each prefilling row on its own: its chunk's queries over its keys, causal.
+Leading blocks every row shares (a system prompt reused from the prefix cache) are read once for all of them
+(cascade attention, FlashInfer's): every query over those blocks, then each row over its own blocks, the two
+softmaxes joined by their log-sum-exps; the decoding rows' when they share them, every row's (the prompt
+chunks too) when all do.
 The model hands its attention to the cache (`layer(i).attend`): bunsan's Llama directly, a transformers model
 through the attention function transformers_model.py registers.
 """
@@ -45,11 +49,20 @@ class _PagedLayer:
         device, back = pool_k.device, q.device
         q = q.to(device)
         out = torch.empty_like(q)
+        fused = softcap is None and device.type == "cpu" and _CPU_FLASH is not None and self.window is None
+        if w.joint and fused:                   # every row starts with the shared blocks: one cascade for all
+            heads, tokens, hd = q.shape[1:]
+            kv = pool_k.shape[2]
+            grouped = q[0].float().view(kv, heads // kv, tokens, hd).transpose(1, 2)    # [kv, tokens, rep, hd]
+            got = self._cascade_fused(grouped, pool_k, pool_v, hd ** -0.5 if scale is None else scale,
+                                      w.on("decoding", device), w.prefills)
+            out[0] = got.transpose(1, 2).reshape(heads, tokens, hd).to(out.dtype)
+            return out.to(back)
         if w.decoding.numel():
             d = w.on("decoding", device)
             rows = q[0, :, d].transpose(0, 1)[:, :, None]         # [rows, heads, 1, hd]
             if w.shared and self.window is None:
-                got = self._cascade(rows, pool_k, pool_v, scale, softcap)
+                got = self._cascade(rows, pool_k, pool_v, scale, softcap, fused)
             else:
                 keys, values = self._read(w.decode_tables, pool_k, pool_v)
                 got = _attention(rows, keys, values, w.key_mask(self.window, device), scale, softcap, sdpa)
@@ -61,7 +74,7 @@ class _PagedLayer:
             out[:, :, start:start + count] = _attention(chunk, keys, values, mask, scale, softcap, sdpa)
         return out.to(back)
 
-    def _cascade(self, rows: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, scale, softcap):
+    def _cascade(self, rows: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, scale, softcap, fused: bool):
         """The decoding rows' attention when they all start with the same `shared` blocks (a system prompt):
         every row's query over those blocks read once, then each row's own blocks, the two softmaxes joined by
         their log-sum-exps (FlashInfer's cascade attention). rows [n, heads, 1, hd] -> the same."""
@@ -70,8 +83,9 @@ class _PagedLayer:
         kv = pool_k.shape[2]
         q = rows.view(n, kv, heads // kv, hd).float()            # query head h reads kv head h // (heads / kv)
         scale = hd ** -0.5 if scale is None else scale
-        if softcap is None and pool_k.device.type == "cpu" and _CPU_FLASH is not None:
-            return self._cascade_fused(q, pool_k, pool_v, scale).reshape(n, heads, 1, hd).to(rows.dtype)
+        if fused:
+            got = self._cascade_fused(q.transpose(0, 1), pool_k, pool_v, scale, slice(None), [])
+            return got.transpose(0, 1).reshape(n, heads, 1, hd).to(rows.dtype)
         shared = w.on("shared_blocks", pool_k.device)
         pk, pv = (pool[shared].reshape(1, -1, kv, hd).permute(2, 0, 1, 3).float() for pool in (pool_k, pool_v))
         # [kv, n * rep, hd] @ [kv, hd, keys]: one matmul per kv head over every row's queries
@@ -90,26 +104,36 @@ class _PagedLayer:
             torch.matmul(torch.exp(second - total[..., None]), values.float())
         return out.reshape(n, heads, 1, hd).to(rows.dtype)
 
-    def _cascade_fused(self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float):
+    def _cascade_fused(self, q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float,
+                       decoding, prefills: list) -> torch.Tensor:
         """_cascade's two parts in PyTorch's fused CPU attention, which gives each softmax's log-sum-exp and
-        reads the gathered keys in place (a matmul over them copies them into its own layout first): the
-        shared blocks as one sequence of every row's queries per kv head, each row's own blocks as its
-        query heads (a multi-query row of heads // kv) over its kv head. q [n, kv, rep, hd] -> the same."""
+        reads the gathered keys in place (a matmul over them copies them into its own layout first). q [kv,
+        tokens, rep, hd], each kv head's query heads side by side -> the same: the shared blocks as one sequence
+        of every token's queries per kv head; then each token's own blocks: the decoding tokens (`decoding`
+        indexes them) as multi-query rows of rep heads over their kv head, and each prompt chunk of
+        `prefills` (a joint cascade, PagedView.joint) causal over its row's blocks past the shared ones."""
         w = self.view
-        n, kv, rep, hd = q.shape
+        kv, tokens, rep, hd = q.shape
         # consecutive blocks (a prefix prefilled into a fresh pool) are read in place; else gathered
         shared = w.shared_run if w.shared_run is not None else w.on("shared_blocks", pool_k.device)
         pk, pv = (pool[shared].reshape(1, -1, kv, hd).transpose(1, 2).float() for pool in (pool_k, pool_v))
-        first, first_lse = _CPU_FLASH(q.permute(1, 0, 2, 3).reshape(1, kv, n * rep, hd), pk, pv, 0.0, False,
-                                      scale=scale)
-        first = first.view(kv, n, rep, hd).transpose(0, 1)
-        first_lse = first_lse.view(kv, n, rep).transpose(0, 1)
-        keys, values = self._read(w.own_tables, pool_k, pool_v)   # [n, kv, own keys, hd]
-        mask = torch.zeros(w.own_mask.shape, device=q.device).masked_fill(~w.on("own_mask", q.device),
-                                                                          float("-inf"))
-        second, second_lse = _CPU_FLASH(q, keys.float(), values.float(), 0.0, False, attn_mask=mask, scale=scale)
-        total = torch.logaddexp(first_lse, second_lse)[..., None]
-        return first * torch.exp(first_lse[..., None] - total) + second * torch.exp(second_lse[..., None] - total)
+        first, first_lse = _CPU_FLASH(q.reshape(1, kv, tokens * rep, hd), pk, pv, 0.0, False, scale=scale)
+        first, first_lse = first.view(kv, tokens, rep, hd), first_lse.view(kv, tokens, rep)
+        own, own_lse = torch.empty_like(first), torch.empty_like(first_lse)
+        if w.decoding.numel():
+            keys, values = self._read(w.own_tables, pool_k, pool_v)   # [n, kv, own keys, hd]
+            got, lse = _CPU_FLASH(q[:, decoding].transpose(0, 1), keys.float(), values.float(), 0.0, False,
+                                  attn_mask=w.own_bias(q.device), scale=scale)
+            own[:, decoding], own_lse[:, decoding] = got.transpose(0, 1), lse.transpose(0, 1)
+        for table, start, count, length in prefills:
+            keys, values = self._read(table[:, w.shared:], pool_k, pool_v)
+            got, lse = _CPU_FLASH(q[:, start:start + count].reshape(1, kv, count * rep, hd), keys.float(),
+                                  values.float(), 0.0, False, attn_mask=w.own_causal(length, count, rep, q.device),
+                                  scale=scale)
+            own[:, start:start + count] = got.view(kv, count, rep, hd)
+            own_lse[:, start:start + count] = lse.view(kv, count, rep)
+        total = torch.logaddexp(first_lse, own_lse)[..., None]
+        return first * torch.exp(first_lse[..., None] - total) + own * torch.exp(own_lse[..., None] - total)
 
     def _read(self, table: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor):
         """The keys and values of `table`'s rows, [rows, kv, blocks * bs, hd] each, in two reused buffers."""
@@ -174,10 +198,10 @@ class PagedView:
         self.decode_at = lengths[decode]                          # and their positions
         width = -(-int(ends[decode].max()) // bs) if self.decoding.numel() else 0
         self.decode_tables = tables[decode, :width]
-        self.shared = self._shared_blocks()
+        self.shared, self.joint = self._shared_blocks(tables, lengths, decode)
         self.shared_run: slice | None = None
         if self.shared:                          # cascade attention (_PagedLayer._cascade): the common blocks
-            self.shared_blocks = self.decode_tables[0, :self.shared]
+            self.shared_blocks = (tables[0] if self.joint else self.decode_tables[0])[:self.shared]
             first = int(self.shared_blocks[0])
             consecutive = bool((self.shared_blocks == torch.arange(first, first + self.shared)).all())
             self.shared_run = slice(first, first + self.shared) if consecutive else None
@@ -189,20 +213,44 @@ class PagedView:
         self.counts = counts
         self._on: dict = {}
 
-    def _shared_blocks(self) -> int:
-        """How many leading blocks every decoding row holds alike (the same blocks, so the same tokens), all of
-        them before every row's position; 0 below two rows (nothing to share)."""
-        t = self.decode_tables
-        if t.shape[0] < 2:
-            return 0
-        alike = (t == t[:1]).all(0).long().cumprod(0).sum()
-        return int(min(alike, self.decode_at.min() // self.cache.block_size))
+    def _shared_blocks(self, tables: torch.Tensor, lengths: torch.Tensor, decode: torch.Tensor) -> tuple[int, bool]:
+        """How many leading blocks rows hold alike (the same blocks, so the same tokens), all of them before
+        each of those rows' new tokens, and whether they are every row's (`joint`: the prompt chunks join the
+        cascade) or the decoding rows' only; 0 below two rows (nothing to share)."""
+        bs = self.cache.block_size
+
+        def common(t: torch.Tensor, at: torch.Tensor) -> int:
+            if t.shape[0] < 2:
+                return 0
+            alike = (t == t[:1]).all(0).long().cumprod(0).sum()
+            return int(min(alike, at.min() // bs))
+        joint = common(tables, lengths) if not bool(decode.all()) else 0
+        return (joint, True) if joint else (common(self.decode_tables, self.decode_at), False)
 
     def on(self, what, device: torch.device) -> torch.Tensor:
         """A tensor built on the CPU (one of this view's, by name or itself) on `device`, moved once per forward."""
         key = (what if isinstance(what, str) else id(what), device)
         if key not in self._on:
             self._on[key] = (getattr(self, what) if isinstance(what, str) else what).to(device)
+        return self._on[key]
+
+    def own_bias(self, device: torch.device) -> torch.Tensor:
+        """own_mask as fused attention adds it: 0 where seen, -inf past the row's position."""
+        key = ("own bias", device)
+        if key not in self._on:
+            self._on[key] = torch.zeros(self.own_mask.shape, device=device).masked_fill(
+                ~self.on("own_mask", device), float("-inf"))
+        return self._on[key]
+
+    def own_causal(self, length: int, count: int, rep: int, device: torch.device) -> torch.Tensor:
+        """[1, 1, count * rep, own keys] additive: a chunk's queries (each kv head's rep query heads side by
+        side) over its row's keys past the shared blocks, each seeing up to itself."""
+        key = ("own causal", length, count, rep, device)
+        if key not in self._on:
+            bs = self.cache.block_size
+            keys = torch.arange(self.shared * bs, -(-(length + count) // bs) * bs)
+            seen = (keys[None, :] <= length + torch.arange(count)[:, None]).repeat_interleave(rep, 0)
+            self._on[key] = torch.zeros(seen.shape, device=device).masked_fill(~seen, float("-inf"))[None, None]
         return self._on[key]
 
     def key_mask(self, window: int | None, device: torch.device) -> torch.Tensor:
