@@ -144,6 +144,16 @@ def test_overlapping_pieces_are_refused(saved, capfd):
     assert "in two pieces" in capfd.readouterr().err
 
 
+@pytest.mark.parametrize("sections", [0, 2.5, "3", 7])
+def test_a_piece_with_sections_that_do_not_divide_its_rows_is_refused(saved, capfd, sections):
+    """`sections` (a fused projection's blocks of rows, pieces.py) must be a count > 1 dividing the rows of a
+    tensor split along dim 0: a whole tensor given sections, or a count that is not one, is damage."""
+    d, _, _ = saved
+    _rewrite(d, "global_step2", lambda m: m["pieces"][0].update(sections=sections))
+    assert _load(d)[0] == "global_step1"
+    assert "has sections" in capfd.readouterr().err
+
+
 def test_a_piece_named_like_a_path_is_refused(saved, capfd):
     d, _, _ = saved
     _rewrite(d, "global_step2", lambda m: m["pieces"][0].update(name="../../etc/passwd"))

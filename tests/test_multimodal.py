@@ -148,19 +148,20 @@ KINDS = ["llava", "llava_siglip", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_tensor_parallel_from_the_plan_transformers_assembles(pools, kind):
-    """The language model split by the plan transformers assembles; a CLIP or SigLIP tower and Qwen2-Audio's
-    (Whisper's) audio tower split by bunsan's encoder plan (tensor_parallel.encoders "split", the default);
-    Qwen2-VL's and Qwen2.5-VL's vision towers whole (said: test_a_tower_bunsan_cannot_split_is_said_to_stay_whole)."""
+    """The language model split by the plan transformers assembles; a CLIP or SigLIP tower, Qwen2-VL's and
+    Qwen2.5-VL's vision towers (their fused qkv by sections) and Qwen2-Audio's (Whisper's) audio tower split by
+    bunsan's encoder plan (tensor_parallel.encoders "split", the default)."""
     data = batches(kind)
     results = pools.run(2, _train, 2, kind, _cfg(tp=2), data)
     check_runs(results, *reference(kind, data))
     styles, towers = results[0][2]
     assert "ColumnParallelLinear" in styles and "RowParallelLinear" in styles
-    split = {"llava": "vision_tower", "llava_siglip": "vision_tower", "qwen2_audio": "audio_tower"}
-    assert towers == sorted(["language_model"] + ([split[kind]] if kind in split else []))
+    split = {"llava": "vision_tower", "llava_siglip": "vision_tower", "qwen2_audio": "audio_tower",
+             "qwen2_vl": "visual", "qwen2_5_vl": "visual"}
+    assert towers == sorted(["language_model", split[kind]])
 
 
-@pytest.mark.parametrize("kind", ["llava", "llava_siglip"])
+@pytest.mark.parametrize("kind", ["llava", "llava_siglip", "qwen2_vl"])
 def test_the_vision_tower_stays_whole_when_asked(pools, kind):
     data = batches(kind)
     cfg = {**_cfg(tp=2), "tensor_parallel": {"size": 2, "encoders": "whole"}}
@@ -288,8 +289,26 @@ def _train_and_save(rank, world, kind, cfg, data, folder):
     return losses
 
 
+def _resume_and_train(rank, world, kind, cfg, data, folder):
+    engine = bunsan.initialize(build(kind), cfg)
+    engine.load_checkpoint(folder)
+    return [engine.train_batch(b) for b in data], engine.consolidated_state_dict(), None
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_checkpoint_saved_in_one_process_resumes_with_the_fused_qkv_split(pools, kind, tmp_path):
+    """Two steps in one process, the third at TP 2 from its checkpoint: each rank reads its heads' rows of q, k
+    and v out of the whole qkv weight and bias (their sections placed apart): the loop's three steps."""
+    data = batches(kind)
+    engine = bunsan.initialize(build(kind), _cfg(ga=2))
+    first = [engine.train_batch(b) for b in data[:2]]
+    engine.save_checkpoint(str(tmp_path))
+    results = pools.run(2, _resume_and_train, 2, kind, _cfg(tp=2, ga=2), data[2:], str(tmp_path))
+    check_runs([(first + losses, state, None) for losses, state, _ in results], *reference(kind, data))
+
+
 @pytest.mark.parametrize("kind,layout", [(k, "pp2") for k in KINDS] +
-                         [(k, "tp2") for k in ("llava_siglip", "qwen2_5_vl", "qwen2_audio")])
+                         [(k, "tp2") for k in ("llava_siglip", "qwen2_vl", "qwen2_5_vl", "qwen2_audio")])
 def test_a_checkpoint_saved_across_ranks_resumes_in_one_process(pools, kind, layout, tmp_path):
     """Two steps at PP 2 (saved by each stage) or TP 2 (each rank its shards, the towers split where bunsan
     splits them), the third in one process from the checkpoint (the layout resharded, the optimizer's state

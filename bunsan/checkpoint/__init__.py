@@ -367,7 +367,8 @@ class _StateLoader:
 
 def _same_place(p: dict, t) -> bool:
     """The piece was cut from a local tensor placed as t's (same tensor-parallel slice)."""
-    return tuple(p["local_shape"]) == t.local_shape and p["start"] == t.start and p["tp_dim"] == t.tp_dim
+    return tuple(p["local_shape"]) == t.local_shape and p["start"] == t.start and p["tp_dim"] == t.tp_dim \
+        and p.get("sections", 1) == t.sections
 
 
 def _load_state(reader, t, kind, lo, hi, state, piece: dict) -> None:

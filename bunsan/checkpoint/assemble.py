@@ -19,7 +19,8 @@ from bunsan.checkpoint.store import CheckpointError, Reader
 
 
 def _same_place(p: dict, t: Local) -> bool:
-    return tuple(p["local_shape"]) == t.local_shape and p["tp_dim"] == t.tp_dim and p["start"] == t.start
+    return tuple(p["local_shape"]) == t.local_shape and p["tp_dim"] == t.tp_dim and p["start"] == t.start \
+        and p.get("sections", 1) == t.sections
 
 
 def _check_shape(pieces: list[dict], t: Local, kind: str) -> None:
@@ -44,9 +45,9 @@ def _rebuild(pieces: list[dict], reader: Reader, dtype: torch.dtype) -> dict[tup
     """Every source local tensor, whole, keyed by its placement."""
     out: dict[tuple, tuple[Local, torch.Tensor]] = {}
     for p in pieces:
-        key = (tuple(p["local_shape"]), p["tp_dim"], p["start"])
+        key = (tuple(p["local_shape"]), p["tp_dim"], p["start"], p.get("sections", 1))
         if key not in out:
-            src = Local(p["name"], tuple(p["shape"]), key[0], key[1], key[2])
+            src = Local(p["name"], tuple(p["shape"]), *key)
             out[key] = (src, torch.zeros(math.prod(key[0]), dtype=dtype))
         out[key][1][p["lo"]:p["hi"]] = reader.read(p)
     return out
@@ -58,14 +59,22 @@ def _target_tensor(reader: Reader, t: Local, kind: str, pieces: list[dict]) -> t
         return reader.cache[cache_key]
     dtype = reader.read(pieces[0], 0, 1).dtype
     local = torch.zeros(t.local_shape, dtype=dtype)
-    want = t.region()
-    for src, flat in _rebuild(pieces, reader, dtype).values():
+    sources = list(_rebuild(pieces, reader, dtype).values())
+    # a fused projection split by sections on either side: both placed in the view with sections as a dimension
+    sections = max([t.sections] + [src.sections for src, _ in sources])
+    place = (lambda x: x.viewed(sections)) if sections > 1 else (lambda x: x)
+    try:
+        target, sources = place(t), [(place(src), flat) for src, flat in sources]
+    except ValueError as e:
+        raise CheckpointError(f"{kind} of {e}; the checkpoint and this model split it differently") from None
+    want, local_view = target.region(), local.view(target.local_shape)
+    for src, flat in sources:
         have = src.region()
         inter = [(max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(want, have)]
         if any(a >= b for a, b in inter):
             continue
         s = flat.view(src.local_shape)
-        d = local
+        d = local_view
         for dim, (a, b) in enumerate(inter):
             s = s.narrow(dim, a - have[dim][0], b - a)
             d = d.narrow(dim, a - want[dim][0], b - a)

@@ -24,9 +24,11 @@ def _local(weights: HFWeights, t) -> torch.Tensor:
     if t.tp_dim is None:
         return weights.read(t.name)
     out = torch.zeros(t.local_shape)
-    if t.valid:
-        part = weights.read(t.name, t.tp_dim, t.start, t.start + t.valid)
-        out.narrow(t.tp_dim, 0, t.valid).copy_(part)
+    rows = t.global_shape[t.tp_dim] // t.sections     # a fused projection: the rank's rows of each section
+    for k, into in enumerate(out.chunk(t.sections, t.tp_dim)):
+        if t.valid:
+            part = weights.read(t.name, t.tp_dim, k * rows + t.start, k * rows + t.start + t.valid)
+            into.narrow(t.tp_dim, 0, t.valid).copy_(part)
     return out
 
 

@@ -6,7 +6,10 @@ nothing trains). A rank holds a *local* tensor: the whole parameter, or its tens
 along `tp_dim` starting at global index `start` (vocabulary slices are padded at the end). Of that
 local tensor, flattened, it steps the elements [lo, hi): ZeRO's fragments, or all of it.
 
-A piece records exactly that: name, kind, global shape, local shape, tp_dim, start, [lo, hi).
+A piece records exactly that: name, kind, global shape, local shape, tp_dim, start, [lo, hi). A fused
+projection's slice (layers.split_sections) records its `sections` too: the global tensor is that many equal
+blocks along tp_dim, and the local tensor holds rows [start, start + rows) of each; `viewed` places it as a
+plain slice of the global tensor viewed with the blocks as a dimension of their own.
 Writers are chosen so every element is written once: data-parallel replicas (stage 0) write from
 dp rank 0, tensor-parallel replicas (norms) from tp rank 0, a weight tied across pipeline stages
 from the stage that owns it.
@@ -28,16 +31,32 @@ class Local:
     local_shape: tuple[int, ...]
     tp_dim: int | None = None
     start: int = 0
+    sections: int = 1
 
     @property
     def valid(self) -> int:
-        """Rows along tp_dim that are real (the rest is vocabulary padding)."""
+        """Rows along tp_dim that are real (the rest is vocabulary padding); of each section's."""
         if self.tp_dim is None:
             return self.local_shape[0] if self.local_shape else 1
-        return max(0, min(self.local_shape[self.tp_dim], self.global_shape[self.tp_dim] - self.start))
+        k = self.sections
+        return max(0, min(self.local_shape[self.tp_dim] // k, self.global_shape[self.tp_dim] // k - self.start))
+
+    def viewed(self, sections: int) -> Local:
+        """The same elements with the global tensor's dim 0 (a fused projection's rows) as [sections, rows /
+        sections]: a whole tensor stays whole, a sectioned slice becomes a plain slice along dim 1."""
+        def split(shape):
+            return (sections, shape[0] // sections, *shape[1:])
+        if self.tp_dim is None:
+            return Local(self.name, split(self.global_shape), split(self.local_shape))
+        if self.sections != sections or self.tp_dim != 0:
+            raise ValueError(f"{self.name}: a slice along dim {self.tp_dim} in {self.sections} section(s) has no "
+                             f"view as {sections} sections")
+        return Local(self.name, split(self.global_shape), split(self.local_shape), 1, self.start)
 
     def region(self) -> list[tuple[int, int]]:
-        """Global [lo, hi) per dimension of the local tensor's real part."""
+        """Global [lo, hi) per dimension of the local tensor's real part (a sectioned slice: of its view)."""
+        if self.sections > 1:
+            return self.viewed(self.sections).region()
         out = [(0, n) for n in self.global_shape]
         if self.tp_dim is not None:
             out[self.tp_dim] = (self.start, self.start + self.valid)
@@ -45,22 +64,25 @@ class Local:
 
     def to_json(self) -> dict:
         return {"name": self.name, "shape": list(self.global_shape), "local_shape": list(self.local_shape),
-                "tp_dim": self.tp_dim, "start": self.start}
+                "tp_dim": self.tp_dim, "start": self.start, **({"sections": self.sections} if self.sections > 1
+                                                                else {})}
 
     @classmethod
     def from_json(cls, d: dict) -> Local:
-        return cls(d["name"], tuple(d["shape"]), tuple(d["local_shape"]), d["tp_dim"], d["start"])
+        return cls(d["name"], tuple(d["shape"]), tuple(d["local_shape"]), d["tp_dim"], d["start"],
+                   d.get("sections", 1))
 
 
 def _tp_place(module: nn.Module, param: torch.Tensor, local_shape: tuple,
-              tp_rank: int) -> tuple[tuple[int, ...], int | None, int]:
-    """(global shape, tp_dim, start) of a parameter of `module` whose local shape is `local_shape`."""
+              tp_rank: int) -> tuple[tuple[int, ...], int | None, int, int]:
+    """(global shape, tp_dim, start, sections) of a parameter of `module` whose local shape is `local_shape`."""
     attr = next((n for n, q in module._parameters.items() if q is param), None)
     split = getattr(module, "tp_split", {}).get(attr)
     if split is None:
-        return tuple(local_shape), None, 0
+        return tuple(local_shape), None, 0, 1
     full_shape, dim = split
-    return tuple(full_shape), dim, tp_rank * local_shape[dim]
+    sections = getattr(module, "tp_sections", 1)
+    return tuple(full_shape), dim, tp_rank * local_shape[dim] // sections, sections
 
 
 def locals_of(engine) -> tuple[list[Local], list[bool]]:
@@ -77,8 +99,8 @@ def locals_of(engine) -> tuple[list[Local], list[bool]]:
         name = names[id(p)]
         owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
         local_shape = tuple(shapes[i])
-        shape, dim, start = _tp_place(owner, p, local_shape, mesh.tp_rank)
-        out.append(Local(canonical.get(name, name), shape, local_shape, dim, start))
+        shape, dim, start, sections = _tp_place(owner, p, local_shape, mesh.tp_rank)
+        out.append(Local(canonical.get(name, name), shape, local_shape, dim, start, sections))
         replicated_tp = dim is None and mesh.tp > 1
         writes.append(name not in duplicates and not (replicated_tp and mesh.tp_rank != 0))
     return out, writes
@@ -97,8 +119,8 @@ def frozen_of(engine) -> list[tuple[Local, int, torch.Tensor, bool]]:
 
     def local(name, p, shape):
         owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
-        full, dim, start = _tp_place(owner, p, shape, mesh.tp_rank)
-        return Local(canonical.get(name, name), full, shape, dim, start)
+        full, dim, start, sections = _tp_place(owner, p, shape, mesh.tp_rank)
+        return Local(canonical.get(name, name), full, shape, dim, start, sections)
 
     if sharded is not None:
         for i, lo, part in sharded.fragments():

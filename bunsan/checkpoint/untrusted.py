@@ -148,6 +148,11 @@ def _check_piece(p, files: dict, path: Path) -> None:
     dim = p.get("tp_dim")
     if dim is not None and not (_count(dim) and dim < len(shape)):
         raise UntrustedError(f"{path}: piece {name!r} has tp_dim {str(dim)[:20]!r}, not a dimension of its shape")
+    sections = p.get("sections", 1)
+    if sections != 1 and not (_count(sections) and sections > 1 and dim == 0 and shape[0] % sections == 0
+                              and local[0] % sections == 0):
+        raise UntrustedError(f"{path}: piece {name!r} has sections {str(sections)[:20]!r}, not a count > 1 of "
+                             "equal blocks of rows of a tensor split along dim 0; the checkpoint is damaged")
     if not isinstance(p.get("key"), str) or not isinstance(p.get("kind"), str):
         raise UntrustedError(f"{path}: piece {name!r} has no key or kind; the checkpoint is damaged")
     if "opaque" in p and (p["kind"] in ("master", "frozen") or not isinstance(p["opaque"], list)
@@ -174,9 +179,9 @@ def check_pieces(by_key: dict, where: Path) -> None:
                                  "the checkpoint is damaged")
         placements: dict[tuple, list[tuple[int, int]]] = {}
         for p in pieces:
-            key = (tuple(p["local_shape"]), p.get("tp_dim"), p.get("start", 0))
+            key = (tuple(p["local_shape"]), p.get("tp_dim"), p.get("start", 0), p.get("sections", 1))
             placements.setdefault(key, []).append((p["lo"], p["hi"]))
-        for (local_shape, _, _), ranges in placements.items():
+        for (local_shape, *_), ranges in placements.items():
             _tiles(sorted(ranges), math.prod(local_shape), f"{where}: {kind} of {name!r}")
         _placements_tile(list(placements), shapes.pop(), f"{where}: {kind} of {name!r}")
 
@@ -195,17 +200,20 @@ def _tiles(ranges: list[tuple[int, int]], total: int, what: str) -> None:
 
 
 def _placements_tile(keys: list[tuple], shape: tuple, what: str) -> None:
-    dims = {d for _, d, _ in keys}
+    dims = {(d, k) for _, d, _, k in keys}
     if len(dims) != 1:
         raise UntrustedError(f"{what}: pieces split along different dimensions; the checkpoint is damaged")
-    dim = dims.pop()
+    dim, sections = dims.pop()
+    if sections > 1:          # a fused projection's slices: each of its blocks of rows tiled alike (pieces.py)
+        shape = (shape[0] // sections, *shape[1:])
+        keys = [((local[0] // sections, *local[1:]), d, start, 1) for local, d, start, _ in keys]
     if dim is None:
         if len(keys) != 1 or keys[0][0] != shape:
             raise UntrustedError(f"{what}: whole-tensor pieces of shape {[list(k[0]) for k in keys]} for a tensor "
                                  f"of shape {list(shape)}; the checkpoint is damaged")
         return
     end = 0
-    for local_shape, _, start in sorted(keys, key=lambda k: k[2]):
+    for local_shape, _, start, _ in sorted(keys, key=lambda k: k[2]):
         if start != end or len(local_shape) != len(shape) or dim >= len(shape):
             raise UntrustedError(f"{what}: tensor-parallel slices do not follow each other along dim {dim}; "
                                  "the checkpoint is damaged")

@@ -35,8 +35,16 @@ _VIT = {"self_attn": "parallel_input", "self_attn.q_proj": "column", "self_attn.
 _WHISPER = {"self_attn": "parallel_attention", "self_attn.q_proj": "column", "self_attn.k_proj": "column",
             "self_attn.v_proj": "column", "self_attn.out_proj": "row", "final_layer_norm": "parallel_output",
             "fc1": "column", "fc2": "row"}
+# Qwen2-VL's and Qwen2.5-VL's vision blocks: q, k and v fused in one qkv linear ([q; k; v] rows), which the
+# attention unpacks by num_heads, so it is told its share of the heads and qkv gives each rank its rows of all three;
+# the MLP (GELU fc1/fc2, or Qwen2.5-VL's SiLU-gated one) as a ViT's
+_QWEN_VIT = {"attn": "parallel_attention", "attn.qkv": "column_qkv", "attn.proj": "row", "mlp": "parallel_input",
+             "mlp.fc1": "column", "mlp.fc2": "row"}
+_QWEN25_VIT = {"attn": "parallel_attention", "attn.qkv": "column_qkv", "attn.proj": "row",
+               "mlp": "parallel_input", "mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"}
 ENCODER_PLANS = {"CLIPEncoderLayer": _VIT, "SiglipEncoderLayer": _VIT, "WhisperEncoderLayer": _WHISPER,
-                 "Qwen2AudioEncoderLayer": _WHISPER}
+                 "Qwen2AudioEncoderLayer": _WHISPER, "Qwen2VLVisionBlock": _QWEN_VIT,
+                 "Qwen2_5_VLVisionBlock": _QWEN25_VIT}
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -110,8 +118,9 @@ def encoder_plan(model: nn.Module, size: int) -> dict[str, str]:
         styles = ENCODER_PLANS.get(type(layer).__name__)
         if styles is None:
             continue
-        fc1 = layer.get_submodule(next(p for p in styles if p.endswith("fc1")))
-        heads, width = layer.self_attn.num_heads, fc1.out_features
+        attention = layer.get_submodule(next(p for p in styles if p.endswith("attn")))
+        first = layer.get_submodule(next(p for p, style in styles.items() if style == "column" and "attn" not in p))
+        heads, width = attention.num_heads, first.out_features
         if heads % size or width % size:
             raise ValueError(f"{name} ({type(layer).__name__}) has {heads} attention heads and an MLP of {width}: "
                              f"tensor parallelism {size} must divide both; set tensor_parallel.encoders to "
@@ -121,9 +130,7 @@ def encoder_plan(model: nn.Module, size: int) -> dict[str, str]:
 
 
 def whole_towers(model: nn.Module) -> dict[str, list[str]]:
-    """A composite model's encoder towers (path -> their block classes) that ENCODER_PLANS has no split for:
-    Qwen2-VL's and Qwen2.5-VL's vision blocks (their attention's q, k and v fused in one qkv linear, whose
-    column split would have to take each rank's heads from all three)."""
+    """A composite model's encoder towers (path -> their block classes) that ENCODER_PLANS has no split for."""
     from bunsan.models.blocks import repeated_blocks
     from bunsan.models.hf_layout import encoder_paths
     blocks = repeated_blocks(model)
@@ -139,8 +146,9 @@ def whole_towers(model: nn.Module) -> dict[str, list[str]]:
 def _say_whole_towers(model: nn.Module) -> None:
     for path, kinds in whole_towers(model).items():
         warnings.warn(f"tensor_parallel.encoders is \"split\", but {path} ({', '.join(kinds)}) has no split bunsan "
-                      "implements (its attention's fused qkv): it is kept whole, computed in full on every "
-                      "tensor-parallel rank; set tensor_parallel.encoders to \"whole\" to say so", stacklevel=3)
+                      "implements (tensor_parallel/hf_plan.py ENCODER_PLANS): it is kept whole, computed in full on "
+                      "every tensor-parallel rank; set tensor_parallel.encoders to \"whole\" to say so",
+                      stacklevel=3)
 
 
 def _sequence_parallel_extras(model: nn.Module, prefix: str) -> dict[str, str]:

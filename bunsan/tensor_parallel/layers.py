@@ -14,6 +14,10 @@ A bias goes with its layer: a column layer's is split by rows with them (Qwen2's
 whole on every rank and added once, after the sum. Every layer here says which of its parameters are split
 and how in `tp_split` (name -> (full shape, split dim)); any other parameter is the same on every rank.
 
+A fused projection ([q; k; v] rows in one linear, Qwen2-VL's vision attention) splits each of its `sections`
+by rows: rank r holds rows r of q, of k and of v, side by side (`tp_sections`), so its output is its heads'
+q, k and v in the fused layout the attention unpacks.
+
 Vocabulary-parallel embedding: rank r holds rows [r*V/tp, (r+1)*V/tp) of the
 table (padded to a multiple of tp); tokens outside its range look up zeros and the
 ranks' results are summed.
@@ -36,6 +40,15 @@ def split_rows(w: torch.Tensor, tp: int, rank: int, pad_to: int | None = None) -
         w = torch.cat([w, w.new_zeros(pad_to - w.shape[0], *w.shape[1:])])
     n = rows // tp
     return w[rank * n:(rank + 1) * n].clone()
+
+
+def split_sections(w: torch.Tensor, tp: int, rank: int, sections: int) -> torch.Tensor:
+    """Rank `rank`'s rows of each of `sections` equal blocks of rows of w, the blocks' parts side by side."""
+    if sections == 1:
+        return split_rows(w, tp, rank)
+    blocks = w.reshape(sections, w.shape[0] // sections, *w.shape[1:])
+    n = blocks.shape[1] // tp
+    return blocks[:, rank * n:(rank + 1) * n].reshape(-1, *w.shape[1:]).clone()
 
 
 def region_linear(x: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
@@ -63,18 +76,23 @@ class ColumnParallelLinear(nn.Module):
     """A block of output rows (and of the bias); its input must already be in the parallel region (the
     plan's parallel_input), else its input gradient would miss the other ranks' parts."""
 
-    def __init__(self, linear: nn.Linear, ctx: TPContext, check_input: bool = True, gather_output: bool = False):
+    def __init__(self, linear: nn.Linear, ctx: TPContext, check_input: bool = True, gather_output: bool = False,
+                 sections: int = 1):
         super().__init__()
         check_splittable(linear, "column")
+        if gather_output and sections > 1:
+            raise ValueError("a fused projection's output is split by sections; it cannot also be gathered")
         self.ctx, self.gather_output = ctx, gather_output    # gather_output: every rank gets the whole output
         self.tp_style, self.tp_dim, self.full_shape = "column", 0, tuple(linear.weight.shape)
         self.tp_split = {"weight": (self.full_shape, 0)}
+        self.tp_sections = sections         # a fused projection: each rank's rows of every section (module doc)
         self.check_input = check_input
         w = linear.weight.detach()
-        self.weight = nn.Parameter(split_rows(w, ctx.size, ctx.rank), requires_grad=linear.weight.requires_grad)
+        self.weight = nn.Parameter(split_sections(w, ctx.size, ctx.rank, sections),
+                                   requires_grad=linear.weight.requires_grad)
         self.bias = None
         if linear.bias is not None:
-            self.bias = nn.Parameter(split_rows(linear.bias.detach(), ctx.size, ctx.rank),
+            self.bias = nn.Parameter(split_sections(linear.bias.detach(), ctx.size, ctx.rank, sections),
                                      requires_grad=linear.bias.requires_grad)
             self.tp_split["bias"] = (tuple(linear.bias.shape), 0)
 

@@ -3,6 +3,7 @@
 Styles:
     column          nn.Linear -> ColumnParallelLinear (output rows split)
     column_gather   the same, its output all-gathered: whole on every rank
+    column_qkv      a fused [q; k; v] projection of equal parts: each rank takes its rows of each (its heads')
     row             nn.Linear -> RowParallelLinear (input columns split, outputs summed)
     row_split_input the same, fed a whole input (each rank takes its columns)
     parallel_input  any module: its input enters the parallel region once (f / SP all-gather)
@@ -87,11 +88,13 @@ def _split_lora(name: str, m: nn.Module, style: str, ctx: TPContext) -> None:
     gradient is summed over the group like a norm's.
     """
     base = m.base_layer
-    if style == "column":
-        _check_divisible(name, "output features", base.out_features, ctx.size, "change tensor_parallel.size")
-        m.base_layer = ColumnParallelLinear(base, ctx)
-        for key in list(m.lora_B.keys()):
-            m.lora_B[key] = ColumnParallelLinear(m.lora_B[key], ctx, check_input=False)  # fed by lora_A
+    if style in ("column", "column_qkv"):
+        sections = 3 if style == "column_qkv" else 1
+        _check_divisible(name, "output features", base.out_features, sections * ctx.size,
+                         "change tensor_parallel.size")
+        m.base_layer = ColumnParallelLinear(base, ctx, sections=sections)
+        for key in list(m.lora_B.keys()):   # fed by lora_A
+            m.lora_B[key] = ColumnParallelLinear(m.lora_B[key], ctx, check_input=False, sections=sections)
             sum_grad_over_tp(m.lora_A[key].weight, ctx)
     else:
         _check_divisible(name, "input features", base.in_features, ctx.size, "change tensor_parallel.size")
@@ -102,7 +105,7 @@ def _split_lora(name: str, m: nn.Module, style: str, ctx: TPContext) -> None:
                 sum_grad_over_tp(m.lora_B[key].weight, ctx)
 
 
-STYLES = ("column", "column_gather", "row", "row_split_input", "parallel_input", "parallel_attention",
+STYLES = ("column", "column_gather", "column_qkv", "row", "row_split_input", "parallel_input", "parallel_attention",
           "parallel_output", "vocab_embedding", "vocab_embedding_whole", "sequence_split", "vocab_head", "norm",
           "grad_allreduce")
 
@@ -157,12 +160,17 @@ def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | str | N
             _set(model, name, embedding)
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     for name, m, style in matched:
-        if style in ("column", "row") and hasattr(m, "base_layer") and hasattr(m, "lora_A"):
+        if style in ("column", "column_qkv", "row") and hasattr(m, "base_layer") and hasattr(m, "lora_A"):
             _split_lora(name, m, style, ctx)
         elif style in ("column", "column_gather"):
             check_splittable(m, style)
             _check_divisible(name, "output features", m.out_features, ctx.size, "change tensor_parallel.size")
             _set(model, name, ColumnParallelLinear(m, ctx, gather_output=style == "column_gather"))
+        elif style == "column_qkv":
+            check_splittable(m, style)
+            _check_divisible(name, "output features (q, k and v)", m.out_features, 3 * ctx.size,
+                             "change tensor_parallel.size")
+            _set(model, name, ColumnParallelLinear(m, ctx, sections=3))
         elif style in ("row", "row_split_input"):
             check_splittable(m, style)
             _check_divisible(name, "input features", m.in_features, ctx.size, "change tensor_parallel.size")
@@ -210,5 +218,9 @@ def consolidate(state: dict[str, torch.Tensor], model: nn.Module, ctx: TPContext
             moved = state[key].movedim(dim, 0).contiguous().to(device)   # NCCL gathers device tensors
             full = torch.empty((moved.shape[0] * ctx.size, *moved.shape[1:]), dtype=moved.dtype, device=device)
             ctx.comm.all_gather(full, moved, ctx.group)
+            sections = getattr(m, "tp_sections", 1)
+            if sections > 1:     # [rank, section, rows] -> [section, rank, rows]: each section's rows in order
+                rest = moved.shape[1:]
+                full = full.view(ctx.size, sections, -1, *rest).transpose(0, 1).reshape(-1, *rest)
             out[key] = full[:full_shape[dim]].movedim(0, dim).contiguous().cpu()
     return out
