@@ -223,6 +223,53 @@ def test_the_estimator_prices_transformers_blocks_in_the_saving_forms_as_measure
     assert off.device == 0 and "NOT PRICED" in off.note
 
 
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.bfloat16), ("llama", torch.float32),
+                                        ("qwen2", torch.bfloat16), ("mistral", torch.bfloat16),
+                                        ("gemma", torch.bfloat16)])
+def test_a_padding_attention_mask_is_priced_as_measured(arch, dtype):
+    """Batches with padding in their attention_mask (a DeepSpeed-Chat or HF Trainer script's): transformers
+    repeats K/V to every head for SDPA with a mask, and each layer's SDPA keeps its own copy of the mask in the
+    model dtype. `estimate(..., padding_mask=True)` prices one decoder block more within 5% of what it adds,
+    measured through the whole model's forward in the saving forms; without it, the note says what it would
+    add."""
+    transformers = pytest.importorskip("transformers")
+    from bunsan.estimator import estimate
+    from bunsan.transforms.saving_forms import apply_saving_forms
+    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+               "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM)}[arch]
+
+    def model(layers: int):
+        torch.manual_seed(0)
+        return classes[1](classes[0](vocab_size=64, hidden_size=256, intermediate_size=704,
+                                     num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+                                     max_position_embeddings=S, head_dim=32))
+    cfg = {"train_batch_size": B, "data": {"seq_len": S}, **({"bf16": {"enabled": True}} if dtype != torch.float32
+                                                               else {})}
+
+    def priced(layers: int, padding_mask: bool):
+        e = estimate(model(layers), cfg, device_type="cpu", padding_mask=padding_mask)
+        return next(i for i in e.items if i.name == "activations")
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, -8:] = 0                                       # the first row's last 8 tokens are padding
+
+    def measured(layers: int, attention_mask) -> int:
+        m = model(layers).to(dtype)
+        apply_saving_forms(m)
+        ids = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(1))
+        got, _ = saved_bytes(lambda: m(input_ids=ids, attention_mask=attention_mask).logits,
+                             list(m.parameters()) + list(m.buffers()))
+        return got
+    per_block = priced(2, True).device - priced(1, True).device
+    assert per_block == pytest.approx(measured(2, mask) - measured(1, mask), rel=0.05)
+    plain = priced(2, False)
+    assert plain.device - priced(1, False).device == pytest.approx(measured(2, None) - measured(1, None), rel=0.05)
+    more = (priced(2, True).device - plain.device) / 2**30
+    assert f"one with padding would add {more:,.2f} GiB, priced with --padding-mask" in plain.note
+    assert "batches with a padding attention_mask" in priced(1, True).note
+
+
 @pytest.mark.parametrize("kind", ["llava", "llava_siglip", "qwen2_vl", "qwen2_5_vl", "qwen2_audio"])
 def test_a_composite_models_language_model_blocks_are_priced_as_measured(kind, monkeypatch):
     """LLaVA's Llama, Qwen2-VL's and Qwen2.5-VL's text models (their multimodal rotary tables made once per

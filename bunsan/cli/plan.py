@@ -70,6 +70,8 @@ def add_parsers(sub) -> None:
         e.add_argument("--" + flag, action="store_true", help=f"sets {key}")
     e.add_argument("--margin", type=float, default=None, help="fraction of GPU memory kept free (default: the "
                    "estimate's measured error decides, as in `bunsan plan`)")
+    e.add_argument("--padding-mask", action="store_true", help="the batches carry an attention_mask with padding "
+                   "(a script's; bunsan train's rows have none): a transformers model's blocks keep more")
     e.add_argument("--json", action="store_true", help="print the estimate as JSON")
 
     p = sub.add_parser("plan", help="layouts that fit a model on given GPUs, ranked by estimated step time")
@@ -157,7 +159,7 @@ def cmd_estimate(args) -> int:
     if memory is None and args.gpu:
         memory = float(gpu_spec(args.gpu).memory_bytes)
     est = estimate(args.model, cfg, gpus=args.gpus, nodes=nodes_for(args.gpus, args.nodes), gpu_memory=memory,
-                   device_type=args.device)
+                   device_type=args.device, padding_mask=args.padding_mask)
     if args.json:
         from bunsan.cli.plan_json import estimate_json
         print(json.dumps(estimate_json(est, memory, rule), indent=2))

@@ -49,6 +49,9 @@ class Micro:
     sp: bool = False
     device: str = "cuda"   # device type: which attention kernels run, so whether K/V are saved repeated
     cp: int = 1         # context parallel: s is this rank's share of a row, attention's K/V are cp x s long
+    # a transformers block given a padding attention_mask: it repeats K/V to every head (SDPA's GQA only without
+    # a mask), and each layer's SDPA turns the boolean [b, 1, s, s] mask into one of the model dtype, kept
+    padding_mask: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -67,9 +70,11 @@ def block_bytes(c: LlamaConfig, m: Micro) -> float:
     """Saved bytes of one transformer block, one micro-batch, no recomputation."""
     b, s, h, t, d = m.b, m.s, c.hidden_size, m.tp, m.d
     heads = c.num_attention_heads // t
-    grouped = Attention.native_gqa(m.device, m.dtype, c.head_dim, masked=m.cp > 1)
+    grouped = Attention.native_gqa(m.device, m.dtype, c.head_dim, masked=m.cp > 1) and not m.padding_mask
     kv_heads = c.num_key_value_heads // t if grouped else heads
     attention = 2 * d * b * s * (heads + kv_heads * m.cp) * c.head_dim + 4 * b * heads * s
+    if m.padding_mask:
+        attention += d * b * s * s
     if m.cp > 1:    # the two chunks' outputs joined for o_proj: a copy beside the ones SDPA keeps
         attention += d * b * s * heads * c.head_dim
     mlp = 3 * d * b * s * (c.intermediate_size // t)

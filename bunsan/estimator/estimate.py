@@ -201,19 +201,27 @@ def _activation_items(c: LlamaConfig | None, rp: RankParams, rank: int, layout: 
     if c is None:
         return []
     micro = Micro(layout.micro_batch, layout.rank_tokens, layout.dtype_bytes, layout.tp, layout.sequence_parallel,
-                  device="cpu" if on_cpu else "cuda", cp=layout.cp)
+                  device="cpu" if on_cpu else "cuda", cp=layout.cp,
+                  padding_mask=layout.padding_mask and transformers_blocks)
     flight = _in_flight(layout, rank)
     blocks = rp.blocks / layout.virtual_stages if layout.pp > 1 else rp.blocks
     # recompute and offload: estimator/recompute.py (offload_blocks counts the rank's blocks, over its chunks)
     offload = layout.offload_blocks if layout.offload_blocks == "all" else \
         min(layout.offload_blocks, rp.blocks) / (layout.virtual_stages if layout.pp > 1 else 1)
-    act = stage_bytes(c, micro, blocks, rp.has_embedding, rp.has_head, layout.checkpointing, flight,
-                      layout.recompute_ops, offload)
+    def kept(m: Micro) -> dict:
+        return stage_bytes(c, m, blocks, rp.has_embedding, rp.has_head, layout.checkpointing, flight,
+                           layout.recompute_ops, offload)
+    act = kept(micro)
     what = KEPT_UNDER[layout.checkpointing]
     note = f"{what}, {flight} micro-batch(es) in flight" if layout.pp > 1 else what
     if transformers_blocks:
-        note += ("; transformers blocks priced as a Llama block of their shape (train.saving_forms on; an "
-                 "attention mask of padding, when the batch has one, is not counted)")
+        note += "; transformers blocks priced as a Llama block of their shape (train.saving_forms on"
+        if layout.padding_mask:
+            note += "; batches with a padding attention_mask: K/V repeated to every head, each layer's mask kept)"
+        else:
+            more = kept(dataclasses.replace(micro, padding_mask=True))["kept"] - act["kept"]
+            note += (f"; batches without an attention_mask: one with padding would add {more / 2**30:,.2f} GiB, "
+                     "priced with --padding-mask)")
     items = [Item("activations", device=act["kept"], phase="backward", note=note)]
     if layout.cp > 1:    # chunks r and 2cp-1-r of c = s/(2cp) queries, against (r+1)c and (2cp-r)c keys
         chunk = layout.seq_len // (2 * layout.cp)
@@ -325,14 +333,17 @@ def estimate_layout(model, layout: Layout, *, nodes: int = 1, gpu_memory: float 
 
 
 def estimate(model, config=None, *, gpus: int | None = None, nodes: int = 1, gpu_memory: float | None = None,
-             device_type: str | None = None, runtime_bytes: float | None = None, loss_fn: bool = False) -> Estimate:
+             device_type: str | None = None, runtime_bytes: float | None = None, loss_fn: bool = False,
+             padding_mask: bool = False) -> Estimate:
     """Memory per GPU for `model` (preset name, config.json, LlamaConfig or meta nn.Module) under `config`
     (dict, path or bunsan.Config) on `gpus` processes (default: the config's tp x pp x cp). `loss_fn`: the
-    engine is given one (bunsan.initialize(..., loss_fn=...)), which gets whole logits under tensor parallelism."""
+    engine is given one (bunsan.initialize(..., loss_fn=...)), which gets whole logits under tensor parallelism.
+    `padding_mask`: the batches carry an attention_mask with padding (a transformers model's blocks then keep
+    more: activations.Micro); `bunsan train`'s rows are right-padded and causal, with none."""
     from bunsan.config.root import Config
     cfg = Config.load(config)
     world = gpus or cfg.tensor_parallel.size * cfg.pipeline.stages * cfg.context_parallel.size
-    layout = Layout.from_config(cfg, world).replace(loss_fn=loss_fn)
+    layout = Layout.from_config(cfg, world).replace(loss_fn=loss_fn, padding_mask=padding_mask)
     if device_type is None:
         device_type = "cuda"
     if not cfg.train.saving_forms:     # a transformers model's blocks then save what transformers saves

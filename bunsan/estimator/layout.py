@@ -39,6 +39,7 @@ class Layout:
     pipeline_gather: str = "micro_batch"   # ZeRO-3 with pp > 1: micro_batch | schedule (zero/stage3.py)
     cp: int = 1                       # context parallel: each row's tokens split over cp ranks
     loss_fn: bool = False             # a user's loss_fn: under tp > 1 it gets the whole logits, gathered
+    padding_mask: bool = False        # batches carry a padding attention_mask (a transformers model's blocks)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "micro_batch", "grad_accum", "seq_len", "virtual_stages"):
