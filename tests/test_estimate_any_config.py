@@ -223,3 +223,24 @@ def test_a_price_without_the_head_or_with_an_unknown_class_says_so(tmp_path, cap
     capsys.readouterr()
     assert main(["estimate", "--model", odd, "--gpus", "1", "--seq-len", "64", "--micro-batch", "1"]) == 0
     assert "Qwen2AudioForMyTask" in " ".join(capsys.readouterr().out.split())
+
+
+def test_estimate_prices_a_padding_mask_when_told(tmp_path, capsys):
+    """`bunsan estimate --padding-mask` on a transformers config prices batches with a padding attention_mask
+    (K/V repeated, each layer's mask kept: tests/test_activation_bound.py), more than without; without it the
+    note says what padding would add."""
+    from bunsan.cli.main import main
+    path = _write(tmp_path, {**transformers.Qwen2Config(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2).to_dict(), "architectures": ["Qwen2ForCausalLM"]})
+
+    def activations(*flags) -> dict:
+        capsys.readouterr()
+        assert main(["estimate", "--model", path, "--gpus", "1", "--seq-len", "2048", "--micro-batch", "2",
+                     "--json", *flags]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["layout"]["padding_mask"] == bool(flags)
+        return next(i for i in out["items"] if i["name"] == "activations")
+    plain, padded = activations(), activations("--padding-mask")
+    assert padded["device"] > plain["device"]
+    assert "one with padding would add" in plain["note"] and "batches with a padding attention_mask" in padded["note"]
