@@ -90,6 +90,34 @@ def test_answers_cross_the_processes_as_generate_gives_them(served, llama_dir):
     assert show["model_info"]["general.parameter_count"] == sum(p.numel() for p in model.parameters())
 
 
+def _cores(pid: int) -> set[str]:
+    """Every thread's allowed CPUs (Cpus_allowed_list) of process `pid`."""
+    out = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        status = open(f"/proc/{pid}/task/{tid}/status").read()
+        out.add(next(line.split(":")[1].strip() for line in status.splitlines()
+                     if line.startswith("Cpus_allowed_list")))
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding leaves the HTTP process a core: needs two")
+def test_the_models_threads_are_bound_to_their_cores_and_the_http_process_is_not(served, llama_dir):
+    """--cpu-bind auto (the default): every thread of the model's process on the last cores this process may
+    use, as many as its torch threads (--threads' default: all but one), the HTTP process on all of them;
+    --cpu-bind none leaves both to the scheduler."""
+    allowed = sorted(os.sched_getaffinity(0))
+    model_cores = allowed[1:]
+    want = f"{model_cores[0]}-{model_cores[-1]}" if len(model_cores) > 1 else str(model_cores[0])
+    assert _cores(served.proc.pid) == {want}
+    everything = _cores(served.http_pid())
+    assert len(everything) == 1 and everything != {want}
+    free = Served(llama_dir[0], "--slots", "2", "--cpu-bind", "none")
+    try:
+        assert _cores(free.proc.pid) == _cores(free.http_pid()) == everything
+    finally:
+        free.close()
+
+
 def test_a_cancelled_sequence_stops_in_the_models_process(llama_dir):
     """The two sides over a pipe in this process, each forward slowed to 50 ms: a sequence cancelled on the
     HTTP side (a stop string, a client gone) ends in the model's process within a few steps, its blocks back."""

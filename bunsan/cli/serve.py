@@ -67,6 +67,10 @@ def add_parser(sub) -> None:
                    help="a vision model's requests may name image files under DIR (default: data: URLs only)")
     s.add_argument("--threads", type=int, default=None,
                    help="torch's threads for a model served on the CPU (default: all cores but one, for HTTP)")
+    s.add_argument("--cpu-bind", choices=("auto", "none"), default="auto",
+                   help="auto: on the CPU, the model's process is bound to the cores its --threads use (the last "
+                        "ones it may use), the HTTP process left the rest, as vLLM's CPU build binds its worker; "
+                        "none: the scheduler places both (several servers on one host)")
     s.add_argument("--one-process", action="store_true",
                    help="run the HTTP server in the model's process (default: a process of its own, so that its "
                         "Python never stalls the model's steps)")
@@ -261,9 +265,13 @@ def _serve(args, threads: int, http) -> int:
     from bunsan.serve import Batcher, PagedCache
     model, tokenizer, name, context = load_model(args)
     on_cpu = args.tp == 1 and all(p.device.type == "cpu" for p in model.parameters())
+    bound = None
     if on_cpu:                        # (torchrun gives each tensor-parallel rank its own thread count)
         import torch
         torch.set_num_threads(threads)
+        if http is not None and args.cpu_bind == "auto":    # (one process: the event loop shares its cores)
+            from bunsan.serve.server import bind_model_cores
+            bound = bind_model_cores(threads)
     packed = 0
     if on_cpu and not (args.lora_modules or args.allow_runtime_lora):    # (adapters wrap plain nn.Linear)
         from bunsan.serve.cpu_linear import pack_linears, packable
@@ -285,7 +293,8 @@ def _serve(args, threads: int, http) -> int:
         leader = Leader(shard.comm, shard.group, shard.device)
     batcher = Batcher(model, slots, context, kv_heads, leader, prefix_reuse=not args.no_prefix_reuse,
                       num_blocks=blocks, block_size=args.block_size, adapters=lora_adapters(args, model))
-    banner = {"slots": slots, "cache_line": cache_line, "threads": threads if on_cpu else None, "packed": packed}
+    banner = {"slots": slots, "cache_line": cache_line, "threads": threads if on_cpu else None, "packed": packed,
+              "cores": bound}
     if http is None:
         return http_server(None, batcher, args, tokenizer, name, context, banner)
     return http.serve(batcher, tokenizer, (args, tokenizer, name, context, banner))
@@ -314,6 +323,7 @@ def http_server(conn, batcher, args, tokenizer, name: str, context: int, banner:
           f"{context} tokens each" + (f", tensor parallel over {args.tp} processes" if args.tp > 1 else "") + ")\n"
           f"  {banner['cache_line']}\n  chat: {template}; prefix reuse {'off' if args.no_prefix_reuse else 'on'}"
           + (f"; {banner['threads']} CPU threads for the model" if banner["threads"] else "")
+          + (f" (bound to cores {','.join(map(str, banner['cores']))})" if banner.get("cores") else "")
           + (f"; {banner['packed']} linear layers prepacked (oneDNN)" if banner["packed"] else "")
           + ("; the model in a process of its own" if conn is not None else "") + "\n"
           + (f"  {vision_line}\n" if vision_line else "") +

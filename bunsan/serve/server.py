@@ -31,6 +31,26 @@ def cpu_threads(requested: int | None = None) -> int:
     return max(1, cores - 1)
 
 
+def bind_model_cores(threads: int) -> list[int] | None:
+    """Pin this process's threads, and those they start, to the last `threads` of the cores it may use, the rest
+    left to the HTTP process (started before, unpinned), as vLLM's CPU build binds its worker's OpenMP threads
+    (VLLM_CPU_OMP_THREADS_BIND=auto, one core reserved): the scheduler then moves other work (the clients, a
+    neighbour's job) off the model's cores rather than the model between cores. The cores bound, or None where
+    none would be left for HTTP."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    if threads >= len(allowed):
+        return None
+    cores = set(allowed[-threads:])
+    for tid in os.listdir("/proc/self/task"):       # (torch's OpenMP workers too, where it started them)
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:                             # a thread that ended meanwhile
+            pass
+    return sorted(cores)
+
+
 class Server(uvicorn.Server):
     def __init__(self, app, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 5.0,
                  log_level: str = "warning", keep_alive_s: float = KEEP_ALIVE_S, ignore_sigint: bool = False):
