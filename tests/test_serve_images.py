@@ -3,7 +3,8 @@ rotary positions): images in the batcher's paged forward give transformers' own 
 the same pixels, prompts that differ only in their image share no KV block past it (the prefix cache keys an
 image's tokens by its content) and the same image's are reused; through the HTTP API, the official openai
 client's image_url parts (data: URLs, files under --allowed-local-media-path) and Ollama's `images` answer as
-transformers does on the model's own processor output, and what cannot be read is a 400 naming it."""
+transformers does on the model's own processor output (LLaVA's and Qwen2-VL's), and what cannot be read is a 400
+naming it."""
 
 from __future__ import annotations
 
@@ -254,3 +255,63 @@ def test_an_audio_language_model_serves_its_text_and_refuses_audio_parts(tmp_pat
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
     assert "takes no images" in out and "audio: not served" in out, out
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_server(tmp_path_factory):
+    """`bunsan serve` on a Qwen2-VL directory as its hub folder holds it (its processor loaded without the
+    video processor where torchvision is missing: models/processor.py)."""
+    from multimodal_dirs import save_qwen2_vl
+    folder = tmp_path_factory.mktemp("qwen2_vl")
+    save_qwen2_vl(folder)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli.main", "serve", "--checkpoint", str(folder),
+                             "--port", str(port), "--served-model-name", "qwen2-vl", "--context", "160"],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(proc, url, "bunsan serve on a Qwen2-VL directory")
+        yield url, folder
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert "images: Qwen2VLProcessor" in out, out
+
+
+def _expected_qwen2_vl(folder, text: str, png: bytes) -> str:
+    """transformers' answer as Qwen2-VL's model card calls it: its processor's chat template, pixels and grid,
+    greedy generate up to the end of turn."""
+    from PIL import Image
+
+    from bunsan.models.processor import load_processor
+    processor = load_processor(folder)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(folder).eval()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    batch = processor(text=[prompt], images=[Image.open(io.BytesIO(png)).convert("RGB")], return_tensors="pt",
+                      add_special_tokens=False)
+    end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = model.generate(**batch, max_new_tokens=NEW, do_sample=False, eos_token_id=end, pad_token_id=0)
+    new = out[0, batch["input_ids"].shape[1]:].tolist()
+    return processor.tokenizer.decode(new[:new.index(end)] if end in new else new)
+
+
+def test_qwen2_vl_answers_openai_image_parts_and_ollama_images_as_transformers(qwen2_vl_server):
+    """Qwen2-VL's flat patches and grid through the HTTP API: the official openai client's data: URL image part
+    and Ollama's `images` give transformers' greedy answer on the processor's own output."""
+    url, folder = qwen2_vl_server
+    one, two = _png(1), _png(2)
+    want_one, want_two = _expected_qwen2_vl(folder, "what is", one), _expected_qwen2_vl(folder, "what is", two)
+    assert want_one != want_two
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    for png, want in ((one, want_one), (two, want_two)):
+        reply = client.chat.completions.create(model="qwen2-vl", temperature=0, max_tokens=NEW, messages=[
+            {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
+                {"type": "text", "text": "what is"}]}])
+        assert reply.choices[0].message.content == want
+    ollama = httpx.post(url + "/api/chat", timeout=120, json={
+        "model": "qwen2-vl", "stream": False, "options": {"temperature": 0, "num_predict": NEW},
+        "messages": [{"role": "user", "content": "what is", "images": [base64.b64encode(two).decode()]}]})
+    assert ollama.status_code == 200, ollama.text
+    assert ollama.json()["message"]["content"] == want_two
