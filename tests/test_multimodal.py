@@ -259,6 +259,25 @@ def test_lora_on_a_multimodal_model_matches_the_plain_loop_over_the_same_adapter
     check_runs(results, ref_losses, state)
 
 
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_lora_on_the_fused_qkv_of_a_split_vision_tower_matches_the_plain_loop(pools, kind):
+    """Adapters on the vision blocks' fused qkv under TP 2: the base and B split by sections with it (each rank
+    its heads' rows of q, k and v), A whole with its gradient summed over the ranks: the plain loop over the
+    same adapters."""
+    from bunsan.config.root import Config
+    from bunsan.transforms.lora import apply_lora
+    data = batches(kind)
+    lora = {**LORA, "target_modules": ["qkv"]}
+    cfg = {**_cfg(tp=2), "lora": lora, "train": {"seed": 0}}
+    results = pools.run(2, _train_lora, 2, kind, cfg, data)
+    model = build(kind)
+    apply_lora(model, Config.load({"lora": lora}).lora, seed=0)
+    ref_losses, state = reference_from(model, data)
+    assert {k for k in state if ".lora_B." in k} == {f"model.visual.blocks.{i}.attn.qkv.lora_B.default.weight"
+                                                     for i in range(2)}
+    check_runs(results, ref_losses, state)
+
+
 def _train_pp(rank, world, kind, cfg, data):
     engine = bunsan.initialize(build(kind), cfg)
     losses = [engine.train_batch(b) for b in data]
