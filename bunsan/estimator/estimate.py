@@ -208,6 +208,7 @@ def _activation_items(c: LlamaConfig | None, rp: RankParams, rank: int, layout: 
     # recompute and offload: estimator/recompute.py (offload_blocks counts the rank's blocks, over its chunks)
     offload = layout.offload_blocks if layout.offload_blocks == "all" else \
         min(layout.offload_blocks, rp.blocks) / (layout.virtual_stages if layout.pp > 1 else 1)
+
     def kept(m: Micro) -> dict:
         return stage_bytes(c, m, blocks, rp.has_embedding, rp.has_head, layout.checkpointing, flight,
                            layout.recompute_ops, offload)
