@@ -81,28 +81,37 @@ def save_qwen2_audio(folder) -> None:
     transformers.Qwen2AudioProcessor(feature_extractor=features, tokenizer=tokenizer).save_pretrained(folder)
 
 
-def save_qwen2_vl(folder) -> None:
+def save_qwen2_vl(folder, kind: str = "qwen2_vl") -> None:
     """Qwen2-VL's vision tower (4x4 patches, 2x2 merged into one token) + a 2-layer Qwen2 with 3D rotary positions,
     and the files of its hub folder: preprocessor_config.json (the image processor, processor_class
     Qwen2VLProcessor), the tokenizer with Qwen2-VL's special tokens and its chat template. The image processor is
     saved from PIL's (Qwen2VLImageProcessorPil, numpy) as "Qwen2VLImageProcessor", which transformers loads as
     PIL's where torchvision is missing (as on these machines). An image is resized to 64 to 1024 pixels: the
-    40x48 PNGs of write_png to 24x32 (48 patches, 12 tokens)."""
+    40x48 PNGs of write_png to 24x32 (48 patches, 12 tokens). `kind` "qwen2_5_vl": Qwen2.5-VL's (its gated MLP,
+    windowed attention in all but the last block; Qwen2_5_VLProcessor over the same image processor)."""
     import transformers
     tokenizer = _tokenizer(folder, ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
     ids = dict(zip(("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"),
                    tokenizer.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
                                                     "<|vision_end|>"])))
     torch.manual_seed(0)
-    vision = dict(depth=2, embed_dim=32, hidden_size=TEXT["hidden_size"], num_heads=2, patch_size=QWEN2_VL_PATCH,
-                  spatial_merge_size=QWEN2_VL_MERGE, temporal_patch_size=2, in_chans=3)
-    model = transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(
-        text_config=dict(**TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]}, bos_token_id=None,
-                         eos_token_id=tokenizer.eos_token_id), vision_config=vision, **ids))
+    text = dict(**TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]}, bos_token_id=None,
+                eos_token_id=tokenizer.eos_token_id)
+    common = dict(depth=2, num_heads=2, patch_size=QWEN2_VL_PATCH, spatial_merge_size=QWEN2_VL_MERGE,
+                  temporal_patch_size=2, in_chans=3)
+    if kind == "qwen2_vl":
+        model = transformers.Qwen2VLForConditionalGeneration(transformers.Qwen2VLConfig(
+            text_config=text, vision_config=dict(**common, embed_dim=32, hidden_size=TEXT["hidden_size"]), **ids))
+    else:
+        vision = dict(**common, hidden_size=32, intermediate_size=64, out_hidden_size=TEXT["hidden_size"],
+                      window_size=16, fullatt_block_indexes=[1])
+        model = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+            text_config=text, vision_config=vision, **ids))
     model.save_pretrained(folder)
     images = transformers.Qwen2VLImageProcessorPil(patch_size=QWEN2_VL_PATCH, merge_size=QWEN2_VL_MERGE,
                                                     temporal_patch_size=2, min_pixels=8 * 8, max_pixels=32 * 32)
-    images.processor_class = "Qwen2VLProcessor"        # (the hub's preprocessor_config.json names it)
+    # (the hub's preprocessor_config.json names the processor)
+    images.processor_class = "Qwen2VLProcessor" if kind == "qwen2_vl" else "Qwen2_5_VLProcessor"
     images.save_pretrained(folder)
     tokenizer.chat_template = QWEN2_VL_CHAT
     tokenizer.save_pretrained(folder)

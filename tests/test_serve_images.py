@@ -3,8 +3,8 @@ rotary positions): images in the batcher's paged forward give transformers' own 
 the same pixels, prompts that differ only in their image share no KV block past it (the prefix cache keys an
 image's tokens by its content) and the same image's are reused; through the HTTP API, the official openai
 client's image_url parts (data: URLs, files under --allowed-local-media-path) and Ollama's `images` answer as
-transformers does on the model's own processor output (LLaVA's and Qwen2-VL's), and what cannot be read is a 400
-naming it."""
+transformers does on the model's own processor output (LLaVA's, Qwen2-VL's and Qwen2.5-VL's), and what cannot be
+read is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -257,25 +257,25 @@ def test_an_audio_language_model_serves_its_text_and_refuses_audio_parts(tmp_pat
     assert "takes no images" in out and "audio: not served" in out, out
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl_server(tmp_path_factory):
-    """`bunsan serve` on a Qwen2-VL directory as its hub folder holds it (its processor loaded without the
-    video processor where torchvision is missing: models/processor.py)."""
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen2_vl_server(request, tmp_path_factory):
+    """`bunsan serve` on a Qwen2-VL (or Qwen2.5-VL) directory as its hub folder holds it (its processor loaded
+    without the video processor where torchvision is missing: models/processor.py)."""
     from multimodal_dirs import save_qwen2_vl
-    folder = tmp_path_factory.mktemp("qwen2_vl")
-    save_qwen2_vl(folder)
+    folder = tmp_path_factory.mktemp(request.param)
+    save_qwen2_vl(folder, request.param)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli.main", "serve", "--checkpoint", str(folder),
                              "--port", str(port), "--served-model-name", "qwen2-vl", "--context", "160"],
                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until_healthy(proc, url, "bunsan serve on a Qwen2-VL directory")
+        wait_until_healthy(proc, url, f"bunsan serve on a {request.param} directory")
         yield url, folder
     finally:
         proc.terminate()
         out, _ = proc.communicate(timeout=30)
-    assert "images: Qwen2VLProcessor" in out, out
+    assert f"images: {'Qwen2VLProcessor' if request.param == 'qwen2_vl' else 'Qwen2_5_VLProcessor'}" in out, out
 
 
 def _expected_qwen2_vl(folder, text: str, png: bytes) -> str:
@@ -297,8 +297,8 @@ def _expected_qwen2_vl(folder, text: str, png: bytes) -> str:
 
 
 def test_qwen2_vl_answers_openai_image_parts_and_ollama_images_as_transformers(qwen2_vl_server):
-    """Qwen2-VL's flat patches and grid through the HTTP API: the official openai client's data: URL image part
-    and Ollama's `images` give transformers' greedy answer on the processor's own output."""
+    """Qwen2-VL's and Qwen2.5-VL's flat patches and grid through the HTTP API: the official openai client's
+    data: URL image part and Ollama's `images` give transformers' greedy answer on the processor's own output."""
     url, folder = qwen2_vl_server
     one, two = _png(1), _png(2)
     want_one, want_two = _expected_qwen2_vl(folder, "what is", one), _expected_qwen2_vl(folder, "what is", two)
