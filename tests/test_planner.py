@@ -236,7 +236,7 @@ def test_plan_calibrate_recovers_the_constants_of_measured_runs(tmp_path, capsys
     import json
     from bunsan.planner.explain import parse_layout
     from bunsan.planner.search import plan
-    kw = dict(gpu="h100", nodes=2, seq_len=4096, global_batch=32, keep=3)
+    kw = dict(gpu="h100", nodes=2, seq_len=4096, global_batch=32, keep=3, precision="bf16")   # (bf16: a third)
     base = plan("7b", 16, **kw)
     half = [dataclasses.replace(link, bytes_per_s=link.bytes_per_s / 2) for link in (base.pricing.intra,
                                                                                       base.pricing.inter)]
@@ -248,7 +248,7 @@ def test_plan_calibrate_recovers_the_constants_of_measured_runs(tmp_path, capsys
     path = tmp_path / "runs.json"
     path.write_text(json.dumps(runs))
     args = ["plan", "--model", "7b", "--gpus", "16", "--nodes", "2", "--seq-len", "4096", "--global-batch", "32",
-            "--top", "2"]
+            "--top", "2", "--precision", "bf16"]
     assert main(args + ["--calibrate", str(path), "--json"]) == 0
     cal = json.loads(capsys.readouterr().out)["calibration"]
     assert cal["efficiency"] == pytest.approx(0.6, rel=0.03) and cal["comm_scale"] == pytest.approx(2.0, rel=0.05)
