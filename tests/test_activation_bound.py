@@ -187,23 +187,30 @@ def test_initialize_applies_the_saving_forms_unless_told_not_to():
     assert "forward" not in vars(off.model.norm) and "forward" not in vars(off.model.layers[0].mlp)
 
 
+def transformers_lm(arch: str, layers: int):
+    """A small transformers decoder of family `arch` (GQA 8/2, head_dim 32), seeded."""
+    import transformers
+    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+               "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM)}[arch]
+    torch.manual_seed(0)
+    return classes[1](classes[0](vocab_size=64, hidden_size=256, intermediate_size=704, num_hidden_layers=layers,
+                                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=S,
+                                 head_dim=32))
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "mistral", "gemma"])
 def test_the_estimator_prices_transformers_blocks_in_the_saving_forms_as_measured(arch):
     """`estimate` of a Qwen2 / Mistral / Gemma model: each decoder layer's activations within 5% of what the
     layer, in the saving forms, is measured to save (bf16); with train.saving_forms off they are unpriced
     (said in the table), not priced as what they are not."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from bunsan.estimator import estimate
     from bunsan.transforms.saving_forms import apply_saving_forms
-    classes = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-               "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM)}[arch]
 
     def model(layers: int):
-        torch.manual_seed(0)
-        return classes[1](classes[0](vocab_size=64, hidden_size=256, intermediate_size=704,
-                                     num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
-                                     max_position_embeddings=S, head_dim=32))
+        return transformers_lm(arch, layers)
     cfg = {"train_batch_size": B, "bf16": {"enabled": True}, "data": {"seq_len": S}}
 
     def kept(layers: int, **extra) -> float:
@@ -232,19 +239,12 @@ def test_a_padding_attention_mask_is_priced_as_measured(arch, dtype):
     model dtype. `estimate(..., padding_mask=True)` prices one decoder block more within 5% of what it adds,
     measured through the whole model's forward in the saving forms; without it, the note says what it would
     add."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from bunsan.estimator import estimate
     from bunsan.transforms.saving_forms import apply_saving_forms
-    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-               "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-               "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM)}[arch]
 
     def model(layers: int):
-        torch.manual_seed(0)
-        return classes[1](classes[0](vocab_size=64, hidden_size=256, intermediate_size=704,
-                                     num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
-                                     max_position_embeddings=S, head_dim=32))
+        return transformers_lm(arch, layers)
     cfg = {"train_batch_size": B, "data": {"seq_len": S}, **({"bf16": {"enabled": True}} if dtype != torch.float32
                                                                else {})}
 
