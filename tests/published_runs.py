@@ -86,15 +86,20 @@ from bunsan.planner.space import Space
 # What the authors' software could run. Megatron-LM 2021: tensor, pipeline (1F1B, interleaved) and data
 # parallelism, full recompute in every Table 1 and 2 run, no sequence parallelism (Korthikanti et al. 2022),
 # no ZeRO. Megatron-DeepSpeed (BLOOM): the same plus ZeRO-1 (its pipeline engine runs no ZeRO-2/3).
-MEGATRON_2021 = Space(zero=(0,), recompute=("full",), sequence_parallel=(False,), offload=("none",), cp=(1,))
-MEGATRON_DEEPSPEED = Space(zero=(0, 1), recompute=("full",), sequence_parallel=(False,), offload=("none",), cp=(1,))
+# Neither offloaded activations to the host.
+MEGATRON_2021 = Space(zero=(0,), recompute=("full",), sequence_parallel=(False,), offload=("none",), cp=(1,),
+                      activation_offload=False)
+MEGATRON_DEEPSPEED = Space(zero=(0, 1), recompute=("full",), sequence_parallel=(False,), offload=("none",), cp=(1,),
+                           activation_offload=False)
 # torchtitan, April 2024: FSDP2 and tensor parallelism (torchtitan's TP plan shards the norms: sequence
 # parallelism; TP without it is searched too, a superset), no context parallelism yet, every checkpointing
-# mode, no offload. December 2024 on: also pipeline (1F1B, interleaved) and context parallelism.
-TORCHTITAN_2024 = Space(zero=(3,), offload=("none",), cp=(1,), schedules=("1f1b",))
-TORCHTITAN = Space(zero=(3,), offload=("none",))
+# mode, no offload. December 2024 on: also pipeline (1F1B, interleaved) and context parallelism. Its only
+# offload at these commits is FSDP2's CPUOffloadPolicy (parameters, gradients, optimizer states; not searched):
+# no activation offload.
+TORCHTITAN_2024 = Space(zero=(3,), offload=("none",), cp=(1,), schedules=("1f1b",), activation_offload=False)
+TORCHTITAN = Space(zero=(3,), offload=("none",), activation_offload=False)
 # Megatron-Core r0.8.0: TP (with sequence parallelism; without it searched too), PP (1F1B, interleaved), CP, the
-# distributed optimizer (ZeRO-1) or plain data parallelism.
+# distributed optimizer (ZeRO-1) or plain data parallelism, activation offload to the host (its cpu_offloading).
 MEGATRON_CORE = Space(zero=(0, 1), offload=("none",))
 
 # Sources, by repository, path and commit (short; COMMITS has the full hashes)

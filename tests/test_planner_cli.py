@@ -93,3 +93,19 @@ def test_estimate_and_plan_give_one_verdict_on_a_layout_within_the_estimates_err
     # --margin: the flat cut, as plan's --margin
     assert main(["estimate", *layout, "--gpu-memory", memory, "--margin", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["verdict"] == "fits"
+
+
+def test_no_activation_offload_leaves_out_the_layouts_that_send_activations_to_the_host(capsys):
+    """At 3 GB a GPU, the 1B model at 8K tokens fits mostly by sending blocks' activations to host memory;
+    --no-activation-offload (software without it: torchtitan's FSDP2) ranks only what fits without, and an
+    empty search names the flag among the narrowings to drop."""
+    tight = ["--model", "1b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "16", "--zero-stages", "3",
+             "--recompute", "none", "--top", "300", "--json"]
+    assert main(["plan", *tight, "--gpu-memory", "3GB"]) == 0
+    every = json.loads(capsys.readouterr().out)["ranked"]
+    assert main(["plan", *tight, "--gpu-memory", "3GB", "--no-activation-offload"]) == 0
+    without = json.loads(capsys.readouterr().out)["ranked"]
+    offloaded = [c for c in every if c["layout"]["offload_blocks"]]
+    assert offloaded and without and not any(c["layout"]["offload_blocks"] for c in without)
+    assert main(["plan", *tight, "--gpu-memory", "2GB", "--no-activation-offload"]) == 1
+    assert "--no-activation-offload): drop those options" in json.loads(capsys.readouterr().out)["suggestions"][0]

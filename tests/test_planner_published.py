@@ -5,10 +5,13 @@ The target (issues #26, #41) is every run's predicted throughput within 15% of t
 runs (Megatron-LM, BLOOM) and 12 of the 22 runs of 2024-25 (torchtitan, Megatron-Core) meet it; the other 10
 are in GAPS with today's error, pinned within 5 points so that a change moving them either way is seen, and
 what is suspected to decide each (bench_planner prints the table; RESULTS.md keeps it). The ranks are pinned
-at today's figures with a little room: the first choices halve tensor parallelism (README "What the planner
-assumes"), and `plan --explain` names the term."""
+at today's figures with a little room. Every run whose published layout the search puts more than 5% behind
+its first choice is in DECIDED_BY, with the term `plan --explain` says decides it and the assumption behind
+that term; each search is the authors' options only (published_runs.py's spaces: no activation offload where
+their software had none)."""
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -66,36 +69,85 @@ def test_megatron_cores_tp8_rows_are_decided_by_the_tp_overlap():
     last micro-batch's backward and ZeRO-1's parameter all-gather after the step is exposed, where Megatron-Core
     overlapped both (--overlap-grad-reduce --overlap-param-gather)."""
     run = BY_NAME["GPT 32B, 384 H100"]
-    r = pr.reproduce(run)
+    r = searched(run.name)
     hidden = dataclasses.replace(r.step, tp_comm=0.0)
     assert abs(pr.per_gpu(run, hidden.total) / run.measured - 1) < 0.15
     assert "most from dp_comm" in pr.explain_published(run, r.plan).decided_by()
     assert (r.first.tp, r.first.micro_batch) == (8, 4) and 0.05 < r.behind_first < 0.15
 
 
-# A published layout more than 5% behind the first choice: the term `plan --explain` says decides it, and the
-# assumption behind that term
+# Every published layout more than 5% behind the planner's first choice: the term `plan --explain` says decides
+# it ("memory" where the layout is ranked after those that fit), and the assumption behind that term
+TP_EXPOSED = ("tensor-parallel collectives priced on the critical path, never overlapped (cost.py), at the node's "
+              "NVLink bandwidth: the first choice halves TP and pays in pipeline stages instead")
+GATHERS_ONE_NIC = ("ZeRO-3's all-gathers and reduce-scatters at one GPU's share of the node's NICs (collectives.py; "
+                   "DGX A100's eight HDR links assumed) outlast the compute they hide behind; the first choice's "
+                   "TP 2 halves the bytes each GPU gathers")
+NO_RECOMPUTE_FITS = ("bunsan's memory estimate fits the step without recompute on the 96 GiB board, where torchtitan "
+                     "ran per-op selective checkpointing (its rerun matmuls priced by sac_recompute)")
+DP_EXPOSED = ("ZeRO-1's parameter all-gather after the step, and the gradients' reduce hidden only behind the last "
+              "micro-batch's backward, priced exposed: Megatron-Core overlapped both (--overlap-grad-reduce "
+              "--overlap-param-gather); the first choice's larger micro-batches or TP cut those bytes")
+BUBBLE_1F1B = ("the published layout priced as 1F1B without virtual stages (the README gives none: "
+               "published_runs.py), whose bubble (p-1)/(m+p-1) the first choice cuts with 4 interleaved chunks per "
+               "stage (and CP 2 where it halves TP)")
 DECIDED_BY = {
-    "GPT-3 175B, 384 A100": ("tp_comm", "tensor-parallel collectives priced on the critical path at NVLink3's "
-                                        "bandwidth: the first choice halves TP and pays in pipeline interleaving"),
+    "GPT 18.4B, 256 A100": ("tp_comm", TP_EXPOSED),
+    "GPT 145.6B, 1536 A100": ("tp_comm", TP_EXPOSED),
+    "GPT-3 175B, 384 A100": ("tp_comm", TP_EXPOSED),
+    "GPT-3 175B, 768 A100": ("tp_comm", TP_EXPOSED),
+    "GPT-3 175B, 1536 A100": ("tp_comm", TP_EXPOSED),
     "BLOOM-176B, 384 A100": ("compute", "the busiest stage sets the pace: the 250,880-token head, about four blocks "
                                         "of work, weighs more beside 5 blocks (12 stages) than beside 11 (6)"),
+    "Llama 3 8B FSDP, 64 A100": ("dp_comm", GATHERS_ONE_NIC),
     "Llama 3 70B FSDP, 64 A100": ("recompute", "bunsan's estimate fits tp 8 without recompute, where torchtitan "
                                                "recomputed whole blocks at tp 1"),
+    "Llama 2 13B FSDP, 64 A100": ("dp_comm", GATHERS_ONE_NIC),
+    "Llama 2 13B FSDP sel, 64 A100": ("dp_comm", GATHERS_ONE_NIC),
+    "Llama 2 70B FSDP sel mb1, 64 A100": ("memory", "its estimate is within the estimate's measured error of the 80 "
+                                                    "GiB (margin.py), so it ranks after every layout that fits "
+                                                    "outright; priced, it is also bound by its gathers (GAPS)"),
+    "Llama 2 70B FSDP mb2, 64 A100": ("recompute", "bunsan's estimate fits tp 8 without recompute, where torchtitan "
+                                                   "recomputed whole blocks at tp 1"),
+    "Llama 3.1 8B FSDP eager, 8 H100": ("recompute", NO_RECOMPUTE_FITS),
+    "Llama 3.1 8B FSDP compiled, 8 H100": ("recompute", NO_RECOMPUTE_FITS),
+    "Llama 3.1 8B FSDP eager, 128 H100": ("recompute", NO_RECOMPUTE_FITS),
+    "Llama 3.1 8B FSDP compiled, 128 H100": ("recompute", NO_RECOMPUTE_FITS),
     "Llama 3 70B FSDP32 TP8, 256 H100": ("recompute", "bunsan's estimate fits selective recompute at tp 4, where "
                                                       "torchtitan ran full"),
-    "GPT 1.7B, 48 H100": ("dp_comm", "ZeRO-1's parameter all-gather after the step, and the gradients' reduce hidden "
-                                     "only behind the last micro-batch's backward, priced exposed: Megatron-Core "
-                                     "overlapped both"),
+    "Llama 3 8B FSDP8 TP8, 64 H100": ("tp_comm", TP_EXPOSED + " (here data parallelism: FSDP 16 x TP 4)"),
+    "GPT 1.7B, 48 H100": ("dp_comm", DP_EXPOSED),
+    "GPT 7.1B, 96 H100": ("dp_comm", DP_EXPOSED),
+    "GPT 16B, 192 H100": ("dp_comm", DP_EXPOSED),
+    "GPT 32B, 384 H100": ("dp_comm", DP_EXPOSED),
+    "GPT 70B, 768 H100": ("tp_comm", TP_EXPOSED + " (interleaved, and its TP collectives were overlapped: "
+                                                  "--tp-comm-overlap)"),
+    "GPT 119B, 1536 H100": ("bubble", BUBBLE_1F1B),
+    "GPT 177B, 2304 H100": ("bubble", BUBBLE_1F1B),
+    "GPT 314B, 3072 H100": ("bubble", BUBBLE_1F1B),
+    "GPT 462B, 6144 H100": ("bubble", BUBBLE_1F1B),
 }
 
 
-@pytest.mark.parametrize("name", list(DECIDED_BY))
-def test_plan_explain_names_the_term_that_puts_the_published_layout_behind(name):
-    term, assumption = DECIDED_BY[name]
-    r = pr.reproduce(BY_NAME[name])
+@functools.lru_cache(maxsize=None)
+def searched(name: str):
+    """`name`'s reproduction with its search, once per session (the tests below share it)."""
+    return pr.reproduce(BY_NAME[name])
+
+
+@pytest.mark.parametrize("name", [r.name for r in pr.RUNS if r.ranked])
+def test_plan_explain_names_the_term_that_puts_each_published_layout_behind(name):
+    """Every ranked run: within 5% of the first choice, or in DECIDED_BY with the term `plan --explain` names."""
+    r = searched(name)
     said = pr.explain_published(BY_NAME[name], r.plan).decided_by()
-    assert r.behind_first > 0.05 and f"most from {term} " in said, f"{name}: {said} (expected {term}: {assumption})"
+    if name not in DECIDED_BY:
+        assert r.behind_first <= 0.05, f"{name}: {r.behind_first:.1%} behind {r.first.describe()} ({said}): " \
+                                       "add it to DECIDED_BY with the assumption that decides it"
+        return
+    term, assumption = DECIDED_BY[name]
+    assert r.behind_first > 0.05, f"{name} is now within 5% of the first choice: take it out of DECIDED_BY"
+    named = said.startswith("memory:") if term == "memory" else f"most from {term} " in said
+    assert named, f"{name}: {said} (expected {term}: {assumption})"
 
 
 @pytest.mark.parametrize("name, rank, behind", [
@@ -106,7 +158,7 @@ def test_plan_explain_names_the_term_that_puts_the_published_layout_behind(name)
     ("Llama 2 13B FSDP, 64 A100", 8, 0.15),
 ])
 def test_published_layouts_rank_where_they_ranked(name, rank, behind):
-    r = pr.reproduce(BY_NAME[name])
+    r = searched(name)
     assert r.rank is not None and r.rank <= rank, f"{name}: rank {r.rank} of {r.ranked}, was {rank}"
     assert r.behind_first <= behind, f"{name}: {r.behind_first:.1%} behind {r.first.describe()}"
 

@@ -101,6 +101,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--zero-stages", help="ZeRO stages to search, e.g. 0,1 (default 0,1,2,3)")
     p.add_argument("--recompute", help="recompute modes to search, e.g. full (default none,full,selective)")
     p.add_argument("--no-sp", action="store_true", help="leave sequence parallelism out of the search")
+    p.add_argument("--no-activation-offload", action="store_true",
+                   help="leave out sending blocks' activations to host memory (tried where a layout does not fit)")
     p.add_argument("--cp-sizes", help="context-parallel sizes to search, e.g. 1,2,4,8,16 (default: powers of two to 8, "
                         "and past 8 while each rank keeps 8192 of a row's tokens)")
     p.add_argument("--constants", action="store_true", help="also print the cost model's constants and sources")
@@ -258,6 +260,8 @@ def _space(args):
         fields["recompute"] = tuple(r.strip() for r in args.recompute.split(","))
     if args.no_sp:
         fields["sequence_parallel"] = (False,)
+    if args.no_activation_offload:
+        fields["activation_offload"] = False
     if args.cp_sizes:
         try:
             fields["cp"] = tuple(int(c) for c in args.cp_sizes.split(","))

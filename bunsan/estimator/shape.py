@@ -332,8 +332,23 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
     else:
         paths = [[""]]
 
+    # which ranks hold a parameter: the ranks of every path that is its name or a dotted prefix of it ("" is
+    # the whole model), looked up prefix by prefix (a scan of every rank's paths per name is quadratic in stages)
+    owners: dict[str, set[int]] = {}
+    for r, mine in enumerate(paths):
+        for path in mine:
+            owners.setdefault(path, set()).add(r)
+
+    @functools.lru_cache(maxsize=None)
+    def holders(name: str) -> frozenset[int]:
+        parts = name.split(".")
+        found = set(owners.get("", ()))
+        for i in range(1, len(parts) + 1):
+            found.update(owners.get(".".join(parts[:i]), ()))
+        return frozenset(found)
+
     def holds(r: int, name: str) -> bool:
-        return any(p == "" or name == p or name.startswith(p + ".") for p in paths[r])
+        return r in holders(name)
 
     # (the split keeps every parameter's name: the stages cut from the whole model hold the split's parameters,
     # as the engine cuts the pipeline before it splits the layers)
@@ -365,7 +380,7 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
                 continue
             shapes.append(_tp_shape(here[0], p.shape, tp) if shape.llama is not None else tuple(p.shape))
             n = math.prod(shapes[-1])
-            if sum(any(holds(q, m) for m in names) for q in range(len(paths))) > 1:
+            if len(frozenset().union(*map(holders, names))) > 1:
                 tied += n
             block = block_of(here[0])
             if block is not None:

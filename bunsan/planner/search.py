@@ -154,7 +154,8 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
         considered += 1
         est = estimate_layout(shape, lay, nodes=nodes, gpu_memory=memory, device_type=device_type,
                               ranks=ranks(lay.tp, lay.pp, lay.virtual_stages))
-        if not rule.fits(est.peak, memory) and device_type != "cpu":     # offload the blocks that do not fit
+        if not rule.fits(est.peak, memory) and device_type != "cpu" and space.activation_offload:
+            # offload the activations of the blocks that do not fit
             lay, est = _offload_what_does_not_fit(shape, lay, est, rule, lambda offloaded: estimate_layout(
                 shape, offloaded, nodes=nodes, gpu_memory=memory, device_type=device_type,
                 ranks=ranks(lay.tp, lay.pp, lay.virtual_stages)))
@@ -211,8 +212,9 @@ def _narrowed(space: Space, said: tuple = ()) -> list[str]:
     one asked for is the run's own (the doctor passes its run's), not a narrowing to undo."""
     wide, flags = Space(), {"zero": "--zero-stages", "recompute": "--recompute", "sequence_parallel": "--no-sp",
                             "cp": "--cp-sizes", "micro_batches": "Space.micro_batches", "schedules": "Space.schedules",
-                            "pipeline_gather": "Space.pipeline_gather"}
-    narrowed = [flag if name == "sequence_parallel" else f"{flag} {','.join(map(str, getattr(space, name)))}"
+                            "pipeline_gather": "Space.pipeline_gather", "activation_offload": "--no-activation-offload"}
+    narrowed = [flag if name in ("sequence_parallel", "activation_offload") else
+                f"{flag} {','.join(map(str, getattr(space, name)))}"
                 for name, flag in flags.items() if getattr(space, name) != getattr(wide, name) and name not in said]
     return [f"the search was narrowed ({'; '.join(narrowed)}): drop those options to search every layout"] \
         if narrowed else []

@@ -39,12 +39,16 @@ class Space:
     pipeline_gather: tuple = ("micro_batch", "schedule")   # ZeRO-3 under pipeline stages
     micro_batches: tuple = (1, 2, 4, 8, 16, 32)
     cp: tuple | None = None     # context-parallel sizes tried (where they split seq_len); None: cp_sizes' own
+    # a layout that does not fit tries sending the fewest blocks' activations to host memory that make it fit
+    activation_offload: bool = True
 
     def __post_init__(self) -> None:
         checks = (("zero", self.zero, (0, 1, 2, 3)), ("recompute", self.recompute, RECOMPUTE),
                   ("sequence_parallel", self.sequence_parallel, (False, True)),
                   ("schedules", self.schedules, SCHEDULES), ("offload", self.offload, OFFLOADS),
                   ("pipeline_gather", self.pipeline_gather, ("micro_batch", "schedule")))
+        if not isinstance(self.activation_offload, bool):
+            raise ValueError(f"Space.activation_offload {self.activation_offload!r} must be True or False")
         if self.cp is not None and not isinstance(self.cp, tuple):
             raise ValueError(f"Space.cp {self.cp!r} must be a tuple of context-parallel sizes, e.g. (1, 2, 4)")
         bad_cp = [c for c in self.cp or () if isinstance(c, bool) or not isinstance(c, int) or c < 1]
