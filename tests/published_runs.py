@@ -159,6 +159,7 @@ class Run:
     count: str = "megatron2021"    # the FLOP count of `measured`: megatron2021, megatron2024, or "tokens"
     group: str = "Megatron-LM 2021"
     sac: bool = False              # torchtitan's per-op selective checkpointing (layout says "selective")
+    overlap: tuple = ()            # the communication its software overlapped (cost.OVERLAPS)
 
     @property
     def unit(self) -> str:
@@ -178,6 +179,10 @@ def _fsdp(gpus, lbs, seq, ckpt, tp=1) -> Layout:
     """torchtitan's FSDP (x TP): `lbs` rows per data-parallel rank, one micro-batch (torchtitan accumulates none)."""
     return Layout(dp=gpus // tp, tp=tp, zero=3, micro_batch=lbs, grad_accum=1, seq_len=seq, precision="bf16",
                   checkpointing=ckpt, sequence_parallel=tp > 1)
+
+
+# The README's overlaps: --overlap-grad-reduce --overlap-param-gather, --tp-comm-overlap
+MCORE_OVERLAPS = ("tp", "grad_reduce", "param_gather")
 
 
 def _mcore(tp, pp, dp, batch) -> Layout:
@@ -210,7 +215,7 @@ def _mcore_run(size, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops) -> 
                                                        tied=False),
                gpus, batch, _mcore(tp, pp, dp, batch), tflops, "infiniband", "bf16", gpu="h100",
                space=MEGATRON_CORE, intra="nvlink", attention="flash", compiled=True, count="megatron2024",
-               group="Megatron-Core H100 2024",
+               group="Megatron-Core H100 2024", overlap=MCORE_OVERLAPS,
                notes=("micro-batch 1, no recompute, SP, distributed optimizer, 1F1B, DGX H100 network assumed",))
 
 
@@ -349,7 +354,7 @@ def price(run: Run, layout: Layout | None = None):
     gpu, intra, inter = parse_gpu_spec(run.gpu), interconnect(run.intra), interconnect(run.inter_node)
     sac = run.sac and layout.checkpointing == "selective"
     st = step_time(run.model, dataclasses.replace(layout, checkpointing="none") if sac else layout, gpu, intra,
-                   inter, 8, attention=run.attention, compiled=run.compiled)
+                   inter, 8, attention=run.attention, compiled=run.compiled, overlap=run.overlap)
     return dataclasses.replace(st, recompute=sac_recompute(run, layout)) if sac else st
 
 
@@ -358,7 +363,7 @@ def search(run: Run, space: Space | None = None):
     return plan(run.model, run.gpus, gpu=parse_gpu_spec(run.gpu), nodes=run.gpus // 8, seq_len=run.seq_len,
                 global_batch=run.global_batch, interconnect_name=interconnect(run.intra),
                 inter_node=interconnect(run.inter_node), precision=run.precision, attention=run.attention, keep=0,
-                space=space or run.space, compiled=run.compiled)
+                space=space or run.space, compiled=run.compiled, overlap=run.overlap)
 
 
 def reproduce(run: Run, search_too: bool = True, space: Space | None = None) -> Reproduction:

@@ -105,7 +105,7 @@ def _refine(plan: Plan, layouts: list, measured: list[float], eff: float, b: flo
     def error(e: float, k: float) -> float:
         intra, inter = (dataclasses.replace(link, bytes_per_s=link.bytes_per_s / k) for link in (p.intra, p.inter))
         return sum(math.log(step_time(p.shape.llama, lay, p.gpu, intra, inter, p.per_node, e, p.attention,
-                                      p.compiled).total / m) ** 2 for lay, m in zip(layouts, measured))
+                                      p.compiled, p.overlap).total / m) ** 2 for lay, m in zip(layouts, measured))
     span = 4.0
     for _ in range(3):
         effs = [min(1.0, eff * span ** (i / 10 - 1)) for i in range(21)]

@@ -22,6 +22,9 @@ size. What overlaps and what does not:
                       reduce-scatter of their gradients, on the critical path; cp ranks are data parallel
                       for gradients (ZeRO over dp x cp)
 
+That is bunsan's engine. `overlap` prices another framework's overlaps (OVERLAPS; Megatron-Core's flags), each
+hidden up to the compute it runs beside, one block's share at least exposed.
+
 Every constant is in planner/constants.py (and hardware.py) with its source. Every figure is an estimate;
 `benchmarks/bench_planner.py` checks it against published runs, `benchmarks/` measures the real thing.
 """
@@ -48,6 +51,13 @@ from bunsan.planner.compute import BlockTime, block_time, head_time, optimizer_t
 from bunsan.planner.context import cp_chunk, cp_comm, cp_kv_bytes, cp_note  # noqa: F401  (cp_kv_bytes: the API)
 
 EFFICIENCY = K.GEMM_EFFICIENCY   # the default GEMM efficiency (`efficiency=` overrides it)
+# Communication other frameworks overlap and bunsan's engine does not (`overlap=`; Megatron-Core's flags):
+OVERLAPS = {
+    "tp": "tensor-parallel collectives beside the GEMMs they feed (--tp-comm-overlap)",
+    "grad_reduce": "under pipeline stages, each stage's gradient reduce beside its last micro-batch's backward "
+                   "(--overlap-grad-reduce; without stages bunsan's engine overlaps it too)",
+    "param_gather": "ZeRO-1/2's parameter all-gather beside the next step's first forward (--overlap-param-gather)",
+}
 MASTER_BYTES = 4
 GRAD_SHARD_BYTES = 4   # bunsan keeps the reduced gradient shard in fp32 (zero/optimizer.py)
 # Host-side figures (estimates; see hardware.py).
@@ -106,11 +116,15 @@ class StepTime:
 
 def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect, inter: Interconnect,
               gpus_per_node: int, efficiency: float | None = None, attention: str = "flash",
-              compiled: bool = False) -> StepTime:
+              compiled: bool = False, overlap: tuple = ()) -> StepTime:
     """Estimated seconds per optimizer step of `layout` training `model` on `gpu`s, `gpus_per_node` per node.
     `efficiency` is the fraction of the tensor-core peak a large GEMM reaches (default GEMM_EFFICIENCY);
     `attention` "materialized" prices a kernel that writes the scores out (no flash attention); `compiled`
-    prices torch.compile's fused element-wise ops (`train.compile`), else eager PyTorch's op-by-op passes."""
+    prices torch.compile's fused element-wise ops (`train.compile`), else eager PyTorch's op-by-op passes;
+    `overlap` the communication another framework overlaps (OVERLAPS), for pricing its runs."""
+    unknown = [o for o in overlap if o not in OVERLAPS]
+    if unknown:
+        raise ValueError(f"overlap {unknown}: not one of {', '.join(OVERLAPS)}")
     eff = K.GEMM_EFFICIENCY if efficiency is None else efficiency
     peak = _validate(model, layout, gpu, gpus_per_node, eff)
     topo = Topology(gpus_per_node, intra, inter)
@@ -127,8 +141,10 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
     compute = m * (blocks * (blk.forward + blk.backward) + head)
     recompute = m * blocks * _recompute_per_block(layout, blk)
     tp_comm = _tp_comm(model, local, topo, blocks)
+    if "tp" in overlap:
+        tp_comm = _hidden(tp_comm, compute + recompute, m * blocks)
     psi = n_all / (layout.tp * layout.pp)          # parameters this rank holds (before ZeRO sharding)
-    dp_total, dp_exposed = _dp_comm(layout, psi, topo, blk, blocks, recompute / max(1, m * blocks))
+    dp_total, dp_exposed = _dp_comm(layout, psi, topo, blk, blocks, recompute / max(1, m * blocks), overlap)
     bubble = _bubble(layout, compute + recompute + tp_comm)
     shard = psi / layout.shard_ranks if layout.zero else psi
     optimizer = 0.0 if layout.offload_optimizer != "none" else optimizer_time(shard, gpu)
@@ -138,7 +154,8 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
                     dp_comm_total=dp_total, tokens_per_step=tokens, flops_per_token=flops_per_token,
                     gpus=layout.gpus, peak_flops=peak, cp_comm=cp_comm(model, layout, topo, blocks),
                     assumptions=_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled)
-                    + cp_note(layout, topo, attention))
+                    + cp_note(layout, topo, attention)
+                    + tuple(f"overlapped (another framework's): {OVERLAPS[o]}" for o in overlap))
 
 
 def _notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled) -> tuple:
@@ -229,9 +246,10 @@ def _tp_comm(model: LlamaConfig, layout: Layout, topo: Topology, blocks: int) ->
     return layout.grad_accum * blocks * per_layer * per_all_reduce
 
 
-def _dp_comm(layout: Layout, psi: float, topo: Topology, blk: BlockTime, blocks: int, recompute: float):
+def _dp_comm(layout: Layout, psi: float, topo: Topology, blk: BlockTime, blocks: int, recompute: float,
+             overlap: tuple = ()):
     """(all traffic, exposed) seconds of the data-parallel group (dp x cp ranks, tp apart: context-parallel
-    ranks are data parallel for gradients)."""
+    ranks are data parallel for gradients); `overlap`: step_time's."""
     d, m = layout.shard_ranks, layout.grad_accum
     if d == 1:
         return 0.0, 0.0
@@ -242,14 +260,15 @@ def _dp_comm(layout: Layout, psi: float, topo: Topology, blk: BlockTime, blocks:
 
     backward = blocks * (blk.backward + recompute)       # one micro-step's backward on this rank
     if layout.pp > 1:
-        return _dp_under_pipeline(layout, size, coll, blk, blocks, recompute)
+        return _dp_under_pipeline(layout, size, coll, blk, blocks, recompute, overlap)
     if layout.zero == 3:
         fwd, bwd, total = _zero3_micro_step(size / blocks, coll, blk, blocks, recompute, reduce=True)
         return m * total, m * (fwd + bwd)
     reduce = coll("all_reduce" if layout.zero == 0 else "reduce_scatter", size)
     gather = coll("all_gather", size) if layout.zero else 0.0
     reduces = m if layout.zero == 2 else 1     # stage 2 reduces every micro-step, 0-1 the last one
-    exposed = reduces * _hidden(reduce, backward, blocks) + gather
+    exposed = reduces * _hidden(reduce, backward, blocks) + (
+        _hidden(gather, blocks * blk.forward, blocks) if "param_gather" in overlap else gather)
     return reduces * reduce + gather, exposed
 
 
@@ -270,18 +289,23 @@ def _zero3_micro_step(unit_bytes: float, coll, blk: BlockTime, blocks: int, reco
     return fwd, bwd, blocks * (2 * g + r)
 
 
-def _dp_under_pipeline(layout: Layout, size: float, coll, blk: BlockTime, blocks: int, recompute: float):
+def _dp_under_pipeline(layout: Layout, size: float, coll, blk: BlockTime, blocks: int, recompute: float,
+                       overlap: tuple):
     """Under pipeline stages every stage reduces once after the schedule (exposed); stages 1-2 gather after
-    the step; ZeRO-3 gathers per micro-batch in forward and backward, or once before the schedule."""
+    the step; ZeRO-3 gathers per micro-batch in forward and backward, or once before the schedule. With
+    `overlap` (step_time's) the reduce hides behind the last micro-batch's backward, the gather behind the
+    next step's first forward."""
     m = layout.grad_accum
+    reduce = coll("all_reduce" if layout.zero == 0 else "reduce_scatter", size)
+    exposed = _hidden(reduce, blocks * (blk.backward + recompute), blocks) if "grad_reduce" in overlap else reduce
     if layout.zero == 0:
-        reduce = coll("all_reduce", size)
-        return reduce, reduce
-    reduce, gather = coll("reduce_scatter", size), coll("all_gather", size)
+        return reduce, exposed
+    gather = coll("all_gather", size)
     if layout.zero == 3 and layout.pipeline_gather == "micro_batch":
         fwd, bwd, total = _zero3_micro_step(size / blocks, coll, blk, blocks, recompute, reduce=False)
-        return m * total + reduce, m * (fwd + bwd) + reduce
-    return reduce + gather, reduce + gather
+        return m * total + reduce, m * (fwd + bwd) + exposed
+    hidden_gather = "param_gather" in overlap and layout.zero in (1, 2)
+    return reduce + gather, exposed + (_hidden(gather, blocks * blk.forward, blocks) if hidden_gather else gather)
 
 
 def _pp_comm(model: LlamaConfig, layout: Layout, topo: Topology) -> float:

@@ -58,13 +58,14 @@ class Pricing:
     attention: str
     device_type: str
     compiled: bool = False      # torch.compile's fused element-wise ops (train.compile), else eager
+    overlap: tuple = ()         # another framework's overlapped communication (cost.OVERLAPS)
 
     def price(self, lay: Layout) -> Candidate:
         est = estimate_layout(self.shape, lay, nodes=self.nodes, gpu_memory=self.memory, device_type=self.device_type)
         step = None
         if self.shape.llama is not None:
             step = step_time(self.shape.llama, lay, self.gpu, self.intra, self.inter, self.per_node, self.efficiency,
-                             self.attention, self.compiled)
+                             self.attention, self.compiled, self.overlap)
         return Candidate(lay, est, step, risk=self.rule.risk(est.peak, self.memory))
 
 
@@ -121,13 +122,14 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
          precision: str | None = None, optimizer: str = "AdamW", margin: float | None = None,
          total_tokens: int | None = None, efficiency: float | None = None, device_type: str = "cuda",
          keep: int = 10, host_memory: float | None = None, attention: str = "flash",
-         space: Space | None = None, compiled: bool = False) -> Plan:
+         space: Space | None = None, compiled: bool = False, overlap: tuple = ()) -> Plan:
     """The layouts of `model` on `gpus` GPUs (`nodes` nodes) that fit, fastest first. `host_memory` (per
     node), when given, also rules out layouts whose offloaded states would not fit in host memory. GPUs and
     links are names (hardware.py) or GPU / Interconnect objects (measured figures, `with_link`);
     `keep` 0 keeps every layout that fits. `margin`: a fraction of memory kept free, else (None) the estimate's
     measured error decides (margin.py). `compiled`: price torch.compile's fused element-wise ops (the run sets
-    train.compile), else eager PyTorch's (bunsan's default)."""
+    train.compile), else eager PyTorch's (bunsan's default). `overlap`: price another framework's overlapped
+    communication (cost.OVERLAPS: a published run's), which bunsan's engine does not run."""
     rule = MemoryRule.of(margin)
     shape = load_shape(model)
     if shape.bare:      # a plan has a sequence and a batch: the assumed Llama shape's activations count too
@@ -172,14 +174,14 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
                                                     f"per node in host memory, against {host_memory / GiB:,.1f} GiB")
             continue
         if c is not None:
-            cand.step = step_time(c, lay, spec, intra, inter, per_node, efficiency, attention, compiled)
+            cand.step = step_time(c, lay, spec, intra, inter, per_node, efficiency, attention, compiled, overlap)
         fits.append(cand)
     fits.sort(key=_order)
     result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, rule, fits[:keep or None], considered,
                   too_big, sum(not c.risk for c in fits), sum(bool(c.risk) for c in fits), smallest,
                   total_tokens=total_tokens, rejected=rejected,
                   pricing=Pricing(shape, spec, memory, rule, nodes, per_node, intra, inter, efficiency, attention,
-                                  device_type, compiled), not_searched=not_searched(shape))
+                                  device_type, compiled, overlap), not_searched=not_searched(shape))
     for cand in result.ranked:
         cand.why = _why(cand, result.ranked[0]) if cand.step else "fits"
     if not fits and not considered:       # the walk ruled every layout out: what ruled them out, not memory
