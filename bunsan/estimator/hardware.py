@@ -101,9 +101,10 @@ FLASH_AMPERE, FLASH_HOPPER = 189 / 312, 328 / 989
 
 # What an SXM Hopper board keeps of its tensor-core peak through training steps, beside the two figures above
 # (both measured in short runs of one kernel): fitted to Megatron-Core r0.8.0's nine H100 runs (README at
-# f2e5db40, 700 W, their communication overlaps priced as the README ran them), the least-squares fit of their
-# log errors (tests/test_planner_published.py re-fits it and fails when it drifts). Held out: torchtitan's
-# seven runs on 500 W Grand Teton H100s. The A100 runs priced without it land within 10% (RESULTS.md).
+# f2e5db40, 700 W, with the communication overlaps its README ran priced), the least-squares fit of their log
+# errors to 0.01 (tests/test_planner_published.py re-fits it and fails when it drifts). Held out of the fit:
+# torchtitan's seven runs on 500 W Grand Teton H100s. A100 parts need no such figure: Megatron-LM 2021's and
+# torchtitan's A100 runs are priced within 9% without it, but for one bound by its network (RESULTS.md).
 SUSTAINED_HOPPER = 0.86
 
 

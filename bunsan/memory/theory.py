@@ -67,10 +67,12 @@ def model_state_bytes(psi: int, dtype_bytes: int, opt_bytes_per_param: float, dp
 BNB_BLOCK, BNB_MIN_8BIT = 256, 4096
 
 
-def optimizer_bytes(opt: str, shapes: list[tuple[int, ...]], params: dict | None = None) -> float:
-    """Optimizer-state bytes of these (whole) tensors, master weights excluded."""
+def optimizer_bytes(opt: str, shapes: list[tuple[int, ...]], params: dict | None = None,
+                    numels: list[int] | None = None) -> float:
+    """Optimizer-state bytes of these (whole) tensors, master weights excluded (`numels`: their element counts,
+    where the caller has them)."""
     t = opt.lower()
-    numels = [math.prod(s) for s in shapes]
+    numels = numels if numels is not None else [math.prod(s) for s in shapes]
     if t == "adafactor":
         return adafactor_state_bytes(shapes)
     if t in ("adamw8bit", "adamw_8bit", "adam8bit"):   # + two 256-entry fp32 quantisation maps per tensor
@@ -126,7 +128,8 @@ def model_states(rp: "RankParams", dp: int, stage: int, d: int, opt: str, opt_pa
              "master_weights": opt_elems * 4 if separate else 0.0,
              # (Adafactor under ZeRO: each rank keeps the row and column moments of the matrices it has a part
              # of, about 1/N of them)
-             "optimizer_states": optimizer_bytes(opt, rp.shapes, opt_params) * (opt_elems / max(rp.total, 1))}
+             "optimizer_states": optimizer_bytes(opt, rp.shapes, opt_params, rp.numels)
+             * (opt_elems / max(rp.total, 1))}
     place = placement(stage, offload_optimizer, offload_param)
     host = sum(v for k, v in kinds.items() if place[k] == "cpu")
     disk = sum(v for k, v in kinds.items() if place[k] == "nvme")
