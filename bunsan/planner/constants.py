@@ -77,6 +77,10 @@ SOURCES = (
      "HDR 200 Gb/s per GPU (DGX A100); 80% of 4 x 100 Gb/s Omni-Path per 8 GPUs (Jean Zay)"),
     ("NVLink / network step", f"{hardware.NVLINK_STEP_S * 1e6:g} / {hardware.NET_STEP_S * 1e6:g} us",
      "NCCL src/graph/tuning.cc hwLat, ring / Simple"),
+    ("POWER_EXPONENT", hardware.POWER_EXPONENT, "hardware.py: a board capped below its TDP sustains (cap / TDP) to "
+     "this power of its peak (H100 NVL's and SXM's datasheet peaks)"),
+    ("SUSTAINED_HOPPER", hardware.SUSTAINED_HOPPER, "hardware.py: what an SXM H100/H200 keeps of its peak through "
+     "training steps, fitted to Megatron-Core r0.8.0's nine H100 runs (tests/test_planner_published.py)"),
 )
 
 

@@ -168,7 +168,9 @@ def _notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, c
         f"TFLOP/s {layout.precision} and {K.HBM_EFFICIENCY:.0%} of {gpu.hbm_bytes_per_s / 1e12:.3g} TB/s HBM on "
         f"{gpu.name}" + (f" ({gpu.form}, {gpu.power_w:g} W)" if gpu.form and gpu.power_w else "")
         + (f" (the {gpu.flops(layout.precision) / 1e12:g} TFLOP/s peak x{gpu.power_scale:.3f} at {gpu.power_w:g} W of "
-           f"{gpu.rated_power_w:g} W: hardware.POWER_EXPONENT)" if gpu.power_scale < 1 else "") + "; "
+           f"{gpu.rated_power_w:g} W: hardware.POWER_EXPONENT)" if gpu.power_scale < 1 else "")
+        + (f" (x{gpu.sustained_fraction:g} of the peak sustained through training steps: hardware.SUSTAINED_HOPPER)"
+           if gpu.sustained_fraction < 1 else "") + "; "
         + (f"flash attention at FlashAttention-2's measured {gpu.flash_fraction:.1%} of the peak (causal, 16k "
            "tokens; hardware.py) on the kernel's curve by rows per call (constants.FLASH_BY_CHUNK); "
            if attention == "flash" and gpu.flash_fraction else "")
