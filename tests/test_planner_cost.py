@@ -145,6 +145,26 @@ def test_overlap_hides_dp_traffic_up_to_the_window():
     assert price(Layout(dp=1, zero=1)).dp_comm_total == 0
 
 
+def test_another_frameworks_overlaps_hide_only_their_own_traffic():
+    """`overlap` (cost.OVERLAPS, Megatron-Core's flags): the TP collectives hide behind the compute, the
+    post-step ZeRO-1 gather behind a forward, the reduce under pipeline stages behind the last micro-batch's
+    backward, each to one block's share; every other term is unchanged, and a name not in OVERLAPS is refused."""
+    gather_only = Layout(dp=4, zero=1, seq_len=512)
+    plain, hidden = price(gather_only), price(gather_only, overlap=("param_gather",))
+    gather = 3 / 4 * N_ALL * 2 / 100e9
+    assert rel(plain.dp_comm - hidden.dp_comm, gather - gather / L) < 1e-9
+    assert (hidden.compute, hidden.tp_comm, hidden.dp_comm_total) == (plain.compute, plain.tp_comm,
+                                                                      plain.dp_comm_total)
+    tp = Layout(dp=1, tp=2, seq_len=512)
+    plain, hidden = price(tp), price(tp, overlap=("tp",))
+    assert plain.tp_comm > 0 and rel(hidden.tp_comm, plain.tp_comm / L) < 1e-9      # one block's share left
+    staged = Layout(dp=2, pp=2, zero=0, micro_batch=1, grad_accum=4, seq_len=512)
+    plain, hidden = price(staged), price(staged, overlap=("grad_reduce",))
+    assert hidden.dp_comm < plain.dp_comm and hidden.dp_comm_total == plain.dp_comm_total
+    with pytest.raises(ValueError, match=r"overlap \['nccl'\]: not one of tp, grad_reduce, param_gather"):
+        price(tp, overlap=("nccl",))
+
+
 def test_zero3_gathers_hide_only_behind_the_block_before():
     """A gather longer than one block's compute is exposed, however long the whole pass is."""
     lay = Layout(dp=4, zero=3, seq_len=64)
