@@ -342,10 +342,7 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
     @functools.lru_cache(maxsize=None)
     def holders(name: str) -> frozenset[int]:
         parts = name.split(".")
-        found = set(owners.get("", ()))
-        for i in range(1, len(parts) + 1):
-            found.update(owners.get(".".join(parts[:i]), ()))
-        return frozenset(found)
+        return frozenset(r for i in range(len(parts) + 1) for r in owners.get(".".join(parts[:i]), ()))
 
     def holds(r: int, name: str) -> bool:
         return r in holders(name)
