@@ -48,6 +48,7 @@ from bunsan.estimator.recompute import offloaded_count, offloaded_per_block
 from bunsan.planner import constants as K
 from bunsan.planner.collectives import Topology, collective, p2p
 from bunsan.planner.compute import BlockTime, block_time, head_time, optimizer_time
+from bunsan.planner.assumptions import step_notes
 from bunsan.planner.context import cp_chunk, cp_comm, cp_kv_bytes, cp_note  # noqa: F401  (cp_kv_bytes: the API)
 
 EFFICIENCY = K.GEMM_EFFICIENCY   # the default GEMM efficiency (`efficiency=` overrides it)
@@ -153,46 +154,9 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
                     offload=_offload(layout, psi) + _activation_offload(model, layout), optimizer=optimizer,
                     dp_comm_total=dp_total, tokens_per_step=tokens, flops_per_token=flops_per_token,
                     gpus=layout.gpus, peak_flops=peak, cp_comm=cp_comm(model, layout, topo, blocks),
-                    assumptions=_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled)
+                    assumptions=step_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled)
                     + cp_note(layout, topo, attention)
                     + tuple(f"overlapped (another framework's): {OVERLAPS[o]}" for o in overlap))
-
-
-def _notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled) -> tuple:
-    link = {name: topo.link(size, stride).name for name, size, stride in
-            (("tp", layout.tp, 1), ("cp", layout.cp, layout.tp), ("dp", layout.shard_ranks, layout.tp),
-             ("pp", layout.pp, layout.tp * layout.shard_ranks))}
-    return (
-        f"{flops_per_token / 1e9:.4g} GFLOP/token = 6N (N={n_flops:,}, no input embedding) + 12·L·h·s counts "
-        f"MFU; time is priced per GEMM: roofline of {eff:.0%} of {gpu.sustained_flops(layout.precision) / 1e12:.4g} "
-        f"TFLOP/s {layout.precision} and {K.HBM_EFFICIENCY:.0%} of {gpu.hbm_bytes_per_s / 1e12:.3g} TB/s HBM on "
-        f"{gpu.name}" + (f" ({gpu.form}, {gpu.power_w:g} W)" if gpu.form and gpu.power_w else "")
-        + (f" (the {gpu.flops(layout.precision) / 1e12:g} TFLOP/s peak x{gpu.power_scale:.3f} at {gpu.power_w:g} W of "
-           f"{gpu.rated_power_w:g} W: hardware.POWER_EXPONENT)" if gpu.power_scale < 1 else "")
-        + (f" (x{gpu.sustained_fraction:g} of the peak sustained through training steps: hardware.SUSTAINED_HOPPER)"
-           if gpu.sustained_fraction < 1 else "") + "; "
-        + (f"flash attention at FlashAttention-2's measured {gpu.flash_fraction:.1%} of the peak (causal, 16k "
-           "tokens; hardware.py) on the kernel's curve by rows per call (constants.FLASH_BY_CHUNK); "
-           if attention == "flash" and gpu.flash_fraction else "")
-        + "element-wise ops by their bytes, "
-        + ("compiled (torch.compile fuses them: constants.HIDDEN_PASSES)" if compiled else
-           "eager (each op a pass over HBM: constants.EAGER_*; --compile fuses them)")
-        + f"; attention {attention}",
-        f"links: tp {link['tp']}, cp {link['cp']}, dp {link['dp']}, pp {link['pp']} (mesh order pp, dp, cp, tp: "
-        f"tp innermost, cp ranks tp apart, the gradients' dp x cp group too; "
-        f"{topo.gpus_per_node} GPUs per node); collectives = NCCL latency model + bytes / bandwidth",
-        "tp: 2 all-reduces forward + 2 backward per layer per micro-batch (+2 when recomputing, +1 under "
-        "selective recompute: o_proj's, and under SP the all-gathers into attention and MLP); "
-        "sequence parallelism moves the same volume as all-gather + reduce-scatter; never overlapped",
-        f"dp: ZeRO-{layout.zero} traffic in model dtype; reduces hidden behind backward up to its length (the "
-        "last bucket exposed); ZeRO-3 gathers hidden behind the block before's compute only; the post-step "
-        "parameter all-gather (stages 1-2) and, under pipeline stages, the reduce after the schedule exposed",
-        "pp: one activation and one gradient send per micro-batch per chunk boundary; bubble = "
-        "ideal x f/(1-f) with f = schedule's idle fraction (p-1)/(v·m + p-1); the busiest stage sets the pace",
-        f"offload: PCIe {HOST_LINK_BYTES_PER_S / 1e9:g} GB/s, NVMe {NVME_READ_BYTES_PER_S / 1e9:g}/"
-        f"{NVME_WRITE_BYTES_PER_S / 1e9:g} GB/s read/write, CPU Adam {CPU_ADAM_PARAMS_PER_S:.3g} params/s; "
-        "not overlapped (an upper estimate); offloaded activations go down in forward and up in backward",
-    )
 
 
 def train_time(step: StepTime, layout: Layout, total_tokens: int) -> float:
