@@ -27,7 +27,8 @@ def llava(tmp_path_factory):
 
 def test_a_composite_config_is_priced_from_its_own_modules(llava):
     import torch
-    from bunsan.estimator.shape import load_shape, rank_params
+    from bunsan.estimator.rank_params import rank_params
+    from bunsan.estimator.shape import load_shape
     shape = load_shape(str(llava))
     with torch.device("meta"):
         model = transformers.LlavaForConditionalGeneration(transformers.AutoConfig.from_pretrained(llava.parent))

@@ -21,7 +21,8 @@ from bunsan.comm.shm import ring_bytes
 from bunsan.comm.mailbox import resident_bytes
 from bunsan.estimator.activations import Micro, block_input_bytes
 from bunsan.estimator.recompute import stage_bytes
-from bunsan.estimator.shape import ModelShape, RankParams, load_shape, lora_rank_params, rank_params
+from bunsan.estimator.rank_params import RankParams, lora_rank_params, rank_params
+from bunsan.estimator.shape import ModelShape, load_shape
 from bunsan.memory.theory import (grad_shard_elems, gradient_bucket_bytes, model_states, nvme_swap_in_bytes,
                                   placement, with_frozen_base, zero3_gathered_bytes)
 from bunsan.models.llama import LlamaConfig

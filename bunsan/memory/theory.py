@@ -25,7 +25,7 @@ from bunsan.zero.layout import ALIGN, ShardLayout
 from bunsan.zero.reduce import IN_FLIGHT
 
 if TYPE_CHECKING:   # the estimator builds it; theory only reads its fields
-    from bunsan.estimator.shape import RankParams
+    from bunsan.estimator.rank_params import RankParams
 
 
 def optimizer_state_bytes_per_param(opt_type: str, params: dict | None = None) -> float:

@@ -18,7 +18,8 @@ import itertools
 from dataclasses import dataclass, field
 
 from bunsan.estimator.estimate import Estimate, estimate_layout
-from bunsan.estimator.shape import ModelShape, load_shape, rank_params
+from bunsan.estimator.rank_params import rank_params
+from bunsan.estimator.shape import ModelShape, load_shape
 from bunsan.planner.cost import COMPONENTS, StepTime, step_time, train_time
 from bunsan.estimator.margin import MemoryRule
 from bunsan.planner.rejected import PRICED, Rejected
