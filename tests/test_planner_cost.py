@@ -148,7 +148,8 @@ def test_overlap_hides_dp_traffic_up_to_the_window():
 def test_another_frameworks_overlaps_hide_only_their_own_traffic():
     """`overlap` (cost.OVERLAPS, Megatron-Core's flags): the TP collectives hide behind the compute, the
     post-step ZeRO-1 gather behind a forward, the reduce under pipeline stages behind the last micro-batch's
-    backward, each to one block's share; every other term is unchanged, and a name not in OVERLAPS is refused."""
+    backward, each to one block's share; every other term is unchanged, the assumptions say what was hidden,
+    and a name not in OVERLAPS is refused."""
     gather_only = Layout(dp=4, zero=1, seq_len=512)
     plain, hidden = price(gather_only), price(gather_only, overlap=("param_gather",))
     gather = 3 / 4 * N_ALL * 2 / 100e9
@@ -158,9 +159,14 @@ def test_another_frameworks_overlaps_hide_only_their_own_traffic():
     tp = Layout(dp=1, tp=2, seq_len=512)
     plain, hidden = price(tp), price(tp, overlap=("tp",))
     assert plain.tp_comm > 0 and rel(hidden.tp_comm, plain.tp_comm / L) < 1e-9      # one block's share left
+    tp_note = next(a for a in hidden.assumptions if a.startswith("tp:"))
+    assert "overlap 'tp'" in tp_note and "never overlapped" not in tp_note
+    assert "never overlapped" in next(a for a in plain.assumptions if a.startswith("tp:"))
     staged = Layout(dp=2, pp=2, zero=0, micro_batch=1, grad_accum=4, seq_len=512)
     plain, hidden = price(staged), price(staged, overlap=("grad_reduce",))
     assert hidden.dp_comm < plain.dp_comm and hidden.dp_comm_total == plain.dp_comm_total
+    dp_note = next(a for a in hidden.assumptions if a.startswith("dp:"))
+    assert "the reduce after the schedule hidden" in dp_note and "all-gather (stages 1-2) exposed" in dp_note
     with pytest.raises(ValueError, match=r"overlap \['nccl'\]: not one of tp, grad_reduce, param_gather"):
         price(tp, overlap=("nccl",))
 

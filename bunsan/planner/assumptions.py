@@ -8,8 +8,10 @@ from bunsan.estimator.hardware import (CPU_ADAM_PARAMS_PER_S, HOST_LINK_BYTES_PE
 from bunsan.planner import constants as K
 
 
-def step_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled) -> tuple:
-    """The assumptions a StepTime lists (`plan --explain`, --json): what each term was priced from."""
+def step_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled,
+               overlap: tuple = ()) -> tuple:
+    """The assumptions a StepTime lists (`plan --explain`, --json): what each term was priced from; `overlap`
+    (cost.OVERLAPS) the traffic another framework hides, which the tp and dp lines then say."""
     link = {name: topo.link(size, stride).name for name, size, stride in
             (("tp", layout.tp, 1), ("cp", layout.cp, layout.tp), ("dp", layout.shard_ranks, layout.tp),
              ("pp", layout.pp, layout.tp * layout.shard_ranks))}
@@ -34,10 +36,16 @@ def step_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_toke
         f"{topo.gpus_per_node} GPUs per node); collectives = NCCL latency model + bytes / bandwidth",
         "tp: 2 all-reduces forward + 2 backward per layer per micro-batch (+2 when recomputing, +1 under "
         "selective recompute: o_proj's, and under SP the all-gathers into attention and MLP); "
-        "sequence parallelism moves the same volume as all-gather + reduce-scatter; never overlapped",
+        "sequence parallelism moves the same volume as all-gather + reduce-scatter; "
+        + ("hidden behind the GEMMs they feed but one block's share (overlap 'tp')" if "tp" in overlap else
+           "never overlapped"),
         f"dp: ZeRO-{layout.zero} traffic in model dtype; reduces hidden behind backward up to its length (the "
         "last bucket exposed); ZeRO-3 gathers hidden behind the block before's compute only; the post-step "
-        "parameter all-gather (stages 1-2) and, under pipeline stages, the reduce after the schedule exposed",
+        "parameter all-gather (stages 1-2) "
+        + ("hidden behind the first forward (overlap 'param_gather')" if "param_gather" in overlap else "exposed")
+        + " and, under pipeline stages, the reduce after the schedule "
+        + ("hidden behind the last micro-batch's backward (overlap 'grad_reduce')" if "grad_reduce" in overlap
+           else "exposed"),
         "pp: one activation and one gradient send per micro-batch per chunk boundary; bubble = "
         "ideal x f/(1-f) with f = schedule's idle fraction (p-1)/(v·m + p-1); the busiest stage sets the pace",
         f"offload: PCIe {HOST_LINK_BYTES_PER_S / 1e9:g} GB/s, NVMe {NVME_READ_BYTES_PER_S / 1e9:g}/"

@@ -154,7 +154,8 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
                     offload=_offload(layout, psi) + _activation_offload(model, layout), optimizer=optimizer,
                     dp_comm_total=dp_total, tokens_per_step=tokens, flops_per_token=flops_per_token,
                     gpus=layout.gpus, peak_flops=peak, cp_comm=cp_comm(model, layout, topo, blocks),
-                    assumptions=step_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled)
+                    assumptions=step_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled,
+                                               overlap)
                     + cp_note(layout, topo, attention)
                     + tuple(f"overlapped (another framework's): {OVERLAPS[o]}" for o in overlap))
 
