@@ -119,16 +119,29 @@ LAYOUTS = {   # (lengths, counts, block tables, the blocks shared, whether the p
                          [[1, 2, 3, 0], [1, 2, 4, 0], [1, 2, 5, 0], [1, 2, 6, 7], [1, 2, 8, 9]], 2, True),
     # prompt chunks only (the step after many requests arrived at once), one of them past a third block
     "chunks-only": ([8, 12, 9], [5, 2, 4], [[1, 2, 3, 4], [1, 2, 5, 6], [1, 2, 7, 8]], 2, True),
+    # decoding rows sharing nothing, one of them in a single block (the in-place kernel pads it to two)
+    "decoding-rows-own": ([2, 9], [1, 1], [[1, 0, 0], [2, 3, 4]], 0, False),
+    # one decoding row alone (padded to two rows), beside a prompt chunk
+    "one-decoding-row": ([6, 0], [1, 3], [[1, 2], [3, 0]], 0, False),
 }
 
 
+@pytest.mark.parametrize("reads", ["in place", "copies"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("softcap,sdpa", [(None, True), (None, False), (5.0, False)], ids=["sdpa", "eager", "softcap"])
-def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_attention(softcap, sdpa, layout):
+def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_attention(softcap, sdpa, layout, reads,
+                                                                                       monkeypatch):
     """One forward of decoding rows and prompt chunks, rows sharing their first two blocks (cascade attention:
     the shared blocks read once; with the chunks too when every row shares them): every token's output equals
-    causal attention over its own sequence's keys, grouped heads included."""
+    causal attention over its own sequence's keys, grouped heads included. The decoding rows' own blocks are
+    read in place by the compiled kernel (paged_decode.py; not with softcap), or copied out for PyTorch's
+    attention where the kernel is unavailable."""
+    from bunsan.serve import paged, paged_decode
     from bunsan.serve.paged import PagedCache
+    if reads == "copies":
+        monkeypatch.setattr(paged, "in_place", lambda q, pool: False)
+    calls = []
+    monkeypatch.setattr(paged_decode.COMPILED, "fn", _counted(paged_decode.COMPILED, calls))
     from bunsan.serve.transformers_model import ServedShape
     torch.manual_seed(0)
     heads, kv, hd, bs = 4, 2, 8, 4
@@ -173,3 +186,33 @@ def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_att
         want = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ values
         torch.testing.assert_close(out[0, :, start:start + c], want, rtol=1e-5, atol=1e-5)
         start += c
+    # (cascade attention runs the fused kernels whatever `sdpa` says: the eager form's only for unshared rows)
+    assert bool(calls) == (reads == "in place" and softcap is None and 1 in counts and (sdpa or shared > 0)), calls
+
+
+def _counted(compiled, calls: list):
+    """The compiled kernel (compiled the first time), each call's rows and blocks noted in `calls`."""
+    compiled.usable(torch.zeros(1, 1, 2, 8), torch.zeros(1, 4, 1, 8))
+    fn = compiled.fn
+
+    def counted(q, pool_k, pool_v, slots, bias, scale):
+        calls.append(tuple(slots.shape))
+        return fn(q, pool_k, pool_v, slots, bias, scale)
+    return counted
+
+
+def test_without_a_compiler_decoding_reads_copies_and_says_so(monkeypatch, caplog):
+    """Where torch.compile fails (no C++ compiler), the probe says so once and decoding takes the copies."""
+    from bunsan.serve import paged_decode
+
+    def broken(*a, **k):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+    fresh = paged_decode._Compiled()
+    monkeypatch.setattr(paged_decode, "COMPILED", fresh)
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level("WARNING", logger="bunsan.serve.paged_decode"):
+        assert not paged_decode.in_place(torch.zeros(2, 2, 2, 8), torch.zeros(3, 4, 2, 8))
+        assert not paged_decode.in_place(torch.zeros(2, 2, 2, 8), torch.zeros(3, 4, 2, 8))
+    assert [r.getMessage() for r in caplog.records] == [
+        "paged decode attention not compiled (RuntimeError: InvalidCxxCompiler: No working C++ compiler found); "
+        "decoding reads the blocks through copies"]

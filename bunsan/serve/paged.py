@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from bunsan.memory.measure import host_available_bytes
 from bunsan.models.generate import layer_devices
+from bunsan.serve.paged_decode import COMPILED, in_place
 
 
 class _PagedLayer:
@@ -63,6 +64,12 @@ class _PagedLayer:
             rows = q[0, :, d].transpose(0, 1)[:, :, None]         # [rows, heads, 1, hd]
             if w.shared and self.window is None:
                 got = self._cascade(rows, pool_k, pool_v, scale, softcap, fused)
+            elif sdpa and softcap is None and in_place(rows, pool_k):      # the blocks read where they lie
+                n, heads, _, hd = rows.shape
+                got, _ = COMPILED(rows.view(n, pool_k.shape[2], -1, hd).float(), pool_k, pool_v,
+                                  w.on("decode_tables", device), w.key_bias(self.window, device),
+                                  hd ** -0.5 if scale is None else scale)
+                got = got.view(n, heads, 1, hd).to(rows.dtype)
             else:
                 keys, values = self._read(w.decode_tables, pool_k, pool_v)
                 got = _attention(rows, keys, values, w.key_mask(self.window, device), scale, softcap, sdpa)
@@ -121,9 +128,14 @@ class _PagedLayer:
         first, first_lse = first.view(kv, tokens, rep, hd), first_lse.view(kv, tokens, rep)
         own, own_lse = torch.empty_like(first), torch.empty_like(first_lse)
         if w.decoding.numel():
-            keys, values = self._read(w.own_tables, pool_k, pool_v)   # [n, kv, own keys, hd]
-            got, lse = _CPU_FLASH(q[:, decoding].transpose(0, 1), keys.float(), values.float(), 0.0, False,
-                                  attn_mask=w.own_bias(q.device), scale=scale)
+            rows = q[:, decoding].transpose(0, 1)                      # [n, kv, rep, hd]
+            if in_place(rows, pool_k):                                 # the blocks read where they lie
+                got, lse = COMPILED(rows, pool_k, pool_v, w.on("own_tables", q.device),
+                                    w.own_bias(q.device).view(len(rows), -1), scale)
+            else:
+                keys, values = self._read(w.own_tables, pool_k, pool_v)   # [n, kv, own keys, hd]
+                got, lse = _CPU_FLASH(rows, keys.float(), values.float(), 0.0, False,
+                                      attn_mask=w.own_bias(q.device), scale=scale)
             own[:, decoding], own_lse[:, decoding] = got.transpose(0, 1), lse.transpose(0, 1)
         for table, start, count, length in prefills:
             keys, values = self._read(table[:, w.shared:], pool_k, pool_v)
@@ -263,6 +275,14 @@ class PagedView:
             if window is not None:
                 seen &= keys > at - window                        # transformers' sliding_window_overlay
             self._on[key] = seen[:, None, None].to(device)
+        return self._on[key]
+
+    def key_bias(self, window: int | None, device: torch.device) -> torch.Tensor:
+        """key_mask as paged_decode adds it, [rows, keys]: 0 where seen, -inf elsewhere."""
+        key = ("decode bias", window, device)
+        if key not in self._on:
+            seen = self.key_mask(window, device)[:, 0, 0]
+            self._on[key] = torch.zeros(seen.shape, device=device).masked_fill(~seen, float("-inf"))
         return self._on[key]
 
     def causal_mask(self, length: int, count: int, window: int | None, device: torch.device) -> torch.Tensor:
