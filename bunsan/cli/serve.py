@@ -293,8 +293,10 @@ def _serve(args, threads: int, http) -> int:
         leader = Leader(shard.comm, shard.group, shard.device)
     batcher = Batcher(model, slots, context, kv_heads, leader, prefix_reuse=not args.no_prefix_reuse,
                       num_blocks=blocks, block_size=args.block_size, adapters=lora_adapters(args, model))
+    cfg = model.config            # (compiled before serving: the first request would wait for it)
+    in_place = on_cpu and batcher.cache.warm(cfg.num_attention_heads // cfg.num_key_value_heads)
     banner = {"slots": slots, "cache_line": cache_line, "threads": threads if on_cpu else None, "packed": packed,
-              "cores": bound}
+              "cores": bound, "in_place": in_place}
     if http is None:
         return http_server(None, batcher, args, tokenizer, name, context, banner)
     return http.serve(batcher, tokenizer, (args, tokenizer, name, context, banner))
@@ -325,6 +327,7 @@ def http_server(conn, batcher, args, tokenizer, name: str, context: int, banner:
           + (f"; {banner['threads']} CPU threads for the model" if banner["threads"] else "")
           + (f" (bound to cores {','.join(map(str, banner['cores']))})" if banner.get("cores") else "")
           + (f"; {banner['packed']} linear layers prepacked (oneDNN)" if banner["packed"] else "")
+          + ("; decoding reads the KV blocks in place (compiled)" if banner.get("in_place") else "")
           + ("; the model in a process of its own" if conn is not None else "") + "\n"
           + (f"  {vision_line}\n" if vision_line else "") +
           "  POST /v1/completions /v1/chat/completions /v1/embeddings /api/generate /api/chat /api/embed /api/show;"

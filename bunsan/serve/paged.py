@@ -333,6 +333,12 @@ class PagedCache:
             self._gathered[pool.device] = have
         return have[0][:blocks], have[1][:blocks]
 
+    def warm(self, rep: int) -> bool:
+        """Build the decoding kernel before the first request (paged_decode.py; `rep`: query heads per key/value
+        head); whether decoding reads the blocks in place."""
+        pool = self.k[0]
+        return in_place(torch.zeros(1, pool.shape[2], rep, pool.shape[3], device=pool.device), pool)
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

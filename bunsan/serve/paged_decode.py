@@ -51,28 +51,29 @@ class _Compiled:
         self.lock = threading.Lock()
 
     def usable(self, q: torch.Tensor, pool_k: torch.Tensor) -> bool:
-        key = (pool_k.dtype, pool_k.shape[2], q.shape[2], pool_k.shape[3])
+        key = (pool_k.dtype, *pool_k.shape[1:3], q.shape[2], pool_k.shape[3])
         if key not in self.checked:
             with self.lock:
                 if key not in self.checked:
                     self.checked[key] = self._probe(*key)
         return self.checked[key]
 
-    def _probe(self, dtype: torch.dtype, kv: int, rep: int, hd: int) -> bool:
-        """Compile (the first time) and compare with PyTorch's attention on random rows."""
+    def _probe(self, dtype: torch.dtype, bs: int, kv: int, rep: int, hd: int) -> bool:
+        """Compile (the first time; the graph the serving calls then reuse) and compare with PyTorch's
+        attention on random rows."""
         try:
             if self.fn is None:
                 self.fn = torch.compile(own_blocks_attention, dynamic=False)
             g = torch.Generator().manual_seed(0)
-            pool_k, pool_v = (torch.randn(9, 4, kv, hd, generator=g).to(dtype) for _ in range(2))
+            pool_k, pool_v = (torch.randn(9, bs, kv, hd, generator=g).to(dtype) for _ in range(2))
             q = torch.randn(3, kv, rep, hd, generator=g)
             table = torch.tensor([[1, 2, 0], [3, 4, 5], [6, 7, 8]])
-            seen = torch.arange(12)[None] <= torch.tensor([5, 11, 0])[:, None]
+            seen = torch.arange(3 * bs)[None] <= torch.tensor([bs + 1, 3 * bs - 1, 0])[:, None]
             bias = torch.zeros(seen.shape).masked_fill(~seen, float("-inf"))
             got, lse = self(q, pool_k, pool_v, table, bias, hd ** -0.5)
             # the same by matmuls: query head h of kv head h // rep, its keys repeated per query head
-            keys, values = (pool[table].reshape(3, 12, kv, hd).transpose(1, 2).float().repeat_interleave(rep, 1)
-                            for pool in (pool_k, pool_v))
+            keys, values = (pool[table].reshape(3, 3 * bs, kv, hd).transpose(1, 2).float()
+                            .repeat_interleave(rep, 1) for pool in (pool_k, pool_v))
             scores = torch.matmul(q.reshape(3, kv * rep, 1, hd), keys.transpose(-1, -2)) * hd ** -0.5 + \
                 bias[:, None, None]
             want = torch.matmul(torch.softmax(scores, -1), values).view(3, kv, rep, hd)
@@ -98,7 +99,7 @@ class _Compiled:
             q = F.pad(q, (0, 0, 0, 0, 0, 0, 0, rows - n))
         bs = pool_k.shape[1]
         slots = (table[:, :, None] * bs + torch.arange(bs, device=table.device)).view(rows, -1)
-        for t in (q, slots, bias):
+        for t in (q, slots, bias, pool_k, pool_v):      # (the pool's blocks too: every pool size, one graph)
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(slots, 1)
         torch._dynamo.maybe_mark_dynamic(bias, 1)
