@@ -64,11 +64,10 @@ class _PagedLayer:
             rows = q[0, :, d].transpose(0, 1)[:, :, None]         # [rows, heads, 1, hd]
             if w.shared and self.window is None:
                 got = self._cascade(rows, pool_k, pool_v, scale, softcap, fused)
-            elif sdpa and softcap is None and in_place(rows, pool_k):      # the blocks read where they lie
-                n, heads, _, hd = rows.shape
-                got, _ = COMPILED(rows.view(n, pool_k.shape[2], -1, hd).float(), pool_k, pool_v,
-                                  w.on("decode_tables", device), w.key_bias(self.window, device),
-                                  hd ** -0.5 if scale is None else scale)
+            elif sdpa and softcap is None and in_place(grouped := _grouped(rows, pool_k), pool_k):
+                n, heads, _, hd = rows.shape                              # the blocks read where they lie
+                got, _ = COMPILED(grouped, pool_k, pool_v, w.on("decode_tables", device),
+                                  w.key_bias(self.window, device), hd ** -0.5 if scale is None else scale)
                 got = got.view(n, heads, 1, hd).to(rows.dtype)
             else:
                 keys, values = self._read(w.decode_tables, pool_k, pool_v)
@@ -164,6 +163,12 @@ class _PagedLayer:
 # PyTorch's fused CPU attention with its log-sum-exp (what cascade attention joins two softmaxes by); absent from
 # a build without it, where the matmul form runs
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _grouped(rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """Decoding rows' queries [n, heads, 1, hd] as [n, kv, rep, hd] fp32: query head h reads kv head h // rep."""
+    n, _, _, hd = rows.shape
+    return rows.view(n, pool.shape[2], -1, hd).float()
 
 
 def _attention(q, k, v, mask, scale, softcap, sdpa: bool) -> torch.Tensor:

@@ -103,7 +103,8 @@ class _Compiled:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(slots, 1)
         torch._dynamo.maybe_mark_dynamic(bias, 1)
-        out, lse = self.fn(q.contiguous(), pool_k, pool_v, slots, bias, float(scale))
+        with torch.no_grad():                         # (one grad mode: a graph is compiled per mode)
+            out, lse = self.fn(q.contiguous(), pool_k, pool_v, slots, bias, float(scale))
         return out[:n], lse[:n]
 
 
