@@ -126,20 +126,20 @@ LAYOUTS = {   # (lengths, counts, block tables, the blocks shared, whether the p
 }
 
 
+@pytest.mark.parametrize("window", [None, 5], ids=["full", "window"])
 @pytest.mark.parametrize("reads", ["in place", "copies"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("softcap,sdpa", [(None, True), (None, False), (5.0, False)], ids=["sdpa", "eager", "softcap"])
 def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_attention(softcap, sdpa, layout, reads,
-                                                                                       monkeypatch):
+                                                                                       window, monkeypatch):
     """One forward of decoding rows and prompt chunks, rows sharing their first two blocks (cascade attention:
     the shared blocks read once; with the chunks too when every row shares them): every token's output equals
-    causal attention over its own sequence's keys, grouped heads included. The decoding rows' own blocks are
-    read in place by the compiled kernel (paged_decode.py; not with softcap), or copied out for PyTorch's
-    attention where the kernel is unavailable."""
+    causal attention over its own sequence's keys (within a sliding window: no cascade), grouped heads
+    included. The decoding rows' own blocks are read in place by the compiled kernel (paged_decode.py; not
+    with softcap; here whatever their size, MIN_BYTES 0), or copied out for PyTorch's attention."""
     from bunsan.serve import paged, paged_decode
     from bunsan.serve.paged import PagedCache
-    if reads == "copies":
-        monkeypatch.setattr(paged, "in_place", lambda q, pool: False)
+    monkeypatch.setattr(paged_decode, "MIN_BYTES", 0 if reads == "in place" else 1 << 60)
     calls = []
     monkeypatch.setattr(paged_decode.COMPILED, "fn", _counted(paged_decode.COMPILED, calls))
     from bunsan.serve.transformers_model import ServedShape
@@ -173,6 +173,7 @@ def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_att
     q, k, v = torch.randn(1, heads, n, hd), torch.randn(1, kv, n, hd), torch.randn(1, kv, n, hd)
     view = cache.view(tables, torch.tensor(lengths), torch.tensor(counts))
     assert (view.shared, view.joint) == (shared, joint)
+    view.windows = [window]
     out = view.layer(0).attend(q, k, v, None, softcap, sdpa)
     start = 0
     for j in range(len(lengths)):
@@ -182,12 +183,29 @@ def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_att
         scores = q[0, :, start:start + c] @ keys.transpose(1, 2) * hd ** -0.5
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
-        causal = torch.arange(lengths[j] + c)[None, :] <= lengths[j] + torch.arange(c)[:, None]
+        at = lengths[j] + torch.arange(c)[:, None]
+        causal = (torch.arange(lengths[j] + c)[None, :] <= at) & (torch.arange(lengths[j] + c)[None, :] > at - (
+            window or 10 ** 6))
         want = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ values
         torch.testing.assert_close(out[0, :, start:start + c], want, rtol=1e-5, atol=1e-5)
         start += c
     # (cascade attention runs the fused kernels whatever `sdpa` says: the eager form's only for unshared rows)
-    assert bool(calls) == (reads == "in place" and softcap is None and 1 in counts and (sdpa or shared > 0)), calls
+    cascade = shared > 0 and window is None
+    assert bool(calls) == (reads == "in place" and softcap is None and 1 in counts and (sdpa or cascade)), calls
+
+
+def test_decoding_reads_in_place_only_past_min_bytes(monkeypatch):
+    """A decoding batch whose keys and values a layer come to MIN_BYTES or more reads them in place; a smaller
+    one copies them (the copy stays in the cache)."""
+    from bunsan.serve import paged_decode
+    pool, q = torch.zeros(40, 16, 4, 64), torch.zeros(2, 4, 2, 64)     # a block: 16 KiB of keys, 16 of values
+    assert paged_decode.in_place(q, pool)                               # (no batch given: the kernel works)
+    monkeypatch.setattr(paged_decode, "MIN_BYTES", 32 << 10)
+    assert paged_decode.in_place(q, pool, torch.zeros(1, 1, dtype=torch.long))
+    assert not paged_decode.in_place(q, pool, torch.zeros(1, 1, dtype=torch.long)[:, :0])
+    monkeypatch.setattr(paged_decode, "MIN_BYTES", 4 << 20)
+    assert not paged_decode.in_place(q, pool, torch.zeros(2, 63, dtype=torch.long))  # 2 x 63 x 32 KiB < 4 MiB
+    assert paged_decode.in_place(q, pool, torch.zeros(2, 64, dtype=torch.long))
 
 
 def _counted(compiled, calls: list):

@@ -327,7 +327,7 @@ def http_server(conn, batcher, args, tokenizer, name: str, context: int, banner:
           + (f"; {banner['threads']} CPU threads for the model" if banner["threads"] else "")
           + (f" (bound to cores {','.join(map(str, banner['cores']))})" if banner.get("cores") else "")
           + (f"; {banner['packed']} linear layers prepacked (oneDNN)" if banner["packed"] else "")
-          + ("; decoding reads the KV blocks in place (compiled)" if banner.get("in_place") else "")
+          + ("; large decoding batches read their KV blocks in place (compiled)" if banner.get("in_place") else "")
           + ("; the model in a process of its own" if conn is not None else "") + "\n"
           + (f"  {vision_line}\n" if vision_line else "") +
           "  POST /v1/completions /v1/chat/completions /v1/embeddings /api/generate /api/chat /api/embed /api/show;"

@@ -64,7 +64,7 @@ class _PagedLayer:
             rows = q[0, :, d].transpose(0, 1)[:, :, None]         # [rows, heads, 1, hd]
             if w.shared and self.window is None:
                 got = self._cascade(rows, pool_k, pool_v, scale, softcap, fused)
-            elif sdpa and softcap is None and in_place(grouped := _grouped(rows, pool_k), pool_k):
+            elif sdpa and softcap is None and in_place(grouped := _grouped(rows, pool_k), pool_k, w.decode_tables):
                 n, heads, _, hd = rows.shape                              # the blocks read where they lie
                 got, _ = COMPILED(grouped, pool_k, pool_v, w.on("decode_tables", device),
                                   w.key_bias(self.window, device), hd ** -0.5 if scale is None else scale)
@@ -128,7 +128,7 @@ class _PagedLayer:
         own, own_lse = torch.empty_like(first), torch.empty_like(first_lse)
         if w.decoding.numel():
             rows = q[:, decoding].transpose(0, 1)                      # [n, kv, rep, hd]
-            if in_place(rows, pool_k):                                 # the blocks read where they lie
+            if in_place(rows, pool_k, w.own_tables):                   # the blocks read where they lie
                 got, lse = COMPILED(rows, pool_k, pool_v, w.on("own_tables", q.device),
                                     w.own_bias(q.device).view(len(rows), -1), scale)
             else:

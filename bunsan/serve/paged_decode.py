@@ -10,7 +10,8 @@ the weighted values. fp32 throughout, whatever the pool's dtype (as the fused ke
 
 One graph serves every batch: the rows and the blocks per row are dynamic (at least two of each, padded:
 PyTorch specialises a size of 1), the heads, head dim and dtype static. Where compiling fails (no C++
-compiler) or the compiled result differs from the eager one on a probe, the eager path runs, as before.
+compiler) or the compiled result differs from the eager one on a probe, the eager path runs, as it does for
+batches whose keys and values fit in the cache (MIN_BYTES).
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 TOLERANCE = 1e-4          # the probe's agreement with PyTorch's attention (fp32 rounding is ~1e-6)
+# Below this many bytes of keys and values a layer, the rows' blocks are copied out for PyTorch's attention
+# instead: a copy that stays in the cache costs less than this kernel, which is slower per key than PyTorch's
+# fused one and pays torch.compile's call overhead (bench_serve's model: 1-16 decoding rows ran up to 8% slower
+# in place, 64 rows of ~150 keys 30% faster; benchmarks/RESULTS.md).
+MIN_BYTES = 4 << 20
 
 
 def own_blocks_attention(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, slots: torch.Tensor,
@@ -111,6 +117,9 @@ class _Compiled:
 COMPILED = _Compiled()
 
 
-def in_place(q: torch.Tensor, pool_k: torch.Tensor) -> bool:
-    """Whether decoding over `pool_k` reads it in place: a CPU pool, and the compiled kernel agreeing."""
+def in_place(q: torch.Tensor, pool_k: torch.Tensor, table: torch.Tensor | None = None) -> bool:
+    """Whether decoding over `pool_k` reads it in place: a CPU pool, the compiled kernel agreeing with PyTorch's
+    attention, and (given the rows' block `table`) their keys and values past MIN_BYTES a layer."""
+    if table is not None and table.numel() * pool_k[0].numel() * pool_k.element_size() * 2 < MIN_BYTES:
+        return False
     return pool_k.device.type == "cpu" and q.device.type == "cpu" and COMPILED.usable(q, pool_k)
