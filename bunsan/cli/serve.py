@@ -287,14 +287,15 @@ def _serve(args, threads: int, http) -> int:
         from bunsan.serve.tp import Leader, follow
         slots, blocks = _agreed(shard, slots, blocks)
         if shard.rank != 0:      # rank 0 samples; the others run each forward it announces
-            follow(model, PagedCache(model, blocks, args.block_size, kv_heads), shard.comm, shard.group,
-                   shard.device)
+            cache = PagedCache(model, blocks, args.block_size, kv_heads)
+            cache.warm(model.config.num_attention_heads // model.config.num_key_value_heads)   # (as rank 0's)
+            follow(model, cache, shard.comm, shard.group, shard.device)
             return 0
         leader = Leader(shard.comm, shard.group, shard.device)
     batcher = Batcher(model, slots, context, kv_heads, leader, prefix_reuse=not args.no_prefix_reuse,
                       num_blocks=blocks, block_size=args.block_size, adapters=lora_adapters(args, model))
-    cfg = model.config            # (compiled before serving: the first request would wait for it)
-    in_place = on_cpu and batcher.cache.warm(cfg.num_attention_heads // cfg.num_key_value_heads)
+    cfg = model.config            # (compiled before serving, where the cache is on the CPU: a request would wait)
+    in_place = batcher.cache.warm(cfg.num_attention_heads // cfg.num_key_value_heads)
     banner = {"slots": slots, "cache_line": cache_line, "threads": threads if on_cpu else None, "packed": packed,
               "cores": bound, "in_place": in_place}
     if http is None:
