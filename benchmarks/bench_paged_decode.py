@@ -22,12 +22,12 @@ from bench_serve import _model, _prompt
 
 
 def step_ms(model, rows: int, decoded: int, steps: int, reads: str) -> float:
-    import bunsan.serve.paged as paged
+    import bunsan.serve.paged_decode as paged_decode
     from bunsan.serve.batcher import Batcher
     from bunsan.serve.paged_decode import in_place
     from bunsan.serve.sequence import Request
-    paged.in_place = {"copies": lambda *a: False, "in place": lambda q, pool, table=None: in_place(q, pool),
-                      "auto": in_place}[reads]
+    paged_decode.in_place = {"copies": lambda *a: False, "in place": lambda q, pool, table=None: in_place(q, pool),
+                             "auto": in_place}[reads]
     try:
         batcher = Batcher(model, slots=max(rows, 2), max_len=512)
         batcher.cache.warm(model.config.num_attention_heads // model.config.num_key_value_heads)
@@ -43,7 +43,7 @@ def step_ms(model, rows: int, decoded: int, steps: int, reads: str) -> float:
             batcher._iterate()
         return (time.perf_counter() - start) / steps * 1e3
     finally:
-        paged.in_place = in_place
+        paged_decode.in_place = in_place
 
 
 def main() -> None:

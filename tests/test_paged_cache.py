@@ -219,6 +219,51 @@ def _counted(compiled, calls: list):
     return counted
 
 
+def test_a_failed_kernel_call_falls_back_to_copies_and_says_so(monkeypatch, caplog):
+    """A compiled call that raises (a shape or build the probe did not meet) costs that forward nothing: its
+    rows are read through copies, a warning says so once, and the kernel is not called again."""
+    from bunsan.serve import paged_decode
+    from bunsan.serve.paged import PagedCache
+    from bunsan.serve.transformers_model import ServedShape
+    fresh = paged_decode._Compiled()
+    monkeypatch.setattr(paged_decode, "COMPILED", fresh)
+    monkeypatch.setattr(paged_decode, "MIN_BYTES", 0)
+    assert fresh.usable(torch.zeros(1, 2, 2, 8), torch.zeros(1, 4, 2, 8))
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("inductor: an unsupported shape")
+    fresh.fn = broken
+
+    class Shape(torch.nn.Module):
+        config = ServedShape("x", 10, 32, 1, 4, 2, 8, 64)
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.input_device = torch.device("cpu")
+
+        def cache_devices(self):
+            return [torch.device("cpu")]
+    torch.manual_seed(0)
+    cache = PagedCache(Shape(), 8, 4)
+    cache.k[0].normal_(), cache.v[0].normal_()
+    tables, lengths, counts = torch.tensor([[1, 2], [3, 0]]), torch.tensor([5, 2]), torch.tensor([1, 1])
+    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8)
+    with caplog.at_level("WARNING", logger="bunsan.serve.paged_decode"):
+        out = cache.view(tables, lengths, counts).layer(0).attend(q, k, v)
+        again = cache.view(tables, lengths, counts).layer(0).attend(q, k, v)
+    monkeypatch.setattr(paged_decode, "MIN_BYTES", 1 << 60)             # the copies, as the reference
+    want = cache.view(tables, lengths, counts).layer(0).attend(q, k, v)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(again, want, rtol=0, atol=0)
+    assert len(calls) == 1 and not paged_decode.in_place(torch.zeros(1, 2, 2, 8), cache.k[0])
+    assert [r.getMessage() for r in caplog.records] == [
+        "the compiled paged decode attention failed (RuntimeError: inductor: an unsupported shape); decoding "
+        "reads the blocks through copies from now on"]
+
+
 def test_without_a_compiler_decoding_reads_copies_and_says_so(monkeypatch, caplog):
     """Where torch.compile fails (no C++ compiler), the probe says so once and decoding takes the copies."""
     from bunsan.serve import paged_decode

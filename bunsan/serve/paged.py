@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from bunsan.memory.measure import host_available_bytes
 from bunsan.models.generate import layer_devices
-from bunsan.serve.paged_decode import COMPILED, in_place
+from bunsan.serve.paged_decode import in_place, read_in_place
 
 
 class _PagedLayer:
@@ -64,14 +64,16 @@ class _PagedLayer:
             rows = q[0, :, d].transpose(0, 1)[:, :, None]         # [rows, heads, 1, hd]
             if w.shared and self.window is None:
                 got = self._cascade(rows, pool_k, pool_v, scale, softcap, fused)
-            elif sdpa and softcap is None and in_place(grouped := _grouped(rows, pool_k), pool_k, w.decode_tables):
-                n, heads, _, hd = rows.shape                              # the blocks read where they lie
-                got, _ = COMPILED(grouped, pool_k, pool_v, w.on("decode_tables", device),
-                                  w.key_bias(self.window, device), hd ** -0.5 if scale is None else scale)
-                got = got.view(n, heads, 1, hd).to(rows.dtype)
             else:
-                keys, values = self._read(w.decode_tables, pool_k, pool_v)
-                got = _attention(rows, keys, values, w.key_mask(self.window, device), scale, softcap, sdpa)
+                got = None
+                if sdpa and softcap is None:                              # the blocks read where they lie
+                    n, heads, _, hd = rows.shape
+                    got = read_in_place(_grouped(rows, pool_k), pool_k, pool_v, w.on("decode_tables", device),
+                                        w.key_bias(self.window, device), hd ** -0.5 if scale is None else scale)
+                    got = None if got is None else got[0].view(n, heads, 1, hd).to(rows.dtype)
+                if got is None:                                           # or copied out
+                    keys, values = self._read(w.decode_tables, pool_k, pool_v)
+                    got = _attention(rows, keys, values, w.key_mask(self.window, device), scale, softcap, sdpa)
             out[0, :, d] = got[:, :, 0].transpose(0, 1)
         for table, start, count, length in w.prefills:             # few per forward, each its own chunk
             keys, values = self._read(table, pool_k, pool_v)
@@ -128,13 +130,13 @@ class _PagedLayer:
         own, own_lse = torch.empty_like(first), torch.empty_like(first_lse)
         if w.decoding.numel():
             rows = q[:, decoding].transpose(0, 1)                      # [n, kv, rep, hd]
-            if in_place(rows, pool_k, w.own_tables):                   # the blocks read where they lie
-                got, lse = COMPILED(rows, pool_k, pool_v, w.on("own_tables", q.device),
-                                    w.own_bias(q.device).view(len(rows), -1), scale)
-            else:
+            read = read_in_place(rows, pool_k, pool_v, w.on("own_tables", q.device),    # the blocks where they lie
+                                 w.own_bias(q.device).view(len(rows), -1), scale)
+            if read is None:                                            # or copied out
                 keys, values = self._read(w.own_tables, pool_k, pool_v)   # [n, kv, own keys, hd]
-                got, lse = _CPU_FLASH(rows, keys.float(), values.float(), 0.0, False,
-                                      attn_mask=w.own_bias(q.device), scale=scale)
+                read = _CPU_FLASH(rows, keys.float(), values.float(), 0.0, False, attn_mask=w.own_bias(q.device),
+                                  scale=scale)
+            got, lse = read
             own[:, decoding], own_lse[:, decoding] = got.transpose(0, 1), lse.transpose(0, 1)
         for table, start, count, length in prefills:
             keys, values = self._read(table[:, w.shared:], pool_k, pool_v)

@@ -53,10 +53,13 @@ class _Compiled:
 
     def __init__(self):
         self.fn = None
-        self.checked: dict[tuple, bool] = {}      # (dtype, kv, rep, hd) -> the probe agreed
+        self.checked: dict[tuple, bool] = {}      # (dtype, block size, kv, rep, hd) -> the probe agreed
+        self.failed = False                       # a call raised: never again
         self.lock = threading.Lock()
 
     def usable(self, q: torch.Tensor, pool_k: torch.Tensor) -> bool:
+        if self.failed:
+            return False
         key = (pool_k.dtype, *pool_k.shape[1:3], q.shape[2], pool_k.shape[3])
         if key not in self.checked:
             with self.lock:
@@ -95,7 +98,8 @@ class _Compiled:
         return False
 
     def __call__(self, q, pool_k, pool_v, table, bias, scale):
-        """own_blocks_attention compiled, over the blocks of `table` [n, blocks] (bias [n, blocks * bs])."""
+        """own_blocks_attention compiled, over the blocks of `table` [n, blocks] (bias [n, blocks * bs]); None
+        where the call failed."""
         n, width = table.shape
         rows, blocks = max(n, 2), max(width, 2)       # pad: one graph for every batch (a size-1 dim specialises)
         if (rows, blocks) != (n, width):
@@ -109,8 +113,14 @@ class _Compiled:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         torch._dynamo.maybe_mark_dynamic(slots, 1)
         torch._dynamo.maybe_mark_dynamic(bias, 1)
-        with torch.no_grad():                         # (one grad mode: a graph is compiled per mode)
-            out, lse = self.fn(q.contiguous(), pool_k, pool_v, slots, bias, float(scale))
+        try:
+            with torch.no_grad():                     # (one grad mode: a graph is compiled per mode)
+                out, lse = self.fn(q.contiguous(), pool_k, pool_v, slots, bias, float(scale))
+        except Exception as e:     # a shape or build the probe did not meet: copies from now on, said once
+            log.warning("the compiled paged decode attention failed (%s: %s); decoding reads the blocks through "
+                        "copies from now on", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self.failed = True
+            return None
         return out[:n], lse[:n]
 
 
@@ -123,3 +133,12 @@ def in_place(q: torch.Tensor, pool_k: torch.Tensor, table: torch.Tensor | None =
     if table is not None and table.numel() * pool_k[0].numel() * pool_k.element_size() * 2 < MIN_BYTES:
         return False
     return pool_k.device.type == "cpu" and q.device.type == "cpu" and COMPILED.usable(q, pool_k)
+
+
+def read_in_place(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, table: torch.Tensor,
+                  bias: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """own_blocks_attention compiled over `table`'s blocks (bias [n, blocks * bs]) where in_place says so; None
+    where it does not, or where the call failed: the caller then copies the blocks out."""
+    if not in_place(q, pool_k, table):
+        return None
+    return COMPILED(q, pool_k, pool_v, table, bias, scale)
