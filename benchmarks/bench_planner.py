@@ -8,7 +8,8 @@ layout and what its authors measured per GPU (TFLOP/s in the source's own count,
 price of that layout in the same unit, its rank among the layouts the authors' software could run (`--full`:
 among every layout bunsan runs, slower), how far it is behind the planner's first choice (both priced as the
 search prices them: `plan --explain`), and that first choice. Then the summary (runs within 15%, the median
-error), torchtitan's eager / compiled pairs, and Table 2's ZeRO-3 decline (384 -> 768 -> 1536 GPUs).
+error), MosaicML's MPT runs (tests/published_mpt.py; priced only, held out from every fit) with their summary,
+torchtitan's eager / compiled pairs, and Table 2's ZeRO-3 decline (384 -> 768 -> 1536 GPUs).
 Targets (issues #26, #41): each published layout's predicted throughput within 15% of the measured; where the
 first choice is more than 5% ahead, `plan --explain` says which term decides (tests/test_planner_published.py).
 `--no-search` prices the published layouts only (seconds); the searches take about ten minutes on 2 cores
@@ -41,6 +42,18 @@ def table(full: bool, search: bool, only: str | None) -> tuple[list[str], list]:
         rows.append(f"| {run.name} | {run.source} | {run.layout.describe()} | {run.measured:g} {run.unit} | "
                     f"{r.predicted:.4g} | {r.error:+.1%} | {rank} | {behind} | {first} |")
         print(rows[-1], file=sys.stderr, flush=True)
+    return rows, done
+
+
+def held_out() -> tuple[list[str], list]:
+    """MosaicML's MPT runs (tests/published_mpt.py): priced only, held out from every fitted constant."""
+    import published_mpt as mpt
+    import published_runs as pr
+    rows = ["| run | published layout | measured | predicted | error |", "|---|---|---|---|---|"]
+    done = [pr.reproduce(run, search_too=False) for run in mpt.RUNS]
+    for r in done:
+        rows.append(f"| {r.run.name} | {r.run.layout.describe()} | {r.run.measured:g} {r.run.unit} | "
+                    f"{r.predicted:.4g} | {r.error:+.1%} |")
     return rows, done
 
 
@@ -96,6 +109,11 @@ def main(argv=None) -> int:
     print()
     print("\n".join(summary(done)))
     if not args.only:
+        print()
+        mpt_rows, mpt_done = held_out()
+        print("\n".join(mpt_rows))
+        print()
+        print("\n".join(summary(mpt_done)))
         print()
         print("\n".join(eager_pairs()))
         print()

@@ -9,7 +9,9 @@ test_the_hopper_sustained_fraction_is_the_fit_to_megatron_core re-fits it; torch
 out from that fit. The ranks are pinned at today's figures with a little room. Every run whose published layout
 the search puts more than 5% behind its first choice is in DECIDED_BY, with the term `plan --explain` says
 decides it and the assumption behind that term; each search is the authors' options only (published_runs.py's
-spaces: no activation offload where their software had none, Megatron-Core's README overlaps priced)."""
+spaces: no activation offload where their software had none, Megatron-Core's README overlaps priced).
+MosaicML's MPT benchmarks (published_mpt.py: 19 FSDP runs on A100 80GB, A100 40GB and H100, 2023) are priced,
+not ranked, and held out from every fit: 16 within 15%, the other 3 pinned in MPT_GAPS."""
 
 import dataclasses
 import functools
@@ -17,6 +19,7 @@ import math
 
 import pytest
 
+import published_mpt as mpt
 import published_runs as pr
 from bunsan.estimator import hardware
 
@@ -39,6 +42,36 @@ GAPS = {
     "Llama 3.1 8B FSDP compiled, 128 H100": (0.169, H100_500W),
     "Llama 3 8B FSDP8 TP8, 64 H100": (0.341, H100_500W + "; " + TP8_SMALL),
 }
+
+
+# MosaicML's MPT benchmarks (published_mpt.py), held out from every constant's fit: name -> (today's error, the
+# suspected deciding assumption)
+MPT_GAPS = {
+    "MPT 70B 2K, 32 A100 80GB": (-0.423, "priced bound by its gathers, as Llama 2 70B mb1 (GAPS): ZeRO-3 re-gathers "
+                                 "70B's parameters for each 4,096-token micro-batch (16 of them) at one GPU's NIC "
+                                 "share, where the same model at micro-batch 8 on 64 GPUs is priced within 2%"),
+    "MPT 7B 32K, 8 A100 80GB": (0.350, "attention is more than half of a 32K row's FLOPs, and MPT's Triton flash "
+                                "kernel (2023) is priced as FlashAttention-2's measured A100 fraction"),
+    "MPT 13B 2K, 8 H100": (0.201, "micro-batch 2 (4,096 tokens) on one node, priced at 0.7 s of compute with "
+                           "every gather hidden behind it: what FSDP and eager kernels cost beside so short a step "
+                           "is not priced (the A100 row of the same layout is +14%)"),
+}
+
+
+@pytest.mark.parametrize("run", [r for r in mpt.RUNS if r.name not in MPT_GAPS], ids=lambda r: r.name)
+def test_held_out_mpt_runs_are_priced_within_15_percent(run):
+    """Runs from a source no constant was fitted to: 16 of 19 within 15% (median 3%)."""
+    r = pr.reproduce(run, search_too=False)
+    assert abs(r.error) < 0.15, f"{run.name}: predicted {r.predicted:.4g} vs {run.measured} {run.unit}"
+
+
+@pytest.mark.parametrize("name", list(MPT_GAPS))
+def test_the_mpt_runs_outside_15_percent_stay_where_they_are(name):
+    today, why = MPT_GAPS[name]
+    r = pr.reproduce(next(run for run in mpt.RUNS if run.name == name), search_too=False)
+    assert abs(r.error - today) < 0.05, f"{name}: {r.error:+.1%}, was {today:+.1%} ({why})"
+    if abs(r.error) < 0.15:
+        pytest.fail(f"{name} is now within 15% ({r.error:+.1%}): move it out of MPT_GAPS")
 
 
 @pytest.mark.parametrize("run", [r for r in pr.RUNS if r.ranked and r.name not in GAPS], ids=lambda r: r.name)
