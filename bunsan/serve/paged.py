@@ -7,7 +7,8 @@ One forward runs every row's new tokens flattened into one row of tokens ([1, to
 decoding sequence adds one, a prompt being prefilled a chunk. Each token's keys and values are written into
 its sequence's block at its position; attention then reads each sequence's blocks back in table order:
 - the decoding rows together, as a batch of one query each over their keys (a key mask hides what is past a
-  row's length and, on sliding-window layers, before its window);
+  row's length and, on sliding-window layers, before its window); on the CPU a large batch reads its blocks
+  in place through the block tables (paged_decode.py), a small one copies them out for PyTorch's attention;
 - each prefilling row on its own: its chunk's queries over its keys, causal.
 Leading blocks every row shares (a system prompt reused from the prefix cache) are read once for all of them
 (cascade attention, FlashInfer's): every query over those blocks, then each row over its own blocks, the two
