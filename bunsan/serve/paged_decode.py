@@ -26,8 +26,8 @@ log = logging.getLogger(__name__)
 TOLERANCE = 1e-4          # the probe's agreement with PyTorch's attention (fp32 rounding is ~1e-6)
 # Below this many bytes of keys and values a layer, the rows' blocks are copied out for PyTorch's attention
 # instead: a copy that stays in the cache costs less than this kernel, which is slower per key than PyTorch's
-# fused one and pays torch.compile's call overhead (bench_serve's model: 1-32 decoding rows ran up to 13% slower
-# in place, 64 rows of ~150 keys 30% faster; benchmarks/RESULTS.md).
+# fused one and pays torch.compile's call overhead (bench_serve's model: 1-8 decoding rows, and up to 32 rows of
+# ~20 own keys, ran 3-13% slower in place; 32 and 64 rows of ~150 own keys 24% faster; benchmarks/RESULTS.md).
 MIN_BYTES = 4 << 20
 
 
