@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from bunsan.memory.measure import host_available_bytes
 from bunsan.models.generate import layer_devices
-from bunsan.serve.paged_decode import in_place, read_in_place
+from bunsan.serve import paged_decode
 
 
 class _PagedLayer:
@@ -66,13 +66,14 @@ class _PagedLayer:
             if w.shared and self.window is None:
                 got = self._cascade(rows, pool_k, pool_v, scale, softcap, fused)
             else:
-                got = None
-                if sdpa and softcap is None:                              # the blocks read where they lie
-                    n, heads, _, hd = rows.shape
-                    got = read_in_place(_grouped(rows, pool_k), pool_k, pool_v, w.on("decode_tables", device),
-                                        w.key_bias(self.window, device), hd ** -0.5 if scale is None else scale)
+                got, (n, heads, _, hd) = None, rows.shape
+                grouped = rows.view(n, pool_k.shape[2], -1, hd)         # query head h reads kv head h // rep
+                # the blocks read where they lie (a large batch on the CPU), or copied out
+                if sdpa and softcap is None and paged_decode.in_place(grouped, pool_k, w.decode_tables):
+                    got = paged_decode.COMPILED(grouped.float(), pool_k, pool_v, w.on(w.decode_tables, device),
+                                                w.key_bias(self.window, device), hd ** -0.5 if scale is None else scale)
                     got = None if got is None else got[0].view(n, heads, 1, hd).to(rows.dtype)
-                if got is None:                                           # or copied out
+                if got is None:
                     keys, values = self._read(w.decode_tables, pool_k, pool_v)
                     got = _attention(rows, keys, values, w.key_mask(self.window, device), scale, softcap, sdpa)
             out[0, :, d] = got[:, :, 0].transpose(0, 1)
@@ -130,9 +131,10 @@ class _PagedLayer:
         first, first_lse = first.view(kv, tokens, rep, hd), first_lse.view(kv, tokens, rep)
         own, own_lse = torch.empty_like(first), torch.empty_like(first_lse)
         if w.decoding.numel():
-            rows = q[:, decoding].transpose(0, 1)                      # [n, kv, rep, hd]
-            read = read_in_place(rows, pool_k, pool_v, w.on("own_tables", q.device),    # the blocks where they lie
-                                 w.own_bias(q.device).view(len(rows), -1), scale)
+            rows, read = q[:, decoding].transpose(0, 1), None            # [n, kv, rep, hd]
+            if paged_decode.in_place(rows, pool_k, w.own_tables):      # the blocks read where they lie
+                read = paged_decode.COMPILED(rows, pool_k, pool_v, w.on(w.own_tables, q.device),
+                                             w.own_bias(q.device).view(len(rows), -1), scale)
             if read is None:                                            # or copied out
                 keys, values = self._read(w.own_tables, pool_k, pool_v)   # [n, kv, own keys, hd]
                 read = _CPU_FLASH(rows, keys.float(), values.float(), 0.0, False, attn_mask=w.own_bias(q.device),
@@ -166,12 +168,6 @@ class _PagedLayer:
 # PyTorch's fused CPU attention with its log-sum-exp (what cascade attention joins two softmaxes by); absent from
 # a build without it, where the matmul form runs
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _grouped(rows: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
-    """Decoding rows' queries [n, heads, 1, hd] as [n, kv, rep, hd] fp32: query head h reads kv head h // rep."""
-    n, _, _, hd = rows.shape
-    return rows.view(n, pool.shape[2], -1, hd).float()
 
 
 def _attention(q, k, v, mask, scale, softcap, sdpa: bool) -> torch.Tensor:
@@ -345,7 +341,7 @@ class PagedCache:
         """Build the decoding kernel before the first request (paged_decode.py; `rep`: query heads per key/value
         head); whether decoding reads the blocks in place."""
         pool = self.k[0]
-        return in_place(torch.zeros(1, pool.shape[2], rep, pool.shape[3], device=pool.device), pool)
+        return paged_decode.in_place(torch.zeros(1, pool.shape[2], rep, pool.shape[3], device=pool.device), pool)
 
     @property
     def nbytes(self) -> int:

@@ -134,11 +134,3 @@ def in_place(q: torch.Tensor, pool_k: torch.Tensor, table: torch.Tensor | None =
         return False
     return pool_k.device.type == "cpu" and q.device.type == "cpu" and COMPILED.usable(q, pool_k)
 
-
-def read_in_place(q: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, table: torch.Tensor,
-                  bias: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """own_blocks_attention compiled over `table`'s blocks (bias [n, blocks * bs]) where in_place says so; None
-    where it does not, or where the call failed: the caller then copies the blocks out."""
-    if not in_place(q, pool_k, table):
-        return None
-    return COMPILED(q, pool_k, pool_v, table, bias, scale)
