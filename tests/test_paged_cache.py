@@ -137,7 +137,7 @@ def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_att
     causal attention over its own sequence's keys (within a sliding window: no cascade), grouped heads
     included. The decoding rows' own blocks are read in place by the compiled kernel (paged_decode.py; not
     with softcap; here whatever their size, MIN_BYTES 0), or copied out for PyTorch's attention."""
-    from bunsan.serve import paged, paged_decode
+    from bunsan.serve import paged_decode
     from bunsan.serve.paged import PagedCache
     monkeypatch.setattr(paged_decode, "MIN_BYTES", 0 if reads == "in place" else 1 << 60)
     calls = []
