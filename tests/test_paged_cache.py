@@ -126,6 +126,20 @@ LAYOUTS = {   # (lengths, counts, block tables, the blocks shared, whether the p
 }
 
 
+class _Shape(torch.nn.Module):
+    """What PagedCache reads of a model: one layer of `heads` query and `kv` key/value heads of `hd`, on the CPU."""
+
+    def __init__(self, heads: int, kv: int, hd: int):
+        from bunsan.serve.transformers_model import ServedShape
+        super().__init__()
+        self.config = ServedShape("x", 10, heads * hd, 1, heads, kv, hd, 64)
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.input_device = torch.device("cpu")
+
+    def cache_devices(self):
+        return [torch.device("cpu")]
+
+
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window"])
 @pytest.mark.parametrize("reads", ["in place", "copies"])
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -142,22 +156,9 @@ def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_att
     monkeypatch.setattr(paged_decode, "MIN_BYTES", 0 if reads == "in place" else 1 << 60)
     calls = []
     monkeypatch.setattr(paged_decode.COMPILED, "fn", _counted(paged_decode.COMPILED, calls))
-    from bunsan.serve.transformers_model import ServedShape
     torch.manual_seed(0)
     heads, kv, hd, bs = 4, 2, 8, 4
-
-    class Shape(torch.nn.Module):          # what PagedCache reads of a model
-        config = ServedShape("x", 10, heads * hd, 1, heads, kv, hd, 64)
-
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(1))
-            self.input_device = torch.device("cpu")
-
-        def cache_devices(self):
-            return [torch.device("cpu")]
-
-    cache = PagedCache(Shape(), 20, bs)
+    cache = PagedCache(_Shape(heads, kv, hd), 20, bs)
     lengths, counts, tables, shared, joint = LAYOUTS[layout]
     tables = torch.tensor(tables)
     history = {j: (torch.randn(kv, lengths[j], hd), torch.randn(kv, lengths[j], hd)) for j in range(len(lengths))}
@@ -224,7 +225,6 @@ def test_a_failed_kernel_call_falls_back_to_copies_and_says_so(monkeypatch, capl
     rows are read through copies, a warning says so once, and the kernel is not called again."""
     from bunsan.serve import paged_decode
     from bunsan.serve.paged import PagedCache
-    from bunsan.serve.transformers_model import ServedShape
     fresh = paged_decode._Compiled()
     monkeypatch.setattr(paged_decode, "COMPILED", fresh)
     monkeypatch.setattr(paged_decode, "MIN_BYTES", 0)
@@ -235,19 +235,8 @@ def test_a_failed_kernel_call_falls_back_to_copies_and_says_so(monkeypatch, capl
         calls.append(1)
         raise RuntimeError("inductor: an unsupported shape")
     fresh.fn = broken
-
-    class Shape(torch.nn.Module):
-        config = ServedShape("x", 10, 32, 1, 4, 2, 8, 64)
-
-        def __init__(self):
-            super().__init__()
-            self.w = torch.nn.Parameter(torch.zeros(1))
-            self.input_device = torch.device("cpu")
-
-        def cache_devices(self):
-            return [torch.device("cpu")]
     torch.manual_seed(0)
-    cache = PagedCache(Shape(), 8, 4)
+    cache = PagedCache(_Shape(4, 2, 8), 8, 4)
     cache.k[0].normal_(), cache.v[0].normal_()
     tables, lengths, counts = torch.tensor([[1, 2], [3, 0]]), torch.tensor([5, 2]), torch.tensor([1, 1])
     q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8)
