@@ -3,12 +3,16 @@
 A test sends a module-level function `fn(rank, *args)` to every worker of a pool
 and gets back the list of per-rank results. A worker error or a timeout tears the
 pool down (so no test waits on a broken group) and fails the test with the
-worker's traceback; the next test gets a fresh pool.
+worker's traceback; the next test gets a fresh pool. A job that leaves a shared-memory
+ring (comm/shm.py) mapped once its objects are dropped fails too: bunsan keeps
+something alive that a user's program, building engines repeatedly, would keep as well
+(and the workers' memory would fill the machine).
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -23,6 +27,27 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _mapped_rings() -> int:
+    """How many of bunsan's shared-memory files this process holds (a mapping keeps a descriptor)."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held += "bunsan-shm" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:             # the listing's own descriptor, closed by now
+            pass
+    return held
+
+
+def _run_job(fn, args):
+    result = fn(*args)
+    if _mapped_rings():
+        gc.collect()                # cycles the job left are not leaks
+        if _mapped_rings():
+            raise AssertionError(f"{fn.__name__} left {_mapped_rings()} shared-memory ring(s) mapped after its "
+                                 "objects were dropped: something it built is still referenced")
+    return result
 
 
 def _worker(rank: int, world: int, port: int, inbox, outbox, make_group: bool = True, threads: int = 1) -> None:
@@ -40,7 +65,7 @@ def _worker(rank: int, world: int, port: int, inbox, outbox, make_group: bool = 
             break
         fn, args = job
         try:
-            outbox.put((rank, True, fn(rank, *args)))
+            outbox.put((rank, True, _run_job(fn, (rank, *args))))
         except BaseException:  # report everything, including assertion errors, to the parent
             outbox.put((rank, False, traceback.format_exc()))
     if dist.is_initialized():

@@ -187,3 +187,27 @@ def test_a_peer_process_that_exits_is_noticed_before_the_timeout():
             p.kill()
     assert "the process of rank(s) [1] exited" in msg
     assert waited < 10                              # the collective timeout is 60 s
+
+
+def _engines_in_a_row(rank, world, cfg, rounds):
+    """A program that builds, trains and drops an engine `rounds` times: the rings each one mapped go with it."""
+    import gc
+
+    from parity import Setup, train
+    held = []
+    for _ in range(rounds):
+        train(rank, world, cfg, Setup(steps=1, rows=4, seq=16))
+        gc.collect()                    # (Python collects cycles by itself too, later)
+        held.append(sum("bunsan-shm" in f for f in _open_files()))
+    return held
+
+
+@pytest.mark.parametrize("cfg", [
+    {"zero_optimization": {"stage": 1}},                                          # gradient hooks on parameters
+    {"tensor_parallel": {"size": 2, "sequence_parallel": True}},                  # autograd nodes kept by regions
+], ids=["zero1", "tp2-sp"])
+def test_engines_built_in_a_row_release_their_shared_memory(pools, cfg):
+    cfg = {"train_micro_batch_size_per_gpu": 2 if "zero_optimization" in cfg else 4,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}, **cfg}
+    for held in pools.run(2, _engines_in_a_row, 2, cfg, 3):
+        assert held == [0, 0, 0]

@@ -18,6 +18,7 @@ gradient still arrives through autograd and is reduced on its own.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -81,8 +82,10 @@ class Region:
         self.acc, self.handle, self.out = None, None, None
         # Sequence parallelism: the consumers save this rank's slice of their input, not the gathered whole
         # (Megatron's way), and backward gathers it once for all of their weight gradients. The slice is
-        # saved by the all-gather's own autograd node (`gather`), so saved-tensor hooks see it.
-        self.gather = None
+        # saved by the all-gather's own autograd node (`gather`), so saved-tensor hooks see it. `gather` is a weak
+        # reference: the node's saved input leads back here through C++ the garbage collector cannot see, so a
+        # strong one would keep the graph, the engine and its process groups alive after the step.
+        self.gather: weakref.ref | None = None
         self.full: torch.Tensor | None = None
         self.input_users = self.input_served = 0
 
@@ -90,7 +93,7 @@ class Region:
         """The gathered input, for a consumer's weight gradient: gathered at the first ask, released after the
         last."""
         if self.full is None:
-            self.full = _gather_seq(self.ctx, self.gather.saved_tensors[0])
+            self.full = _gather_seq(self.ctx, self.gather().saved_tensors[0])
         full = self.full
         self.input_served += 1
         if self.input_served == self.input_users:
@@ -168,7 +171,7 @@ class GatherSeq(torch.autograd.Function):
         fctx.set_materialize_grads(False)
         if region is not None:
             fctx.save_for_backward(x)
-            region.gather = fctx
+            region.gather = weakref.ref(fctx)
         return _gather_seq(ctx, x)
 
     @staticmethod

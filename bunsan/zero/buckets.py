@@ -15,9 +15,16 @@ full bucket's collective (`launch(k)`) starts at once, async, so it overlaps the
 rest of backward. Buckets launch strictly in order, so every rank issues the same
 collectives in the same sequence; buckets whose parameters got no gradient are
 launched by `finish()`. Averaging is SUM then a multiply (gloo has no AVG).
+
+The hooks reach their BucketHooks through a weak reference. torch's garbage collector does not see what a
+post-accumulate-grad hook holds, so a hook that held its owner (and through it the parameters, the engine, its
+process groups and shared-memory rings) would keep all of it alive after the engine was dropped; a program that
+builds engines repeatedly would keep every one. When the BucketHooks goes, its hooks are removed.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn as nn
@@ -96,18 +103,20 @@ class BucketHooks:
         self._pending: list[int] = []
         self._next = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+        weakref.finalize(self, _remove, self._hooks)
 
     def _make_hook(self, i: int):
-        bucket = self.bucket_of[i]
+        bucket, owner = self.bucket_of[i], weakref.ref(self)     # weak: see the module docstring
 
         def hook(param):
-            if not self.active:
+            hooks = owner()
+            if hooks is None or not hooks.active:
                 return
-            if self.on_grad is not None:
-                self.on_grad(i, param)
-            if self.overlap:
-                self._pending[bucket] -= 1
-                self._launch_ready()
+            if hooks.on_grad is not None:
+                hooks.on_grad(i, param)
+            if hooks.overlap:
+                hooks._pending[bucket] -= 1
+                hooks._launch_ready()
         return hook
 
     def begin(self) -> None:
@@ -128,5 +137,9 @@ class BucketHooks:
         self.active = False
 
     def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
+        _remove(self._hooks)
+
+
+def _remove(handles) -> None:
+    for h in handles:
+        h.remove()
