@@ -164,7 +164,9 @@ def saved_bytes(model, ids) -> float:
     def pack(t):
         if t.untyped_storage().data_ptr() not in skip:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+        # detached: a node's own output packed as itself would hold the node (a cycle through C++ that the
+        # garbage collector cannot see, keeping the graph and the rings of its collectives); no backward runs
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(ids)
