@@ -17,7 +17,6 @@ from live_bytes import LiveBytes
 V = 97          # prime: over 2 ranks the table pads to 98, and rank 1 holds one padding column
 SHAPE = (3, 41)  # 123 rows: no chunk size here divides them evenly by accident
 TP = 2
-_COMM = []      # one Comm per worker process (its shared-memory ring is made once)
 
 
 def _head(vocab: int, tp: int = TP):
@@ -29,9 +28,7 @@ def _head(vocab: int, tp: int = TP):
     if tp == 1:
         ctx = TPContext(Comm(), Group("tp", None, 1, 0, (0,)))
     else:
-        if not _COMM:
-            _COMM.append(Comm(timeout_s=60))
-        ctx = TPContext(_COMM[0], Mesh.create(tp=tp).tp_group)
+        ctx = TPContext(Comm(timeout_s=60), Mesh.create(tp=tp).tp_group)
     return VocabParallelHead(nn.Linear(4, vocab, bias=False), ctx)
 
 
