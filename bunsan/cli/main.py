@@ -48,10 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv
     from bunsan.cli.errors import USER_ERRORS, report
+    from bunsan.comm.process_group import note_failure
     try:
-        return COMMANDS[args.cmd](args)
+        rc = COMMANDS[args.cmd](args)
     except USER_ERRORS as e:
-        return report(args.cmd, e)
+        rc = report(args.cmd, e)
+    if rc:
+        note_failure()      # a failing rank leaves at once: its peers may never reach the exit barrier
+    return rc
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,10 @@ from bunsan.comm.work import CommError, first_line
 
 
 DEFAULT_TIMEOUT_S = {"nccl": 600.0, "gloo": 120.0}   # train.timeout_s unset (see collective_timeout)
+# The longest a rank that finished waits at exit for its peers to finish too (one still saving, say): past it,
+# it exits alone (_destroy_at_exit).
+EXIT_WAIT_S = 60.0
+_FAILED: list = []     # this process is ending on a failure (note_failure, or an uncaught exception)
 
 
 def collective_timeout(timeout_s: float | None, backend: str) -> float:
@@ -119,17 +124,39 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         # A world of one: no launcher, no ports, same code paths.
         store = dist.HashStore()
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout, **extra)
+    sys.excepthook = _noting_failure(sys.excepthook)
     atexit.register(_destroy_at_exit)
     return device
 
 
+def note_failure() -> None:
+    """This process is ending on a failure it reported itself (an exit status, not an uncaught exception):
+    it leaves without waiting for its peers at exit."""
+    _FAILED.append(None)
+
+
+def _noting_failure(hook):
+    def excepthook(kind, value, traceback):
+        _FAILED.append(value)
+        hook(kind, value, traceback)
+    return excepthook
+
+
 def _destroy_at_exit() -> None:
     """A process that exits with its process group alive can abort in the backend's teardown (torch 2.13 +
-    gloo: "terminate called without an active exception", SIGABRT, about half the time) after a run that
-    finished: scripts rarely destroy the group themselves, so bunsan does, for the group it made. No barrier
-    here: a peer that failed would make it wait for the whole timeout."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    gloo: "terminate called without an active exception", SIGABRT) after a run that finished: scripts rarely
+    destroy the group themselves, so bunsan does, for the group it made. A gloo rank that leaves while a peer
+    still holds a connection to it can abort that peer's exit the same way, so a rank that finished first
+    (its peers still saving, say) waits for them at a barrier first, for at most EXIT_WAIT_S; one that is
+    ending on a failure does not (its peers may never come)."""
+    if not dist.is_initialized():
+        return
+    if not _FAILED and dist.get_world_size() > 1 and backend_name() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_WAIT_S))
+        except Exception:           # a peer failed, left, or is still busy past the wait: leave as it did
+            pass
+    dist.destroy_process_group()
 
 
 def shutdown_distributed() -> None:
