@@ -15,7 +15,7 @@ requests one after another over its own keep-alive connection, streamed, timing 
 batches, the first token timed by a logits processor. vLLM's CPU build and `transformers serve` (with and
 without continuous batching) run from a venv of their own (serve_peers.py). The server leaves a core to its
 event loop (serve.server.cpu_threads, as `bunsan serve` does); `--load N` spins N processes beside every
-contender's clients (loaded cores).
+contender's clients (loaded cores), spinner i pinned to the i-th core.
 """
 
 from __future__ import annotations
@@ -156,14 +156,18 @@ def _clients(c: int, per_client: int, one) -> list[str]:
             f"{_p(ttft, 0.99):.3f}", f"{_p(gaps, 0.5):.3f}", f"{_p(gaps, 0.99):.3f}"]
 
 
-def _spin(stop) -> None:
+def _spin(stop, core: int) -> None:
+    os.sched_setaffinity(0, {core})
     while not stop.is_set():
         pass
 
 
 class BusyCores:
     """`n` processes spinning on the CPU while the clients run: the "loaded cores" case (another tenant's job),
-    the same for every contender."""
+    the same for every contender. Spinner i is pinned to the i-th core this process may use (round robin):
+    left to the scheduler, where a spinner lands depends on what the server did while idle (a server whose
+    worker polls a pinned core keeps both spinners off it, one that sleeps gets one on its model's core), so
+    two contenders would not meet the same load."""
 
     def __init__(self, n: int):
         self.n, self.procs = n, []
@@ -171,7 +175,9 @@ class BusyCores:
     def __enter__(self):
         ctx = multiprocessing.get_context("spawn")
         self.stop = ctx.Event()
-        self.procs = [ctx.Process(target=_spin, args=(self.stop,), daemon=True) for _ in range(self.n)]
+        cores = sorted(os.sched_getaffinity(0))
+        self.procs = [ctx.Process(target=_spin, args=(self.stop, cores[i % len(cores)]), daemon=True)
+                      for i in range(self.n)]
         for p in self.procs:
             p.start()
         return self
@@ -321,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-venv", type=Path, default=Path("/tmp/bunsan-vllm-venv"),
                    help="where the peers' venv is (made when missing)")
     p.add_argument("--load", type=int, default=0, metavar="N",
-                   help="N processes spinning on the CPU while the clients run (loaded cores; default 0: quiet)")
+                   help="N processes spinning on the CPU while the clients run, the i-th pinned to the i-th core "
+                        "(loaded cores; default 0: quiet)")
     p.add_argument("--threads", type=int, default=None,
                    help="bunsan serve's torch threads (default: its own, every core but one)")
     p.add_argument("--rounds", type=int, default=1,
@@ -339,8 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = rounds[0] if a.rounds == 1 else medians(rounds)
     header = ["contender", "clients", "requests", "tokens/s", "TTFT p50 s", "TTFT p99 s", "ITL p50 s", "ITL p99 s",
               "note"]
-    load = (f"- {a.load} spinning processes beside the clients ({'loaded' if a.load else 'quiet'} cores); load "
-            f"average (1 min) before and after: {load_before:.1f}, {os.getloadavg()[0]:.1f}")
+    load = (f"- {a.load} spinning processes beside the clients"
+            + (", spinner i pinned to core i (loaded cores)" if a.load else " (quiet cores)")
+            + f"; load average (1 min) before and after: {load_before:.1f}, {os.getloadavg()[0]:.1f}")
     notes = [load] + ([f"- {a.rounds} rounds of the whole field, one after another: each figure the median of "
                        "the rounds' (the note: every round's tokens/s)"] if a.rounds > 1 else [])
     write_table(f"Serving: bunsan serve vs the others ({a.max_tokens} new tokens, 256-token shared prefix)", header,
