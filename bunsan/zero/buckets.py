@@ -16,10 +16,10 @@ rest of backward. Buckets launch strictly in order, so every rank issues the sam
 collectives in the same sequence; buckets whose parameters got no gradient are
 launched by `finish()`. Averaging is SUM then a multiply (gloo has no AVG).
 
-The hooks reach their BucketHooks through a weak reference. torch's garbage collector does not see what a
-post-accumulate-grad hook holds, so a hook that held its owner (and through it the parameters, the engine, its
-process groups and shared-memory rings) would keep all of it alive after the engine was dropped; a program that
-builds engines repeatedly would keep every one. When the BucketHooks goes, its hooks are removed.
+The hooks reach their BucketHooks through a weak reference. Python's garbage collector does not see what torch
+holds for a post-accumulate-grad hook, so a hook that held its owner (and through it the parameters, the engine,
+its process groups and shared-memory rings) would keep all of it alive after the engine was dropped; a program
+that builds engines repeatedly would keep every one. When the BucketHooks goes, its hooks are removed.
 """
 
 from __future__ import annotations
