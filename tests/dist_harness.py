@@ -29,7 +29,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _mapped_rings() -> int:
+def mapped_rings() -> int:
     """How many of bunsan's shared-memory files this process holds (a mapping keeps a descriptor)."""
     held = 0
     for fd in os.listdir("/proc/self/fd"):
@@ -42,10 +42,10 @@ def _mapped_rings() -> int:
 
 def _run_job(fn, args):
     result = fn(*args)
-    if _mapped_rings():
+    if mapped_rings():
         gc.collect()                # cycles the job left are not leaks
-        if _mapped_rings():
-            raise AssertionError(f"{fn.__name__} left {_mapped_rings()} shared-memory ring(s) mapped after its "
+        if mapped_rings():
+            raise AssertionError(f"{fn.__name__} left {mapped_rings()} shared-memory ring(s) mapped after its "
                                  "objects were dropped: something it built is still referenced")
     return result
 

@@ -193,12 +193,13 @@ def _engines_in_a_row(rank, world, cfg, rounds):
     """A program that builds, trains and drops an engine `rounds` times: the rings each one mapped go with it."""
     import gc
 
+    from dist_harness import mapped_rings
     from parity import Setup, train
     held = []
     for _ in range(rounds):
         train(rank, world, cfg, Setup(steps=1, rows=4, seq=16))
         gc.collect()                    # (Python collects cycles by itself too, later)
-        held.append(sum("bunsan-shm" in f for f in _open_files()))
+        held.append(mapped_rings())
     return held
 
 
