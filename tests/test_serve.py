@@ -348,7 +348,9 @@ def test_prepacked_linears_give_the_models_logits_and_keep_its_parameters(kind, 
     through the batcher equal the unpacked model's."""
     import copy
 
-    from bunsan.serve.cpu_linear import PackedLinear, pack_linears, packable
+    from collections import Counter
+
+    from bunsan.serve.cpu_linear import PackedGroupMember, PackedLinear, pack_linears, packable
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if kind == "llama":
@@ -369,6 +371,10 @@ def test_prepacked_linears_give_the_models_logits_and_keep_its_parameters(kind, 
     assert params(packed) == params(model)
     heads = [m for m in packed.modules() if isinstance(m, PackedLinear) and not m.weight.is_meta]
     assert len(heads) == (kind == "qwen2-tied")                    # the tied head's weight is the embedding's
+    # each attention's q/k/v (Qwen2's with biases) and each MLP's gate/up run as one GEMM
+    groups = Counter(id(m.group) for m in packed.modules() if isinstance(m, PackedGroupMember))
+    layers = model.config.num_hidden_layers
+    assert sorted(groups.values()) == [2] * layers + [3] * layers
     ids = torch.randint(3, 250, (1, 20))
     with torch.no_grad():
         want = model(ids) if kind == "llama" else model.hf_model(ids).logits
@@ -385,3 +391,41 @@ def test_prepacked_linears_give_the_models_logits_and_keep_its_parameters(kind, 
             run_until_done(batcher, ended, 3)
             outs.append(got_ids)
         assert outs[0] == outs[1]
+
+
+def test_a_packed_group_gives_each_member_its_own_layers_output_however_it_is_called():
+    """q/k/v_proj packed as one GEMM (serve/cpu_linear.py) take their columns of one output only while their
+    input is the same tensor, unchanged: a member called on other states (cross-attention's k/v), the same
+    member twice, or an input changed in place between calls each get what their own nn.Linear gives."""
+    import copy
+
+    from bunsan.serve.cpu_linear import PackedGroupMember, pack_linears, packable
+    torch.manual_seed(0)
+    attention = torch.nn.Module()
+    for name, width in (("q_proj", 48), ("k_proj", 16), ("v_proj", 16)):
+        setattr(attention, name, torch.nn.Linear(32, width, bias=name != "v_proj"))
+    if not packable(attention):
+        pytest.skip("no oneDNN packed GEMM in this torch build")
+    plain = copy.deepcopy(attention)
+    assert pack_linears(attention, rows=8) == 3
+    assert all(isinstance(getattr(attention, n), PackedGroupMember) for n in ("q_proj", "k_proj", "v_proj"))
+    x, states = torch.randn(5, 32), torch.randn(7, 32)
+
+    def check(name, inputs):
+        torch.testing.assert_close(getattr(attention, name)(inputs), getattr(plain, name)(inputs),
+                                   rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        for name in ("v_proj", "q_proj", "k_proj"):        # any order
+            check(name, x)
+        check("q_proj", x)                                 # cross-attention: q on x, k and v on other states
+        check("k_proj", states)
+        check("v_proj", states)
+        check("q_proj", x)                                 # the same member twice on one input
+        check("q_proj", x)
+        check("k_proj", x)
+        x.mul_(2)                                          # changed in place before its last member's call
+        check("v_proj", x)
+        assert attention.q_proj.group._output is not None  # (the new output, for the other two)
+        check("q_proj", x)
+        check("k_proj", x)
+        assert attention.q_proj.group._output is None      # every member served: nothing held
