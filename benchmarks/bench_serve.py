@@ -6,16 +6,17 @@
                                      [--load N] [--markdown benchmarks/RESULTS.md]
 
 The model is a random bunsan Llama with a byte vocabulary (hidden 512, 8 layers, GQA 8/4, 23.5M parameters),
-greedy, fp32. Every prompt is a shared 256-token prefix (a system prompt) and a distinct tail; tokens at and
-above 128 get a logit bias of -100, so every token is a whole character and the first streamed chunk is the
-first token. `bunsan serve` runs as a user starts it, on the model saved as a Hugging Face directory
-(`--slots` = the most clients, so no request waits for a slot; its HTTP server in a process of its own, or in
-the model's with the one-process contender); the clients are threads of this process, each sending its
-requests one after another over its own keep-alive connection, streamed, timing the first chunk. transformers: LlamaForCausalLM with the same weights, `generate` on left-padded
-batches, the first token timed by a logits processor. vLLM's CPU build and `transformers serve` (with and
-without continuous batching) run from a venv of their own (serve_peers.py). The server leaves a core to its
-event loop (serve.server.cpu_threads, as `bunsan serve` does); `--load N` spins N processes beside every
-contender's clients (loaded cores), spinner i pinned to the i-th core.
+greedy, fp32 (`--dtype bf16`: every contender's weights and KV cache in bf16). Every prompt is a shared 256-token
+prefix (a system prompt) and a distinct tail; tokens at and above 128 get a logit bias of -100, so every token is a
+whole character and the first streamed chunk is the first token. `bunsan serve` runs as a user starts it, on the
+model saved as a Hugging Face directory (`--slots` = the most clients, so no request waits for a slot; its HTTP
+server in a process of its own, or in the model's with the one-process contender); the clients are threads of this
+process, each sending its requests one after another over its own keep-alive connection, streamed, timing the first
+chunk. transformers: LlamaForCausalLM with the same weights, `generate` on left-padded batches, the first token
+timed by a logits processor. vLLM's CPU build and `transformers serve` (with and without continuous batching) run
+from a venv of their own (serve_peers.py). The server leaves a core to its event loop (serve.server.cpu_threads, as
+`bunsan serve` does); `--load N` spins N processes beside every contender's clients (loaded cores), spinner i
+pinned to the i-th core.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def bunsan_rows(clients: list[int], per_client: int, max_tokens: int, prefix_reu
                "--slots", str(max(clients)), "--context", str(CONTEXT), "--max-tokens", str(max_tokens),
                "--shutdown-grace", "0", *(["--no-prefix-reuse"] if not prefix_reuse else []),
                *(["--one-process"] if one_process else []),
-               *(["--threads", str(THREADS[0])] if THREADS[0] else [])]
+               "--dtype", DTYPE[0], *(["--threads", str(THREADS[0])] if THREADS[0] else [])]
     log = open(tmp / "serve.log", "w")
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -247,6 +248,8 @@ def _engine(url: str) -> tuple[float, float, float]:
 
 LOAD = [0]          # --load: spinning processes beside every measurement
 THREADS = [None]    # --threads: bunsan serve's torch threads (None: its default)
+DTYPE = ["fp32"]    # --dtype: every contender's weights and KV cache (TORCH_NAMES: torch's and the peers' name)
+TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def transformers_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path) -> list[list[str]]:
@@ -257,7 +260,7 @@ def transformers_rows(clients: list[int], per_client: int, max_tokens: int, tmp:
     from bunsan.training.data import load_tokenizer
     model = _model()
     save_llama(model.state_dict(), model.config, tmp)
-    hf = LlamaForCausalLM.from_pretrained(str(tmp), torch_dtype=torch.float32).eval()
+    hf = LlamaForCausalLM.from_pretrained(str(tmp), torch_dtype=getattr(torch, TORCH_NAMES[DTYPE[0]])).eval()
     tok = load_tokenizer(None)
     bias = torch.zeros(SHAPE["vocab_size"])
     bias[128:] = -100.0
@@ -331,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                         "(loaded cores; default 0: quiet)")
     p.add_argument("--threads", type=int, default=None,
                    help="bunsan serve's torch threads (default: its own, every core but one)")
+    p.add_argument("--dtype", choices=tuple(TORCH_NAMES), default="fp32",
+                   help="every contender's weights and KV cache")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the whole field this many times, one after another, and report medians (a shared "
                         "machine's speed drifts between contenders run minutes apart)")
@@ -338,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error(f"--rounds {a.rounds} must be at least 1")
-    LOAD[0], THREADS[0] = a.load, a.threads
+    LOAD[0], THREADS[0], DTYPE[0] = a.load, a.threads, a.dtype
     clients = [int(c) for c in a.clients.split(",")]
     contenders = a.contenders.split(",")
     load_before = os.getloadavg()[0]
@@ -351,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             + f"; load average (1 min) before and after: {load_before:.1f}, {os.getloadavg()[0]:.1f}")
     notes = [load] + ([f"- {a.rounds} rounds of the whole field, one after another: each figure the median of "
                        "the rounds' (the note: every round's tokens/s)"] if a.rounds > 1 else [])
-    write_table(f"Serving: bunsan serve vs the others ({a.max_tokens} new tokens, 256-token shared prefix)", header,
-                rows, a.markdown, notes)
+    title = f"Serving: bunsan serve vs the others ({a.max_tokens} new tokens, 256-token shared prefix, {a.dtype})"
+    write_table(title, header, rows, a.markdown, notes)
     return 0
 
 
@@ -380,13 +385,14 @@ def field(a, clients: list[int], contenders: list[str]) -> list[list[str]]:
     if "vllm" in contenders:
         from serve_peers import vllm_rows
         with tempfile.TemporaryDirectory() as tmp:
-            rows += vllm_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp), a.vllm_venv, _clients)
+            rows += vllm_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp), a.vllm_venv, _clients,
+                              TORCH_NAMES[a.dtype])
     for contender, continuous in (("hf-serve", False), ("hf-serve-cb", True)):
         if contender in contenders:
             from serve_peers import transformers_serve_rows
             with tempfile.TemporaryDirectory() as tmp:
                 rows += transformers_serve_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp),
-                                                a.vllm_venv, continuous, _clients)
+                                                a.vllm_venv, continuous, _clients, TORCH_NAMES[a.dtype])
     if "transformers" in contenders:
         with tempfile.TemporaryDirectory() as tmp:
             rows += transformers_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp))

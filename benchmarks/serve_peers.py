@@ -56,9 +56,9 @@ def _one_vllm(url: str, i: int, max_tokens: int) -> tuple[float, int, float, lis
 
 
 def vllm_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path, venv: Path,
-              measure) -> list[list[str]]:
+              measure, dtype: str) -> list[list[str]]:
     """vLLM's CPU build serving the same weights (a Llama directory, no tokenizer: token ids in and out), its
-    prefix caching on (its default). `measure`: bench_serve's _clients."""
+    prefix caching on (its default). `measure`: bench_serve's _clients; `dtype`: torch's name (float32...)."""
 
     from bunsan.models.hf import save_llama
     python = vllm_venv(venv)
@@ -67,8 +67,8 @@ def vllm_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path, v
     port = _free_port()
     log = open(tmp / "vllm.log", "w")
     proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(tmp),
-                             "--skip-tokenizer-init", "--max-model-len", str(CONTEXT), "--dtype", "float32", "--port",
-                             str(port), "--served-model-name", "bench", "--max-num-seqs", str(max(clients))],
+                             "--skip-tokenizer-init", "--max-model-len", str(CONTEXT), "--dtype", dtype,
+                             "--port", str(port), "--served-model-name", "bench", "--max-num-seqs", str(max(clients))],
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -111,7 +111,7 @@ def _one_transformers(url: str, model: str, i: int, max_tokens: int) -> tuple[fl
 
 
 def transformers_serve_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path, venv: Path,
-                            continuous: bool, measure) -> list[list[str]]:
+                            continuous: bool, measure, dtype: str) -> list[list[str]]:
     """`transformers serve` (the venv's transformers) on the same weights with a byte tokenizer, fp32, greedy."""
     from bunsan.models.hf import save_llama
     python = vllm_venv(venv)
@@ -122,7 +122,7 @@ def transformers_serve_rows(clients: list[int], per_client: int, max_tokens: int
     log = open(tmp / "transformers.log", "w")
     flag = "--continuous-batching" if continuous else "--no-continuous-batching"
     proc = subprocess.Popen([str(python.parent / "transformers"), "serve", str(tmp), flag, "--device", "cpu",
-                             "--dtype", "float32", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+                             "--dtype", dtype, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     name = f"transformers serve, continuous batching {'on' if continuous else 'off'}"
     try:
