@@ -25,6 +25,7 @@ DEFAULT_TIMEOUT_S = {"nccl": 600.0, "gloo": 120.0}   # train.timeout_s unset (se
 # it exits alone (_destroy_at_exit).
 EXIT_WAIT_S = 60.0
 _FAILED: list = []     # this process is ending on a failure (note_failure, or an uncaught exception)
+_EXIT_HOOKED: list = []   # the failure hook and the exit teardown are installed (once per process)
 
 
 def collective_timeout(timeout_s: float | None, backend: str) -> float:
@@ -124,8 +125,10 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         # A world of one: no launcher, no ports, same code paths.
         store = dist.HashStore()
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout, **extra)
-    sys.excepthook = _noting_failure(sys.excepthook)
-    atexit.register(_destroy_at_exit)
+    if not _EXIT_HOOKED:      # (once per process: one that makes its group again gets no second wrapper)
+        sys.excepthook = _noting_failure(sys.excepthook)
+        atexit.register(_destroy_at_exit)
+        _EXIT_HOOKED.append(True)
     return device
 
 
