@@ -16,17 +16,12 @@ import gc
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
+
+from node_harness import free_port
 
 TIMEOUT_S = 180  # a whole test function on every rank
 COLLECTIVE_TIMEOUT_S = 60
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mapped_rings() -> int:
@@ -79,7 +74,7 @@ class Pool:
     def __init__(self, world: int, make_group: bool = True, threads: int = 1):
         ctx = mp.get_context("spawn")
         self.world = world
-        port = _free_port()
+        port = free_port()
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.inboxes[r], self.outbox, make_group,

@@ -3,21 +3,16 @@ on a free port in a thread of the test process."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import httpx
 import torch
 
+from node_harness import free_port
+
 PROMPTS = ["def f(x):", "import os", "a", "class Point:\n    def", "for i in range(10):", "# comment",
            "x = [1, 2,", "return"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until_healthy(proc, url: str, what: str = "the server", timeout_s: float = 120) -> None:

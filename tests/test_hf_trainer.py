@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from node_harness import free_port
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -23,17 +24,11 @@ pytest.importorskip("accelerate")
 SCRIPT = Path(__file__).with_name("hf_trainer_script.py")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(tmp_path: Path, stage: str, source: str, optim: str, *extra: str) -> list[float]:
     out = tmp_path / f"{stage}-{source}-{optim}.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TRANSFORMERS_VERBOSITY": "error"}
     launch = [sys.executable] if stage == "none" else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port())]
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     proc = subprocess.run([*launch, str(SCRIPT), str(out), stage, source, optim, *extra], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

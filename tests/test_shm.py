@@ -173,10 +173,10 @@ def _exits_midway(rank: int, port: int, results) -> None:
 
 def test_a_peer_process_that_exits_is_noticed_before_the_timeout():
     import multiprocessing as mp
-    from dist_harness import _free_port
+    from node_harness import free_port
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_exits_midway, args=(r, port, results), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
