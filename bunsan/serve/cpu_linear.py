@@ -20,6 +20,7 @@ a layer whose packed output does not match nn.Linear's on a probe stays as it wa
 from __future__ import annotations
 
 from collections import Counter
+from itertools import accumulate
 
 import torch
 import torch.nn as nn
@@ -65,7 +66,7 @@ class PackedGroup:
         if any(linear.bias is not None for linear in linears):
             self.bias = torch.cat([linear.bias.detach() if linear.bias is not None else
                                    weight.new_zeros(linear.out_features) for linear in linears])
-        ends = torch.tensor([linear.out_features for linear in linears]).cumsum(0).tolist()
+        ends = list(accumulate(linear.out_features for linear in linears))
         self.columns = [slice(start, end) for start, end in zip([0] + ends[:-1], ends)]
         self._input: torch.Tensor | None = None     # what the held output was computed from, and its version
         self._version = -1
