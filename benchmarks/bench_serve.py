@@ -252,52 +252,6 @@ DTYPE = ["fp32"]    # --dtype: every contender's weights and KV cache (TORCH_NAM
 TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-def transformers_rows(clients: list[int], per_client: int, max_tokens: int, tmp: Path) -> list[list[str]]:
-    import torch
-    from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
-
-    from bunsan.models.hf import save_llama
-    from bunsan.training.data import load_tokenizer
-    model = _model()
-    save_llama(model.state_dict(), model.config, tmp)
-    hf = LlamaForCausalLM.from_pretrained(str(tmp), torch_dtype=getattr(torch, TORCH_NAMES[DTYPE[0]])).eval()
-    tok = load_tokenizer(None)
-    bias = torch.zeros(SHAPE["vocab_size"])
-    bias[128:] = -100.0
-
-    class FirstToken(LogitsProcessor):
-        def __init__(self):
-            self.at = None
-
-        def __call__(self, input_ids, scores):
-            self.at = self.at or time.perf_counter()
-            return scores + bias
-    with torch.no_grad():                                           # warm-up
-        hf.generate(torch.tensor([tok.encode(_prompt(0))]), max_new_tokens=4, do_sample=False, pad_token_id=0)
-    rows = []
-    for c in clients:
-        busy = BusyCores(LOAD[0]).__enter__()
-        ttft, gaps, tokens, start = [], [], 0, time.perf_counter()
-        for b in range(per_client):
-            ids = [tok.encode(_prompt(b * c + k)) for k in range(c)]
-            width = max(map(len, ids))
-            batch = torch.tensor([[0] * (width - len(x)) + x for x in ids])
-            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-            first, t0 = FirstToken(), time.perf_counter()
-            with torch.no_grad():
-                out = hf.generate(batch, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                  do_sample=False, logits_processor=LogitsProcessorList([first]), pad_token_id=0)
-            ttft += [first.at - t0] * c
-            gaps.append((time.perf_counter() - first.at) / max(1, out.shape[1] - width - 1))   # the batch's steps
-            tokens += (out.shape[1] - width) * c
-        wall = time.perf_counter() - start
-        busy.__exit__()
-        rows.append(["transformers generate, static batches", str(c), str(c * per_client), f"{tokens / wall:.1f}",
-                     f"{_p(ttft, 0.5):.3f}", f"{_p(ttft, 0.99):.3f}", f"{_p(gaps, 0.5):.3f}",
-                     f"{_p(gaps, 0.99):.3f}", f"batches of {c}"])
-    return rows
-
-
 def machine() -> str:
     import torch
     try:
@@ -395,7 +349,9 @@ def field(a, clients: list[int], contenders: list[str]) -> list[list[str]]:
                                                 a.vllm_venv, continuous, _clients, TORCH_NAMES[a.dtype])
     if "transformers" in contenders:
         with tempfile.TemporaryDirectory() as tmp:
-            rows += transformers_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp))
+            from serve_generate import transformers_rows
+            rows += transformers_rows(clients, a.requests_per_client, a.max_tokens, Path(tmp), a.load,
+                                      TORCH_NAMES[a.dtype])
     return rows
 
 
