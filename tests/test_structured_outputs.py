@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -226,3 +227,17 @@ def test_bpe_regex_choice_and_digits_of_other_scripts(bpe_server):
         assert r.status_code == 200, r.text
         for choice in r.json()["choices"]:
             assert choice["finish_reason"] == "stop" and valid(choice["text"]), (extra, choice)
+
+
+def test_without_llguidance_free_text_needs_nothing_and_a_constraint_is_a_clear_501(monkeypatch):
+    """llguidance is `bunsan[serve]`'s optional extra: a plain completion must not import it (the GPU check's
+    server answered every plain completion 500 where it was missing), and a constraint says what to install."""
+    from bunsan.serve.errors import ApiError
+    from bunsan.serve.structured import grammar_request
+    monkeypatch.setitem(sys.modules, "llguidance", None)          # import llguidance -> ImportError
+    assert grammar_request(None, None, {}) is None
+    assert grammar_request({"type": "text"}, None, {}) is None
+    with pytest.raises(ApiError) as e:
+        grammar_request({"type": "json_object"}, None, {})
+    assert e.value.status == 501 and "llguidance" in e.value.message and "pip install" in e.value.message
+    assert e.value.param == "response_format"

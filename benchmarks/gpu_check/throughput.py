@@ -104,7 +104,9 @@ def _start_over(compiled: bool) -> None:
     free_memory()
     if compiled:     # a fresh dynamo cache per compiled run: no recompile limit reached, no stale graphs
         import torch._dynamo
+        from torch._dynamo.utils import counters
         torch._dynamo.reset()
+        counters.clear()     # reset() keeps them: each run's unique_graphs would include the runs before it
 
 
 def _measure(step, dev, plan: Plan, mb: int, result_kwargs: dict) -> Result:

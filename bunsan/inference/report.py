@@ -25,8 +25,10 @@ from bunsan.inference.placement import human
 
 def start(max_memory: dict | None) -> int:
     """Reset the peaks about to be measured; returns the resident set now (the CPU's baseline)."""
-    for d in max_memory or {}:
-        if isinstance(d, int) and torch.cuda.is_available():
+    gpus = [d for d in max_memory or {} if isinstance(d, int)]
+    if gpus and torch.cuda.is_available():
+        torch.cuda.init()        # the caching allocator's statistics exist only once CUDA is initialized
+        for d in gpus:
             torch.cuda.reset_peak_memory_stats(d)
     reset_peak_memory()
     return current_rss_bytes()

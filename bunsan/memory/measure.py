@@ -20,6 +20,7 @@ def reset_peak_memory(device: torch.device | None = None) -> None:
     """Start a new peak: CUDA's allocator statistics, and on CPU the kernel's high-water mark of the
     resident set (/proc/self/clear_refs "5", Linux >= 4.0; VmHWM then reports the peak since)."""
     if device is not None and device.type == "cuda":
+        torch.cuda.init()        # before CUDA's first use the allocator has no statistics to reset
         torch.cuda.reset_peak_memory_stats(device)
         return
     try:

@@ -39,7 +39,6 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 def grammar_request(response_format, structured: dict | None, legacy: dict) -> str | None:
     """The llguidance grammar a request asks for (None: free text); a 400 naming what is wrong."""
-    import llguidance
     asked = [(f"structured_outputs.{k}", k, v) for k, v in (structured or {}).items() if v is not None]
     asked += [(name, LEGACY[name], v) for name, v in legacy.items() if v is not None]
     if response_format is not None:
@@ -60,8 +59,9 @@ def grammar_request(response_format, structured: dict | None, legacy: dict) -> s
         raise ApiError(400, f"{' and '.join(a[0] for a in asked)} both constrain the output; send one",
                        param=asked[1][0])
     if not asked:
-        return None
+        return None                      # free text needs no grammar library: serving works without llguidance
     param, kind, value = asked[0]
+    llguidance = _llguidance(param)
     if kind == "json":
         if not isinstance(value, (dict, bool)):
             raise ApiError(400, f"{param} is {shown(value)}; a JSON schema is an object", param=param)
@@ -85,6 +85,17 @@ def grammar_request(response_format, structured: dict | None, legacy: dict) -> s
     if problem and not problem.startswith("WARNING"):
         raise ApiError(400, f"{param} cannot be used: {problem}", param=param)
     return grammar
+
+
+def _llguidance(param: str):
+    """llguidance, or a 501 naming the install (it is `bunsan[serve]`'s, optional for free-text serving)."""
+    try:
+        import llguidance
+    except ImportError as e:
+        raise ApiError(501, f"{param}: structured outputs need llguidance, which this server's Python lacks "
+                       f"({e}); install it (pip install 'bunsan[serve]' or llguidance) and restart the server",
+                       param=param) from None
+    return llguidance
 
 
 def ascii_classes(pattern: str) -> str:
