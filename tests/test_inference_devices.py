@@ -247,3 +247,19 @@ def test_the_report_predicts_the_rotary_tables_beside_the_embedding():
     assert on_gpu[0]["total"] == sum(v for k, v in on_gpu[0].items() if k != "total")
     on_disk = predicted(est, dict(TWO_GPUS, embed_tokens="disk"), False)
     assert on_disk["cpu"]["rotary tables"] == est.rope and "rotary tables" not in on_disk[0]
+
+
+def test_measuring_a_gpu_initialises_cuda_before_resetting_its_peak(monkeypatch):
+    """CUDA's caching allocator has no statistics before CUDA's first use: reset_peak_memory_stats then fails
+    ("Invalid device argument"), which is how `generate --device-map auto` failed on the first lent H100."""
+    from bunsan.inference import report
+    from bunsan.memory import measure
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: calls.append("init"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda d=None: calls.append(("reset", d)) if "init" in calls else
+                        (_ for _ in ()).throw(RuntimeError("Invalid device argument")))
+    report.start({0: 1 << 30, "cpu": 1 << 30})
+    measure.reset_peak_memory(torch.device("cuda", 0))
+    assert calls[0] == "init" and ("reset", 0) in calls and ("reset", torch.device("cuda", 0)) in calls
