@@ -9,7 +9,7 @@ from bunsan.config.root import Config
 from bunsan.estimator import estimate_layout
 from bunsan.estimator.layout import Layout
 from bunsan.models.llama import LlamaConfig
-from bunsan.estimator.margin import MEASURED_RATIO, MemoryRule
+from bunsan.estimator.margin import COMPILED_RECOMPUTE_RATIO, MEASURED_RATIO, MemoryRule
 from bunsan.planner.search import layouts, plan
 from bunsan.planner.space import Space
 from bunsan.estimator import load_shape
@@ -287,6 +287,40 @@ def test_the_memory_cut_follows_the_estimates_measured_error():
     assert all(c.peak <= 0.9 * memory and not c.risk for c in flat.ranked)
     assert not {c.layout for c in risky} & {c.layout for c in flat.ranked}
 
+
+
+def test_compiled_whole_block_recompute_is_cut_at_its_own_measured_ratio(tmp_path, capsys):
+    """The H100 self-check measured train.compile + whole-block recompute at 1.311x the estimate (eager and
+    compiled without recompute within 1%): such a layout fits only within memory / 1.311, in `plan --compile`
+    and in `bunsan estimate` of a compiled config; eager, selective and CPU runs keep the common ratios."""
+    rule = MemoryRule()
+    assert rule.for_run(True, "full").high == COMPILED_RECOMPUTE_RATIO
+    assert rule.for_run(False, "full") is rule and rule.for_run(True, "selective") is rule
+    assert rule.for_run(True, "none") is rule and MemoryRule.of(0.1).for_run(True, "full").flat == 0.1
+    args = dict(gpu="a100", seq_len=2048, global_batch=64, keep=0)
+    eager = plan("1b", 8, 40 * GiB, **args)
+    full = min((c for c in eager.ranked if c.layout.checkpointing == "full"), key=lambda c: c.peak)
+    memory = full.peak * 1.2         # fits at 1.119x the estimate, not at 1.311x
+    eager, compiled = plan("1b", 8, memory, **args), plan("1b", 8, memory, compiled=True, **args)
+    by_layout = {c.layout: c for c in compiled.ranked}
+    assert not next(c for c in eager.ranked if c.layout == full.layout).risk
+    assert "at risk" in by_layout[full.layout].risk
+    for c in compiled.ranked:       # every other recompute mode keeps the common ratio
+        ratio = COMPILED_RECOMPUTE_RATIO if c.layout.checkpointing == "full" else MEASURED_RATIO[1]
+        assert (c.peak * ratio <= memory) != bool(c.risk)
+    path = tmp_path / "compiled.json"
+    for compiled_too in (False, True):
+        path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "train": {"compile": compiled_too},
+                                    "activation_checkpointing": {"enabled": True}}))
+        argv = ["estimate", "--model", "1b", "--config", str(path), "--seq-len", "2048"]
+        if not compiled_too:
+            capsys.readouterr()
+            assert main(argv + ["--json"]) == 0
+            peak = json.loads(capsys.readouterr().out)["peak_bytes"]
+        assert main(argv + ["--gpu-memory", str(int(peak * 1.2))]) == 0      # the same peak: compile adds none
+        out = capsys.readouterr().out
+        assert ("peaked at 1.311x this estimate" in out) == compiled_too, out
+        assert ("may NOT fit" in out) == compiled_too, out
 
 def test_long_rows_search_context_parallel_past_8_and_short_ones_do_not():
     """Every power of two the mesh allows to 8; past 8 while each rank keeps 8192 of the row's tokens (a

@@ -149,7 +149,7 @@ def cmd_estimate(args) -> int:
     from bunsan.config.root import Config
     from bunsan.estimator import estimate
     from bunsan.estimator.hardware import gpu_spec
-    from bunsan.estimator.margin import MemoryRule
+    from bunsan.estimator.margin import COMPILED_RECOMPUTE_RATIO, MemoryRule
 
     rule = MemoryRule.of(args.margin)       # the rule `bunsan plan` ranks with: one verdict for a layout
     cfg = Config.load(args.config)
@@ -162,6 +162,7 @@ def cmd_estimate(args) -> int:
         memory = float(gpu_spec(args.gpu).memory_bytes)
     est = estimate(args.model, cfg, gpus=args.gpus, nodes=nodes_for(args.gpus, args.nodes), gpu_memory=memory,
                    device_type=args.device, padding_mask=args.padding_mask)
+    rule = rule.for_run(cfg.train.compile and est.device_type == "cuda", est.layout.checkpointing)
     if args.json:
         from bunsan.cli.plan_json import estimate_json
         print(json.dumps(estimate_json(est, memory, rule), indent=2))
@@ -192,6 +193,10 @@ def cmd_estimate(args) -> int:
                       + (" before activations (not priced: see the table)" if unpriced else "")
                       + f", headroom {est.headroom / GiB:+.2f} GiB; fits to {rule.usable(memory) / GiB:.2f} GiB "
                       f"({rule.usable_line})", highlight=False)
+        if rule.high == COMPILED_RECOMPUTE_RATIO and rule.flat is None:
+            console.print(f"  train.compile with whole-block recompute peaked at {COMPILED_RECOMPUTE_RATIO:g}x this "
+                          "estimate on an H100 (benchmarks/RESULTS.md, GPU self-check): it fits within memory / "
+                          f"{COMPILED_RECOMPUTE_RATIO:g}", highlight=False)
         if verdict == "at risk":
             console.print(f"  {rule.risk(est.peak, memory)}; `bunsan plan` ranks it after the layouts that fit",
                           highlight=False)

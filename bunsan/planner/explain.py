@@ -110,4 +110,6 @@ def explain(plan: Plan, text: str) -> Comparison:
         raise ValueError("--explain compares with the plan's first choice: nothing fits, or the model's step time "
                          "is not modelled (bunsan prices step time for Llama-shaped models)")
     asked = plan.pricing.price(parse_layout(text, plan))
-    return Comparison(plan.best, asked, plan.gpu_memory, plan.rule)
+    return Comparison(plan.best, asked, plan.gpu_memory,
+                      plan.rule.for_run(plan.pricing.compiled and plan.pricing.device_type != "cpu",
+                                        asked.layout.checkpointing))

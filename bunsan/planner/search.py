@@ -67,7 +67,8 @@ class Pricing:
         if self.shape.llama is not None:
             step = step_time(self.shape.llama, lay, self.gpu, self.intra, self.inter, self.per_node, self.efficiency,
                              self.attention, self.compiled, self.overlap)
-        return Candidate(lay, est, step, risk=self.rule.risk(est.peak, self.memory))
+        rule = self.rule.for_run(self.compiled and self.device_type != "cpu", lay.checkpointing)
+        return Candidate(lay, est, step, risk=rule.risk(est.peak, self.memory))
 
 
 @dataclass
@@ -157,19 +158,21 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
         considered += 1
         est = estimate_layout(shape, lay, nodes=nodes, gpu_memory=memory, device_type=device_type,
                               ranks=ranks(lay.tp, lay.pp, lay.virtual_stages))
-        if not rule.fits(est.peak, memory) and device_type != "cpu" and space.activation_offload:
+        # compiled recompute has its own measured error (on CUDA)
+        lay_rule = rule.for_run(compiled and device_type != "cpu", lay.checkpointing)
+        if not lay_rule.fits(est.peak, memory) and device_type != "cpu" and space.activation_offload:
             # offload the activations of the blocks that do not fit
-            lay, est = _offload_what_does_not_fit(shape, lay, est, rule, lambda offloaded: estimate_layout(
+            lay, est = _offload_what_does_not_fit(shape, lay, est, lay_rule, lambda offloaded: estimate_layout(
                 shape, offloaded, nodes=nodes, gpu_memory=memory, device_type=device_type,
                 ranks=ranks(lay.tp, lay.pp, lay.virtual_stages)))
-        cand = Candidate(lay, est, risk=rule.risk(est.peak, memory))
+        cand = Candidate(lay, est, risk=lay_rule.risk(est.peak, memory))
         if host_ok(est) and (smallest is None or est.peak < smallest.peak):
             smallest = cand
-        if not rule.ranked(est.peak, memory) or not host_ok(est):
+        if not lay_rule.ranked(est.peak, memory) or not host_ok(est):
             too_big += 1
-            if not rule.ranked(est.peak, memory):
+            if not lay_rule.ranked(est.peak, memory):
                 rejected.add("memory", example=f"{lay.describe()} peaks at {est.peak / GiB:.1f} GiB, "
-                                               f"{rule.dropped(memory)}")
+                                               f"{lay_rule.dropped(memory)}")
             else:
                 rejected.add("host_memory", example=f"{lay.describe()} keeps {est.host_per_node / GiB:,.0f} GiB "
                                                     f"per node in host memory, against {host_memory / GiB:,.1f} GiB")
