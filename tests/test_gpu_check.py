@@ -30,6 +30,7 @@ EXPECTED = {
                    "bunsan compiled", "torch compiled (autocast)", "bunsan compiled checkpointing",
                    "memory bunsan eager", "memory bunsan eager checkpointing", "memory bunsan compiled",
                    "memory bunsan compiled checkpointing"],
+    "kernels": ["gemm by shape", "flash attention by length", "compiled recompute memory", "element-wise passes"],
 }
 
 
@@ -123,6 +124,22 @@ def test_inference_rows_generate_and_serve(report):
     serve = rows[("inference", "serve tokens/s")]["numbers"]
     assert serve["tokens_per_s"] > 0 and serve["health"]["status"] == "ok"
 
+
+
+def test_kernel_rows_carry_the_figures_the_planner_is_fitted_to(report):
+    rows = _rows(report)
+    gemm = rows[("kernels", "gemm by shape")]["numbers"]
+    assert {g["kind"] for g in gemm["gemms"]} == {"forward", "dgrad", "wgrad"}
+    assert all(g["tflops"] > 0 and g["of_reference"] > 0 and {"m", "k", "n"} <= set(g) for g in gemm["gemms"])
+    flash = rows[("kernels", "flash attention by length")]["numbers"]["flash"]
+    assert {f["kind"] for f in flash} == {"causal", "chunk"} and all(f["seconds"] > 0 for f in flash)
+    passes = rows[("kernels", "element-wise passes")]["numbers"]
+    for op in ("rms_norm", "swiglu", "rope"):
+        for mode in ("eager", "compiled"):
+            assert passes[f"{op} {mode}"]["forward_passes"] > 0 and passes[f"{op} {mode}"]["train_s"] > 0
+    modes = rows[("kernels", "compiled recompute memory")]["numbers"]["modes"]
+    assert set(modes) == {"eager recompute", "compiled recompute", "compile inside the checkpoint"}
+    assert all(m["saved_by_hooks"] > 0 for m in modes.values())
 
 # -- the verdict logic, without running sections ------------------------------------------------------------
 @pytest.fixture
