@@ -76,6 +76,10 @@ def pricing_json(result) -> dict:
     return {"gpu": {"name": gpu.name, "memory_bytes": gpu.memory_bytes, "peak_flops": dict(gpu.peak_flops),
                     "hbm_bytes_per_s": gpu.hbm_bytes_per_s, "form": gpu.form, "power_w": gpu.power_w,
                     "sms": gpu.sms},
+            "measured_kernels": None if gpu.measured is None else {
+                "source": gpu.measured.source, "device": gpu.measured.device,
+                "reference_tflops": gpu.measured.reference_tflops, "flash_tflops": gpu.measured.flash_tflops,
+                "gemm_shapes": [list(kn) for kn in gpu.measured.gemm], "flash_curve": gpu.measured.flash},
             "gpus_per_node": p.per_node, "intra_link": dataclasses.asdict(p.intra),
             "inter_link": dataclasses.asdict(p.inter), "attention": p.attention, "compiled": p.compiled,
             "gemm_efficiency": K.GEMM_EFFICIENCY if p.efficiency is None else p.efficiency,

@@ -42,6 +42,9 @@ class GPU:
     # the fraction of the datasheet's tensor-core peak the board keeps up through training steps at its rated
     # power (the datasheet counts its boost clock), where published runs have measured it: SUSTAINED_HOPPER
     sustained_fraction: float = 1.0
+    # kernels measured on this board (planner/kernels.py, `plan --kernels`): GEMMs priced by shape, flash
+    # attention by its own curve; None: the constants' sources
+    measured: object = field(default=None, hash=False, compare=False, repr=False)
 
     def flops(self, precision: str) -> float:
         """Dense peak FLOP/s for `precision` (the datasheet's: what MFU is counted against); a clear error where

@@ -24,8 +24,13 @@ def step_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_toke
            f"{gpu.rated_power_w:g} W: hardware.POWER_EXPONENT)" if gpu.power_scale < 1 else "")
         + (f" (x{gpu.sustained_fraction:g} of the peak sustained through training steps: hardware.SUSTAINED_HOPPER)"
            if gpu.sustained_fraction < 1 else "") + "; "
-        + (f"flash attention at FlashAttention-2's measured {gpu.flash_fraction:.1%} of the peak (causal, 16k "
-           "tokens; hardware.py) on the kernel's curve by rows per call (constants.FLASH_BY_CHUNK); "
+        + (f"GEMMs at their shape's rate measured on this board (--kernels {gpu.measured.source}: "
+           f"{gpu.measured.reference_tflops:.0f} TFLOP/s at 8192^3, each shape's over it); "
+           if gpu.measured is not None else "")
+        + ((f"flash attention at {gpu.flash_fraction:.1%} of the peak measured on this board, on its own curve by "
+            "rows per call (--kernels); " if gpu.measured is not None and gpu.measured.flash else
+            f"flash attention at FlashAttention-2's measured {gpu.flash_fraction:.1%} of the peak (causal, 16k "
+            "tokens; hardware.py) on the kernel's curve by rows per call (constants.FLASH_BY_CHUNK); ")
            if attention == "flash" and gpu.flash_fraction else "")
         + "element-wise ops by their bytes, "
         + ("compiled (torch.compile fuses them: constants.HIDDEN_PASSES)" if compiled else

@@ -36,6 +36,8 @@ def gemm(m: int, k: int, n: int, gpu: GPU, precision: str, dtype_bytes: int, eff
     """Seconds for `batch` (m x k) @ (k x n) products: the roofline of FLOPs and HBM bytes."""
     flops = 2.0 * batch * m * k * n
     nbytes = batch * (m * k + k * n + m * n) * dtype_bytes
+    if gpu.measured is not None:        # this board's own rate for the shape (planner/kernels.py)
+        efficiency *= gpu.measured.gemm_factor(m, k, n)
     return max(flops / (gpu.sustained_flops(precision) * gpu.gemm_scale * efficiency),
                nbytes / (gpu.hbm_bytes_per_s * K.HBM_EFFICIENCY))
 
@@ -44,9 +46,12 @@ def streamed(nbytes: float, gpu: GPU) -> float:
     return nbytes / (gpu.hbm_bytes_per_s * K.HBM_EFFICIENCY)
 
 
-def flash_at(tokens: float) -> float:
+def flash_at(tokens: float, gpu: GPU | None = None) -> float:
     """A flash kernel's throughput at `tokens` query rows per call, as a fraction of its long-row plateau
-    (constants.FLASH_BY_CHUNK, interpolated in log2 of the length; held flat past either end)."""
+    (constants.FLASH_BY_CHUNK, or the curve measured on `gpu` (planner/kernels.py), interpolated in log2 of the
+    length; held flat past either end)."""
+    if gpu is not None and gpu.measured is not None and gpu.measured.flash:
+        return gpu.measured.flash_at(tokens)
     points = K.FLASH_BY_CHUNK
     if tokens <= points[0][0]:
         return points[0][1]
@@ -103,8 +108,8 @@ def flash_efficiency(gpu: GPU, efficiency: float, rows: int, keys: int) -> float
     Elsewhere the GEMM efficiency at the row's own length (the causal half at half of it: the same seconds),
     times the curve's figure for `rows` over the row's (context parallelism's chunks)."""
     if gpu.flash_fraction is None:
-        return efficiency * (flash_at(rows) / flash_at(keys) if rows < keys else 1.0)
-    return 2 * gpu.flash_fraction * flash_at(rows) * efficiency / K.GEMM_EFFICIENCY
+        return efficiency * (flash_at(rows, gpu) / flash_at(keys, gpu) if rows < keys else 1.0)
+    return 2 * gpu.flash_fraction * flash_at(rows, gpu) * efficiency / K.GEMM_EFFICIENCY
 
 
 def _attention_core(b: int, s: int, keys: int, heads: int, kv: int, d: int, gpu: GPU, precision: str, nb: int,

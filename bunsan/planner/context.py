@@ -48,13 +48,16 @@ def cp_chunk(layout: Layout) -> int | None:
     return layout.seq_len // (2 * layout.cp) if layout.cp > 1 else None
 
 
-def cp_note(layout: Layout, topo: Topology, attention: str) -> tuple:
+def cp_note(layout: Layout, topo: Topology, attention: str, gpu=None) -> tuple:
     if layout.cp == 1:
         return ()
     per_node, nodes = topo.span(layout.cp, layout.tp)
     chunk = cp_chunk(layout)
-    flash = f"; flash attention on chunks of {chunk} queries at x{flash_at(chunk) / flash_at(layout.seq_len):.2f} " \
-        "the whole row's speed (constants.FLASH_BY_CHUNK)" if attention == "flash" else ""
+    curve = "the measured curve, --kernels" if gpu is not None and gpu.measured is not None else \
+        "constants.FLASH_BY_CHUNK"
+    flash = f"; flash attention on chunks of {chunk} queries at " \
+        f"x{flash_at(chunk, gpu) / flash_at(layout.seq_len, gpu):.2f} the whole row's speed ({curve})" \
+        if attention == "flash" else ""
     return (f"cp: per layer and micro-batch an all-gather of the row's K and V forward (again under recompute) "
             f"and a reduce-scatter of their gradients backward, over {topo.link(layout.cp, layout.tp).name} (the cp "
             f"group's {layout.cp} ranks, tp {layout.tp} apart, sit {per_node} to a node on {nodes} node(s)); ZeRO "

@@ -156,7 +156,7 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
                     gpus=layout.gpus, peak_flops=peak, cp_comm=cp_comm(model, layout, topo, blocks),
                     assumptions=step_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled,
                                                overlap)
-                    + cp_note(layout, topo, attention)
+                    + cp_note(layout, topo, attention, gpu)
                     + tuple(f"overlapped (another framework's): {OVERLAPS[o]}" for o in overlap))
 
 
