@@ -48,7 +48,7 @@ def main(section: Section) -> None:
 
     def flash(row):
         rows = bk.flash(dev, dtype, [64, 128] if dry else bk.SEQS, 256 if dry else 16384, 4 if dry else 32,
-                        2 if dry else 8, 32 if dry else 128)
+                        32 if dry else 128)
         row.numbers.update(flash=rows)
         causal = [r for r in rows if r["kind"] == "causal"]
         top = max(r["tflops"] for r in causal)
