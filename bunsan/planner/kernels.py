@@ -13,7 +13,8 @@ backward by sequence length. With it:
 - flash attention runs at the measured fraction of the dense peak at its best length, and by its own curve
   at shorter rows (in place of constants.FLASH_BY_CHUNK, read off FlashAttention-2's plots).
 
-A file measured on another GPU than the one planned is refused: the curves are the board's own.
+A file measured on another GPU than the one planned is refused: the curves are the board's own. The GEMMs are
+measured in 16-bit; a layout priced in fp32 takes the same shape factors (its peak is the datasheet's fp32).
 """
 
 from __future__ import annotations
