@@ -45,7 +45,11 @@ def test_eager_pays_each_elementwise_op_a_pass_and_compiled_fuses_them():
               + constants.EAGER_ROPE_PASSES * tokens * (c.num_attention_heads + c.num_key_value_heads) * d / t
               + (constants.EAGER_MLP_ACT_PASSES - constants.MLP_ACT_PASSES) * tokens * c.intermediate_size / t)
     assert eager.forward - fused.forward == pytest.approx(compute.streamed(passes * 2, h100))
-    assert eager.backward == pytest.approx(constants.BACKWARD_FACTOR * eager.forward)
+    eager_elementwise = (eager.forward - fused.forward) + compute.streamed(
+        (constants.HIDDEN_PASSES * tokens * h + constants.MLP_ACT_PASSES * tokens * c.intermediate_size / t) * 2, h100)
+    assert eager.backward == pytest.approx(constants.BACKWARD_FACTOR * (eager.forward - eager_elementwise)
+                                           + constants.EAGER_BACKWARD_FACTOR * eager_elementwise)
+    assert fused.backward == pytest.approx(constants.BACKWARD_FACTOR * fused.forward)
 
 
 def test_plan_compile_prices_fused_ops_and_writes_the_compile_it_priced(tmp_path, capsys):

@@ -95,7 +95,10 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
                   + K.EAGER_MLP_ACT_PASSES * tokens * inter / t)
     elementwise = streamed(passes * nb, gpu)
     forward = qkv + o_proj + mlp + core + elementwise
-    return BlockTime(forward=forward, backward=K.BACKWARD_FACTOR * forward, attention_forward=core,
+    # GEMMs and the attention kernel: two of their forward backward; eager element-wise ops: as counted
+    backward = K.BACKWARD_FACTOR * (forward - elementwise) + \
+        (K.BACKWARD_FACTOR if compiled else K.EAGER_BACKWARD_FACTOR) * elementwise
+    return BlockTime(forward=forward, backward=backward, attention_forward=core,
                      o_proj_forward=o_proj)
 
 

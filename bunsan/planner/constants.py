@@ -38,6 +38,12 @@ SCORE_PASSES = 6
 # Backward of an element-wise op reads the saved input and the incoming gradient and writes one gradient:
 # about twice the forward's bytes; a GEMM's backward is two GEMMs of the forward's size.
 BACKWARD_FACTOR = 2.0
+# Eager PyTorch's backward of bunsan's block moves more: counted by a dispatch mode over every aten op of one
+# block's forward and backward (tests/test_planner_passes.py; bf16, fresh gradients), the element-wise ops'
+# backward reads and writes 2.45x their forward's bytes in the 1B preset, 2.46x in 135M and 2.34x in Llama 2
+# 7B (MHA), where their forward is the EAGER_* count within 1% (autograd's own casts, the recomputed rstd, the
+# rotary's backward through cat and neg, each residual's gradient added twice).
+EAGER_BACKWARD_FACTOR = 2.4
 # AdamW step on the rank's fp32 shard, bytes per parameter moved through HBM: master weight, two moments
 # (read + write, 4 bytes each), the fp32 gradient read, the 16-bit weight written.
 OPTIMIZER_BYTES_PER_PARAM = 3 * 2 * 4 + 4 + 2
@@ -71,6 +77,8 @@ SOURCES = (
     ("FLASH_BY_CHUNK", "0.50 at 512 .. 1 at 16k", "FlashAttention-2 (arXiv:2307.08691) Figs. 4 and 7: causal "
      "forward + backward TFLOP/s by sequence length, as a fraction of the 16k figure (read approximately)"),
     ("BACKWARD_FACTOR", BACKWARD_FACTOR, "a GEMM's backward is two GEMMs of its size (dgrad, wgrad)"),
+    ("EAGER_BACKWARD_FACTOR", EAGER_BACKWARD_FACTOR, "eager element-wise backward over forward bytes, counted by a "
+     "dispatch mode over bunsan's block (tests/test_planner_passes.py: 2.34-2.46)"),
     ("OPTIMIZER_BYTES_PER_PARAM", OPTIMIZER_BYTES_PER_PARAM, "counted: fused AdamW on an fp32 shard"),
     ("NCCL_BASE_LATENCY_S", NCCL_BASE_LATENCY_S, "NCCL src/graph/tuning.cc baseLat, ring / Simple"),
     ("nvlink3 / hdr / omnipath", "235 / 20 / 5 GB/s", "hardware.py: NCCL's A100 bus-bandwidth cap; 80% of "
