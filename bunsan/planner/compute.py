@@ -10,13 +10,13 @@ the norms and residuals run on every rank's whole sequence (replicated), with it
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from bunsan.estimator.hardware import GPU
 from bunsan.estimator.layout import Layout
 from bunsan.models.llama import LlamaConfig
 from bunsan.planner import constants as K
+from bunsan.planner.kernels import log2_interpolate
 
 ATTENTION = ("flash", "materialized")
 
@@ -52,13 +52,7 @@ def flash_at(tokens: float, gpu: GPU | None = None) -> float:
     length; held flat past either end)."""
     if gpu is not None and gpu.measured is not None and gpu.measured.flash:
         return gpu.measured.flash_at(tokens)
-    points = K.FLASH_BY_CHUNK
-    if tokens <= points[0][0]:
-        return points[0][1]
-    for (n0, e0), (n1, e1) in zip(points, points[1:]):
-        if tokens <= n1:
-            return e0 + (e1 - e0) * math.log2(tokens / n0) / math.log2(n1 / n0)
-    return points[-1][1]
+    return log2_interpolate(K.FLASH_BY_CHUNK, tokens)
 
 
 def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,

@@ -40,14 +40,15 @@ class MeasuredKernels:
         if not self.gemm:
             return 1.0
         near = min(self.gemm, key=lambda kn: (math.log(kn[0] / k)) ** 2 + (math.log(kn[1] / n)) ** 2)
-        return min(1.0, _interpolate(self.gemm[near], m))
+        return min(1.0, log2_interpolate(self.gemm[near], m))
 
     def flash_at(self, rows: float) -> float:
-        return _interpolate(self.flash, rows) if self.flash else 1.0
+        return log2_interpolate(self.flash, rows) if self.flash else 1.0
 
 
-def _interpolate(points, x: float) -> float:
-    """Linear in log2(x) between measured points; flat past either end."""
+def log2_interpolate(points, x: float) -> float:
+    """Linear in log2(x) between (x, y) points sorted by x; flat past either end (the planner's curves by
+    length: constants.FLASH_BY_CHUNK, and the measured ones here)."""
     if x <= points[0][0]:
         return points[0][1]
     for (x0, y0), (x1, y1) in zip(points, points[1:]):
