@@ -3,6 +3,7 @@ kernel torch.compile builds) against copied out for PyTorch's fused attention, o
 prompts (a 256-byte shared prefix, cascade attention), its linear layers prepacked as the server packs them.
 
     python benchmarks/bench_paged_decode.py [--rows 1,8,16,32,64] [--decoded 5,130] [--steps 30] [--rounds 3]
+        [--dtype fp32|bf16]
 
 For each number of decoding rows and each length decoded so far (the rows' own blocks past the shared prefix
 grow with it), the mean step time over `--steps` steps, the median of `--rounds` rounds, alternating the two
@@ -52,10 +53,11 @@ def main() -> None:
     p.add_argument("--decoded", default="5,130", help="tokens each row decoded before the timed steps")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the weights' and KV cache's")
     a = p.parse_args()
     from bunsan.serve.cpu_linear import pack_linears
     torch.set_num_threads(1)
-    model = _model()
+    model = _model().to({"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype])
     pack_linears(model, rows=64)
     print("| rows | decoded | copies ms | in place ms | in place / copies | auto ms |")
     print("|---|---|---|---|---|---|")

@@ -129,28 +129,30 @@ LAYOUTS = {   # (lengths, counts, block tables, the blocks shared, whether the p
 class _Shape(torch.nn.Module):
     """What PagedCache reads of a model: one layer of `heads` query and `kv` key/value heads of `hd`, on the CPU."""
 
-    def __init__(self, heads: int, kv: int, hd: int):
+    def __init__(self, heads: int, kv: int, hd: int, dtype: torch.dtype = torch.float32):
         from bunsan.serve.transformers_model import ServedShape
         super().__init__()
         self.config = ServedShape("x", 10, heads * hd, 1, heads, kv, hd, 64)
-        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.w = torch.nn.Parameter(torch.zeros(1, dtype=dtype))       # the pools take the weights' dtype
         self.input_device = torch.device("cpu")
 
     def cache_devices(self):
         return [torch.device("cpu")]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("window", [None, 5], ids=["full", "window"])
 @pytest.mark.parametrize("reads", ["in place", "copies"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("softcap,sdpa", [(None, True), (None, False), (5.0, False)], ids=["sdpa", "eager", "softcap"])
 def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_attention(softcap, sdpa, layout, reads,
-                                                                                       window, monkeypatch):
+                                                                                       window, dtype, monkeypatch):
     """One forward of decoding rows and prompt chunks, rows sharing their first two blocks (cascade attention:
     the shared blocks read once; with the chunks too when every row shares them): every token's output equals
     causal attention over its own sequence's keys (within a sliding window: no cascade), grouped heads
     included. The decoding rows' own blocks are read in place by the compiled kernel (paged_decode.py; not
-    with softcap; here whatever their size, MIN_BYTES 0), or copied out for PyTorch's attention."""
+    with softcap; here whatever their size, MIN_BYTES 0), or copied out for PyTorch's attention. A bf16 pool
+    (the fused kernels read it in bf16) within bf16's rounding of the fp32 attention of the same values."""
     from bunsan.serve import paged_decode
     from bunsan.serve.paged import PagedCache
     monkeypatch.setattr(paged_decode, "MIN_BYTES", 0 if reads == "in place" else 1 << 60)
@@ -158,10 +160,13 @@ def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_att
     monkeypatch.setattr(paged_decode.COMPILED, "fn", _counted(paged_decode.COMPILED, calls))
     torch.manual_seed(0)
     heads, kv, hd, bs = 4, 2, 8, 4
-    cache = PagedCache(_Shape(heads, kv, hd), 20, bs)
+    cache = PagedCache(_Shape(heads, kv, hd, dtype), 20, bs)
     lengths, counts, tables, shared, joint = LAYOUTS[layout]
     tables = torch.tensor(tables)
-    history = {j: (torch.randn(kv, lengths[j], hd), torch.randn(kv, lengths[j], hd)) for j in range(len(lengths))}
+
+    def randn(*shape):      # values the pool's dtype holds exactly, so the fp32 reference reads the same ones
+        return torch.randn(*shape).to(dtype).float()
+    history = {j: (randn(kv, lengths[j], hd), randn(kv, lengths[j], hd)) for j in range(len(lengths))}
     for j in history:                                         # rows on blocks 1 and 2 share their 8 tokens
         if j and tables[j, :2].tolist() == [1, 2]:
             for t in history[j]:
@@ -171,11 +176,13 @@ def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_att
             block, at = int(tables[j, p // bs]), p % bs
             cache.k[0][block, at], cache.v[0][block, at] = k[:, p], v[:, p]
     n = sum(counts)
-    q, k, v = torch.randn(1, heads, n, hd), torch.randn(1, kv, n, hd), torch.randn(1, kv, n, hd)
+    q, k, v = randn(1, heads, n, hd), randn(1, kv, n, hd), randn(1, kv, n, hd)
     view = cache.view(tables, torch.tensor(lengths), torch.tensor(counts))
     assert (view.shared, view.joint) == (shared, joint)
     view.windows = [window]
-    out = view.layer(0).attend(q, k, v, None, softcap, sdpa)
+    out = view.layer(0).attend(*(t.to(dtype) for t in (q, k, v)), None, softcap, sdpa)
+    assert out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     start = 0
     for j in range(len(lengths)):
         c = counts[j]
@@ -188,7 +195,7 @@ def test_one_forward_of_decoding_and_prefilling_rows_attends_as_plain_causal_att
         causal = (torch.arange(lengths[j] + c)[None, :] <= at) & (torch.arange(lengths[j] + c)[None, :] > at - (
             window or 10 ** 6))
         want = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ values
-        torch.testing.assert_close(out[0, :, start:start + c], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[0, :, start:start + c].float(), want, rtol=tolerance, atol=tolerance)
         start += c
     # (cascade attention runs the fused kernels whatever `sdpa` says: the eager form's only for unshared rows)
     cascade = shared > 0 and window is None

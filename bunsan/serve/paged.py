@@ -121,14 +121,18 @@ class _PagedLayer:
         tokens, rep, hd], each kv head's query heads side by side -> the same: the shared blocks as one sequence
         of every token's queries per kv head; then each token's own blocks: the decoding tokens (`decoding`
         indexes them) as multi-query rows of rep heads over their kv head, and each prompt chunk of
-        `prefills` (a joint cascade, PagedView.joint) causal over its row's blocks past the shared ones."""
+        `prefills` (a joint cascade, PagedView.joint) causal over its row's blocks past the shared ones.
+        The fused kernel reads the pool in its own dtype (a 16-bit one accumulates in fp32 inside, as
+        transformers' sdpa on the same weights does): no converted copy of the keys and values; the parts'
+        outputs are joined in fp32."""
         w = self.view
         kv, tokens, rep, hd = q.shape
+        low = q.to(pool_k.dtype)                              # the fused kernel's queries: the pool's dtype
         # consecutive blocks (a prefix prefilled into a fresh pool) are read in place; else gathered
         shared = w.shared_run if w.shared_run is not None else w.on("shared_blocks", pool_k.device)
-        pk, pv = (pool[shared].reshape(1, -1, kv, hd).transpose(1, 2).float() for pool in (pool_k, pool_v))
-        first, first_lse = _CPU_FLASH(q.reshape(1, kv, tokens * rep, hd), pk, pv, 0.0, False, scale=scale)
-        first, first_lse = first.view(kv, tokens, rep, hd), first_lse.view(kv, tokens, rep)
+        pk, pv = (pool[shared].reshape(1, -1, kv, hd).transpose(1, 2) for pool in (pool_k, pool_v))
+        first, first_lse = _CPU_FLASH(low.reshape(1, kv, tokens * rep, hd), pk, pv, 0.0, False, scale=scale)
+        first, first_lse = first.float().view(kv, tokens, rep, hd), first_lse.view(kv, tokens, rep)
         own, own_lse = torch.empty_like(first), torch.empty_like(first_lse)
         if w.decoding.numel():
             rows, read = q[:, decoding].transpose(0, 1), None            # [n, kv, rep, hd]
@@ -137,15 +141,14 @@ class _PagedLayer:
                                              w.own_bias(q.device).view(len(rows), -1), scale)
             if read is None:                                            # or copied out
                 keys, values = self._read(w.own_tables, pool_k, pool_v)   # [n, kv, own keys, hd]
-                read = _CPU_FLASH(rows, keys.float(), values.float(), 0.0, False, attn_mask=w.own_bias(q.device),
-                                  scale=scale)
+                read = _CPU_FLASH(low[:, decoding].transpose(0, 1), keys, values, 0.0, False,
+                                  attn_mask=w.own_bias(q.device), scale=scale)
             got, lse = read
-            own[:, decoding], own_lse[:, decoding] = got.transpose(0, 1), lse.transpose(0, 1)
+            own[:, decoding], own_lse[:, decoding] = got.transpose(0, 1).float(), lse.transpose(0, 1)
         for table, start, count, length in prefills:
             keys, values = self._read(table[:, w.shared:], pool_k, pool_v)
-            got, lse = _CPU_FLASH(q[:, start:start + count].reshape(1, kv, count * rep, hd), keys.float(),
-                                  values.float(), 0.0, False, attn_mask=w.own_causal(length, count, rep, q.device),
-                                  scale=scale)
+            got, lse = _CPU_FLASH(low[:, start:start + count].reshape(1, kv, count * rep, hd), keys, values, 0.0,
+                                  False, attn_mask=w.own_causal(length, count, rep, q.device), scale=scale)
             own[:, start:start + count] = got.view(kv, count, rep, hd)
             own_lse[:, start:start + count] = lse.view(kv, count, rep)
         total = torch.logaddexp(first_lse, own_lse)[..., None]
