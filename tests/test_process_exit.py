@@ -16,27 +16,31 @@ from node_harness import free_port
 
 SCRIPT = textwrap.dedent("""
     import atexit, os, sys, time
-    out, slow, failing = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    out, slow, failing, how = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     rank = int(os.environ["RANK"])
     # registered before bunsan's exit handler, so it runs after it: when this rank is leaving
     atexit.register(lambda: open(f"{out}/left-{rank}", "w").write(repr(time.time())))
     from bunsan.comm.process_group import init_distributed
     init_distributed("gloo")
-    if rank == failing:
+    if rank == failing and how == "raise":
         raise RuntimeError("this rank fails")
+    if rank == failing:                     # a script's own failure status: SystemExit, not an exception
+        print("this rank fails", file=sys.stderr)
+        sys.exit(3)
     if rank == slow:
         time.sleep(3)                       # still saving, say
     open(f"{out}/done-{rank}", "w").write(repr(time.time()))
 """)
 
 
-def _launch(tmp_path, slow: int, failing: int) -> tuple[subprocess.CompletedProcess, dict, float]:
+def _launch(tmp_path, slow: int, failing: int, how: str = "raise") -> tuple[subprocess.CompletedProcess, dict,
+                                                                            float]:
     """The run, when each rank finished its work and left (where it got that far), and the run's seconds."""
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(script), str(tmp_path), str(slow), str(failing)],
+                           str(free_port()), str(script), str(tmp_path), str(slow), str(failing), how],
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
     times = {f.name: float(f.read_text()) for f in tmp_path.iterdir() if f.name.startswith(("left", "done"))}
     return proc, times, time.monotonic() - start
@@ -48,10 +52,12 @@ def test_a_rank_that_finished_first_waits_for_its_peer_before_leaving(tmp_path):
     assert t["left-1"] >= t["done-0"]           # rank 1 finished 3 s before rank 0 and left after it
 
 
+@pytest.mark.parametrize("how", ["raise", "sys.exit(3)"])
 @pytest.mark.parametrize("failing", [0, 1])
-def test_a_failing_rank_leaves_at_once_and_nobody_waits_out_the_barrier(tmp_path, failing):
+def test_a_failing_rank_leaves_at_once_and_nobody_waits_out_the_barrier(tmp_path, failing, how):
+    """A rank failing by an uncaught exception, or by its script's own sys.exit with a failure status."""
     other = 1 - failing
-    proc, t, seconds = _launch(tmp_path, slow=other, failing=failing)
+    proc, t, seconds = _launch(tmp_path, slow=other, failing=failing, how=how.split("(")[0])
     assert proc.returncode != 0 and "this rank fails" in proc.stderr
     assert f"done-{failing}" not in t and f"left-{failing}" in t
     # the failing rank left before its slow peer finished (torchrun may end the peer before it does)

@@ -24,7 +24,7 @@ DEFAULT_TIMEOUT_S = {"nccl": 600.0, "gloo": 120.0}   # train.timeout_s unset (se
 # The longest a rank that finished waits at exit for its peers to finish too (one still saving, say): past it,
 # it exits alone (_destroy_at_exit).
 EXIT_WAIT_S = 60.0
-_FAILED: list = []     # this process is ending on a failure (note_failure, or an uncaught exception)
+_FAILED: list = []     # this process is ending on a failure (note_failure, an uncaught exception, sys.exit(1))
 _EXIT_HOOKED: list = []   # the failure hook and the exit teardown are installed (once per process)
 
 
@@ -127,6 +127,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         dist.init_process_group(backend=backend, store=store, rank=0, world_size=1, timeout=timeout, **extra)
     if not _EXIT_HOOKED:      # (once per process: one that makes its group again gets no second wrapper)
         sys.excepthook = _noting_failure(sys.excepthook)
+        sys.exit = _noting_failed_exit(sys.exit)
         atexit.register(_destroy_at_exit)
         _EXIT_HOOKED.append(True)
     return device
@@ -143,6 +144,17 @@ def _noting_failure(hook):
         _FAILED.append(value)
         hook(kind, value, traceback)
     return excepthook
+
+
+def _noting_failed_exit(exit):
+    """sys.exit, noting a failure status first (anything but None and 0, a message included, as Python exits
+    with 1 for it): a script's `sys.exit(1)` and argparse's errors raise SystemExit, which never reaches the
+    excepthook, and would otherwise leave the rank waiting out EXIT_WAIT_S for peers that may never come."""
+    def noting_exit(status=None):
+        if status is not None and status != 0:
+            _FAILED.append(status)
+        exit(status)
+    return noting_exit
 
 
 def _destroy_at_exit() -> None:
