@@ -22,9 +22,14 @@ SCRIPT = textwrap.dedent("""
     atexit.register(lambda: open(f"{out}/left-{rank}", "w").write(repr(time.time())))
     from bunsan.comm.process_group import init_distributed
     init_distributed("gloo")
-    if rank == failing and how == "raise":
+    if rank == failing and how == "thread":   # a worker thread's sys.exit ends that thread, not this rank
+        import threading
+        worker = threading.Thread(target=sys.exit, args=(3,))
+        worker.start()
+        worker.join()
+    elif rank == failing and how == "raise":
         raise RuntimeError("this rank fails")
-    if rank == failing:                     # a script's own failure status: SystemExit, not an exception
+    elif rank == failing:                   # a script's own failure status: SystemExit, not an exception
         print("this rank fails", file=sys.stderr)
         sys.exit(3)
     if rank == slow:
@@ -50,6 +55,13 @@ def test_a_rank_that_finished_first_waits_for_its_peer_before_leaving(tmp_path):
     proc, t, _ = _launch(tmp_path, slow=0, failing=-1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert t["left-1"] >= t["done-0"]           # rank 1 finished 3 s before rank 0 and left after it
+
+
+def test_a_threads_sys_exit_is_no_failure_of_its_rank(tmp_path):
+    """sys.exit(3) on a worker thread ends that thread only: the rank finishes and still waits for its peer."""
+    proc, t, _ = _launch(tmp_path, slow=0, failing=1, how="thread")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert t["left-1"] >= t["done-0"]
 
 
 @pytest.mark.parametrize("how", ["raise", "sys.exit(3)"])

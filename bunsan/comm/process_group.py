@@ -12,6 +12,7 @@ import atexit
 import datetime
 import os
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -149,9 +150,10 @@ def _noting_failure(hook):
 def _noting_failed_exit(exit):
     """sys.exit, noting a failure status first (anything but None and 0, a message included, as Python exits
     with 1 for it): a script's `sys.exit(1)` and argparse's errors raise SystemExit, which never reaches the
-    excepthook, and would otherwise leave the rank waiting out EXIT_WAIT_S for peers that may never come."""
+    excepthook, and would otherwise leave the rank waiting out EXIT_WAIT_S for peers that may never come. Only
+    on the main thread: elsewhere SystemExit ends that thread, not the process."""
     def noting_exit(status=None):
-        if status is not None and status != 0:
+        if status is not None and status != 0 and threading.current_thread() is threading.main_thread():
             _FAILED.append(status)
         exit(status)
     return noting_exit
