@@ -11,9 +11,9 @@ prefix (a system prompt) and a distinct tail; tokens at and above 128 get a logi
 whole character and the first streamed chunk is the first token. `bunsan serve` runs as a user starts it, on the
 model saved as a Hugging Face directory (`--slots` = the most clients, so no request waits for a slot; its HTTP
 server in a process of its own, or in the model's with the one-process contender); the clients are threads of this
-process, each sending its requests one after another over its own keep-alive connection, streamed, timing the first
-chunk. transformers: LlamaForCausalLM with the same weights, `generate` on left-padded batches, the first token
-timed by a logits processor. vLLM's CPU build and `transformers serve` (with and without continuous batching) run
+process, each sending its requests one after another over its own keep-alive connection (its httpx client made
+before the clock starts), streamed, timing the first chunk. transformers: LlamaForCausalLM with the same weights,
+`generate` on left-padded batches, the first token timed by a logits processor. vLLM's CPU build and `transformers serve` (with and without continuous batching) run
 from a venv of their own (serve_peers.py). The server leaves a core to its event loop (serve.server.cpu_threads, as
 `bunsan serve` does); `--load N` spins N processes beside every contender's clients (loaded cores), spinner i
 pinned to the i-th core.
@@ -137,13 +137,18 @@ def _clients(c: int, per_client: int, one) -> list[str]:
             failed.append(f"{type(e).__name__}: {e}")
             return None
 
+    import httpx
+    # Each client's httpx.Client is made before the clock starts, as an application makes its client once: making
+    # one builds an SSL context (~18 ms of CPU each), which would take the served contender's cores in the window
+    ready = [httpx.Client(timeout=600) for _ in range(c)]
+
     def client(k: int) -> list:
+        _LOCAL.client = ready[k]
         try:
             return [answered(k * per_client + j) for j in range(per_client)]
         finally:
-            if getattr(_LOCAL, "client", None) is not None:
-                _LOCAL.client.close()
-                _LOCAL.client = None
+            _LOCAL.client.close()
+            _LOCAL.client = None
     with BusyCores(LOAD[0]), ThreadPoolExecutor(c) as pool:
         start = time.perf_counter()
         done = list(pool.map(client, range(c)))
