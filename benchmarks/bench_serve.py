@@ -13,8 +13,8 @@ model saved as a Hugging Face directory (`--slots` = the most clients, so no req
 server in a process of its own, or in the model's with the one-process contender); the clients are threads of this
 process, each sending its requests one after another over its own keep-alive connection (its httpx client made
 before the clock starts), streamed, timing the first chunk. transformers: LlamaForCausalLM with the same weights,
-`generate` on left-padded batches, the first token timed by a logits processor. vLLM's CPU build and `transformers serve` (with and without continuous batching) run
-from a venv of their own (serve_peers.py). The server leaves a core to its event loop (serve.server.cpu_threads, as
+`generate` on left-padded batches, the first token timed by a logits processor. vLLM's CPU build and `transformers
+serve` (with and without continuous batching) run from a venv of their own (serve_peers.py). The server leaves a core to its event loop (serve.server.cpu_threads, as
 `bunsan serve` does); `--load N` spins N processes beside every contender's clients (loaded cores), spinner i
 pinned to the i-th core.
 """
@@ -139,7 +139,7 @@ def _clients(c: int, per_client: int, one) -> list[str]:
 
     import httpx
     # Each client's httpx.Client is made before the clock starts, as an application makes its client once: making
-    # one builds an SSL context (~18 ms of CPU each), which would take the served contender's cores in the window
+    # one builds an SSL context, CPU work that would otherwise take the served contender's cores in the window
     ready = [httpx.Client(timeout=600) for _ in range(c)]
 
     def client(k: int) -> list:
