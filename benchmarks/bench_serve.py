@@ -14,9 +14,9 @@ server in a process of its own, or in the model's with the one-process contender
 process, each sending its requests one after another over its own keep-alive connection (its httpx client made
 before the clock starts), streamed, timing the first chunk. transformers: LlamaForCausalLM with the same weights,
 `generate` on left-padded batches, the first token timed by a logits processor. vLLM's CPU build and `transformers
-serve` (with and without continuous batching) run from a venv of their own (serve_peers.py). The server leaves a core to its event loop (serve.server.cpu_threads, as
-`bunsan serve` does); `--load N` spins N processes beside every contender's clients (loaded cores), spinner i
-pinned to the i-th core.
+serve` (with and without continuous batching) run from a venv of their own (serve_peers.py). The server leaves a
+core to its event loop (serve.server.cpu_threads, as `bunsan serve` does); `--load N` spins N processes beside
+every contender's clients (loaded cores), spinner i pinned to the i-th core.
 """
 
 from __future__ import annotations
@@ -158,7 +158,8 @@ def _clients(c: int, per_client: int, one) -> list[str]:
     runs = [x for client_runs in done for x in client_runs if x is not None]
     ttft = [t for t, _, _, _ in runs]
     gaps = [g for _, _, _, gs in runs for g in gs] or [float("nan")]
-    return [f"{len(runs)}" + (f" ({len(failed)} failed)" if failed else ""), f"{sum(k for _, k, _, _ in runs) / wall:.1f}", f"{_p(ttft, 0.5):.3f}",
+    requests = f"{len(runs)}" + (f" ({len(failed)} failed)" if failed else "")
+    return [requests, f"{sum(k for _, k, _, _ in runs) / wall:.1f}", f"{_p(ttft, 0.5):.3f}",
             f"{_p(ttft, 0.99):.3f}", f"{_p(gaps, 0.5):.3f}", f"{_p(gaps, 0.99):.3f}"]
 
 
