@@ -64,9 +64,9 @@ where it is common to a group). Groups, oldest first:
   DGX H100 nodes (NVLink4, eight 400 Gb/s NDR links), and a fused flash attention (Transformer Engine's; priced
   as FlashAttention-2's H100 figure, the one measured).
 
-Not added: the Llama 3 paper's Table 4 (405B on 8,192-16,384 H100, TP 8 x CP x PP 16 x DP): only secondary
-transcriptions were found, which disagree on its long-context row's DP (4 or 8); Megatron-LM's strong-scaling
-figure (GPT-3 175B, 96-4,608 GPUs) gives MFU 47% -> 42% without its layouts.
+Held out (tests/published_llama3.py): the Llama 3 paper's Table 4 (405B on 8,192-16,384 H100, TP 8 x CP x PP 16
+x DP), priced, not ranked. Not added: Megatron-LM's strong-scaling figure (GPT-3 175B, 96-4,608 GPUs) gives MFU
+47% -> 42% without its layouts.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ class Run:
     intra: str = "nvlink3"
     attention: str = "materialized"
     compiled: bool = True          # element-wise ops fused (torch.compile, Megatron's fused kernels)
-    count: str = "megatron2021"    # the FLOP count of `measured`: megatron2021, megatron2024, or "tokens"
+    count: str = "megatron2021"    # the FLOP count of `measured`: megatron2021, megatron2024, palm, or "tokens"
     group: str = "Megatron-LM 2021"
     sac: bool = False              # torchtitan's per-op selective checkpointing (layout says "selective")
     overlap: tuple = ()            # the communication its software overlapped (cost.OVERLAPS)
@@ -283,11 +283,18 @@ def megatron_core_flops(model: LlamaConfig, batch: int, seq: int) -> float:
     return 12 * b * s * l * h * h * (2 + s / h + 4 + v / (2 * l * h))
 
 
+def palm_flops(model: LlamaConfig, batch: int, seq: int) -> float:
+    """FLOPs per step as PaLM (Chowdhery et al. 2022, appendix B) and torchtitan count them: 6N + 12·L·h·s a token,
+    N without the input embedding, causal attention counted whole, no recompute term."""
+    n, l, h = model.num_params(include_embedding=False), model.num_hidden_layers, model.hidden_size
+    return batch * seq * (6 * n + 12 * l * h * seq)
+
+
 def per_gpu(run: Run, seconds: float) -> float:
     """`run`'s metric for a step of `seconds`: TFLOP/s per GPU in the source's count, or tokens/s per GPU."""
     if run.count == "tokens":
         return run.global_batch * run.seq_len / seconds / run.gpus
-    count = megatron_flops if run.count == "megatron2021" else megatron_core_flops
+    count = {"megatron2021": megatron_flops, "megatron2024": megatron_core_flops, "palm": palm_flops}[run.count]
     return count(run.model, run.global_batch, run.seq_len) / seconds / run.gpus / 1e12
 
 
