@@ -13,9 +13,10 @@ InfiniBand's 400 Gb/s per GPU), 126 layers, hidden 16,384, GQA 128/8, intermedia
 Assumed, each a note on its run:
 - the FLOP count of "TFLOPs/GPU": PaLM's 6N + 12·L·h·s per token (N without the input embedding; causal
   attention counted whole), as torchtitan's get_num_flop_per_token counts; the paper does not spell it out.
-- micro-batch 1, no activation recompute, TP with sequence parallelism (Megatron's, which the paper cites), fused
-  element-wise kernels (priced compiled; priced eager the rows are 2-12% slow), flash attention
-  (FlashAttention-2's measured H100 fraction).
+- micro-batch 1; no activation recompute (the paper trains 8K sequences without activation checkpointing; the 128K
+  row is assumed the same: with full recompute it would price 24% slow); TP with sequence parallelism (Megatron's,
+  which the paper cites), fused element-wise kernels (priced compiled; priced eager the rows are 2-12% slow),
+  flash attention (FlashAttention-2's measured H100 fraction).
 - the sharding (section 3.3.2): parameters, gradients and optimizer states sharded over data parallelism,
   parameters gathered once a step and not resharded between micro-batches: bunsan's ZeRO-3 with its
   stage3_pipeline_gather "schedule" (layout pipeline_gather="schedule").
@@ -24,8 +25,11 @@ Assumed, each a note on its run:
   so v is 1, 2 or 4; priced at v = 4, the planner's cheapest of the three for every row
   (tests/test_planner_published.py checks that it is). At v = 2 the rows price 11-21% slow, at v = 1 25-39%.
 
-Priced, not ranked: a search over 8,192-16,384 GPUs with context parallelism is many times longer than the
-others', and the question these runs answer is the price of the layout Meta ran.
+Priced, not ranked: bunsan's memory estimate of its own engine running these layouts is over 80 GB (99.6, 108 and
+224 GiB at v = 4; 80.8, 80.3 and 213 at v = 1): its interleaved schedule holds more micro-batches in flight on the
+first stage than 1F1B, its context-parallel attention saves K and V repeated to every head, and it does not free
+each stage's inputs and outputs early as Meta's engine does (section 3.3.2). A search would rank them after every
+layout that fits: a statement about bunsan's engine, not Meta's.
 """
 
 from __future__ import annotations
