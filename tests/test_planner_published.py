@@ -61,8 +61,8 @@ MPT_GAPS = {
                                 "foundry's flash_attn_triton, FlashAttention 1's Triton port) is priced as "
                                 "FlashAttention-2: the flash-attention README's A100 figure measures the port at "
                                 "80 TFLOP/s against FlashAttention-2's 189 (causal, head dim 128, 16k). Priced at "
-                                "that, this row is -12%, but every MPT row moves 2-11 points slow (median 4.7% -> "
-                                "11%, 16 of 19 still within 15%): bunsan's eager Llama block (RMSNorm in 18 "
+                                "that, this row is -12%, but the other MPT rows move up to 16 points slow (median "
+                                "4.7% -> 11%, 16 of 19 still within 15%): bunsan's eager Llama block (RMSNorm in 18 "
                                 "passes, rotary) stands in for MPT's leaner one (one LayerNorm kernel, ALiBi "
                                 "inside the attention kernel) and made up for the faster kernel"),
     "MPT 13B 2K, 8 H100": (0.170, "micro-batch 2 (4,096 tokens) on one node, priced at 0.7 s of compute with "
