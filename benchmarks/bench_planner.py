@@ -10,7 +10,8 @@ among every layout bunsan runs, slower), how far it is behind the planner's firs
 search prices them: `plan --explain`), and that first choice. Then the summary (runs within 15%, the median
 error), MosaicML's MPT runs (tests/published_mpt.py), Meta's Llama 3 405B pre-training (tests/published_llama3.py)
 and bunsan's own runs on an H100 (tests/measured_gpu_runs.py; all priced only, held out from every fit) with their
-summary, torchtitan's and bunsan's eager / compiled pairs, and Table 2's ZeRO-3 decline (384 -> 768 -> 1536 GPUs).
+summary, torchtitan's and bunsan's eager / compiled pairs, torchtitan's async TP against its vanilla TP, and
+Table 2's ZeRO-3 decline (384 -> 768 -> 1536 GPUs).
 Targets (issues #26, #41): each published layout's predicted throughput within 15% of the measured; where the
 first choice is more than 5% ahead, `plan --explain` says which term decides (tests/test_planner_published.py).
 `--no-search` prices the published layouts only (seconds); the searches take about ten minutes on 2 cores
@@ -91,6 +92,22 @@ def eager_pairs() -> list[str]:
     return rows
 
 
+def async_tp() -> list[str]:
+    """torchtitan's async TP against its vanilla TP (published_runs.ASYNC_TP): the speedup measured and priced with
+    overlap "tp" (every TP collective hidden: an upper bound)."""
+    import dataclasses
+
+    import published_runs as pr
+    rows = ["| run | measured async / vanilla TP | predicted (overlap tp) | error |", "|---|---|---|---|"]
+    for name, measured in pr.ASYNC_TP.items():
+        run = next(r for r in pr.RUNS if r.name == name)
+        vanilla = pr.reproduce(run, search_too=False).predicted
+        overlapped = pr.reproduce(dataclasses.replace(run, overlap=("tp",)), search_too=False).predicted
+        ratio, predicted = measured / run.measured, overlapped / vanilla
+        rows.append(f"| {name} | {ratio:.3f} | {predicted:.3f} | {predicted / ratio - 1:+.1%} |")
+    return rows
+
+
 def zero3_decline() -> list[str]:
     import published_runs as pr
     runs = [pr.reproduce(r, search_too=False) for r in pr.RUNS if not r.ranked]
@@ -124,6 +141,8 @@ def main(argv=None) -> int:
         print("\n".join(summary(mpt_done)))
         print()
         print("\n".join(eager_pairs()))
+        print()
+        print("\n".join(async_tp()))
         print()
         print("\n".join(zero3_decline()))
     return 0

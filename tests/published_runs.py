@@ -270,6 +270,12 @@ RUNS = (
 )
 
 
+# torchtitan's async TP (the June 2025 table's "Async TP tokens/sec", bf16): the two vanilla-TP runs above rerun
+# with PyTorch's async tensor parallelism, which overlaps TP's all-gathers and reduce-scatters with the matmuls
+# they feed (priced with overlap "tp"; tests/test_planner_published.py compares the speedups)
+ASYNC_TP = {"Llama 3 70B FSDP32 TP8, 256 H100": 652.4, "Llama 3 8B FSDP8 TP8, 64 H100": 4809.4}
+
+
 def megatron_flops(model: LlamaConfig, batch: int, seq: int) -> float:
     """FLOPs per step as the Megatron-LM 2021 paper counts them (with the recomputed forward)."""
     b, s, l, h, v = batch, seq, model.num_hidden_layers, model.hidden_size, model.vocab_size

@@ -106,6 +106,21 @@ def test_llama3s_virtual_stages_are_the_planners_cheapest(run):
     assert min((1, 2, 4), key=step) == run.layout.virtual_stages == llama3.VIRTUAL_STAGES
 
 
+def test_async_tp_speedup_is_priced_as_an_upper_bound():
+    """torchtitan's async TP (published_runs.ASYNC_TP) ran 1.09x and 1.10x its vanilla TP; priced with overlap "tp"
+    (every TP collective hidden behind the compute beside it, one block's share exposed) 1.23x and 1.31x. An
+    upper bound: async TP cuts each matmul into one chunk per rank, which runs slower than the whole, and its
+    copies share the SMs; neither is priced (suspected, not measured). Pinned within 0.05 of today's figures."""
+    today = {"Llama 3 70B FSDP32 TP8, 256 H100": 1.233, "Llama 3 8B FSDP8 TP8, 64 H100": 1.309}
+    for name, measured in pr.ASYNC_TP.items():
+        run = BY_NAME[name]
+        vanilla = pr.reproduce(run, search_too=False).predicted
+        overlapped = pr.reproduce(dataclasses.replace(run, overlap=("tp",)), search_too=False).predicted
+        speedup = overlapped / vanilla
+        assert speedup >= measured / run.measured, f"{name}: {speedup:.3f} vs measured {measured / run.measured:.3f}"
+        assert abs(speedup - today[name]) < 0.05, f"{name}: {speedup:.3f}, was {today[name]}"
+
+
 def test_megatron_cores_tp8_rows_need_the_overlaps_its_readme_ran():
     """Megatron-Core's README ran with its communication overlapped (--tp-comm-overlap, --overlap-grad-reduce,
     --overlap-param-gather: published_runs.MCORE_OVERLAPS), which bunsan's engine does not do. Priced with them
