@@ -399,7 +399,7 @@ def layout_text(layout: Layout) -> str:
     """`layout` as `plan --explain` takes it."""
     return (f"dp={layout.dp},tp={layout.tp},pp={layout.pp},cp={layout.cp},zero={layout.zero},"
             f"mb={layout.micro_batch},recompute={layout.checkpointing},sp={layout.sequence_parallel},"
-            f"schedule={layout.schedule},v={layout.virtual_stages}")
+            f"schedule={layout.schedule},v={layout.virtual_stages},pipeline_gather={layout.pipeline_gather}")
 
 
 def explain_published(run: Run, p=None):
