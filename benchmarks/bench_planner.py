@@ -8,10 +8,11 @@ layout and what its authors measured per GPU (TFLOP/s in the source's own count,
 price of that layout in the same unit, its rank among the layouts the authors' software could run (`--full`:
 among every layout bunsan runs, slower), how far it is behind the planner's first choice (both priced as the
 search prices them: `plan --explain`), and that first choice. Then the summary (runs within 15%, the median
-error), MosaicML's MPT runs (tests/published_mpt.py), Meta's Llama 3 405B pre-training (tests/published_llama3.py)
-and bunsan's own runs on an H100 (tests/measured_gpu_runs.py; all priced only, held out from every fit) with their
-summary, torchtitan's and bunsan's eager / compiled pairs, torchtitan's async TP against its vanilla TP, and
-Table 2's ZeRO-3 decline (384 -> 768 -> 1536 GPUs).
+error), MosaicML's MPT runs (tests/published_mpt.py), Meta's Llama 3 405B pre-training (tests/published_llama3.py),
+NVIDIA's NeMo recipes on DGX H100 (tests/published_nemo.py) and bunsan's own runs on an H100
+(tests/measured_gpu_runs.py; all priced only, held out from every fit) with their summary, torchtitan's and
+bunsan's eager / compiled pairs, torchtitan's async TP against its vanilla TP, and Table 2's ZeRO-3 decline
+(384 -> 768 -> 1536 GPUs).
 Targets (issues #26, #41): each published layout's predicted throughput within 15% of the measured; where the
 first choice is more than 5% ahead, `plan --explain` says which term decides (tests/test_planner_published.py).
 `--no-search` prices the published layouts only (seconds); the searches take about ten minutes on 2 cores
@@ -48,14 +49,16 @@ def table(full: bool, search: bool, only: str | None) -> tuple[list[str], list]:
 
 
 def held_out() -> tuple[list[str], list]:
-    """MosaicML's MPT runs (tests/published_mpt.py), Meta's Llama 3 405B (tests/published_llama3.py) and bunsan's
-    own on an H100 (tests/measured_gpu_runs.py): priced only, held out from every fitted constant."""
+    """MosaicML's MPT runs (tests/published_mpt.py), Meta's Llama 3 405B (tests/published_llama3.py), NVIDIA's NeMo
+    recipes (tests/published_nemo.py) and bunsan's own on an H100 (tests/measured_gpu_runs.py): priced only, held
+    out from every fitted constant."""
     import measured_gpu_runs as gpu_runs
     import published_llama3 as llama3
     import published_mpt as mpt
+    import published_nemo as nemo
     import published_runs as pr
     rows = ["| run | published layout | measured | predicted | error |", "|---|---|---|---|---|"]
-    done = [pr.reproduce(run, search_too=False) for run in mpt.RUNS + llama3.RUNS + gpu_runs.RUNS]
+    done = [pr.reproduce(run, search_too=False) for run in mpt.RUNS + llama3.RUNS + nemo.RUNS + gpu_runs.RUNS]
     for r in done:
         rows.append(f"| {r.run.name} | {r.run.layout.describe()} | {r.run.measured:g} {r.run.unit} | "
                     f"{r.predicted:.4g} | {r.error:+.1%} |")

@@ -14,8 +14,10 @@ MosaicML's MPT benchmarks (published_mpt.py: 19 FSDP runs on A100 80GB, A100 40G
 not ranked, and held out from every fit: 16 within 15%, the other 3 pinned in MPT_GAPS. So are Meta's Llama 3
 405B pre-training runs (published_llama3.py: TP 8 x PP 16 on 8,192 and 16,384 H100, and CP 16 at 131,072
 tokens; 2024): all three within 15%, at the virtual-stage count the planner finds cheapest (Meta published
-none). So are bunsan's own four runs on an H100 (measured_gpu_runs.py: 1B eager and compiled, with and without
-recompute; 2026-12-05): all four within 15%."""
+none). So are NVIDIA's DGX Cloud recipes (published_nemo.py: NeMo's Llama 3.1 8B and 70B, Nemotron-4 15B and
+340B and GPT-3 175B on 8-2,048 H100, every BF16 column of their tables; 2024): all 29 within 15%. So are bunsan's
+own four runs on an H100 (measured_gpu_runs.py: 1B eager and compiled, with and without recompute; 2026-12-05):
+all four within 15%."""
 
 import dataclasses
 import functools
@@ -26,10 +28,11 @@ import pytest
 import measured_gpu_runs as gpu_runs
 import published_llama3 as llama3
 import published_mpt as mpt
+import published_nemo as nemo
 import published_runs as pr
 from bunsan.estimator import hardware
 
-BY_NAME = {r.name: r for r in pr.RUNS + mpt.RUNS + llama3.RUNS + gpu_runs.RUNS}
+BY_NAME = {r.name: r for r in pr.RUNS + mpt.RUNS + llama3.RUNS + nemo.RUNS + gpu_runs.RUNS}
 
 H100_500W = ("torchtitan on Grand Teton H100 at 500 W, held out from SUSTAINED_HOPPER's fit: priced 8-34% fast, the "
              "compiled rows more (+15-17%) than the eager (+8-10%; measured eager / compiled 0.86, predicted 0.81): "
@@ -71,16 +74,16 @@ MPT_GAPS = {
 }
 
 
-# the ranked runs and the held-out ones: MPT's, Llama 3 405B's, and bunsan's own on the first lent H100
-# (measured_gpu_runs.py)
-PRICED = [r for r in pr.RUNS if r.ranked] + list(mpt.RUNS) + list(llama3.RUNS) + list(gpu_runs.RUNS)
+# the ranked runs and the held-out ones: MPT's, Llama 3 405B's, NVIDIA's NeMo recipes, and bunsan's own on the
+# first lent H100 (measured_gpu_runs.py)
+PRICED = [r for r in pr.RUNS if r.ranked] + list(mpt.RUNS) + list(llama3.RUNS) + list(nemo.RUNS) + list(gpu_runs.RUNS)
 PINNED = {**GAPS, **MPT_GAPS}
 
 
 @pytest.mark.parametrize("run", [r for r in PRICED if r.name not in PINNED], ids=lambda r: r.name)
 def test_published_layouts_are_priced_within_15_percent_of_measured(run):
-    """Ranked runs and the held-out ones alike (MPT's: 16 of 19, median 5%; Llama 3 405B's: 3 of 3; bunsan's H100
-    runs: 4 of 4; fitted to nothing)."""
+    """Ranked runs and the held-out ones alike (MPT's: 16 of 19, median 5%; Llama 3 405B's: 3 of 3; NeMo's DGX H100
+    recipes: 29 of 29, median 6%; bunsan's H100 runs: 4 of 4; fitted to nothing)."""
     r = pr.reproduce(run, search_too=False)
     assert abs(r.error) < 0.15, f"{run.name}: predicted {r.predicted:.4g} vs {run.measured} {run.unit}"
 
