@@ -98,15 +98,9 @@ def eager_pairs() -> list[str]:
 def async_tp() -> list[str]:
     """torchtitan's async TP against its vanilla TP (published_runs.ASYNC_TP): the speedup measured and priced with
     overlap "tp" (every TP collective hidden: an upper bound)."""
-    import dataclasses
-
     import published_runs as pr
     rows = ["| run | measured async / vanilla TP | predicted (overlap tp) | error |", "|---|---|---|---|"]
-    for name, measured in pr.ASYNC_TP.items():
-        run = next(r for r in pr.RUNS if r.name == name)
-        vanilla = pr.reproduce(run, search_too=False).predicted
-        overlapped = pr.reproduce(dataclasses.replace(run, overlap=("tp",)), search_too=False).predicted
-        ratio, predicted = measured / run.measured, overlapped / vanilla
+    for name, (ratio, predicted) in pr.async_tp_speedups().items():
         rows.append(f"| {name} | {ratio:.3f} | {predicted:.3f} | {predicted / ratio - 1:+.1%} |")
     return rows
 

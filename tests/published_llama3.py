@@ -46,7 +46,7 @@ NOTES = ("DP = GPUs / (TP x CP x PP); batch per DP rank = 16M tokens / (DP x seq
          "FSDP under PP as ZeRO-3 gathered once a step", f"virtual stages not published: {VIRTUAL_STAGES} assumed")
 
 
-def _llama3(gpus: int, cp: int, seq: int, measured: float, virtual_stages: int = VIRTUAL_STAGES) -> Run:
+def llama3_run(gpus: int, cp: int, seq: int, measured: float, virtual_stages: int = VIRTUAL_STAGES) -> Run:
     dp = gpus // (TP * cp * PP)
     per_dp = TOKENS_PER_BATCH // (dp * seq)
     layout = Layout(dp=dp, tp=TP, pp=PP, cp=cp, zero=3, pipeline_gather="schedule", micro_batch=1,
@@ -59,7 +59,7 @@ def _llama3(gpus: int, cp: int, seq: int, measured: float, virtual_stages: int =
 
 
 RUNS = (
-    _llama3(8192, 1, 8192, 430),
-    _llama3(16384, 1, 8192, 400),
-    _llama3(16384, 16, 131072, 380),
+    llama3_run(8192, 1, 8192, 430),
+    llama3_run(16384, 1, 8192, 400),
+    llama3_run(16384, 16, 131072, 380),
 )

@@ -276,6 +276,17 @@ RUNS = (
 ASYNC_TP = {"Llama 3 70B FSDP32 TP8, 256 H100": 652.4, "Llama 3 8B FSDP8 TP8, 64 H100": 4809.4}
 
 
+def async_tp_speedups() -> dict:
+    """name -> (measured async / vanilla TP throughput, the same ratio priced with overlap "tp")."""
+    out = {}
+    for name, measured in ASYNC_TP.items():
+        run = next(r for r in RUNS if r.name == name)
+        vanilla = reproduce(run, search_too=False).predicted
+        overlapped = reproduce(dataclasses.replace(run, overlap=("tp",)), search_too=False).predicted
+        out[name] = (measured / run.measured, overlapped / vanilla)
+    return out
+
+
 def megatron_flops(model: LlamaConfig, batch: int, seq: int) -> float:
     """FLOPs per step as the Megatron-LM 2021 paper counts them (with the recomputed forward)."""
     b, s, l, h, v = batch, seq, model.num_hidden_layers, model.hidden_size, model.vocab_size
