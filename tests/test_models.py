@@ -284,6 +284,31 @@ def test_hf_config_roundtrip_and_presets():
         build_config("tiny", hiden_size=64)
 
 
+def test_llama31_presets_are_metas_configs_and_answer_to_their_usual_names():
+    """meta-llama/Llama-3.1-8B's config.json (70B and 405B differ in the four shape fields only), and the names
+    a user types for them; a name that is no preset says what is."""
+    hf_8b = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+             "tie_word_embeddings": False, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0,
+                                                           "high_freq_factor": 4.0, "rope_type": "llama3",
+                                                           "original_max_position_embeddings": 8192}}
+    assert LlamaConfig.from_hf(hf_8b) == presets["llama3-8b"]
+    shapes = {"llama3-70b": (8192, 28672, 80, 64), "llama3-405b": (16384, 53248, 126, 128)}
+    for name, (hidden, inter, layers, heads) in shapes.items():
+        assert LlamaConfig.from_hf({**hf_8b, "hidden_size": hidden, "intermediate_size": inter,
+                                    "num_hidden_layers": layers, "num_attention_heads": heads}) == presets[name]
+    # Meta's model cards: 8.03B, 70.6B, 405B parameters
+    assert [presets[f"llama3-{s}"].num_params() / 1e9 for s in ("8b", "70b", "405b")] == \
+        pytest.approx([8.03, 70.55, 405.85], abs=0.01)
+    for typed in ("Llama-3.1-8B", "llama3.1-8b", "llama-3-8b", "meta-llama-3.1-8b", "llama3-8b"):
+        assert get_preset(typed) == presets["llama3-8b"], typed
+    assert get_preset("Llama-3.2-1B") == presets["1b"] and get_preset("llama-2-70b") == presets["70b"]
+    with pytest.raises(ValueError, match=r"'llama4-8b' \(did you mean 'llama3-8b'\?\); known presets: .*llama3-405b"
+                                         r".*Hugging Face config.json"):
+        get_preset("llama4-8b")
+
+
 def test_training_reduces_loss():
     torch.manual_seed(0)
     m = _model(seed=0)

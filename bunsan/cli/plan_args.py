@@ -23,8 +23,9 @@ MOST_GPUS_PER_NODE = 16    # no server holds more (DGX-2, HGX-2); more per node 
 
 def add_parsers(sub) -> None:
     e = sub.add_parser("estimate", help="memory per GPU and per host of a model under a layout")
-    e.add_argument("--model", required=True, help="preset (tiny, small, 135m, 1b, 7b, 13b, 70b), a Hugging Face "
-                   "config.json or model directory, or a parameter count (7.5B: model states only)")
+    e.add_argument("--model", required=True, help="preset (tiny, small, 135m, 1b, llama3-8b, llama3-70b, "
+                   "llama3-405b, 7b, 13b, 70b), a Hugging Face config.json or model directory, or a parameter count "
+                   "(7.5B: model states only)")
     e.add_argument("--config", help="bunsan/DeepSpeed config file for the layout (default: bunsan's defaults)")
     e.add_argument("--gpus", type=int, help="GPUs in all (default: tp x pp x cp of the config)")
     e.add_argument("--nodes", type=int, help=f"nodes the GPUs are on (default: {GPUS_PER_NODE} GPUs per node)")

@@ -78,8 +78,8 @@ class Pipeline(Section):
 
 class ModelOverrides(Section):
     """bunsan: the Llama `bunsan train` builds, a preset and per-field overrides (None = the preset's)."""
-    preset: str = Field("small", description="Model preset: tiny, small, 135m, 1b, 7b, 13b or 70b (llama-13b "
-                                             "style names work too)")
+    preset: str = Field("small", description="Model preset: tiny, small, 135m, 1b, llama3-8b/70b/405b, 7b, 13b, "
+                                             "70b (llama-13b style names too)")
     vocab_size: OptInt = Field(None, ge=1, description="Vocabulary size in tokens; None = the tokenizer's (at "
                                                        "least it)")
     hidden_size: OptInt = Field(None, ge=1, description="Width of the residual stream; None = the preset's")

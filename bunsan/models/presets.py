@@ -10,6 +10,17 @@ from bunsan.models.llama import LlamaConfig
 _LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
+_LLAMA31_SCALING = {**_LLAMA3_SCALING, "factor": 8.0}
+
+
+def _llama31(hidden: int, layers: int, heads: int, intermediate: int) -> LlamaConfig:
+    """meta-llama/Llama-3.1-{8B,70B,405B}'s config.json: 128,256-token vocabulary, 8 KV heads, 128K positions."""
+    return LlamaConfig(vocab_size=128256, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8,
+                       max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                       rope_scaling=dict(_LLAMA31_SCALING))
+
+
 _smollm_135m = LlamaConfig(  # HuggingFaceTB/SmolLM-135M
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
@@ -28,6 +39,10 @@ presets: dict[str, LlamaConfig] = {
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
         rope_theta=500000.0, tie_word_embeddings=True, rope_scaling=dict(_LLAMA3_SCALING)),
+    # Llama 3 and 3.1 have the same shapes; 3.1's rope scaling and 128K positions are the superset
+    "llama3-8b": _llama31(4096, 32, 32, 14336),
+    "llama3-70b": _llama31(8192, 80, 64, 28672),
+    "llama3-405b": _llama31(16384, 126, 128, 53248),
     "7b": LlamaConfig(  # meta-llama/Llama-2-7b-hf
         vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096),
@@ -41,8 +56,12 @@ presets: dict[str, LlamaConfig] = {
 
 
 def canonical_name(name: str) -> str:
-    """The preset key of a name, accepting the usual prefixes: llama-13b, llama2-7b, llama-3.2-1b -> 13b, 7b, 1b."""
-    key = str(name).lower()
+    """The preset key of a name, accepting the usual prefixes: llama-13b, llama2-7b, llama-3.2-1b -> 13b, 7b, 1b;
+    Llama-3.1-8B, llama-3-70b, meta-llama-3.1-405b -> llama3-8b, llama3-70b, llama3-405b."""
+    key = str(name).lower().removeprefix("meta-")
+    for prefix in ("llama-3.1-", "llama3.1-", "llama-3-"):
+        if key.startswith(prefix) and f"llama3-{key[len(prefix):]}" in presets:
+            return f"llama3-{key[len(prefix):]}"
     for prefix in ("llama-3.2-", "llama3.2-", "llama-2-", "llama2-", "llama-"):
         if key.startswith(prefix) and key[len(prefix):] in presets:
             return key[len(prefix):]
@@ -54,8 +73,9 @@ def get_preset(name: str) -> LlamaConfig:
     key = canonical_name(name)
     if key not in presets:
         close = difflib.get_close_matches(key, list(presets), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown model preset {name!r}{hint} Known presets: {', '.join(presets)}")
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown model preset {name!r}{hint}; known presets: {', '.join(presets)}; or give a "
+                         "Hugging Face config.json or model directory")
     return copy.deepcopy(presets[key])
 
 
