@@ -8,9 +8,11 @@ column of those five tables is here, none chosen. Left out: Llama 3.1 405B, whos
 cannot hold its stated layout (TP 8 x PP 9 x CP 2 is 144 GPUs a replica).
 
 As the configs run them: bf16 with the distributed optimizer (distributed_fused_adam: ZeRO-1), Transformer
-Engine's fused kernels (priced compiled) and flash attention (priced at FlashAttention-2's H100 figure; the
-340B recipe sets NVTE_FUSED_ATTN=0, so FlashAttention-2 itself; the others may take cuDNN's fused attention,
-which is faster on Hopper), sequence parallelism with TP, no recompute except the 340B's selective (Megatron's:
+Engine's fused kernels (priced compiled) and the attention kernel each recipe's environment leaves Transformer
+Engine: cuDNN's fused attention for Llama 3.1 (llama3.1/configure.sh: NVTE_FUSED_ATTN=1, NVTE_FLASH_ATTN=0) and
+Nemotron-4 15B (nemotron/configure.sh: NVTE_FUSED_ATTN=1), priced at its H100 figure (hardware.FLASH_CUDNN_HOPPER);
+FlashAttention-2 for Nemotron-4 340B (NVTE_FUSED_ATTN=0) and GPT-3 175B (nemo_megatron/launch.sh:
+NVTE_FUSED_ATTN=0), sequence parallelism with TP, no recompute except the 340B's selective (Megatron's:
 the attention core; bunsan's selective with recompute_ops ("attention",)), and the overlaps Megatron-Core's
 README runs had (published_runs.MCORE_OVERLAPS: ub_tp_comm_overlap, overlap_grad_sync, overlap_param_sync; the
 8B has no TP to overlap). Nemotron-4 has a two-matrix squared-ReLU MLP of width F: priced as the Llama block of
@@ -33,7 +35,7 @@ GPT3_175B = gpt(12288, 96, 96, vocab=50688, tp=4)   # GPT-2's 50,257 tokens padd
 
 
 def _recipe(name: str, model, seq: int, tp: int, pp: int, cp: int, vp: int, micro: int, accum: int,
-            steps: dict, selective: bool = False) -> tuple[Run, ...]:
+            steps: dict, attention: str, selective: bool = False) -> tuple[Run, ...]:
     """One README table: `steps` is {GPUs: seconds per step}; data parallelism takes the GPUs the layout leaves,
     the global batch is dp x micro x accum (as the README's GBS columns)."""
     runs = []
@@ -46,7 +48,7 @@ def _recipe(name: str, model, seq: int, tp: int, pp: int, cp: int, vp: int, micr
         batch = dp * micro * accum
         runs.append(Run(f"NeMo {name}, {gpus} H100", SOURCE, model, gpus, batch, layout,
                         round(seq * batch / seconds / gpus, 1), "infiniband", "bf16", gpu="h100", ranked=False,
-                        intra="nvlink", attention="flash", compiled=True, count="tokens",
+                        intra="nvlink", attention=attention, compiled=True, count="tokens",
                         group="NeMo on DGX H100 2024 (held out)",
                         overlap=MCORE_OVERLAPS if tp > 1 else ("grad_reduce", "param_gather"),
                         notes=(f"step {seconds} s at global batch {batch}",)))
@@ -55,13 +57,14 @@ def _recipe(name: str, model, seq: int, tp: int, pp: int, cp: int, vp: int, micr
 
 RUNS = (
     _recipe("Llama 3.1 8B", LLAMA3_8B, 8192, 1, 1, 2, 1, 1, 32,
-            {8: 12.91, 16: 13.00, 32: 13.05, 64: 13.08, 128: 13.10})
+            {8: 12.91, 16: 13.00, 32: 13.05, 64: 13.08, 128: 13.10}, "cudnn")
     + _recipe("Llama 3.1 70B", LLAMA3_70B, 8192, 4, 4, 2, 5, 1, 64,
-              {64: 14.72, 128: 14.73, 256: 14.8, 512: 14.89, 1024: 14.92, 2048: 14.98})
+              {64: 14.72, 128: 14.73, 256: 14.8, 512: 14.89, 1024: 14.92, 2048: 14.98}, "cudnn")
     + _recipe("Nemotron-4 15B", NEMOTRON4_15B, 4096, 4, 1, 1, 1, 4, 4,
-              {16: 2.83, 32: 2.86, 64: 2.86, 128: 2.89, 256: 2.88, 512: 2.92, 1024: 2.92, 2048: 2.96})
+              {16: 2.83, 32: 2.86, 64: 2.86, 128: 2.89, 256: 2.88, 512: 2.92, 1024: 2.92, 2048: 2.96},
+              "cudnn")
     + _recipe("Nemotron-4 340B", NEMOTRON4_340B, 4096, 8, 8, 1, 12, 1, 16,
-              {128: 4.61, 256: 4.67, 512: 4.7, 1024: 4.73, 2048: 4.84}, selective=True)
+              {128: 4.61, 256: 4.67, 512: 4.7, 1024: 4.73, 2048: 4.84}, "flash", selective=True)
     + _recipe("GPT-3 175B", GPT3_175B, 2048, 4, 8, 1, 12, 1, 64,
-              {128: 8.91, 256: 8.95, 512: 9.09, 1024: 9.01, 2048: 9.02})
+              {128: 8.91, 256: 8.95, 512: 9.09, 1024: 9.01, 2048: 9.02}, "flash")
 )

@@ -61,8 +61,10 @@ where it is common to a group). Groups, oldest first:
   (--overlap-grad-reduce --overlap-param-gather), tensor-parallel (--tp-comm-overlap) and pipeline
   communication. Assumed (not published): bf16 (the MFU is against the bf16 peak), micro-batch 1, no activation
   recompute, sequence parallelism with TP, the distributed optimizer (ZeRO-1), 1F1B without virtual stages,
-  DGX H100 nodes (NVLink4, eight 400 Gb/s NDR links), and a fused flash attention (Transformer Engine's; priced
-  as FlashAttention-2's H100 figure, the one measured).
+  DGX H100 nodes (NVLink4, eight 400 Gb/s NDR links), and Transformer Engine's attention on Hopper: cuDNN's fused
+  kernel, which TE 1.5 and later (April 2024 on; core_r0.8.0 is July 2024) prefers to FlashAttention-2 on sm90
+  (transformer_engine/pytorch/attention.py: "give FusedAttention preference on Hopper+ for performance reasons"),
+  priced at its H100 figure (hardware.FLASH_CUDNN_HOPPER).
 
 Held out (tests/published_llama3.py): the Llama 3 paper's Table 4 (405B on 8,192-16,384 H100, TP 8 x CP x PP 16
 x DP), priced, not ranked. Not added: Megatron-LM's strong-scaling figure (GPT-3 175B, 96-4,608 GPUs) gives MFU
@@ -214,7 +216,7 @@ def _mcore_run(size, heads, hidden, layers, tp, pp, dp, gpus, batch, tflops) -> 
     return Run(f"GPT {size}, {gpus} H100", MCORE, gpt(hidden, layers, heads, vocab=131072, tp=tp, seq=4096,
                                                        tied=False),
                gpus, batch, _mcore(tp, pp, dp, batch), tflops, "infiniband", "bf16", gpu="h100",
-               space=MEGATRON_CORE, intra="nvlink", attention="flash", compiled=True, count="megatron2024",
+               space=MEGATRON_CORE, intra="nvlink", attention="cudnn", compiled=True, count="megatron2024",
                group="Megatron-Core H100 2024", overlap=MCORE_OVERLAPS,
                notes=("micro-batch 1, no recompute, SP, distributed optimizer, 1F1B, DGX H100 network assumed",))
 

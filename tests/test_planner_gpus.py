@@ -65,3 +65,25 @@ def test_plan_compile_prices_fused_ops_and_writes_the_compile_it_priced(tmp_path
     out = tmp_path / "best.json"
     assert main(args[:-1] + ["--compile", "--output", str(out)]) == 0
     assert Config.load(out).train.compile is True
+
+
+def test_cudnn_attention_is_priced_at_its_hopper_figure_and_refused_where_unmeasured(capsys):
+    """`--attention cudnn` (Transformer Engine's kernel on Hopper) runs the attention core at the FlashAttention-3
+    paper's cuDNN figure and curve; on a GPU without that figure it is a clear error, not FlashAttention-2's
+    figure under another name."""
+    from bunsan.estimator import hardware
+    c, h100 = get_preset("1b"), gpu_spec("h100")
+    assert hardware.FLASH_CUDNN_HOPPER * 989 == pytest.approx(522) and h100.cudnn_flash_fraction is not None
+    for seq, curves in ((16384, 1.0), (2048, 0.90 / 0.83)):     # CUDNN_BY_CHUNK over FLASH_BY_CHUNK at 2k
+        lay = Layout(seq_len=seq, micro_batch=1)
+        fa2, cudnn = (compute.block_time(c, lay, h100, 0.8, attention=k).attention_forward for k in ("flash", "cudnn"))
+        assert fa2 / cudnn == pytest.approx(hardware.FLASH_CUDNN_HOPPER / hardware.FLASH_HOPPER * curves, rel=1e-6)
+    args = ["plan", "--model", "1b", "--gpus", "8", "--seq-len", "8192", "--global-batch", "8", "--zero-stages", "1",
+            "--recompute", "none", "--top", "1", "--json", "--attention", "cudnn"]
+    assert main(args) == 0
+    assumptions = json.loads(capsys.readouterr().out)["ranked"][0]["step_seconds"]["assumptions"][0]
+    assert "cuDNN's fused kernel's 52.8% of the peak" in assumptions and "CUDNN_BY_CHUNK" in assumptions
+    assert main(args[:-3] + ["--gpu", "a100", "--attention", "cudnn"]) != 0
+    assert "attention 'cudnn' has no measured figure on a100" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="use attention 'flash'"):
+        compute.block_time(c, Layout(seq_len=2048), gpu_spec("a100"), 0.8, attention="cudnn")

@@ -36,6 +36,8 @@ class GPU:
     # FlashAttention-2's causal forward + backward throughput (head dim 128, 16k tokens, the FLOPs of the causal
     # half) as a fraction of the dense 16-bit peak, measured on this architecture; None where unmeasured
     flash_fraction: float | None = None
+    # cuDNN's fused flash attention (Transformer Engine's on Hopper), the same measure; None where unmeasured
+    cudnn_flash_fraction: float | None = None
     # the best-shape 16-bit matmul's measured fraction of the dense peak (MAMF), where measured: GEMMs are priced
     # at constants.GEMM_EFFICIENCY x this / A100 SXM's (gemm_scale), the GPU the efficiency was checked on
     matmul_fraction: float | None = None
@@ -81,10 +83,11 @@ class GPU:
 POWER_EXPONENT = 0.30
 
 
-def _gpu(name, gib, bf16, fp16, fp32, hbm_tb_s, form, watts, sms, flash=None, mamf=None, sustained=1.0) -> GPU:
+def _gpu(name, gib, bf16, fp16, fp32, hbm_tb_s, form, watts, sms, flash=None, mamf=None, sustained=1.0,
+         cudnn=None) -> GPU:
     flops = {k: v * T for k, v in (("bf16", bf16), ("fp16", fp16), ("fp32", fp32)) if v is not None}
     return GPU(name, int(gib * GiB), flops, hbm_tb_s * T, form, watts, sms, rated_power_w=watts,
-               flash_fraction=flash, matmul_fraction=mamf, sustained_fraction=sustained)
+               flash_fraction=flash, matmul_fraction=mamf, sustained_fraction=sustained, cudnn_flash_fraction=cudnn)
 
 
 # Maximum achievable matmul FLOPS (bf16, the best of a sweep of shapes, torch.matmul) over the dense peak,
@@ -101,14 +104,24 @@ MAMF_A100, MAMF_A100_PCIE, MAMF_H100 = 271.2 / 312, 252.9 / 312, 794.5 / 989
 # H100's peak against three fifths of the A100's. Ampere boards share the A100 figure, Hopper boards the H100's.
 FLASH_AMPERE, FLASH_HOPPER = 189 / 312, 328 / 989
 
+# cuDNN's fused flash attention on H100 SXM5 at head dim 128, the FlashAttention-3 paper's figures (Shah et al.
+# 2024, arXiv:2407.08608; the forward one is Dao-AILab/flash-attention assets/flash3_fp16_fwd.png): causal forward
+# 315/410/484/518/529/539 TFLOP/s from 512 to 16k tokens where FlashAttention-2 runs 191/260/298/319/333/335, and
+# backward 305/408/465/499/518/516 against 214/260/291/310/318/322. Forward + backward (the backward's 2.5x FLOPs)
+# at 16k: 522 TFLOP/s, 1.60x FlashAttention-2's 326 from the same figures (whose own fwd + bwd figure, above, is
+# 328). Transformer Engine runs it in place of FlashAttention-2 on Hopper (TE 1.5 on: "Disabling FlashAttention to
+# give FusedAttention preference on Hopper+ for performance reasons"), so Megatron-Core's and NeMo's runs do.
+FLASH_CUDNN_HOPPER = 522 / 989
 
-# What an SXM Hopper board keeps of its tensor-core peak through training steps, beside the two figures above
-# (both measured in short runs of one kernel): fitted to Megatron-Core r0.8.0's nine H100 runs (README at
-# f2e5db40, 700 W, with the communication overlaps its README ran priced), the least-squares fit of their log
-# errors to 0.01 (tests/test_planner_published.py re-fits it and fails when it drifts). Held out of the fit:
+
+# What an SXM Hopper board keeps of its tensor-core peak through training steps, beside the figures above (each
+# measured in short runs of one kernel): fitted to Megatron-Core r0.8.0's nine H100 runs (README at f2e5db40,
+# 700 W, with the communication overlaps its README ran priced, and Transformer Engine's cuDNN attention), the
+# least-squares fit of their log errors to 0.01 (tests/test_planner_published.py re-fits it and fails when it
+# drifts; priced with FlashAttention-2 there, as before TE's kernel was priced, the fit was 0.86). Held out of the fit:
 # torchtitan's seven runs on 500 W Grand Teton H100s. A100 parts need no such figure: Megatron-LM 2021's and
 # torchtitan's A100 runs are priced within 9% without it, but for one bound by its network (RESULTS.md).
-SUSTAINED_HOPPER = 0.86
+SUSTAINED_HOPPER = 0.83
 
 
 GPUS = {g.name: g for g in (
@@ -118,9 +131,11 @@ GPUS = {g.name: g for g in (
     # (GH100: 132 on the SXM5 part, 114 on the PCIe card; GA100: 108; AD102: 142 on L40S, 128 on the 4090;
     # GA102: 72 on A10; GV100: 80).
     # H100 Tensor Core GPU datasheet, SXM5 column; the PCIe column (300-350 W); H200 datasheet, SXM column
-    _gpu("h100", 80, 989, 989, 494.5, 3.35, "SXM", 700, 132, FLASH_HOPPER, MAMF_H100, SUSTAINED_HOPPER),
-    _gpu("h100-pcie", 80, 756, 756, 378, 2.0, "PCIe", 350, 114, FLASH_HOPPER, MAMF_H100),
-    _gpu("h200", 141, 989, 989, 494.5, 4.8, "SXM", 700, 132, FLASH_HOPPER, MAMF_H100, SUSTAINED_HOPPER),
+    _gpu("h100", 80, 989, 989, 494.5, 3.35, "SXM", 700, 132, FLASH_HOPPER, MAMF_H100, SUSTAINED_HOPPER,
+         FLASH_CUDNN_HOPPER),
+    _gpu("h100-pcie", 80, 756, 756, 378, 2.0, "PCIe", 350, 114, FLASH_HOPPER, MAMF_H100, cudnn=FLASH_CUDNN_HOPPER),
+    _gpu("h200", 141, 989, 989, 494.5, 4.8, "SXM", 700, 132, FLASH_HOPPER, MAMF_H100, SUSTAINED_HOPPER,
+         FLASH_CUDNN_HOPPER),
     # A100 Tensor Core GPU datasheet: 80GB SXM, 80GB PCIe, 40GB SXM
     _gpu("a100", 80, 312, 312, 156, 2.039, "SXM", 400, 108, FLASH_AMPERE, MAMF_A100),
     _gpu("a100-pcie", 80, 312, 312, 156, 1.935, "PCIe", 300, 108, FLASH_AMPERE, MAMF_A100_PCIE),

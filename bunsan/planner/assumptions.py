@@ -32,6 +32,9 @@ def step_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_toke
             f"flash attention at FlashAttention-2's measured {gpu.flash_fraction:.1%} of the peak (causal, 16k "
             "tokens; hardware.py) on the kernel's curve by rows per call (constants.FLASH_BY_CHUNK); ")
            if attention == "flash" and gpu.flash_fraction else "")
+        + (f"attention at cuDNN's fused kernel's {gpu.cudnn_flash_fraction:.1%} of the peak (H100, causal, 16k "
+           "tokens; hardware.FLASH_CUDNN_HOPPER) on its curve by rows per call (constants.CUDNN_BY_CHUNK); "
+           if attention == "cudnn" else "")
         + "element-wise ops by their bytes, "
         + ("compiled (torch.compile fuses them: constants.HIDDEN_PASSES)" if compiled else
            "eager (each op a pass over HBM: constants.EAGER_*; --compile fuses them)")

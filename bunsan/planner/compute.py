@@ -18,7 +18,10 @@ from bunsan.models.llama import LlamaConfig
 from bunsan.planner import constants as K
 from bunsan.planner.kernels import log2_interpolate
 
-ATTENTION = ("flash", "materialized")
+# "flash": FlashAttention-2 (PyTorch SDPA's flash kernel, bunsan's); "cudnn": cuDNN's fused flash attention
+# (Transformer Engine's on Hopper; measured there only); "materialized": the scores written out
+ATTENTION = ("flash", "cudnn", "materialized")
+FLASH_KERNELS = ("flash", "cudnn")
 
 
 @dataclass(frozen=True)
@@ -46,10 +49,12 @@ def streamed(nbytes: float, gpu: GPU) -> float:
     return nbytes / (gpu.hbm_bytes_per_s * K.HBM_EFFICIENCY)
 
 
-def flash_at(tokens: float, gpu: GPU | None = None) -> float:
+def flash_at(tokens: float, gpu: GPU | None = None, kernel: str = "flash") -> float:
     """A flash kernel's throughput at `tokens` query rows per call, as a fraction of its long-row plateau
-    (constants.FLASH_BY_CHUNK, or the curve measured on `gpu` (planner/kernels.py), interpolated in log2 of the
-    length; held flat past either end)."""
+    (constants.FLASH_BY_CHUNK, or the curve measured on `gpu` (planner/kernels.py); cuDNN's kernel:
+    constants.CUDNN_BY_CHUNK), interpolated in log2 of the length; held flat past either end."""
+    if kernel == "cudnn":
+        return log2_interpolate(K.CUDNN_BY_CHUNK, tokens)
     if gpu is not None and gpu.measured is not None and gpu.measured.flash:
         return gpu.measured.flash_at(tokens)
     return log2_interpolate(K.FLASH_BY_CHUNK, tokens)
@@ -65,8 +70,10 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
     then runs at flash_efficiency's figure for the chunk (flash_at(chunk)). `compiled`: torch.compile's fused
     element-wise ops (`train.compile`), else eager PyTorch's, an HBM pass per op (constants.EAGER_*)."""
     if attention not in ATTENTION:
-        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}; 'flash' for a "
-                         "fused kernel (bunsan's SDPA), 'materialized' when the scores are written out")
+        raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}; 'flash' for "
+                         "FlashAttention-2 (bunsan's SDPA), 'cudnn' for cuDNN's fused kernel (Transformer Engine's "
+                         "on Hopper), 'materialized' when the scores are written out")
+    check_kernel(attention, gpu)
     t, b, s, h = layout.tp, layout.micro_batch, layout.seq_len, model.hidden_size
     heads, kv = model.num_attention_heads, model.num_key_value_heads
     d, inter, p, nb = h // heads, model.intermediate_size, layout.precision, layout.dtype_bytes
@@ -79,8 +86,8 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
     o_proj = mm(tokens, h // t, h)
     mlp = mm(tokens, h, 2 * inter // t) + mm(tokens, inter // t, h)
     core = _attention_core(b, s, keys or s, heads // t, kv // t or 1, d, gpu, p, nb,
-                           flash_efficiency(gpu, efficiency, chunk or s, keys or s) if attention == "flash"
-                           else efficiency, attention)
+                           flash_efficiency(gpu, efficiency, chunk or s, keys or s, attention)
+                           if attention in FLASH_KERNELS else efficiency, attention)
     hidden_tokens = tokens / (t if layout.sequence_parallel else 1)
     if compiled:
         passes = K.HIDDEN_PASSES * hidden_tokens * h + K.MLP_ACT_PASSES * tokens * inter / t
@@ -96,7 +103,14 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
                      o_proj_forward=o_proj)
 
 
-def flash_efficiency(gpu: GPU, efficiency: float, rows: int, keys: int) -> float:
+def check_kernel(attention: str, gpu: GPU) -> None:
+    """cuDNN's kernel is priced from its Hopper figure only: elsewhere a clear error, not a guess."""
+    if attention == "cudnn" and gpu.cudnn_flash_fraction is None:
+        raise ValueError(f"attention 'cudnn' has no measured figure on {gpu.name} (hardware.FLASH_CUDNN_HOPPER is "
+                         "Hopper's); Transformer Engine runs FlashAttention-2 on other GPUs: use attention 'flash'")
+
+
+def flash_efficiency(gpu: GPU, efficiency: float, rows: int, keys: int, kernel: str = "flash") -> float:
     """The fraction of the peak a causal flash kernel runs the attention rectangle's FLOPs at (the 12·L·h·s
     convention counts the whole rectangle; the kernel computes its causal half), with `rows` queries per call.
     Where the GPU's FlashAttention-2 throughput is measured (hardware.GPU.flash_fraction: the causal half's
@@ -104,6 +118,9 @@ def flash_efficiency(gpu: GPU, efficiency: float, rows: int, keys: int) -> float
     (constants.FLASH_BY_CHUNK), scaled as a fitted GEMM efficiency scales (`efficiency` / GEMM_EFFICIENCY).
     Elsewhere the GEMM efficiency at the row's own length (the causal half at half of it: the same seconds),
     times the curve's figure for `rows` over the row's (context parallelism's chunks)."""
+    if kernel == "cudnn":        # its own figure (hardware.FLASH_CUDNN_HOPPER) and curve, --kernels or not
+        check_kernel(kernel, gpu)
+        return 2 * gpu.cudnn_flash_fraction * flash_at(rows, gpu, kernel) * efficiency / K.GEMM_EFFICIENCY
     if gpu.flash_fraction is None:
         return efficiency * (flash_at(rows, gpu) / flash_at(keys, gpu) if rows < keys else 1.0)
     return 2 * gpu.flash_fraction * flash_at(rows, gpu) * efficiency / K.GEMM_EFFICIENCY
@@ -114,7 +131,7 @@ def _attention_core(b: int, s: int, keys: int, heads: int, kv: int, d: int, gpu:
     """QK^T and AV of `s` queries against `keys` keys over the full rectangle, as the 12·L·h·s convention
     counts them, at `efficiency` of the peak (flash_efficiency for a flash kernel). Flash keeps the scores on
     chip and moves only q, k, v and the output; a materialised kernel writes them and runs softmax over them."""
-    if attention == "flash":
+    if attention in FLASH_KERNELS:
         flops = 4.0 * b * heads * s * keys * d
         nbytes = (b * s * 2 * heads + b * keys * 2 * kv) * d * nb
         return max(flops / (gpu.sustained_flops(precision) * efficiency), streamed(nbytes, gpu))

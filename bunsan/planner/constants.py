@@ -58,6 +58,9 @@ OPTIMIZER_BYTES_PER_PARAM = 3 * 2 * 4 + 4 + 2
 # (compute.py): the GEMM efficiency already holds the kernel's efficiency at the row's own length. Below 512
 # tokens (no reading) the 512 figure is kept: an optimistic floor.
 FLASH_BY_CHUNK = ((512, 0.50), (1024, 0.68), (2048, 0.83), (4096, 0.92), (8192, 0.97), (16384, 1.0))
+# cuDNN's fused flash attention by the same measure, from the FlashAttention-3 paper's H100 figures
+# (hardware.FLASH_CUDNN_HOPPER: forward + backward 308/409/470/504/521/522 TFLOP/s, 512 to 16k tokens)
+CUDNN_BY_CHUNK = ((512, 0.59), (1024, 0.78), (2048, 0.90), (4096, 0.97), (8192, 1.0), (16384, 1.0))
 # NCCL's latencies (per collective, per ring step) and the links' bandwidths: bunsan/estimator/hardware.py.
 NCCL_BASE_LATENCY_S = hardware.NCCL_BASE_LATENCY_S
 
@@ -76,6 +79,11 @@ SOURCES = (
      "attention='materialized')"),
     ("FLASH_BY_CHUNK", "0.50 at 512 .. 1 at 16k", "FlashAttention-2 (arXiv:2307.08691) Figs. 4 and 7: causal "
      "forward + backward TFLOP/s by sequence length, as a fraction of the 16k figure (read approximately)"),
+    ("CUDNN_BY_CHUNK", "0.59 at 512 .. 1 at 8k", "the FlashAttention-3 paper's (arXiv:2407.08608) H100 figures "
+     "of cuDNN's kernel, head dim 128: forward + backward by sequence length over the 16k figure (attention 'cudnn')"),
+    ("FLASH_CUDNN_HOPPER", f"{hardware.FLASH_CUDNN_HOPPER:.3f}", "hardware.py: cuDNN's fused attention forward + "
+     "backward on H100 at 16k (522 TFLOP/s), 1.60x FlashAttention-2 in the same figures; Transformer Engine's "
+     "choice on Hopper"),
     ("BACKWARD_FACTOR", BACKWARD_FACTOR, "a GEMM's backward is two GEMMs of its size (dgrad, wgrad)"),
     ("EAGER_BACKWARD_FACTOR", EAGER_BACKWARD_FACTOR, "eager element-wise backward over forward bytes, counted by a "
      "dispatch mode over bunsan's block (tests/test_planner_passes.py: 2.34-2.46)"),

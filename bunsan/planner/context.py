@@ -53,11 +53,11 @@ def cp_note(layout: Layout, topo: Topology, attention: str, gpu=None) -> tuple:
         return ()
     per_node, nodes = topo.span(layout.cp, layout.tp)
     chunk = cp_chunk(layout)
-    curve = "the measured curve, --kernels" if gpu is not None and gpu.measured is not None else \
-        "constants.FLASH_BY_CHUNK"
+    curve = "constants.CUDNN_BY_CHUNK" if attention == "cudnn" else "the measured curve, --kernels" \
+        if gpu is not None and gpu.measured is not None else "constants.FLASH_BY_CHUNK"
     flash = f"; flash attention on chunks of {chunk} queries at " \
-        f"x{flash_at(chunk, gpu) / flash_at(layout.seq_len, gpu):.2f} the whole row's speed ({curve})" \
-        if attention == "flash" else ""
+        f"x{flash_at(chunk, gpu, attention) / flash_at(layout.seq_len, gpu, attention):.2f} the whole row's speed " \
+        f"({curve})" if attention in ("flash", "cudnn") else ""
     return (f"cp: per layer and micro-batch an all-gather of the row's K and V forward (again under recompute) "
             f"and a reduce-scatter of their gradients backward, over {topo.link(layout.cp, layout.tp).name} (the cp "
             f"group's {layout.cp} ranks, tp {layout.tp} apart, sit {per_node} to a node on {nodes} node(s)); ZeRO "

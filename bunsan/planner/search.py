@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from bunsan.estimator.estimate import Estimate, estimate_layout
 from bunsan.estimator.rank_params import rank_params
 from bunsan.estimator.shape import ModelShape, load_shape
+from bunsan.planner.compute import check_kernel
 from bunsan.planner.cost import COMPONENTS, StepTime, step_time, train_time
 from bunsan.estimator.margin import MemoryRule
 from bunsan.planner.rejected import PRICED, Rejected
@@ -138,6 +139,7 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
         shape = dataclasses.replace(shape, bare=False)
     _check_gpus(gpus, nodes)
     spec = gpu if isinstance(gpu, GPU) else gpu_spec(gpu)
+    check_kernel(attention, spec)       # before the search: one clear error, not one per layout
     memory = float(gpu_memory if gpu_memory is not None else spec.memory_bytes)
     precisions = _precisions(spec, precision)
     space = _searched(space or Space(), host_memory)
