@@ -67,7 +67,7 @@ def test_plan_compile_prices_fused_ops_and_writes_the_compile_it_priced(tmp_path
     assert Config.load(out).train.compile is True
 
 
-def test_cudnn_attention_is_priced_at_its_hopper_figure_and_refused_where_unmeasured(capsys):
+def test_cudnn_attention_is_priced_at_its_hopper_figure_and_refused_where_unmeasured(capsys, tmp_path):
     """`--attention cudnn` (Transformer Engine's kernel on Hopper) runs the attention core at the FlashAttention-3
     paper's cuDNN figure and curve; on a GPU without that figure it is a clear error, not FlashAttention-2's
     figure under another name."""
@@ -83,6 +83,9 @@ def test_cudnn_attention_is_priced_at_its_hopper_figure_and_refused_where_unmeas
     assert main(args) == 0
     assumptions = json.loads(capsys.readouterr().out)["ranked"][0]["step_seconds"]["assumptions"][0]
     assert "cuDNN's fused kernel's 52.8% of the peak" in assumptions and "CUDNN_BY_CHUNK" in assumptions
+    # a config written from it runs PyTorch's SDPA: said, not silently taken for the priced kernel
+    assert main(args[:-3] + ["--attention", "cudnn", "--output", str(tmp_path / "best.json")]) == 0
+    assert "bunsan trains with PyTorch's scaled_dot_product_attention" in capsys.readouterr().out
     assert main(args[:-3] + ["--gpu", "a100", "--attention", "cudnn"]) != 0
     assert "attention 'cudnn' has no measured figure on a100" in capsys.readouterr().err
     with pytest.raises(ValueError, match="use attention 'flash'"):

@@ -286,6 +286,10 @@ def cmd_plan(args) -> int:
         if args.compile:        # priced compiled: the config runs what was priced
             cfg.setdefault("train", {})["compile"] = True
         Path(args.output).write_text(json.dumps(cfg, indent=2) + "\n")
+        if args.attention != "flash":     # bunsan trains with PyTorch's SDPA, whatever kernel was priced
+            console.print(f"note: priced with --attention {args.attention}; bunsan trains with PyTorch's "
+                          "scaled_dot_product_attention (the flash kernel PyTorch picks), so the run's attention "
+                          "may be slower or faster than priced", highlight=False)
         if not section:    # (`bunsan train` would build bunsan's Llama in its place: no launch line to give)
             console.print(f"wrote {args.output}, the layout only: `bunsan train` builds bunsan's Llama, not this "
                           f"{type(result.pricing.shape.module).__name__}; train it with bunsan.initialize(model, "
