@@ -118,8 +118,8 @@ FLASH_CUDNN_HOPPER = 522 / 989
 # measured in short runs of one kernel): fitted to Megatron-Core r0.8.0's nine H100 runs (README at f2e5db40,
 # 700 W, with the communication overlaps its README ran priced, and Transformer Engine's cuDNN attention), the
 # least-squares fit of their log errors to 0.01 (tests/test_planner_published.py re-fits it and fails when it
-# drifts; priced with FlashAttention-2 there, as before TE's kernel was priced, the fit was 0.86). Held out of the fit:
-# torchtitan's seven runs on 500 W Grand Teton H100s. A100 parts need no such figure: Megatron-LM 2021's and
+# drifts; with their attention priced as FlashAttention-2 the fit was 0.86). Held out of the fit: torchtitan's
+# seven runs on 500 W Grand Teton H100s. A100 parts need no such figure: Megatron-LM 2021's and
 # torchtitan's A100 runs are priced within 9% without it, but for one bound by its network (RESULTS.md).
 SUSTAINED_HOPPER = 0.83
 
