@@ -85,8 +85,8 @@ def eager_pairs() -> list[str]:
     import published_runs as pr
     runs = pr.RUNS + gpu_runs.RUNS
     rows = ["| pair | measured eager / compiled | predicted | error |", "|---|---|---|---|"]
-    for eager in (r for r in runs if r.count == "tokens" and not r.compiled and
-                  (r.group.endswith("500 W") or r in gpu_runs.RUNS)):
+    for eager in (r for r in runs if r.count == "tokens" and not r.compiled and " eager" in r.name and
+                  (r.group.endswith("500 W") or r in gpu_runs.RUNS)):     # the runs with a compiled twin
         twin = next(r for r in runs if r.name == eager.name.replace("eager", "compiled"))
         measured = eager.measured / twin.measured
         predicted = pr.reproduce(eager, search_too=False).predicted / pr.reproduce(twin, search_too=False).predicted

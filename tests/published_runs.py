@@ -39,9 +39,10 @@ where it is common to a group). Groups, oldest first:
   torchtitan on H100, Meta's Grand Teton (96 GB HBM2e at 2.4 TB/s, the default 500 W power limit of the 700 W
   part, 400 Gb/s RDMA per GPU, 8 GPUs per host on NVLink): (a) docs/performance.md at 3faaa1a0 (August 2024):
   Llama 3.1 405B on 128 GPUs, FSDP 16 x TP 8, local batch 2, full checkpointing, "Optimizations: None", 109
-  WPS (29.0% MFU); the commit's train_configs/llama3_405b.toml, a preset "for 128 H100 GPUs": sequence 8,192,
-  compile true (assumed to hold for the "None" row), TP with sequence parallelism (torchtitan's TP always
-  shards the norms). (b) benchmarks/llama3_h100_202412_torchtitan.md at 820504e2 (December 2024, torchtitan
+  WPS (29.0% MFU), the figure pytorch/torchtitan PR #481 reported ("wps: 109 mfu: 29%", July 2024) "with
+  current config": that PR's train_configs/llama3_405b.toml (commit 48713581): sequence 8,192, `compile =
+  false` (eager: the later preset's compile true came with async TP and Float8, the table's other two rows),
+  TP with sequence parallelism (torchtitan's TP always shards the norms). (b) benchmarks/llama3_h100_202412_torchtitan.md at 820504e2 (December 2024, torchtitan
   9dec370): Llama 3.1 8B, FSDP on 8 and 128 GPUs, local batch 2, selective checkpointing, eager and
   torch.compile (the Float8 rows are left out: fp8 GEMMs are not priced; so are Tables 2 and 4-6, all Float8:
   context parallelism at 32k-262k, 70B 2D, 405B 3D/4D); sequence 8,192 and the per-op policy from 9dec370's
@@ -114,7 +115,7 @@ COMMITS = {
     "1ea476e9": "1ea476e9f24be439eda358aa864f45c1c37a8a88", "3faaa1a0": "3faaa1a0dee68ce028400e3dafd1735d152cb4f8",
     "820504e2": "820504e20d1149fbf0b98c567af24c4b0433b22d", "2887250b": "2887250bbd9103d0bc997ea2efb3a525b5e5dbc0",
     "9dec370a": "9dec370ad26b5f8e9a7333a0e36165018262644b", "f2e5db40": "f2e5db402c44ae309aa6448bcb4ae87e8ae0f5f4",
-    "core_r0.8.0": "baf94af3c667248865f23df73b9fb8e2395e6fd0"}
+    "core_r0.8.0": "baf94af3c667248865f23df73b9fb8e2395e6fd0", "48713581": "48713581479319a15f4d10c05b450ad0b9f796bd"}
 # Grand Teton's H100 as torchtitan describes it: 96 GB HBM2e at 2.4 TB/s, run at 500 W (the part's TDP is 700 W)
 GRAND_TETON = "h100,memory=96GiB,hbm=2.4TB,power=500W"
 
@@ -251,8 +252,8 @@ RUNS = (
     _tt_a100("Llama 2 70B FSDP sel mb1, 64 A100", LLAMA2_70B, 1, 4096, "selective", 355),
     _tt_a100("Llama 2 70B FSDP mb2, 64 A100", LLAMA2_70B, 2, 4096, "full", 353),
     # torchtitan, Grand Teton H100 at 500 W
-    _tt_h100("Llama 3.1 405B FSDP16 TP8, 128 H100", TT_405B, LLAMA3_405B, 128, 2, 8192, "full", True, 109, tp=8,
-             notes=("compile from the commit's 128-GPU preset",)),
+    _tt_h100("Llama 3.1 405B FSDP16 TP8, 128 H100", TT_405B, LLAMA3_405B, 128, 2, 8192, "full", False, 109, tp=8,
+             notes=("eager: the config PR #481 measured 109 WPS with (compile = false)",)),
     _tt_h100("Llama 3.1 8B FSDP eager, 8 H100", TT_DEC24, LLAMA3_8B, 8, 2, 8192, "selective", False, 5762),
     _tt_h100("Llama 3.1 8B FSDP compiled, 8 H100", TT_DEC24, LLAMA3_8B, 8, 2, 8192, "selective", True, 6667),
     _tt_h100("Llama 3.1 8B FSDP eager, 128 H100", TT_DEC24, LLAMA3_8B, 128, 2, 8192, "selective", False, 5605),
