@@ -81,7 +81,7 @@ SOURCES = (
      "forward + backward TFLOP/s by sequence length, as a fraction of the 16k figure (read approximately)"),
     ("CUDNN_BY_CHUNK", "0.59 at 512 .. 1 at 8k", "the FlashAttention-3 paper's (arXiv:2407.08608) H100 figures "
      "of cuDNN's kernel, head dim 128: forward + backward by sequence length over the 16k figure (attention 'cudnn')"),
-    ("FLASH_CUDNN_HOPPER", f"{hardware.FLASH_CUDNN_HOPPER:.3f}", "hardware.py: cuDNN's fused attention forward + "
+    ("FLASH_CUDNN_HOPPER", round(hardware.FLASH_CUDNN_HOPPER, 3), "hardware.py: cuDNN's fused attention forward + "
      "backward on H100 at 16k (522 TFLOP/s), 1.60x FlashAttention-2 in the same figures; Transformer Engine's "
      "choice on Hopper"),
     ("BACKWARD_FACTOR", BACKWARD_FACTOR, "a GEMM's backward is two GEMMs of its size (dgrad, wgrad)"),
