@@ -132,10 +132,10 @@ GPUS = {g.name: g for g in (
     # GA102: 72 on A10; GV100: 80).
     # H100 Tensor Core GPU datasheet, SXM5 column; the PCIe column (300-350 W); H200 datasheet, SXM column
     _gpu("h100", 80, 989, 989, 494.5, 3.35, "SXM", 700, 132, FLASH_HOPPER, MAMF_H100, SUSTAINED_HOPPER,
-         FLASH_CUDNN_HOPPER),
+         cudnn=FLASH_CUDNN_HOPPER),
     _gpu("h100-pcie", 80, 756, 756, 378, 2.0, "PCIe", 350, 114, FLASH_HOPPER, MAMF_H100, cudnn=FLASH_CUDNN_HOPPER),
     _gpu("h200", 141, 989, 989, 494.5, 4.8, "SXM", 700, 132, FLASH_HOPPER, MAMF_H100, SUSTAINED_HOPPER,
-         FLASH_CUDNN_HOPPER),
+         cudnn=FLASH_CUDNN_HOPPER),
     # A100 Tensor Core GPU datasheet: 80GB SXM, 80GB PCIe, 40GB SXM
     _gpu("a100", 80, 312, 312, 156, 2.039, "SXM", 400, 108, FLASH_AMPERE, MAMF_A100),
     _gpu("a100-pcie", 80, 312, 312, 156, 1.935, "PCIe", 300, 108, FLASH_AMPERE, MAMF_A100_PCIE),

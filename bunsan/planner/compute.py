@@ -117,9 +117,9 @@ def flash_efficiency(gpu: GPU, efficiency: float, rows: int, keys: int, kernel: 
     FLOPs at 16k tokens), twice it (the rectangle is twice the causal half) times the kernel's curve at `rows`
     (constants.FLASH_BY_CHUNK), scaled as a fitted GEMM efficiency scales (`efficiency` / GEMM_EFFICIENCY).
     Elsewhere the GEMM efficiency at the row's own length (the causal half at half of it: the same seconds),
-    times the curve's figure for `rows` over the row's (context parallelism's chunks)."""
+    times the curve's figure for `rows` over the row's (context parallelism's chunks). `kernel` "cudnn": cuDNN's
+    figure and curve instead (block_time has checked that `gpu` has one)."""
     if kernel == "cudnn":        # its own figure (hardware.FLASH_CUDNN_HOPPER) and curve, --kernels or not
-        check_kernel(kernel, gpu)
         return 2 * gpu.cudnn_flash_fraction * flash_at(rows, gpu, kernel) * efficiency / K.GEMM_EFFICIENCY
     if gpu.flash_fraction is None:
         return efficiency * (flash_at(rows, gpu) / flash_at(keys, gpu) if rows < keys else 1.0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from bunsan.estimator.layout import Layout
 from bunsan.models.llama import LlamaConfig
 from bunsan.planner.collectives import Topology, collective
-from bunsan.planner.compute import flash_at
+from bunsan.planner.compute import FLASH_KERNELS, flash_at
 
 
 def row_kv_bytes(model: LlamaConfig, layout: Layout) -> float:
@@ -57,7 +57,7 @@ def cp_note(layout: Layout, topo: Topology, attention: str, gpu=None) -> tuple:
         if gpu is not None and gpu.measured is not None else "constants.FLASH_BY_CHUNK"
     flash = f"; flash attention on chunks of {chunk} queries at " \
         f"x{flash_at(chunk, gpu, attention) / flash_at(layout.seq_len, gpu, attention):.2f} the whole row's speed " \
-        f"({curve})" if attention in ("flash", "cudnn") else ""
+        f"({curve})" if attention in FLASH_KERNELS else ""
     return (f"cp: per layer and micro-batch an all-gather of the row's K and V forward (again under recompute) "
             f"and a reduce-scatter of their gradients backward, over {topo.link(layout.cp, layout.tp).name} (the cp "
             f"group's {layout.cp} ranks, tp {layout.tp} apart, sit {per_node} to a node on {nodes} node(s)); ZeRO "
