@@ -8,7 +8,9 @@ run is Composer's FSDP FULL_SHARD (ZeRO-3) without tensor or pipeline parallelis
 bf16 where the table says so), eager (no torch.compile). The models' shapes are llm-foundry's
 scripts/train/yamls/pretrain/mpt-*.yaml (d_model, n_heads, n_layers; vocabulary 50,368, tied embedding, a 4x
 GELU MLP priced as the Llama block of the same parameters and FLOPs, like Megatron's GPT: published_runs.gpt),
-attn_impl triton (a flash attention kernel; priced as FlashAttention-2's measured fraction, hardware.py).
+attn_impl triton (FlashAttention's Triton port; priced as FlashAttention-2's measured fraction, hardware.py,
+with bunsan's eager element-wise count: the port's own figure, attention "triton", with MPT's fused one is the
+trial test_planner_published.py pins).
 "1600 Gbps" per node of 8 is 200 Gb/s per GPU: priced as DGX A100's HDR links. The H100 rows are one node's 8
 GPUs (no network crossed; the table gives none), SXM at 700 W. Chosen, before pricing any: every 1B-70B model's
 2,048-token rows (A100 80GB: one node, 70B on 32 and 64 GPUs; A100 40GB: 128 GPUs; H100: one node), and the

@@ -90,3 +90,25 @@ def test_cudnn_attention_is_priced_at_its_hopper_figure_and_refused_where_unmeas
     assert "attention 'cudnn' has no measured figure on a100" in capsys.readouterr().err
     with pytest.raises(ValueError, match="use attention 'flash'"):
         compute.block_time(c, Layout(seq_len=2048), gpu_spec("a100"), 0.8, attention="cudnn")
+
+
+def test_triton_attention_is_priced_at_its_a100_figure_and_refused_where_unmeasured(capsys):
+    """`--attention triton` (FlashAttention's Triton port: llm-foundry's attn_impl triton) runs the attention core
+    at the FlashAttention-2 paper's A100 figure and curve for the port; off Ampere, where no figure exists, a clear
+    error. plan --json lists each kernel's figure for the GPU."""
+    from bunsan.estimator import hardware
+    c, a100 = get_preset("1b"), gpu_spec("a100")
+    assert hardware.FLASH_TRITON_AMPERE * 312 == pytest.approx(80)
+    for seq, curves in ((16384, 1.0), (2048, 0.85 / 0.83)):     # TRITON_BY_CHUNK over FLASH_BY_CHUNK at 2k
+        lay = Layout(seq_len=seq, micro_batch=1)
+        fa2, port = (compute.block_time(c, lay, a100, 0.8, attention=k).attention_forward for k in ("flash", "triton"))
+        assert port / fa2 == pytest.approx(hardware.FLASH_AMPERE / hardware.FLASH_TRITON_AMPERE / curves, rel=1e-6)
+    args = ["plan", "--model", "1b", "--gpus", "8", "--gpu", "a100", "--seq-len", "8192", "--global-batch", "8",
+            "--zero-stages", "3", "--recompute", "none", "--top", "1", "--json", "--attention", "triton"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "Triton port's 25.6% of the peak" in out["ranked"][0]["step_seconds"]["assumptions"][0]
+    assert out["pricing"]["gpu"]["attention_fractions"] == {
+        "flash": hardware.FLASH_AMPERE, "cudnn": None, "triton": hardware.FLASH_TRITON_AMPERE}
+    assert main(args[:6] + ["h100"] + args[7:]) != 0
+    assert "attention 'triton' has no measured figure on h100" in capsys.readouterr().err

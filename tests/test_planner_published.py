@@ -58,13 +58,13 @@ MPT_GAPS = {
                                  "share, where the same model at micro-batch 8 on 64 GPUs is priced within 2%"),
     "MPT 7B 32K, 8 A100 80GB": (0.336, "attention is more than half of a 32K row's FLOPs, and MPT's kernel (llm-"
                                 "foundry's flash_attn_triton, FlashAttention 1's Triton port) is priced as "
-                                "FlashAttention-2: the flash-attention README's A100 figure measures the port at "
-                                "80 TFLOP/s against FlashAttention-2's 189 (causal, head dim 128, 16k). Priced at "
-                                "that, this row is -12%, but the other MPT rows move up to 16 points slow (a trial "
-                                "at SUSTAINED_HOPPER 0.86: median 4.7% -> 11%, 16 of 19 still within 15%): "
-                                "bunsan's eager Llama block (RMSNorm in 18 passes, rotary) stands in for MPT's "
-                                "leaner one (one LayerNorm kernel, ALiBi inside the attention kernel) and made up "
-                                "for the faster kernel"),
+                                "FlashAttention-2. Priced as the port (attention 'triton': hardware."
+                                "FLASH_TRITON_AMPERE, 0.42x FlashAttention-2) this row is -14.0% and the 8K row "
+                                "-16.9%; priced as the port with MPT's element-wise ops as the single kernels they "
+                                "are (LayerNorm, GELU; ALiBi inside the attention kernel: 'compiled'), -8.7% and "
+                                "-6.9%, but the 2K rows then run +1% to +21% fast and the H100 rows have no figure "
+                                "for the port (RESULTS.md, trials): bunsan's eager Llama block stands in for MPT's "
+                                "leaner one and makes up for the slower kernel at 2K"),
 }
 
 
@@ -91,6 +91,20 @@ def test_the_runs_outside_15_percent_stay_where_they_are(name):
     assert abs(r.error - today) < 0.05, f"{name}: {r.error:+.1%}, was {today:+.1%} ({why})"
     if abs(r.error) < 0.15:
         pytest.fail(f"{name} is now within 15% ({r.error:+.1%}): move it out of GAPS / MPT_GAPS")
+
+
+def test_mpt_priced_as_what_ran_fits_long_rows_and_overshoots_short_ones():
+    """The trial MPT_GAPS cites: MPT's A100 rows priced with the kernel they ran (attention 'triton') and their
+    element-wise ops as the single kernels llm-foundry's block runs (compiled). The 8K and 32K rows come within
+    10%; the 2K rows run fast, the 13B one past 15%: what MPT spends at 2K beyond its GEMMs, kernel and bytes is
+    not priced. Pinned so that the claim stays true; the rows stay priced as today's until it is found."""
+    def error(name: str) -> float:
+        run = dataclasses.replace(BY_NAME[name], attention="triton", compiled=True)
+        return pr.reproduce(run, search_too=False).error
+    today = {"MPT 7B 32K, 8 A100 80GB": -0.087, "MPT 7B 8K, 8 A100 80GB": -0.069, "MPT 13B 2K, 8 A100 80GB": 0.208,
+             "MPT 1B 2K, 8 A100 80GB": 0.079}
+    for name, was in today.items():
+        assert abs(error(name) - was) < 0.03, f"{name}: {error(name):+.1%}, was {was:+.1%}"
 
 
 @pytest.mark.parametrize("run", llama3.RUNS, ids=lambda r: r.name)

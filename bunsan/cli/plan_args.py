@@ -64,9 +64,10 @@ def add_parsers(sub) -> None:
                    help="per-step latency of a link, e.g. inter=1e-5 (repeatable)")
     p.add_argument("--compile", action="store_true", help="price torch.compile's fused element-wise ops (and write "
                    "train.compile into --output's config); default: eager PyTorch, each op a pass over memory")
-    p.add_argument("--attention", choices=("flash", "cudnn", "materialized"), default="flash",
+    p.add_argument("--attention", choices=("flash", "cudnn", "triton", "materialized"), default="flash",
                    help="the attention kernel priced: flash (FlashAttention-2, PyTorch SDPA's: bunsan's), cudnn "
-                   "(cuDNN's fused kernel, Transformer Engine's on Hopper), materialized (the scores written out)")
+                   "(cuDNN's fused kernel, Transformer Engine's on Hopper), triton (FlashAttention's Triton port, "
+                   "llm-foundry's attn_impl triton; A100 only), materialized (the scores written out)")
     p.add_argument("--zero-stages", help="ZeRO stages to search, e.g. 0,1 (default 0,1,2,3)")
     p.add_argument("--recompute", help="recompute modes to search, e.g. full (default none,full,selective)")
     p.add_argument("--no-sp", action="store_true", help="leave sequence parallelism out of the search")

@@ -75,7 +75,11 @@ def pricing_json(result) -> dict:
     gpu = p.gpu
     return {"gpu": {"name": gpu.name, "memory_bytes": gpu.memory_bytes, "peak_flops": dict(gpu.peak_flops),
                     "hbm_bytes_per_s": gpu.hbm_bytes_per_s, "form": gpu.form, "power_w": gpu.power_w,
-                    "sms": gpu.sms},
+                    "sms": gpu.sms, "rated_power_w": gpu.rated_power_w, "sustained_fraction": gpu.sustained_fraction,
+                    "matmul_fraction": gpu.matmul_fraction,
+                    # each attention kernel's published forward + backward fraction of the peak (None: unmeasured)
+                    "attention_fractions": {"flash": gpu.flash_fraction, "cudnn": gpu.cudnn_flash_fraction,
+                                            "triton": gpu.triton_flash_fraction}},
             "measured_kernels": None if gpu.measured is None else {
                 "source": gpu.measured.source, "device": gpu.measured.device,
                 "reference_tflops": gpu.measured.reference_tflops, "flash_tflops": gpu.measured.flash_tflops,

@@ -38,6 +38,8 @@ class GPU:
     flash_fraction: float | None = None
     # cuDNN's fused flash attention (Transformer Engine's on Hopper), the same measure; None where unmeasured
     cudnn_flash_fraction: float | None = None
+    # FlashAttention's Triton port (flash_attn_triton.py: llm-foundry's attn_impl "triton"), the same measure
+    triton_flash_fraction: float | None = None
     # the best-shape 16-bit matmul's measured fraction of the dense peak (MAMF), where measured: GEMMs are priced
     # at constants.GEMM_EFFICIENCY x this / A100 SXM's (gemm_scale), the GPU the efficiency was checked on
     matmul_fraction: float | None = None
@@ -84,10 +86,11 @@ POWER_EXPONENT = 0.30
 
 
 def _gpu(name, gib, bf16, fp16, fp32, hbm_tb_s, form, watts, sms, flash=None, mamf=None, sustained=1.0,
-         cudnn=None) -> GPU:
+         cudnn=None, triton=None) -> GPU:
     flops = {k: v * T for k, v in (("bf16", bf16), ("fp16", fp16), ("fp32", fp32)) if v is not None}
     return GPU(name, int(gib * GiB), flops, hbm_tb_s * T, form, watts, sms, rated_power_w=watts,
-               flash_fraction=flash, matmul_fraction=mamf, sustained_fraction=sustained, cudnn_flash_fraction=cudnn)
+               flash_fraction=flash, matmul_fraction=mamf, sustained_fraction=sustained, cudnn_flash_fraction=cudnn,
+               triton_flash_fraction=triton)
 
 
 # Maximum achievable matmul FLOPS (bf16, the best of a sweep of shapes, torch.matmul) over the dense peak,
@@ -103,6 +106,10 @@ MAMF_A100, MAMF_A100_PCIE, MAMF_H100 = 271.2 / 312, 252.9 / 312, 794.5 / 989
 # The kernel does not use Hopper's asynchronous tensor cores (FlashAttention-3 and cuDNN's do): a third of the
 # H100's peak against three fifths of the A100's. Ampere boards share the A100 figure, Hopper boards the H100's.
 FLASH_AMPERE, FLASH_HOPPER = 189 / 312, 328 / 989
+# FlashAttention's Triton port in the same A100 figure (its "FlashAttention Triton" bars, causal, head dim 128):
+# 50/61/68/74/78/80 TFLOP/s from 512 to 16k tokens, 0.42x FlashAttention-2 at 16k. The figure for H100 has no such
+# bar: the port is priced on Ampere boards only.
+FLASH_TRITON_AMPERE = 80 / 312
 
 # cuDNN's fused flash attention on H100 SXM5 at head dim 128, the FlashAttention-3 paper's figures (Shah et al.
 # 2024, arXiv:2407.08608; the forward one is Dao-AILab/flash-attention assets/flash3_fp16_fwd.png): causal forward
@@ -137,9 +144,10 @@ GPUS = {g.name: g for g in (
     _gpu("h200", 141, 989, 989, 494.5, 4.8, "SXM", 700, 132, FLASH_HOPPER, MAMF_H100, SUSTAINED_HOPPER,
          cudnn=FLASH_CUDNN_HOPPER),
     # A100 Tensor Core GPU datasheet: 80GB SXM, 80GB PCIe, 40GB SXM
-    _gpu("a100", 80, 312, 312, 156, 2.039, "SXM", 400, 108, FLASH_AMPERE, MAMF_A100),
-    _gpu("a100-pcie", 80, 312, 312, 156, 1.935, "PCIe", 300, 108, FLASH_AMPERE, MAMF_A100_PCIE),
-    _gpu("a100-40gb", 40, 312, 312, 156, 1.555, "SXM", 400, 108, FLASH_AMPERE, MAMF_A100),
+    _gpu("a100", 80, 312, 312, 156, 2.039, "SXM", 400, 108, FLASH_AMPERE, MAMF_A100, triton=FLASH_TRITON_AMPERE),
+    _gpu("a100-pcie", 80, 312, 312, 156, 1.935, "PCIe", 300, 108, FLASH_AMPERE, MAMF_A100_PCIE,
+         triton=FLASH_TRITON_AMPERE),
+    _gpu("a100-40gb", 40, 312, 312, 156, 1.555, "SXM", 400, 108, FLASH_AMPERE, MAMF_A100, triton=FLASH_TRITON_AMPERE),
     _gpu("l40s", 48, 362, 362, 183, 0.864, "PCIe", 350, 142),   # L40S datasheet
     _gpu("a10", 24, 125, 125, 62.5, 0.6, "PCIe", 150, 72),      # A10 Tensor Core GPU datasheet
     _gpu("v100", 32, None, 125, 15.7, 0.9, "SXM", 300, 80),     # Tesla V100 datasheet, SXM2; no bf16, no TF32

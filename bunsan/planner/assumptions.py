@@ -35,6 +35,9 @@ def step_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_toke
         + (f"attention at cuDNN's fused kernel's {gpu.cudnn_flash_fraction:.1%} of the peak (H100, causal, 16k "
            "tokens; hardware.FLASH_CUDNN_HOPPER) on its curve by rows per call (constants.CUDNN_BY_CHUNK); "
            if attention == "cudnn" else "")
+        + (f"attention at FlashAttention's Triton port's {gpu.triton_flash_fraction:.1%} of the peak (A100, causal, "
+           "16k tokens; hardware.FLASH_TRITON_AMPERE) on its curve by rows per call (constants.TRITON_BY_CHUNK); "
+           if attention == "triton" else "")
         + "element-wise ops by their bytes, "
         + ("compiled (torch.compile fuses them: constants.HIDDEN_PASSES)" if compiled else
            "eager (each op a pass over HBM: constants.EAGER_*; --compile fuses them)")

@@ -19,9 +19,16 @@ from bunsan.planner import constants as K
 from bunsan.planner.kernels import log2_interpolate
 
 # "flash": FlashAttention-2 (PyTorch SDPA's flash kernel, bunsan's); "cudnn": cuDNN's fused flash attention
-# (Transformer Engine's on Hopper; measured there only); "materialized": the scores written out
-ATTENTION = ("flash", "cudnn", "materialized")
-FLASH_KERNELS = ("flash", "cudnn")
+# (Transformer Engine's on Hopper; measured there only); "triton": FlashAttention's Triton port (llm-foundry's
+# attn_impl "triton"; measured on A100 only); "materialized": the scores written out
+ATTENTION = ("flash", "cudnn", "triton", "materialized")
+FLASH_KERNELS = ("flash", "cudnn", "triton")
+# the kernels priced at their own published figure (a GPU field, None where unmeasured) and curve by length
+OWN_CURVES = {"cudnn": K.CUDNN_BY_CHUNK, "triton": K.TRITON_BY_CHUNK}
+WHERE_MEASURED = {"cudnn": "hardware.FLASH_CUDNN_HOPPER is Hopper's; Transformer Engine runs FlashAttention-2 on "
+                           "other GPUs",
+                  "triton": "hardware.FLASH_TRITON_AMPERE is the A100's, the only GPU the FlashAttention-2 paper "
+                            "measured the port on"}
 
 
 @dataclass(frozen=True)
@@ -52,9 +59,10 @@ def streamed(nbytes: float, gpu: GPU) -> float:
 def flash_at(tokens: float, gpu: GPU | None = None, kernel: str = "flash") -> float:
     """A flash kernel's throughput at `tokens` query rows per call, as a fraction of its long-row plateau
     (constants.FLASH_BY_CHUNK, or the curve measured on `gpu` (planner/kernels.py); cuDNN's kernel:
-    constants.CUDNN_BY_CHUNK), interpolated in log2 of the length; held flat past either end."""
-    if kernel == "cudnn":
-        return log2_interpolate(K.CUDNN_BY_CHUNK, tokens)
+    constants.CUDNN_BY_CHUNK; the Triton port's: TRITON_BY_CHUNK), interpolated in log2 of the length; held flat
+    past either end."""
+    if kernel in OWN_CURVES:
+        return log2_interpolate(OWN_CURVES[kernel], tokens)
     if gpu is not None and gpu.measured is not None and gpu.measured.flash:
         return gpu.measured.flash_at(tokens)
     return log2_interpolate(K.FLASH_BY_CHUNK, tokens)
@@ -72,7 +80,8 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
     if attention not in ATTENTION:
         raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}; 'flash' for "
                          "FlashAttention-2 (bunsan's SDPA), 'cudnn' for cuDNN's fused kernel (Transformer Engine's "
-                         "on Hopper), 'materialized' when the scores are written out")
+                         "on Hopper), 'triton' for FlashAttention's Triton port (llm-foundry's), 'materialized' "
+                         "when the scores are written out")
     check_kernel(attention, gpu)
     t, b, s, h = layout.tp, layout.micro_batch, layout.seq_len, model.hidden_size
     heads, kv = model.num_attention_heads, model.num_key_value_heads
@@ -103,11 +112,17 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
                      o_proj_forward=o_proj)
 
 
+def own_fraction(kernel: str, gpu: GPU) -> float | None:
+    """The published fraction of the peak of an OWN_CURVES kernel on `gpu` (None where unmeasured)."""
+    return {"cudnn": gpu.cudnn_flash_fraction, "triton": gpu.triton_flash_fraction}[kernel]
+
+
 def check_kernel(attention: str, gpu: GPU) -> None:
-    """cuDNN's kernel is priced from its Hopper figure only: elsewhere a clear error, not a guess."""
-    if attention == "cudnn" and gpu.cudnn_flash_fraction is None:
-        raise ValueError(f"attention 'cudnn' has no measured figure on {gpu.name} (hardware.FLASH_CUDNN_HOPPER is "
-                         "Hopper's); Transformer Engine runs FlashAttention-2 on other GPUs: use attention 'flash'")
+    """cuDNN's kernel and the Triton port are priced from their published figures only (cuDNN's on Hopper, the
+    port's on A100): elsewhere a clear error, not a guess."""
+    if attention in OWN_CURVES and own_fraction(attention, gpu) is None:
+        raise ValueError(f"attention {attention!r} has no measured figure on {gpu.name} ({WHERE_MEASURED[attention]}"
+                         "): use attention 'flash' (FlashAttention-2's figure)")
 
 
 def flash_efficiency(gpu: GPU, efficiency: float, rows: int, keys: int, kernel: str = "flash") -> float:
@@ -118,9 +133,9 @@ def flash_efficiency(gpu: GPU, efficiency: float, rows: int, keys: int, kernel: 
     (constants.FLASH_BY_CHUNK), scaled as a fitted GEMM efficiency scales (`efficiency` / GEMM_EFFICIENCY).
     Elsewhere the GEMM efficiency at the row's own length (the causal half at half of it: the same seconds),
     times the curve's figure for `rows` over the row's (context parallelism's chunks). `kernel` "cudnn": cuDNN's
-    figure and curve instead (block_time has checked that `gpu` has one)."""
-    if kernel == "cudnn":        # its own figure (hardware.FLASH_CUDNN_HOPPER) and curve, --kernels or not
-        return 2 * gpu.cudnn_flash_fraction * flash_at(rows, gpu, kernel) * efficiency / K.GEMM_EFFICIENCY
+    figure and curve instead, "triton" the port's (block_time has checked that `gpu` has one)."""
+    if kernel in OWN_CURVES:     # its own figure (hardware.py) and curve, --kernels or not
+        return 2 * own_fraction(kernel, gpu) * flash_at(rows, gpu, kernel) * efficiency / K.GEMM_EFFICIENCY
     if gpu.flash_fraction is None:
         return efficiency * (flash_at(rows, gpu) / flash_at(keys, gpu) if rows < keys else 1.0)
     return 2 * gpu.flash_fraction * flash_at(rows, gpu) * efficiency / K.GEMM_EFFICIENCY

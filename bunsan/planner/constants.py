@@ -61,6 +61,9 @@ FLASH_BY_CHUNK = ((512, 0.50), (1024, 0.68), (2048, 0.83), (4096, 0.92), (8192, 
 # cuDNN's fused flash attention by the same measure, from the FlashAttention-3 paper's H100 figures
 # (hardware.FLASH_CUDNN_HOPPER: forward + backward 308/409/470/504/521/522 TFLOP/s, 512 to 16k tokens)
 CUDNN_BY_CHUNK = ((512, 0.59), (1024, 0.78), (2048, 0.90), (4096, 0.97), (8192, 1.0), (16384, 1.0))
+# FlashAttention's Triton port by the same measure, from FlashAttention-2's A100 figure (hardware.FLASH_TRITON_AMPERE:
+# forward + backward 50/61/68/74/78/80 TFLOP/s, 512 to 16k tokens)
+TRITON_BY_CHUNK = ((512, 0.63), (1024, 0.76), (2048, 0.85), (4096, 0.93), (8192, 0.98), (16384, 1.0))
 # NCCL's latencies (per collective, per ring step) and the links' bandwidths: bunsan/estimator/hardware.py.
 NCCL_BASE_LATENCY_S = hardware.NCCL_BASE_LATENCY_S
 
@@ -81,6 +84,11 @@ SOURCES = (
      "forward + backward TFLOP/s by sequence length, as a fraction of the 16k figure (read approximately)"),
     ("CUDNN_BY_CHUNK", "0.59 at 512 .. 1 at 8k", "the FlashAttention-3 paper's (arXiv:2407.08608) H100 figures "
      "of cuDNN's kernel, head dim 128: forward + backward by sequence length over the 16k figure (attention 'cudnn')"),
+    ("TRITON_BY_CHUNK", "0.63 at 512 .. 1 at 16k", "FlashAttention-2 (arXiv:2307.08691) Fig. 4: the Triton port's "
+     "causal forward + backward TFLOP/s on A100 by sequence length over the 16k figure (attention 'triton')"),
+    ("FLASH_TRITON_AMPERE", round(hardware.FLASH_TRITON_AMPERE, 3), "hardware.py: the Triton port's forward + "
+     "backward on A100 at 16k (80 TFLOP/s), 0.42x FlashAttention-2 in the same figure; llm-foundry's attn_impl "
+     "'triton'"),
     ("FLASH_CUDNN_HOPPER", round(hardware.FLASH_CUDNN_HOPPER, 3), "hardware.py: cuDNN's fused attention forward + "
      "backward on H100 at 16k (522 TFLOP/s), 1.60x FlashAttention-2 in the same figures; Transformer Engine's "
      "choice on Hopper"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 from bunsan.estimator.layout import Layout
 from bunsan.models.llama import LlamaConfig
 from bunsan.planner.collectives import Topology, collective
-from bunsan.planner.compute import FLASH_KERNELS, flash_at
+from bunsan.planner.compute import FLASH_KERNELS, OWN_CURVES, flash_at
 
 
 def row_kv_bytes(model: LlamaConfig, layout: Layout) -> float:
@@ -53,8 +53,8 @@ def cp_note(layout: Layout, topo: Topology, attention: str, gpu=None) -> tuple:
         return ()
     per_node, nodes = topo.span(layout.cp, layout.tp)
     chunk = cp_chunk(layout)
-    curve = "constants.CUDNN_BY_CHUNK" if attention == "cudnn" else "the measured curve, --kernels" \
-        if gpu is not None and gpu.measured is not None else "constants.FLASH_BY_CHUNK"
+    curve = f"constants.{attention.upper()}_BY_CHUNK" if attention in OWN_CURVES else "the measured curve, " \
+        "--kernels" if gpu is not None and gpu.measured is not None else "constants.FLASH_BY_CHUNK"
     flash = f"; flash attention on chunks of {chunk} queries at " \
         f"x{flash_at(chunk, gpu, attention) / flash_at(layout.seq_len, gpu, attention):.2f} the whole row's speed " \
         f"({curve})" if attention in FLASH_KERNELS else ""
