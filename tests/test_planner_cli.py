@@ -109,3 +109,30 @@ def test_no_activation_offload_leaves_out_the_layouts_that_send_activations_to_t
     assert offloaded and without and not any(c["layout"]["offload_blocks"] for c in without)
     assert main(["plan", *tight, "--gpu-memory", "2GB", "--no-activation-offload"]) == 1
     assert "--no-activation-offload): drop those options" in json.loads(capsys.readouterr().out)["suggestions"][0]
+
+
+def test_a_search_reports_its_progress_on_a_terminal_and_nothing_when_piped(capsys, monkeypatch):
+    """A large search takes a minute: plan() reports the layouts priced so far and how many fit, and `bunsan plan`
+    shows it as a live line on a terminal's stderr; piped (CI, --json into a file) nothing is added."""
+    import io
+    import re
+
+    import rich.console
+
+    from bunsan.planner import search
+    calls = []
+    monkeypatch.setattr(search, "PROGRESS_EVERY", 10)
+    result = search.plan("1b", 8, seq_len=2048, global_batch=16, progress=lambda n, fit: calls.append((n, fit)))
+    assert calls and calls[0][0] == 10 and [n for n, _ in calls] == list(range(10, result.considered + 1, 10))
+    assert all(0 <= fit <= n for n, fit in calls) and calls[-1][1] <= result.fit + result.at_risk
+    assert main(["plan", *SMALL, "--json"]) == 0          # pytest's stderr is no terminal: nothing added
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["considered"] > 0 and "searching layouts" not in captured.err
+    screen = io.StringIO()
+    terminal = rich.console.Console
+
+    def on_a_terminal(*args, **kwargs):
+        return terminal(file=screen, force_terminal=True) if kwargs.get("stderr") else terminal(*args, **kwargs)
+    monkeypatch.setattr(rich.console, "Console", on_a_terminal)
+    assert main(["plan", *SMALL, "--top", "1"]) == 0
+    assert re.search(r"searching layouts: \d+ priced, \d+ fit so far", screen.getvalue())

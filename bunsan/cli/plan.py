@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -193,6 +194,19 @@ def _space(args):
     return Space(**fields)
 
 
+@contextlib.contextmanager
+def _searching():
+    """A live line on stderr while a search runs (a large one takes a minute): the layouts priced so far and
+    how many fit. Only on a terminal: piped output and --json's stdout stay as they were."""
+    from rich.console import Console
+    err = Console(stderr=True)
+    if not err.is_terminal:
+        yield None
+        return
+    with err.status("searching layouts ...") as status:
+        yield lambda priced, fit: status.update(f"searching layouts: {priced:,} priced, {fit:,} fit so far")
+
+
 def cmd_plan(args) -> int:
     from rich.table import Table
 
@@ -206,12 +220,13 @@ def cmd_plan(args) -> int:
     intra, inter = _links(args)
 
     def search(efficiency, intra, inter):
-        return plan(args.model, args.gpus, _bytes(args.gpu_memory), gpu=_gpu(args),
-                    nodes=nodes_for(args.gpus, args.nodes),
-                    seq_len=args.seq_len, global_batch=args.global_batch, interconnect_name=intra,
-                    inter_node=inter, precision=args.precision, margin=args.margin, total_tokens=tokens,
-                    efficiency=efficiency, host_memory=_bytes(args.host_memory), keep=top,
-                    attention=args.attention, space=_space(args), compiled=args.compile)
+        with _searching() as progress:
+            return plan(args.model, args.gpus, _bytes(args.gpu_memory), gpu=_gpu(args),
+                        nodes=nodes_for(args.gpus, args.nodes),
+                        seq_len=args.seq_len, global_batch=args.global_batch, interconnect_name=intra,
+                        inter_node=inter, precision=args.precision, margin=args.margin, total_tokens=tokens,
+                        efficiency=efficiency, host_memory=_bytes(args.host_memory), keep=top,
+                        attention=args.attention, space=_space(args), compiled=args.compile, progress=progress)
     result = search(args.efficiency, intra, inter)
     calibration = None
     if args.calibrate:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from bunsan.estimator.estimate import Estimate, estimate_layout
@@ -29,6 +30,7 @@ from bunsan.estimator.layout import Layout
 from bunsan.planner.space import Space, layouts, not_searched
 
 GiB = 1024 ** 3
+PROGRESS_EVERY = 1000       # layouts priced between two calls of plan()'s `progress`
 
 
 @dataclass
@@ -125,14 +127,17 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
          precision: str | None = None, optimizer: str = "AdamW", margin: float | None = None,
          total_tokens: int | None = None, efficiency: float | None = None, device_type: str = "cuda",
          keep: int = 10, host_memory: float | None = None, attention: str = "flash",
-         space: Space | None = None, compiled: bool = False, overlap: tuple = ()) -> Plan:
+         space: Space | None = None, compiled: bool = False, overlap: tuple = (),
+         progress: Callable[[int, int], None] | None = None) -> Plan:
     """The layouts of `model` on `gpus` GPUs (`nodes` nodes) that fit, fastest first. `host_memory` (per
     node), when given, also rules out layouts whose offloaded states would not fit in host memory. GPUs and
     links are names (hardware.py) or GPU / Interconnect objects (measured figures, `with_link`);
     `keep` 0 keeps every layout that fits. `margin`: a fraction of memory kept free, else (None) the estimate's
     measured error decides (margin.py). `compiled`: price torch.compile's fused element-wise ops (the run sets
     train.compile), else eager PyTorch's (bunsan's default). `overlap`: price another framework's overlapped
-    communication (cost.OVERLAPS: a published run's), which bunsan's engine does not run."""
+    communication (cost.OVERLAPS: a published run's), which bunsan's engine does not run. `progress`, when
+    given, is called with the layouts priced so far and how many fit, every PROGRESS_EVERY layouts (a search of
+    tens of thousands takes a minute: `bunsan plan` shows it)."""
     rule = MemoryRule.of(margin)
     shape = load_shape(model)
     if shape.bare:      # a plan has a sequence and a batch: the assumed Llama shape's activations count too
@@ -158,6 +163,8 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
                                                        rejected) for p in precisions)
     for lay in candidates:
         considered += 1
+        if progress is not None and considered % PROGRESS_EVERY == 0:
+            progress(considered, len(fits))
         est = estimate_layout(shape, lay, nodes=nodes, gpu_memory=memory, device_type=device_type,
                               ranks=ranks(lay.tp, lay.pp, lay.virtual_stages))
         # compiled recompute has its own measured error (on CUDA)
