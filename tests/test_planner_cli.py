@@ -136,3 +136,25 @@ def test_a_search_reports_its_progress_on_a_terminal_and_nothing_when_piped(caps
     monkeypatch.setattr(rich.console, "Console", on_a_terminal)
     assert main(["plan", *SMALL, "--top", "1"]) == 0
     assert re.search(r"searching layouts: \d+ priced, \d+ fit so far", screen.getvalue())
+
+
+def test_the_search_offloads_the_fewest_blocks_that_make_a_layout_fit():
+    """A layout that does not fit is tried with blocks' activations sent to host memory: the count the search
+    settles on (a first guess on the line between none and every block offloaded, then bisection) is the fewest
+    that fits, as counting up from one finds it."""
+    from bunsan.estimator.estimate import estimate_layout
+    from bunsan.estimator.margin import MemoryRule
+    from bunsan.planner.search import plan
+    memory = 3 * GiB
+    result = plan("1b", 8, memory, seq_len=8192, global_batch=16, keep=0)
+    offloaded = [c for c in result.ranked if c.layout.offload_blocks and not c.risk]
+    assert len(offloaded) > 10
+    rule = MemoryRule.of(None)
+    for cand in offloaded[::max(1, len(offloaded) // 12)]:
+        lay = cand.layout
+
+        def fits(count: int) -> bool:
+            e = estimate_layout("1b", lay.replace(offload_blocks=count), gpu_memory=memory)
+            return rule.for_run(False, lay.checkpointing).fits(e.peak, memory)
+        assert fits(lay.offload_blocks), lay.describe()
+        assert lay.offload_blocks == 1 or not fits(lay.offload_blocks - 1), lay.describe()

@@ -80,6 +80,12 @@ class Estimate:
         return _peak(self.items)
 
     @property
+    def peak_without_backward(self) -> float:
+        """The peak's part no activation offload moves (the items held always and at the step: model states,
+        runtime, the step's buffers): a floor under the peak of the same layout with any blocks offloaded."""
+        return _peak([i for i in self.items if i.phase != "backward"])
+
+    @property
     def host_per_node(self) -> float:
         per_rank = sum(i.host for i in self.items)
         return per_rank * self.layout.gpus / self.nodes

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -280,11 +281,25 @@ def _offload_what_does_not_fit(shape: ModelShape, lay: Layout, est: Estimate, ru
     (`price` estimates a layout); `lay` itself when even offloading every block does not."""
     if shape.llama is None:       # (space.not_searched says so for any other model)
         return lay, est
+    if not rule.fits(est.peak_without_backward, est.gpu_memory):   # states alone too big: no count would fit
+        return lay, est
     blocks = -(-shape.llama.num_hidden_layers // lay.pp)
     every = price(lay.replace(offload_blocks=blocks))
     if not rule.fits(every.peak, every.gpu_memory):
         return lay, est
     low, high, best = 1, blocks, every          # peak falls as blocks are offloaded: bisect the count
+    # about linearly: first try the count that line puts at memory's edge and its neighbour below (or above), which
+    # most often settles it in two estimates; the bisection below finishes what they leave (its answer either way)
+    drop = est.peak - every.peak
+    guess = min(blocks, max(1, math.ceil(blocks * (est.peak - rule.usable(every.gpu_memory)) / drop))) \
+        if drop > 0 else blocks
+    for count in (guess, guess - 1, guess + 1):
+        if low <= count < high:
+            e = price(lay.replace(offload_blocks=count))
+            if rule.fits(e.peak, e.gpu_memory):
+                high, best = count, e
+            else:
+                low = count + 1
     while low < high:
         mid = (low + high) // 2
         e = price(lay.replace(offload_blocks=mid))
