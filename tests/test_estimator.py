@@ -141,3 +141,17 @@ def test_pipeline_zero3_memory_follows_the_gather_policy():
     assert item(micro, "schedule gradients") == item(whole, "schedule gradients") > 0
     assert item(whole, "ZeRO-3 gathered") > 5 * item(micro, "ZeRO-3 gathered")
     assert micro.peak < whole.peak and micro.peak < zero1.peak
+
+
+def test_model_states_are_kept_per_rank_and_settings_and_handed_out_as_copies():
+    """memory/theory.model_states keeps its figures on the rank's parameters (the planner prices thousands of
+    layouts over a few ranks): the same settings give the same bytes, other settings their own, and a caller that
+    changes what it got changes nothing kept."""
+    from bunsan.memory.theory import model_states
+    rp = rank_params(load_shape("tiny"), 1, 1, 1)[0]
+    first = model_states(rp, 2, 3, 2, "AdamW", {"betas": [0.9, 0.95]}, offload_optimizer="nvme")
+    first["params"], first["on_disk"]["master_weights"] = -1.0, -1.0
+    again = model_states(rp, 2, 3, 2, "AdamW", {"betas": [0.9, 0.95]}, offload_optimizer="nvme")
+    assert again["params"] > 0 and again["on_disk"]["master_weights"] > 0
+    assert model_states(rp, 4, 3, 2, "AdamW")["params"] == pytest.approx(again["params"] / 2, rel=0.01)
+    assert model_states(rp, 2, 1, 2, "AdamW")["params"] == pytest.approx(2 * again["params"], rel=0.01)

@@ -41,6 +41,12 @@ class RankParams:
     def total(self) -> int:
         return sum(self.numels)
 
+    @functools.cached_property
+    def memo(self) -> dict:
+        """Figures computed from this rank's parameters and a few settings (memory/theory.model_states), kept:
+        the planner prices thousands of layouts over a few ranks' parameters."""
+        return {}
+
 
 _LORA_PART = re.compile(r"\.(base_layer|lora_A\.[^.]+|lora_B\.[^.]+)$")
 

@@ -117,6 +117,17 @@ def model_states(rp: "RankParams", dp: int, stage: int, d: int, opt: str, opt_pa
                  offload_param: str = "none", on_cpu: bool = False) -> dict:
     """Bytes by kind (params, grads, master_weights, optimizer_states: what is resident in memory) and
     by place (device, host, disk). `on_cpu`: the compute device is the CPU, so host and device are one."""
+    key = ("model_states", dp, stage, d, opt, repr(sorted((opt_params or {}).items())), bucket_elems,
+           offload_optimizer, offload_param, on_cpu)
+    if key not in rp.memo:
+        rp.memo[key] = _model_states(rp, dp, stage, d, opt, opt_params, bucket_elems, offload_optimizer,
+                                     offload_param, on_cpu)
+    out = rp.memo[key]
+    return {**out, "on_disk": dict(out["on_disk"])}     # (a copy: the caller's to change)
+
+
+def _model_states(rp: "RankParams", dp: int, stage: int, d: int, opt: str, opt_params: dict | None,
+                  bucket_elems: int, offload_optimizer: str, offload_param: str, on_cpu: bool) -> dict:
     units = rp.units + ([rp.root] if rp.root else [])
     total = padded(rp.numels, dp, bucket_elems, stage, units)
     shard = total / dp
