@@ -216,10 +216,10 @@ NVME_READ_BYTES_PER_S = 3e9     # one PCIe gen4 NVMe drive, sequential read
 NVME_WRITE_BYTES_PER_S = 3e9    # the same drive, sequential write (sustained writes are often lower)
 # The offloaded AdamW step on the host, parameters per second per process. In a GPU run bunsan steps the host shard
 # with torch's fused CPU AdamW (optim/optimizers.py passes fused=True on CUDA): benchmarks/bench_cpu_adam.py measured
-# it at 0.84e9/s on one core of a Xeon VM, 1.5e9/s on two, as fast as DeepSpeed's CPUAdam beside it (RESULTS.md).
-# With a host's processes stepping at once, its memory bandwidth bounds them: 28 bytes per parameter (fp32
-# weight, gradient and moments read, three written), so 8 processes at 1e9/s draw 224 GB/s, within a two-socket
-# DDR4/DDR5 server's. 1e9: about one core's rate, below that share.
+# it at 0.82e9/s on one core of a 2-core Xeon VM, 1.60e9/s on two, as fast as DeepSpeed's CPUAdam beside it
+# (RESULTS.md). With a host's processes stepping at once, its memory bandwidth bounds them: 28 bytes per parameter
+# (fp32 weight, gradient and moments read, three written), so 8 processes at 1e9/s draw 224 GB/s, within a
+# two-socket DDR4/DDR5 server's. 1e9: about one core's rate, below that share.
 CPU_ADAM_PARAMS_PER_S = 1e9
 
 
