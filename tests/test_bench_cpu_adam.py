@@ -8,21 +8,23 @@ from pathlib import Path
 import torch
 
 from bunsan.config.optimizer_sections import Optimizer
-from bunsan.optim.optimizers import _configured
+from bunsan.optim.optimizers import optimizer_spec
 from bunsan.optim.stepping import rebuild
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 
 def test_a_gpu_runs_offloaded_adamw_steps_with_torchs_fused_cpu_kernel():
-    """The configured AdamW of a CUDA run carries fused=True (optim/optimizers.py), and the sharded optimizer
-    rebuilds it over the host shard (optim/stepping.rebuild): torch's fused CPU AdamW, the benchmark's 'torch
+    """The configured AdamW of a CUDA run carries fused=True (optim/optimizers.optimizer_spec), and the sharded
+    optimizer rebuilds it over the host shard (optim/stepping.rebuild): torch's fused CPU AdamW, the benchmark's 'torch
     fused' row, is what the planner's figure prices."""
-    cls, kwargs = _configured(Optimizer(type="AdamW", params={"lr": 1e-3}), torch.device("cuda"))
-    assert cls is torch.optim.AdamW and kwargs["fused"] is True
+    weight = torch.nn.Parameter(torch.zeros(64))
+    cls, defaults, groups = optimizer_spec(None, Optimizer(type="AdamW", params={"lr": 1e-3}), [weight],
+                                           torch.device("cuda"))
+    assert cls is torch.optim.AdamW and defaults["fused"] is True
     shard = torch.nn.Parameter(torch.zeros(64))          # the host shard: a CPU tensor
     shard.grad = torch.ones(64)
-    opt = rebuild(cls, [{"params": [shard], **kwargs}], kwargs)
+    opt = rebuild(cls, [{"params": [shard], **groups[0][1]}], defaults)     # as zero/optimizer.py builds it
     assert opt.param_groups[0]["fused"] is True
     opt.step()
     assert torch.allclose(shard.detach(), torch.full((64,), -1e-3))     # Adam's first step: -lr x sign(grad)
