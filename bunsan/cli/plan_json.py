@@ -78,8 +78,7 @@ def pricing_json(result) -> dict:
                     "sms": gpu.sms, "rated_power_w": gpu.rated_power_w, "sustained_fraction": gpu.sustained_fraction,
                     "matmul_fraction": gpu.matmul_fraction,
                     # each attention kernel's published forward + backward fraction of the peak (None: unmeasured)
-                    "attention_fractions": {"flash": gpu.flash_fraction, "cudnn": gpu.cudnn_flash_fraction,
-                                            "triton": gpu.triton_flash_fraction}},
+                    "attention_fractions": {k: gpu.attention_fraction(k) for k in ("flash", "cudnn", "triton")}},
             "measured_kernels": None if gpu.measured is None else {
                 "source": gpu.measured.source, "device": gpu.measured.device,
                 "reference_tflops": gpu.measured.reference_tflops, "flash_tflops": gpu.measured.flash_tflops,

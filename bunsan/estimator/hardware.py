@@ -50,6 +50,12 @@ class GPU:
     # attention by its own curve; None: the constants' sources
     measured: object = field(default=None, hash=False, compare=False, repr=False)
 
+    def attention_fraction(self, kernel: str) -> float | None:
+        """The published forward + backward fraction of the peak of attention kernel `kernel` ("flash", "cudnn",
+        "triton") on this board; None where unmeasured."""
+        return {"flash": self.flash_fraction, "cudnn": self.cudnn_flash_fraction,
+                "triton": self.triton_flash_fraction}[kernel]
+
     def flops(self, precision: str) -> float:
         """Dense peak FLOP/s for `precision` (the datasheet's: what MFU is counted against); a clear error where
         the chip lacks it (bf16 on V100)."""

@@ -112,15 +112,10 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
                      o_proj_forward=o_proj)
 
 
-def own_fraction(kernel: str, gpu: GPU) -> float | None:
-    """The published fraction of the peak of an OWN_CURVES kernel on `gpu` (None where unmeasured)."""
-    return {"cudnn": gpu.cudnn_flash_fraction, "triton": gpu.triton_flash_fraction}[kernel]
-
-
 def check_kernel(attention: str, gpu: GPU) -> None:
     """cuDNN's kernel and the Triton port are priced from their published figures only (cuDNN's on Hopper, the
     port's on A100): elsewhere a clear error, not a guess."""
-    if attention in OWN_CURVES and own_fraction(attention, gpu) is None:
+    if attention in OWN_CURVES and gpu.attention_fraction(attention) is None:
         raise ValueError(f"attention {attention!r} has no measured figure on {gpu.name} ({WHERE_MEASURED[attention]}"
                          "): use attention 'flash' (FlashAttention-2's figure)")
 
@@ -135,7 +130,7 @@ def flash_efficiency(gpu: GPU, efficiency: float, rows: int, keys: int, kernel: 
     times the curve's figure for `rows` over the row's (context parallelism's chunks). `kernel` "cudnn": cuDNN's
     figure and curve instead, "triton" the port's (block_time has checked that `gpu` has one)."""
     if kernel in OWN_CURVES:     # its own figure (hardware.py) and curve, --kernels or not
-        return 2 * own_fraction(kernel, gpu) * flash_at(rows, gpu, kernel) * efficiency / K.GEMM_EFFICIENCY
+        return 2 * gpu.attention_fraction(kernel) * flash_at(rows, gpu, kernel) * efficiency / K.GEMM_EFFICIENCY
     if gpu.flash_fraction is None:
         return efficiency * (flash_at(rows, gpu) / flash_at(keys, gpu) if rows < keys else 1.0)
     return 2 * gpu.flash_fraction * flash_at(rows, gpu) * efficiency / K.GEMM_EFFICIENCY
