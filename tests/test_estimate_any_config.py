@@ -63,6 +63,7 @@ def test_estimate_and_plan_say_what_they_do_not_price(llava, capsys, monkeypatch
     assert "(NOT PRICED: the activations of model.vision_tower, model.multi_modal_projector)" in out
     assert "the peaks price its language model's blocks' activations (each as a Llama block of its shape), not its " \
            "encoders' (NOT PRICED: the peaks are floors)" in out
+    assert "its step time is not modelled (its encoders' compute depends on the images or clips per sample)" in out
     # searched over tensor and pipeline parallelism as the engine splits it (the CLIP tower too), but not over
     # sequence parallelism, which the engine refuses for a composite model: said
     assert "- sp: sequence parallelism: the engine refuses it for a composite model" in out

@@ -274,7 +274,7 @@ def cmd_plan(args) -> int:
     for col in cols:
         table.add_column(col, justify="left" if col in ("layout", "why") else "right")
     for n, c in enumerate(result.ranked[:top or None], 1):
-        timed = c.step is not None       # (the step time is modelled for bunsan's Llama only)
+        timed = c.step is not None       # (where estimator/shape.py ModelShape.timed_as gives a Llama shape)
         row = [str(n), c.layout.describe(), f"{c.peak / GiB:.1f}", f"{c.estimate.host_per_node / GiB:.0f}",
                f"{c.step.total:.3g}" if timed else "-", f"{c.step.tokens_per_s:,.0f}" if timed else "-",
                f"{c.step.mfu:.1%}" if timed else "-", c.why + (f"; {c.risk}" if c.risk else "")]

@@ -58,14 +58,15 @@ def print_not_searched(console, result) -> None:
 
 
 def unmodelled_line(result) -> str:
-    """The closing line of a plan whose step time is not modelled (a model other than bunsan's Llama), saying
+    """The closing line of a plan whose step time is not modelled (estimator/shape.py ModelShape.timed_as), saying
     what its peaks price, from the first choice's own items: the activations of the language model's blocks
     (Llama-form), or none; a composite model's encoders named as not priced."""
     est = result.ranked[0].estimate
     name = type(est.shape.module).__name__ if est.shape is not None else est.model
     unpriced = {i.name for i in est.items if i.note.startswith("NOT PRICED")}
-    line = (f"{name}: its step time is modelled for bunsan's Llama only, so layouts are ranked by memory (ZeRO "
-            "stage, offload, micro-batch, peak), not by speed; ")
+    why = est.shape.untimed_why(est.layout.seq_len) if est.shape is not None else "it is not a Llama"
+    line = (f"{name}: its step time is not modelled ({why}), so layouts are ranked by memory (ZeRO stage, offload, "
+            "micro-batch, peak), not by speed; ")
     if "activations" in unpriced:
         return line + ("the peaks leave its activations out (NOT PRICED: they are floors; measure a step, "
                        "engine.memory_report())")

@@ -40,11 +40,38 @@ class ModelShape:
     caveats: tuple[str, ...] = ()
     unpriced_encoders: str = ""       # a composite model's encoders whose activations are not priced, said in full
     tp_encoders: str = "split"        # tensor_parallel.encoders: a composite model's towers split over tp, or whole
+    # a Llama-form language model (blocks_as, an LM head, no encoders): its step is priced as that Llama's; the
+    # tokens its attention looks back over where that is a sliding window (Mistral's), else None
+    steps_as_llama: bool = False
+    sliding_window: int | None = None
 
     @property
     def priced_as(self) -> LlamaConfig | None:
         """The Llama shape whose activations this model's are (bunsan's Llama, or blocks_as)."""
         return self.llama or self.blocks_as
+
+    def timed_as(self, seq_len: int) -> LlamaConfig | None:
+        """The Llama shape whose step time the planner prices for rows of `seq_len` tokens: bunsan's Llama, or
+        a Llama-form language model's (its blocks run the same GEMMs and attention; their element-wise ops
+        measure within 5% of bunsan's Llama's: benchmarks/bench_hf_blocks.py); None for any other model, a
+        composite one (its encoders' compute depends on the media per sample) and rows longer than a sliding
+        window (whose attention computes less than the causal square priced)."""
+        if self.llama is not None:
+            return self.llama
+        if not self.steps_as_llama or (self.sliding_window is not None and seq_len > self.sliding_window):
+            return None
+        return self.blocks_as
+
+    def untimed_why(self, seq_len: int) -> str:
+        """Why timed_as(seq_len) is None, said for `bunsan plan`'s closing line."""
+        if self.blocks_as is None:
+            return "its blocks are not one of estimator/shape.py's LLAMA_FORM_BLOCKS"
+        if self.unpriced_encoders:
+            return "its encoders' compute depends on the images or clips per sample"
+        if not self.steps_as_llama:
+            return "it has no LM head"
+        return (f"its attention's sliding window of {self.sliding_window} tokens is shorter than the {seq_len}-token "
+                "rows, where it computes less than the causal square the cost model prices")
 
     @functools.cached_property
     def n_params(self) -> int:     # (cached: the planner asks once per layout; the module is not changed)
@@ -219,7 +246,9 @@ def transformers_shape(model: nn.Module, caveats: list[str] | tuple[str, ...] = 
     if caveats:
         name += " (" + "; ".join(caveats) + ")"
     return ModelShape(name, model, None, blocks_as=blocks_as, caveats=caveats,
-                      unpriced_encoders=_unpriced_encoders(model, towers) if towers else "")
+                      unpriced_encoders=_unpriced_encoders(model, towers) if towers else "",
+                      steps_as_llama=blocks_as is not None and not towers and _head(model) is not None,
+                      sliding_window=_sliding_window(getattr(model, "config", None)))
 
 
 def _unpriced_encoders(model: nn.Module, towers: list[str]) -> str:
@@ -261,4 +290,16 @@ def _llama_form_blocks(config) -> LlamaConfig | None:
     return LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
                        num_attention_heads=heads, num_key_value_heads=getattr(config, "num_key_value_heads", None),
-                       max_position_embeddings=config.max_position_embeddings)
+                       max_position_embeddings=config.max_position_embeddings,
+                       tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def _sliding_window(config) -> int | None:
+    """The tokens a model's attention looks back over where it is a sliding window (Mistral's `sliding_window`;
+    Qwen2's only with `use_sliding_window`), else None."""
+    get_text = getattr(config, "get_text_config", None)
+    config = get_text() if callable(get_text) else config
+    if config is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    window = getattr(config, "sliding_window", None)
+    return window if isinstance(window, int) and window > 0 else None

@@ -74,11 +74,16 @@ def _sides(c: Candidate) -> tuple[float, float, float]:
 
 def fit(plan: Plan, runs: list[Run], efficiency: float | None) -> Calibration:
     """The two scales from `runs`, priced against `plan`'s model, GPUs and links."""
-    if plan.pricing is None or plan.pricing.shape.llama is None:
-        raise ValueError("--calibrate fits the step-time model, which bunsan prices for Llama-shaped models only")
+    unpriced = ValueError("--calibrate fits the step-time model, which bunsan prices for Llama-shaped models only "
+                          "(bunsan's Llama, and Qwen2, Mistral, Gemma and Llama language models without encoders, "
+                          "at rows within their sliding window)")
+    if plan.pricing is None:
+        raise unpriced
     rows, measured = [], []
     for run in runs:
         c = plan.pricing.price(parse_layout(run.layout, plan))
+        if c.step is None:
+            raise unpriced
         seconds = run.step_s if run.step_s is not None else c.step.tokens_per_step / run.tokens_per_s
         rows.append((run.layout, seconds, c))
         measured.append(seconds)
@@ -104,8 +109,9 @@ def _refine(plan: Plan, layouts: list, measured: list[float], eff: float, b: flo
 
     def error(e: float, k: float) -> float:
         intra, inter = (dataclasses.replace(link, bytes_per_s=link.bytes_per_s / k) for link in (p.intra, p.inter))
-        return sum(math.log(step_time(p.shape.llama, lay, p.gpu, intra, inter, p.per_node, e, p.attention,
-                                      p.compiled, p.overlap).total / m) ** 2 for lay, m in zip(layouts, measured))
+        return sum(math.log(step_time(p.shape.timed_as(lay.seq_len), lay, p.gpu, intra, inter, p.per_node, e,
+                                      p.attention, p.compiled, p.overlap).total / m) ** 2
+                   for lay, m in zip(layouts, measured))
     span = 4.0
     for _ in range(3):
         effs = [min(1.0, eff * span ** (i / 10 - 1)) for i in range(21)]

@@ -67,10 +67,10 @@ class Pricing:
 
     def price(self, lay: Layout) -> Candidate:
         est = estimate_layout(self.shape, lay, nodes=self.nodes, gpu_memory=self.memory, device_type=self.device_type)
-        step = None
-        if self.shape.llama is not None:
-            step = step_time(self.shape.llama, lay, self.gpu, self.intra, self.inter, self.per_node, self.efficiency,
-                             self.attention, self.compiled, self.overlap)
+        step, timed = None, self.shape.timed_as(lay.seq_len)
+        if timed is not None:
+            step = timed_step(self.shape, timed, lay, self.gpu, self.intra, self.inter, self.per_node,
+                              self.efficiency, self.attention, self.compiled, self.overlap)
         rule = self.rule.for_run(self.compiled and self.device_type != "cpu", lay.checkpointing)
         return Candidate(lay, est, step, risk=rule.risk(est.peak, self.memory))
 
@@ -149,8 +149,8 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
     memory = float(gpu_memory if gpu_memory is not None else spec.memory_bytes)
     precisions = _precisions(spec, precision)
     space = _searched(space or Space(), host_memory)
-    c = shape.llama
     seq = seq_len or min(_longest_row(shape) or 2048, 4096)
+    c = shape.timed_as(seq)         # the Llama shape its step time is priced as (None: ranked by memory)
     batch = global_batch or max(gpus, 8)
     per_node = gpus // nodes
     intra, inter = _links(spec, interconnect_name, inter_node, device_type)
@@ -188,7 +188,7 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
                                                     f"per node in host memory, against {host_memory / GiB:,.1f} GiB")
             continue
         if c is not None:
-            cand.step = step_time(c, lay, spec, intra, inter, per_node, efficiency, attention, compiled, overlap)
+            cand.step = timed_step(shape, c, lay, spec, intra, inter, per_node, efficiency, attention, compiled, overlap)
         fits.append(cand)
     fits.sort(key=_order)
     result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, rule, fits[:keep or None], considered,
@@ -210,6 +210,17 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
             shape, gpus, nodes, memory, rule, seq, batch, precisions[0], smallest, device_type, host_ok, host_memory,
             ranks)
     return result
+
+
+def timed_step(shape: ModelShape, timed, lay: Layout, *args) -> StepTime:
+    """cost.step_time of `lay` for the Llama shape `timed` (shape.timed_as); a transformers model's step says
+    that it is priced as that Llama's."""
+    step = step_time(timed, lay, *args)
+    if shape.llama is None:
+        note = (f"{type(shape.module).__name__} priced as bunsan's Llama of its shape: the same GEMMs and attention, "
+                "its element-wise ops as the eager Llama block's (benchmarks/bench_hf_blocks.py measures the two)")
+        step = dataclasses.replace(step, assumptions=step.assumptions + (note,))
+    return step
 
 
 def _longest_row(shape: ModelShape) -> int | None:

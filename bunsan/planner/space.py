@@ -100,9 +100,9 @@ def not_searched(shape: ModelShape) -> dict[str, str]:
                      "slice of the sequence")
     if shape.priced_as is not None:
         out["offload_blocks"] = ("blocks' activations offloaded to host memory (activation_checkpointing."
-                                 "offload_blocks): a layout too big is retried with them for bunsan's Llama only, "
-                                 "whose step time prices their traffic (this model's is not modelled); price one "
-                                 "with `bunsan estimate --offload-blocks N`")
+                                 "offload_blocks): a layout too big is retried with them for bunsan's Llama only "
+                                 "(the search counts the blocks to offload by its layers); price one with "
+                                 "`bunsan estimate --offload-blocks N`")
     return out
 
 

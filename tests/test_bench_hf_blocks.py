@@ -1,0 +1,36 @@
+"""benchmarks/bench_hf_blocks.py, which checks what `bunsan plan` assumes of a Llama-form transformers model (its step
+priced as bunsan's Llama of its shape): it builds every model with the same dimensions and times them (its figures
+go to RESULTS.md, not here)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+pytest.importorskip("transformers")
+
+
+def test_the_models_compared_have_the_same_shape():
+    import bench_hf_blocks
+    dims = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=128)
+    built = {name: build() for name, build in bench_hf_blocks.models(dims).items()}
+    assert {"bunsan Llama", "transformers Llama", "transformers Qwen2", "transformers Mistral"} <= set(built)
+    llama = dict(built["bunsan Llama"].named_parameters())
+    for name, model in built.items():
+        from bunsan.estimator.shape import transformers_shape
+        if name != "bunsan Llama":     # a Llama-form model, priced as the bunsan Llama built beside it
+            assert transformers_shape(model).timed_as(128) is not None, name
+        shapes = sorted(tuple(p.shape) for n, p in model.named_parameters() if "bias" not in n)
+        assert shapes == sorted(tuple(p.shape) for p in llama.values()) or name == "transformers Gemma", name
+
+
+def test_the_benchmark_times_each_model_against_bunsans_llama(capsys):
+    import bench_hf_blocks
+    assert bench_hf_blocks.main(["--hidden", "64", "--layers", "1", "--heads", "4", "--vocab", "256", "--rows", "2",
+                                 "--seq", "16", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| bunsan Llama | " in out and " | 1.000 |" in out
+    for name in ("transformers Llama", "transformers Qwen2", "transformers Mistral"):
+        assert f"| {name} | " in out
