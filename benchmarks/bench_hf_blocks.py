@@ -20,7 +20,6 @@ import sys
 import time
 
 import torch
-from bench_dp import markdown_section
 
 from bunsan.models.llama import Llama, LlamaConfig
 
@@ -71,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--markdown", help="append the table to this file")
     args = p.parse_args(argv)
+    from bench_dp import markdown_section        # (a script's sibling; scripts/gpu-check imports the rest as a package)
     if args.hidden % args.heads or min(args.layers, args.rows, args.seq, args.steps) < 1:
         p.error(f"--hidden {args.hidden} must split into --heads {args.heads}; layers, rows, seq and steps >= 1")
     cuda = torch.cuda.is_available()

@@ -30,7 +30,8 @@ EXPECTED = {
                    "bunsan compiled", "torch compiled (autocast)", "bunsan compiled checkpointing",
                    "memory bunsan eager", "memory bunsan eager checkpointing", "memory bunsan compiled",
                    "memory bunsan compiled checkpointing"],
-    "kernels": ["gemm by shape", "flash attention by length", "compiled recompute memory", "element-wise passes"],
+    "kernels": ["gemm by shape", "flash attention by length", "transformers blocks", "compiled recompute memory",
+                "element-wise passes"],
 }
 
 
@@ -137,6 +138,8 @@ def test_kernel_rows_carry_the_figures_the_planner_is_fitted_to(report):
     for op in ("rms_norm", "swiglu", "rope"):
         for mode in ("eager", "compiled"):
             assert passes[f"{op} {mode}"]["forward_passes"] > 0 and passes[f"{op} {mode}"]["train_s"] > 0
+    blocks = rows[("kernels", "transformers blocks")]["numbers"]["of_bunsan_llama"]
+    assert blocks["bunsan Llama"] == 1.0 and {"transformers Qwen2", "transformers Mistral"} <= set(blocks)
     modes = rows[("kernels", "compiled recompute memory")]["numbers"]["modes"]
     assert set(modes) == {"eager recompute", "compiled recompute", "compile inside the checkpoint"}
     assert all(m["saved_by_hooks"] > 0 for m in modes.values())

@@ -4,7 +4,9 @@ The planner prices every GEMM at one efficiency, flash attention by a curve read
 and eager element-wise ops by counted HBM passes (bunsan/planner/constants.py). Here they are measured on this
 GPU with benchmarks/bench_kernels.py's code: bf16 GEMMs by shape (forward, dgrad, wgrad), causal flash attention
 by length and a query chunk against long keys, and bunsan's RMSNorm, SwiGLU and rotary eager and compiled as
-HBM passes. Every figure goes to the row's numbers (gpu-check.json), for the constants to be fitted to.
+HBM passes. Every figure goes to the row's numbers (gpu-check.json), for the constants to be fitted to. One row
+times transformers' Llama-form models against bunsan's Llama of the same shape (benchmarks/bench_hf_blocks.py),
+the assumption the planner prices their steps on.
 
 The last row measures what the first H100 run left open: `train.compile` with whole-block recompute peaked at
 1.31x the estimate where eager recompute was within 1%. One 1B model, bf16, per mode (eager recompute, compiled
@@ -19,7 +21,8 @@ import statistics
 from .common import Section, check, device, free_memory, llama_config
 
 GIB = 1024 ** 3
-ROWS = ["gemm by shape", "flash attention by length", "compiled recompute memory", "element-wise passes"]
+ROWS = ["gemm by shape", "flash attention by length", "transformers blocks", "compiled recompute memory",
+        "element-wise passes"]
 
 
 def main(section: Section) -> None:
@@ -61,6 +64,29 @@ def main(section: Section) -> None:
         row.numbers.update(out)
         row.headline = f"copy {out['copy_bytes_per_s'] / 1e9:.0f} GB/s; forward passes " + ", ".join(
             f"{k} {v['forward_passes']:.1f}" for k, v in out.items() if isinstance(v, dict))
+
+    def transformers_blocks(row):
+        # `bunsan plan` prices a Llama-form transformers model's step as bunsan's Llama of its shape: the ratio here
+        # is that assumption on this GPU (benchmarks/bench_hf_blocks.py's code; one CPU thread measured it in fp32)
+        import benchmarks.bench_hf_blocks as hb
+        dims = dict(vocab_size=512 if dry else 32000, hidden_size=128 if dry else 2048,
+                    num_hidden_layers=2 if dry else 16, num_attention_heads=4 if dry else 16,
+                    num_key_value_heads=2 if dry else 8, intermediate_size=352 if dry else 5632,
+                    max_position_embeddings=2048)
+        ids = torch.randint(0, dims["vocab_size"], (2, 64) if dry else (4, 2048), device=dev)
+        seconds = {}
+        for name, build in hb.models(dims).items():
+            free_memory()
+            torch.manual_seed(0)
+            model = build().to(device=dev, dtype=dtype)
+            seconds[name] = hb.step_seconds(model, ids, 2 if dry else 5)
+            del model
+        base = seconds["bunsan Llama"]
+        row.numbers.update(dims=dims, tokens=list(ids.shape), step_s=seconds,
+                           of_bunsan_llama={k: round(v / base, 3) for k, v in seconds.items()})
+        check(len(seconds) >= 4 and all(v > 0 for v in seconds.values()), f"timed only {sorted(seconds)}")
+        row.headline = "step x bunsan's Llama of the same shape: " + ", ".join(
+            f"{k.removeprefix('transformers ')} {v / base:.2f}" for k, v in seconds.items() if k != "bunsan Llama")
 
     def recompute_memory(row):
         from torch.utils.checkpoint import checkpoint
@@ -117,6 +143,6 @@ def main(section: Section) -> None:
                 f"{m} {r['saved_by_hooks'] / 2 ** 20:.2f}" for m, r in results.items())
 
     # cheapest and most wanted first; a row the budget cannot hold is skipped (GPU seconds it needs: the compiles)
-    need = {name: (5.0 if dry else gpu) for name, gpu in zip(ROWS, (20.0, 20.0, 60.0, 90.0))}
-    for name, fn in zip(ROWS, (gemm, flash, recompute_memory, elementwise)):
+    need = {name: (5.0 if dry else gpu) for name, gpu in zip(ROWS, (20.0, 20.0, 30.0, 60.0, 90.0))}
+    for name, fn in zip(ROWS, (gemm, flash, transformers_blocks, recompute_memory, elementwise)):
         section.run(name, fn, need[name])
