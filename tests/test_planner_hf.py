@@ -63,8 +63,8 @@ def test_plan_ranks_tensor_and_pipeline_layouts_of_a_qwen2_config(tmp_path, caps
     assert {(2, 1), (4, 1), (1, 2), (2, 2), (4, 2), (2, 4)} <= meshes     # tp 8 cannot split 28 heads
     assert data["rejected"]["tp_heads"]["example"].startswith("tp 8 against 28 heads")
     # what the engine does not run for a transformers model, by name: no context parallelism, no sequence
-    # parallelism under pipeline stages (and none searched there), no retry with offloaded activations
-    assert sorted(data["not_searched"]) == ["cp", "offload_blocks", "sp"]
+    # parallelism under pipeline stages (and none searched there)
+    assert sorted(data["not_searched"]) == ["cp", "sp"]
     assert not any(c["layout"]["sequence_parallel"] and c["layout"]["pp"] > 1 for c in data["ranked"])
     assert any(c["layout"]["sequence_parallel"] for c in data["ranked"])
     written = tmp_path / "layout.json"
@@ -129,9 +129,24 @@ def test_mistral_is_timed_within_its_sliding_window_and_ranked_by_memory_past_it
     assert "MistralForCausalLM priced as bunsan's Llama of its shape" in out and "not modelled" not in out
     assert main(argv + ["--seq-len", "8192"]) == 0
     out = _said(capsys)
-    assert "MistralForCausalLM: its step time is not modelled (its attention's sliding window of 4096 tokens is " \
-           "shorter than the 8192-token rows, where it computes less than the causal square the cost model " \
-           "prices), so layouts are ranked by memory" in out
+    window = ("its attention's sliding window of 4096 tokens is shorter than the 8192-token rows, where it computes "
+              "less than the causal square the cost model prices")
+    assert f"MistralForCausalLM: its step time is not modelled ({window}), so layouts are ranked by memory" in out
+    # nor retried with blocks' activations offloaded: their traffic is priced in the step time only
+    assert f"offload_blocks: blocks' activations offloaded to host memory (activation_checkpointing.offload_blocks): " \
+           f"a layout too big is retried with them where the step time prices their traffic, not for this model " \
+           f"({window})" in out
+
+
+def test_a_qwen2_layout_too_big_is_retried_with_blocks_activations_offloaded(tmp_path, capsys):
+    """With its step priced, a Qwen2 layout whose activations do not fit is retried with its first blocks' saved
+    activations in host memory (the engine's offload_blocks, transforms/offload.py), their traffic in the step
+    time, as for bunsan's Llama."""
+    _, data = _json(capsys, ["plan", "--model", _write(tmp_path, QWEN2_7B), "--gpus", "8", "--gpu", "a100-40gb",
+                             "--seq-len", "8192", "--global-batch", "16", "--top", "0"])
+    offloaded = [c for c in data["ranked"] if c["layout"]["offload_blocks"]]
+    assert offloaded and all(c["step_seconds"]["offload"] > 0 for c in offloaded)
+    assert "act->cpu(" in offloaded[0]["describe"] and "offload_blocks" not in data["not_searched"]
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (4, 1), (2, 2)])

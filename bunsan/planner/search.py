@@ -188,14 +188,15 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
                                                     f"per node in host memory, against {host_memory / GiB:,.1f} GiB")
             continue
         if c is not None:
-            cand.step = timed_step(shape, c, lay, spec, intra, inter, per_node, efficiency, attention, compiled, overlap)
+            cand.step = timed_step(shape, c, lay, spec, intra, inter, per_node, efficiency, attention, compiled,
+                                   overlap)
         fits.append(cand)
     fits.sort(key=_order)
     result = Plan(shape.name, shape.n_params, gpus, nodes, spec, memory, rule, fits[:keep or None], considered,
                   too_big, sum(not c.risk for c in fits), sum(bool(c.risk) for c in fits), smallest,
                   total_tokens=total_tokens, rejected=rejected,
                   pricing=Pricing(shape, spec, memory, rule, nodes, per_node, intra, inter, efficiency, attention,
-                                  device_type, compiled, overlap), not_searched=not_searched(shape))
+                                  device_type, compiled, overlap), not_searched=not_searched(shape, seq))
     for cand in result.ranked:
         cand.why = _why(cand, result.ranked[0]) if cand.step else "fits"
     if not fits and not considered:       # the walk ruled every layout out: what ruled them out, not memory
@@ -290,11 +291,12 @@ def _offload_what_does_not_fit(shape: ModelShape, lay: Layout, est: Estimate, ru
                                price) -> tuple[Layout, Estimate]:
     """The layout with the fewest blocks per rank whose activations go to host memory that makes it fit
     (`price` estimates a layout); `lay` itself when even offloading every block does not."""
-    if shape.llama is None:       # (space.not_searched says so for any other model)
+    timed = shape.timed_as(lay.seq_len)
+    if timed is None:       # the offload's traffic is priced in the step time only (space.not_searched says so)
         return lay, est
     if not rule.fits(est.peak_without_backward, est.gpu_memory):   # states alone too big: no count would fit
         return lay, est
-    blocks = -(-shape.llama.num_hidden_layers // lay.pp)
+    blocks = -(-timed.num_hidden_layers // lay.pp)
     every = price(lay.replace(offload_blocks=blocks))
     if not rule.fits(every.peak, every.gpu_memory):
         return lay, est

@@ -66,11 +66,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def not_searched(shape: ModelShape) -> dict[str, str]:
+def not_searched(shape: ModelShape, seq_len: int | None = None) -> dict[str, str]:
     """The layout dimensions the search leaves at 1 (or off) for this model, each with why and what to do
     instead (the plan prints them: a dimension left out silently would rank a narrower search as the whole
     one). bunsan's Llama is searched over every one. A transformers model is split as the engine splits it
-    (estimator/hf_split.py) where its blocks' activations are priced (a Llama-form language model)."""
+    (estimator/hf_split.py) where its blocks' activations are priced (a Llama-form language model), and retried
+    with blocks' activations offloaded where its step is priced at rows of `seq_len` (ModelShape.timed_as)."""
     if shape.llama is not None:
         return {}
     name, module = type(shape.module).__name__, shape.module
@@ -98,11 +99,12 @@ def not_searched(shape: ModelShape) -> dict[str, str]:
         out["sp"] = ("sequence parallelism under pipeline stages (searched with pp 1 only): the engine refuses it "
                      "for a transformers model, whose later stages would build their mask and positions from a "
                      "slice of the sequence")
-    if shape.priced_as is not None:
+    if shape.priced_as is not None and (seq_len is None or shape.timed_as(seq_len) is None):
+        why = shape.untimed_why(seq_len) if seq_len else "its step time is not modelled"
         out["offload_blocks"] = ("blocks' activations offloaded to host memory (activation_checkpointing."
-                                 "offload_blocks): a layout too big is retried with them for bunsan's Llama only "
-                                 "(the search counts the blocks to offload by its layers); price one with "
-                                 "`bunsan estimate --offload-blocks N`")
+                                 "offload_blocks): a layout too big is retried with them where the step time prices "
+                                 f"their traffic, not for this model ({why}); price one with `bunsan estimate "
+                                 "--offload-blocks N`")
     return out
 
 
