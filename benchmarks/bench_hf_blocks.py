@@ -41,9 +41,10 @@ def models(dims: dict) -> dict:
 
 def step_seconds(model: torch.nn.Module, rows: torch.Tensor, steps: int) -> float:
     vocab = model.config.vocab_size
+    kwargs = {} if isinstance(model, Llama) else {"use_cache": False}      # (transformers': no KV cache in training)
 
     def step():
-        out = model(rows)
+        out = model(rows, **kwargs)
         logits = out.logits if hasattr(out, "logits") else out
         torch.nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), rows.reshape(-1)).backward()
         if rows.is_cuda:
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = torch.randint(0, args.vocab, (args.rows, args.seq), device=device)
     results = []
     for name, build in models(dims).items():
-        model = build().to(device=device, dtype=dtype)
+        with torch.device(device):
+            model = build().to(dtype)
         seconds = step_seconds(model, rows, args.steps)
         results.append((name, sum(q.numel() for q in model.parameters()), seconds))
         print(f"{name:22} {seconds * 1e3:9.1f} ms", flush=True)

@@ -92,14 +92,23 @@ def _llama_of(config: dict) -> dict:
     return {"model_type": "llama", **{k: config[k] for k in keep}}
 
 
-def test_a_qwen2_config_is_priced_as_the_llama_of_its_shape(tmp_path, capsys):
-    """Qwen2's blocks run a Llama block's GEMMs and attention (its q/k/v biases aside) and its element-wise ops
-    measure within 5% of bunsan's Llama's (benchmarks/bench_hf_blocks.py), so its step is priced as the Llama
-    of its shape: each layout both plans rank prices the same terms, and the Qwen2 plan says what it assumed."""
+# Gemma 2B's dimensions: one key/value head, head_dim 256 = hidden / heads, the head tied to the embedding
+GEMMA_2B = {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "vocab_size": 256000, "hidden_size": 2048,
+            "intermediate_size": 16384, "num_hidden_layers": 18, "num_attention_heads": 8, "num_key_value_heads": 1,
+            "head_dim": 256, "max_position_embeddings": 8192, "tie_word_embeddings": True,
+            "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-06, "rope_theta": 10000.0}
+
+
+@pytest.mark.parametrize("config", [QWEN2_7B, GEMMA_2B], ids=["qwen2", "gemma-tied"])
+def test_a_qwen2_config_is_priced_as_the_llama_of_its_shape(tmp_path, capsys, config):
+    """Qwen2's blocks run a Llama block's GEMMs and attention (its q/k/v biases aside), and whole steps measure
+    within 4% of bunsan's Llama's on a CPU (benchmarks/bench_hf_blocks.py), so its step is priced as the Llama of
+    its shape: each layout both plans rank prices the same terms, and the Qwen2 plan says what it assumed. Gemma's
+    head tied to its embedding is carried (the data-parallel bytes count the table once)."""
     argv = ["--gpus", "8", "--gpu", "h100", "--seq-len", "4096", "--global-batch", "16", "--top", "0",
             "--zero-stages", "1,3", "--recompute", "none,full"]
-    _, qwen = _json(capsys, ["plan", "--model", _write(tmp_path, QWEN2_7B)] + argv)
-    _, llama = _json(capsys, ["plan", "--model", _write(tmp_path, _llama_of(QWEN2_7B), "llama.json")] + argv)
+    _, qwen = _json(capsys, ["plan", "--model", _write(tmp_path, config)] + argv)
+    _, llama = _json(capsys, ["plan", "--model", _write(tmp_path, _llama_of(config), "llama.json")] + argv)
     terms = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "offload", "optimizer", "cp_comm")
     def key(c: dict) -> tuple:
         return c["describe"], c["layout"]["pipeline_gather"]          # (ZeRO-3 under stages: both searched)
@@ -109,7 +118,7 @@ def test_a_qwen2_config_is_priced_as_the_llama_of_its_shape(tmp_path, capsys):
     for q, ll in both:
         assert {t: q[t] for t in terms} == {t: ll[t] for t in terms}
         assert q["assumptions"][:-1] == ll["assumptions"]
-        assert q["assumptions"][-1].startswith("Qwen2ForCausalLM priced as bunsan's Llama of its shape")
+        assert q["assumptions"][-1].startswith(f"{config['architectures'][0]} priced as bunsan's Llama of its shape")
 
 
 MISTRAL_7B_V01 = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32000,
@@ -132,6 +141,12 @@ def test_mistral_is_timed_within_its_sliding_window_and_ranked_by_memory_past_it
     window = ("its attention's sliding window of 4096 tokens is shorter than the 8192-token rows, where it computes "
               "less than the causal square the cost model prices")
     assert f"MistralForCausalLM: its step time is not modelled ({window}), so layouts are ranked by memory" in out
+    _, data = _json(capsys, argv[:-2] + ["--top", "0", "--seq-len", "8192"])
+    assert data["ranked"] and not any(c["layout"]["offload_blocks"] for c in data["ranked"])
+    # and --explain of a layout at rows past the window, from a plan within it, says why it cannot price it
+    assert main(argv + ["--seq-len", "4096", "--explain", "zero=3,recompute=full,seq=8192"]) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "this model's step time is not modelled at 8192 tokens (its attention's sliding window" in err
     # nor retried with blocks' activations offloaded: their traffic is priced in the step time only
     assert f"offload_blocks: blocks' activations offloaded to host memory (activation_checkpointing.offload_blocks): " \
            f"a layout too big is retried with them where the step time prices their traffic, not for this model " \
@@ -286,3 +301,15 @@ def test_a_composite_model_at_tp2_holds_what_the_engine_holds(pools):
     whole = sum(p.numel() for p in build("llava").parameters())
     assert whole / 2 < est.trained[0].total < 0.6 * whole
     assert [r for r in results] == [(est.trained[0].total, est.model_states["model_states"])] * 2
+
+
+@pytest.mark.parametrize("use_sliding,max_window_layers,timed", [(False, 28, True), (True, 28, True), (True, 20, False)])
+def test_qwen2s_sliding_window_counts_only_where_its_layers_slide(tmp_path, use_sliding, max_window_layers, timed):
+    """Qwen2 slides its attention only with use_sliding_window, and then only in the layers from max_window_layers
+    on (transformers' layer_types): rows past its window are timed unless some layer slides."""
+    from bunsan.estimator.shape import load_shape
+    config = {**QWEN2_7B, "use_sliding_window": use_sliding, "sliding_window": 4096,
+              "max_window_layers": max_window_layers}
+    shape = load_shape(_write(tmp_path, config))
+    assert shape.timed_as(4096) is not None
+    assert (shape.timed_as(8192) is not None) is timed

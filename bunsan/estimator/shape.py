@@ -52,10 +52,11 @@ class ModelShape:
 
     def timed_as(self, seq_len: int) -> LlamaConfig | None:
         """The Llama shape whose step time the planner prices for rows of `seq_len` tokens: bunsan's Llama, or
-        a Llama-form language model's (its blocks run the same GEMMs and attention; their element-wise ops
-        measure within 5% of bunsan's Llama's: benchmarks/bench_hf_blocks.py); None for any other model, a
-        composite one (its encoders' compute depends on the media per sample) and rows longer than a sliding
-        window (whose attention computes less than the causal square priced)."""
+        a Llama-form language model's (its blocks run the same GEMMs and attention; whole steps measure within 4%
+        of bunsan's Llama's in fp32 on a CPU, benchmarks/bench_hf_blocks.py; on a GPU, scripts/gpu-check's
+        "transformers blocks" row); None for any other model, a composite one (its encoders' compute depends on
+        the media per sample) and rows longer than a sliding window (whose attention computes less than the
+        causal square priced)."""
         if self.llama is not None:
             return self.llama
         if not self.steps_as_llama or (self.sliding_window is not None and seq_len > self.sliding_window):
@@ -65,7 +66,8 @@ class ModelShape:
     def untimed_why(self, seq_len: int) -> str:
         """Why timed_as(seq_len) is None, said for `bunsan plan`'s closing line."""
         if self.blocks_as is None:
-            return "its blocks are not one of estimator/shape.py's LLAMA_FORM_BLOCKS"
+            return ("its blocks are not one of estimator/shape.py's LLAMA_FORM_BLOCKS, or their head_dim is not "
+                    "hidden / heads (which bunsan's Llama cannot express)")
         if self.unpriced_encoders:
             return "its encoders' compute depends on the images or clips per sample"
         if not self.steps_as_llama:
@@ -300,6 +302,9 @@ def _sliding_window(config) -> int | None:
     get_text = getattr(config, "get_text_config", None)
     config = get_text() if callable(get_text) else config
     if config is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    kinds = getattr(config, "layer_types", None)        # (Qwen2's max_window_layers: the layers that slide)
+    if isinstance(kinds, (list, tuple)) and "sliding_attention" not in kinds:
         return None
     window = getattr(config, "sliding_window", None)
     return window if isinstance(window, int) and window > 0 else None

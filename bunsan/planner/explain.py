@@ -106,10 +106,15 @@ class Comparison:
 
 def explain(plan: Plan, text: str) -> Comparison:
     """`text`'s layout priced against the plan's first choice."""
-    if plan.best is None or plan.best.step is None or plan.pricing is None:
-        raise ValueError("--explain compares with the plan's first choice: nothing fits, or the model's step time "
-                         "is not modelled (bunsan prices step time for Llama-shaped models)")
+    if plan.best is None or plan.pricing is None:
+        raise ValueError("--explain compares with the plan's first choice: nothing fits")
+    if plan.best.step is None:
+        raise ValueError("--explain compares step times, and this model's is not modelled ("
+                         f"{plan.pricing.shape.untimed_why(plan.best.layout.seq_len)})")
     asked = plan.pricing.price(parse_layout(text, plan))
+    if asked.step is None:          # (a row longer than the model's sliding window: estimator/shape.py timed_as)
+        raise ValueError(f"--explain {text}: this model's step time is not modelled at {asked.layout.seq_len} tokens "
+                         f"({plan.pricing.shape.untimed_why(asked.layout.seq_len)}); name a seq within it")
     return Comparison(plan.best, asked, plan.gpu_memory,
                       plan.rule.for_run(plan.pricing.compiled and plan.pricing.device_type != "cpu",
                                         asked.layout.checkpointing))

@@ -219,7 +219,7 @@ def timed_step(shape: ModelShape, timed, lay: Layout, *args) -> StepTime:
     step = step_time(timed, lay, *args)
     if shape.llama is None:
         note = (f"{type(shape.module).__name__} priced as bunsan's Llama of its shape: the same GEMMs and attention, "
-                "its element-wise ops as the eager Llama block's (benchmarks/bench_hf_blocks.py measures the two)")
+                "its element-wise ops as the Llama block's (benchmarks/bench_hf_blocks.py measures the two)")
         step = dataclasses.replace(step, assumptions=step.assumptions + (note,))
     return step
 
