@@ -303,7 +303,8 @@ def test_a_composite_model_at_tp2_holds_what_the_engine_holds(pools):
     assert [r for r in results] == [(est.trained[0].total, est.model_states["model_states"])] * 2
 
 
-@pytest.mark.parametrize("use_sliding,max_window_layers,timed", [(False, 28, True), (True, 28, True), (True, 20, False)])
+@pytest.mark.parametrize("use_sliding,max_window_layers,timed",
+                         [(False, 28, True), (True, 28, True), (True, 20, False)])
 def test_qwen2s_sliding_window_counts_only_where_its_layers_slide(tmp_path, use_sliding, max_window_layers, timed):
     """Qwen2 slides its attention only with use_sliding_window, and then only in the layers from max_window_layers
     on (transformers' layer_types): rows past its window are timed unless some layer slides."""
