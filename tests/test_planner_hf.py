@@ -110,6 +110,7 @@ def test_a_qwen2_config_is_priced_as_the_llama_of_its_shape(tmp_path, capsys, co
     _, qwen = _json(capsys, ["plan", "--model", _write(tmp_path, config)] + argv)
     _, llama = _json(capsys, ["plan", "--model", _write(tmp_path, _llama_of(config), "llama.json")] + argv)
     terms = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "offload", "optimizer", "cp_comm")
+
     def key(c: dict) -> tuple:
         return c["describe"], c["layout"]["pipeline_gather"]          # (ZeRO-3 under stages: both searched)
     llama_steps = {key(c): c["step_seconds"] for c in llama["ranked"]}
