@@ -1,13 +1,13 @@
 """transformers' Llama-form models against bunsan's Llama of the same shape: one training step's forward and
 backward, timed on this machine. `bunsan plan` prices a Llama-form transformers model's step (Qwen2, Mistral,
-Gemma, a transformers Llama: estimator/shape.py LLAMA_FORM_BLOCKS) as bunsan's Llama of its shape; this is where
-that assumption is checked.
+Gemma, Qwen3, a transformers Llama: estimator/shape.py LLAMA_FORM_BLOCKS) as bunsan's Llama of its shape; this is
+where that assumption is checked (Qwen3's q/k norms are passes the price leaves out).
 
     python benchmarks/bench_hf_blocks.py [--hidden 512] [--layers 8] [--heads 8] [--rows 8] [--seq 256]
                                          [--steps 5] [--markdown out.md]
 
 Every model gets the same dimensions (vocabulary, hidden size, MLP width, layers, heads, key/value heads; Gemma's
-head_dim set to hidden / heads, as LLAMA_FORM_BLOCKS requires), PyTorch SDPA attention, eager, and the same token
+and Qwen3's head_dim set to hidden / heads, as LLAMA_FORM_BLOCKS requires), PyTorch SDPA attention, eager, and the same token
 rows; the step is the forward, a cross-entropy over the logits in fp32 and the backward. On a GPU the models run
 in bf16, on a CPU in fp32 with one thread. Each figure is the median of --steps timed steps after two warm-ups.
 """
@@ -31,6 +31,8 @@ def models(dims: dict) -> dict:
     for name, cls, cfg, extra in (("transformers Llama", "LlamaForCausalLM", "LlamaConfig", {}),
                                   ("transformers Qwen2", "Qwen2ForCausalLM", "Qwen2Config", {}),
                                   ("transformers Mistral", "MistralForCausalLM", "MistralConfig", {}),
+                                  ("transformers Qwen3", "Qwen3ForCausalLM", "Qwen3Config",
+                                   {"head_dim": dims["hidden_size"] // dims["num_attention_heads"]}),
                                   ("transformers Gemma", "GemmaForCausalLM", "GemmaConfig",
                                    {"head_dim": dims["hidden_size"] // dims["num_attention_heads"]})):
         if hasattr(t, cls):

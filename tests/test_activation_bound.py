@@ -193,18 +193,19 @@ def transformers_lm(arch: str, layers: int):
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-               "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM)}[arch]
+               "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]    # (q/k norms)
     torch.manual_seed(0)
     return classes[1](classes[0](vocab_size=64, hidden_size=256, intermediate_size=704, num_hidden_layers=layers,
                                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=S,
                                  head_dim=32))
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gemma"])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "gemma", "qwen3"])
 def test_the_estimator_prices_transformers_blocks_in_the_saving_forms_as_measured(arch):
-    """`estimate` of a Qwen2 / Mistral / Gemma model: each decoder layer's activations within 5% of what the
-    layer, in the saving forms, is measured to save (bf16); with train.saving_forms off they are unpriced
-    (said in the table), not priced as what they are not."""
+    """`estimate` of a Qwen2 / Mistral / Gemma / Qwen3 model: each decoder layer's activations within 5% of what
+    the layer, in the saving forms, is measured to save (bf16; Qwen3's q/k norms keep their inputs besides); with
+    train.saving_forms off they are unpriced (said in the table), not priced as what they are not."""
     pytest.importorskip("transformers")
     from bunsan.estimator import estimate
     from bunsan.transforms.saving_forms import apply_saving_forms

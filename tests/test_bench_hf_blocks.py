@@ -16,13 +16,15 @@ def test_the_models_compared_have_the_same_shape():
     dims = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=128)
     built = {name: build() for name, build in bench_hf_blocks.models(dims).items()}
-    assert {"bunsan Llama", "transformers Llama", "transformers Qwen2", "transformers Mistral"} <= set(built)
+    assert {"bunsan Llama", "transformers Llama", "transformers Qwen2", "transformers Mistral",
+            "transformers Qwen3"} <= set(built)
     llama = dict(built["bunsan Llama"].named_parameters())
     for name, model in built.items():
         from bunsan.estimator.shape import transformers_shape
         if name != "bunsan Llama":     # a Llama-form model, priced as the bunsan Llama built beside it
             assert transformers_shape(model).timed_as(128) is not None, name
-        shapes = sorted(tuple(p.shape) for n, p in model.named_parameters() if "bias" not in n)
+        shapes = sorted(tuple(p.shape) for n, p in model.named_parameters()     # (Qwen2's q/k/v biases, Qwen3's
+                        if not n.endswith((".bias", "q_norm.weight", "k_norm.weight")))  # q/k norms aside)
         tied = name == "transformers Gemma"           # (Gemma's head is its embedding)
         want = [tuple(p.shape) for n, p in llama.items() if not (tied and n == "lm_head.weight")]
         assert shapes == sorted(want), name

@@ -315,3 +315,32 @@ def test_qwen2s_sliding_window_counts_only_where_its_layers_slide(tmp_path, use_
     shape = load_shape(_write(tmp_path, config))
     assert shape.timed_as(4096) is not None
     assert (shape.timed_as(8192) is not None) is timed
+
+
+# Qwen3-8B's published config.json: q/k norms on every head, head_dim 128 = hidden / heads
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+            "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000,
+            "tie_word_embeddings": False, "use_sliding_window": False, "sliding_window": None, "max_window_layers": 36,
+            "hidden_act": "silu", "torch_dtype": "bfloat16"}
+
+
+def test_qwen3_is_priced_as_the_llama_of_its_shape_with_its_qk_norms_inputs(tmp_path, capsys):
+    """Qwen3's blocks are a Llama block's with an RMSNorm on each q and k head, which in the saving forms keeps
+    its input and an fp32 rstd per token and head (measured: tests/test_activation_bound.py): its activations are
+    the Llama of its shape's plus b·s·(a + kv)·(2e + 4) bytes a block in bf16, and its step is timed."""
+    from bunsan.estimator import estimate
+    cfg = {"train_batch_size": 8, "bf16": {"enabled": True}, "data": {"seq_len": 4096},
+           "zero_optimization": {"stage": 3}}
+
+    def activations(config: dict, name: str) -> float:
+        e = estimate(_write(tmp_path, config, name), cfg, gpus=8)
+        return next(i for i in e.items if i.name == "activations").device
+    extra = activations(QWEN3_8B, "qwen3.json") - activations(_llama_of(QWEN3_8B), "llama.json")
+    assert extra == 36 * 1 * 4096 * (32 + 8) * (2 * 128 + 4)
+    _, data = _json(capsys, ["plan", "--model", _write(tmp_path, QWEN3_8B), "--gpus", "8", "--gpu", "h100",
+                             "--seq-len", "4096", "--global-batch", "16", "--zero-stages", "3", "--top", "3"])
+    assert all(c["step_seconds"] is not None for c in data["ranked"])
+    assert data["ranked"][0]["step_seconds"]["assumptions"][-1].startswith(
+        "Qwen3ForCausalLM priced as bunsan's Llama of its shape: the same GEMMs and attention, its element-wise ops "
+        "as the Llama block's; its q/k norms' passes not priced (their saved inputs are)")

@@ -17,6 +17,8 @@ tensor-parallel size t:
   MLP                 gate and up (the SwiGLU saves only them) and their product, down_proj's input:
                       3·d·bsi/t
 
+A transformers block with q/k norms (Qwen3) keeps their inputs and fp32 rstds besides: b·s·(a + kv)·(d·e + 4)/t.
+
 so a block keeps (4d·bsh + 8bs)/σ + 2d·bsh/t + 2d·bsw/t + 3d·bsi/t + 4bas/t bytes (σ = t under SP, else
 1): with w = kv·e, 12h + 4h_kv + 6i bytes per token in 16-bit (every term over t under SP) plus the fp32
 statistics, the bound of issue #24 (tests/test_activation_bound.py), where Korthikanti et al. (2022) count
@@ -52,6 +54,9 @@ class Micro:
     # a transformers block given a padding attention_mask: it repeats K/V to every head (SDPA's GQA only without
     # a mask), and each layer's SDPA turns the boolean [b, 1, s, s] mask into one of the model dtype, kept
     padding_mask: bool = False
+    # a transformers block with an RMSNorm on each head of q and of k (Qwen3's q_norm, k_norm): in the saving
+    # forms each keeps its input (q_proj's, k_proj's output) and an fp32 rstd per token and head
+    qk_norm: bool = False
 
     @property
     def dtype(self) -> torch.dtype:
@@ -77,6 +82,8 @@ def block_bytes(c: LlamaConfig, m: Micro) -> float:
         attention += d * b * s * s
     if m.cp > 1:    # the two chunks' outputs joined for o_proj: a copy beside the ones SDPA keeps
         attention += d * b * s * heads * c.head_dim
+    if m.qk_norm:
+        attention += b * s * (heads + c.num_key_value_heads // t) * (d * c.head_dim + 4)
     mlp = 3 * d * b * s * (c.intermediate_size // t)
     return 2 * norm_bytes(c, m) + 2 * d * b * s * h / m.seq_div + attention + mlp
 

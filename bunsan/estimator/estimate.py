@@ -148,7 +148,7 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
              + _model_state_items(st, rp, frozen, layout, on_cpu)
              + (_unpriced_activations(shape) if shape.priced_as is None and not shape.bare else
                 _activation_items(None if shape.bare else shape.priced_as, rp, rank, layout, on_cpu,
-                                  shape.llama is None))
+                                  shape.llama is None, shape.qk_norm))
              + ([Item("encoder activations", phase="backward", note="NOT PRICED: " + shape.unpriced_encoders)]
                 if shape.unpriced_encoders and rp.has_embedding else [])
              + _backward_buffer_items(shape, rp, base, layout, bucket)
@@ -202,14 +202,15 @@ def _model_state_items(st: dict, rp: RankParams, frozen: int, layout: Layout, on
 
 
 def _activation_items(c: LlamaConfig | None, rp: RankParams, rank: int, layout: Layout,
-                      on_cpu: bool, transformers_blocks: bool = False) -> list[Item]:
+                      on_cpu: bool, transformers_blocks: bool = False, qk_norm: bool = False) -> list[Item]:
     """A Llama's activations kept for backward, the transient at its start, and under PP the stage's messages.
-    `transformers_blocks`: a transformers model's Llama-form blocks, priced as a Llama block of their shape."""
+    `transformers_blocks`: a transformers model's Llama-form blocks, priced as a Llama block of their shape
+    (`qk_norm`: with Qwen3's q/k norms)."""
     if c is None:
         return []
     micro = Micro(layout.micro_batch, layout.rank_tokens, layout.dtype_bytes, layout.tp, layout.sequence_parallel,
                   device="cpu" if on_cpu else "cuda", cp=layout.cp,
-                  padding_mask=layout.padding_mask and transformers_blocks)
+                  padding_mask=layout.padding_mask and transformers_blocks, qk_norm=qk_norm and transformers_blocks)
     flight = _in_flight(layout, rank)
     blocks = rp.blocks / layout.virtual_stages if layout.pp > 1 else rp.blocks
     # recompute and offload: estimator/recompute.py (offload_blocks counts the rank's blocks, over its chunks)
@@ -223,7 +224,8 @@ def _activation_items(c: LlamaConfig | None, rp: RankParams, rank: int, layout: 
     what = KEPT_UNDER[layout.checkpointing]
     note = f"{what}, {flight} micro-batch(es) in flight" if layout.pp > 1 else what
     if transformers_blocks:
-        note += "; transformers blocks priced as a Llama block of their shape (train.saving_forms on"
+        note += "; transformers blocks priced as a Llama block of their shape" + \
+            (" with their q/k norms' inputs" if micro.qk_norm else "") + " (train.saving_forms on"
         if layout.padding_mask:
             note += "; batches with a padding attention_mask: K/V repeated to every head, each layer's mask kept)"
         else:

@@ -44,6 +44,7 @@ class ModelShape:
     # tokens its attention looks back over where that is a sliding window (Mistral's), else None
     steps_as_llama: bool = False
     sliding_window: int | None = None
+    qk_norm: bool = False             # blocks_as with an RMSNorm on each q and k head (QK_NORM_BLOCKS: Qwen3)
 
     @property
     def priced_as(self) -> LlamaConfig | None:
@@ -250,7 +251,8 @@ def transformers_shape(model: nn.Module, caveats: list[str] | tuple[str, ...] = 
     return ModelShape(name, model, None, blocks_as=blocks_as, caveats=caveats,
                       unpriced_encoders=_unpriced_encoders(model, towers) if towers else "",
                       steps_as_llama=blocks_as is not None and not towers and _head(model) is not None,
-                      sliding_window=_sliding_window(getattr(model, "config", None)))
+                      sliding_window=_sliding_window(getattr(model, "config", None)),
+                      qk_norm=blocks_as is not None and _text_type(getattr(model, "config", None)) in QK_NORM_BLOCKS)
 
 
 def _unpriced_encoders(model: nn.Module, towers: list[str]) -> str:
@@ -274,9 +276,10 @@ def _head(model: nn.Module) -> nn.Module | None:
 
 # model types (of the language model: a composite model's text_config) whose decoder layers, in the saving forms,
 # save a Llama block's bytes (measured within 2%: tests/test_activation_bound.py; Qwen2-VL's and Qwen2.5-VL's
-# multimodal rotary embedding is made once per forward, not per block); Gemma 2's eager softcapped attention
-# and Qwen3's q/k norms save more
-LLAMA_FORM_BLOCKS = ("llama", "qwen2", "mistral", "gemma", "qwen2_vl_text", "qwen2_5_vl_text")
+# multimodal rotary embedding is made once per forward, not per block), and with QK_NORM_BLOCKS' q/k norms their
+# inputs besides (activations.Micro.qk_norm); Gemma 2's eager softcapped attention saves more
+LLAMA_FORM_BLOCKS = ("llama", "qwen2", "mistral", "gemma", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3")
+QK_NORM_BLOCKS = ("qwen3",)
 
 
 def _llama_form_blocks(config) -> LlamaConfig | None:
@@ -294,6 +297,12 @@ def _llama_form_blocks(config) -> LlamaConfig | None:
                        num_attention_heads=heads, num_key_value_heads=getattr(config, "num_key_value_heads", None),
                        max_position_embeddings=config.max_position_embeddings,
                        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def _text_type(config) -> str | None:
+    """The model_type of a config's language model (a composite model's text_config)."""
+    get_text = getattr(config, "get_text_config", None)
+    return getattr(get_text() if callable(get_text) else config, "model_type", None)
 
 
 def _sliding_window(config) -> int | None:

@@ -75,8 +75,8 @@ def _sides(c: Candidate) -> tuple[float, float, float]:
 def fit(plan: Plan, runs: list[Run], efficiency: float | None) -> Calibration:
     """The two scales from `runs`, priced against `plan`'s model, GPUs and links."""
     unpriced = ValueError("--calibrate fits the step-time model, which bunsan prices for Llama-shaped models only "
-                          "(bunsan's Llama, and Qwen2, Mistral, Gemma and Llama language models without encoders, "
-                          "at rows within their sliding window)")
+                          "(bunsan's Llama, and Qwen2, Mistral, Gemma, Qwen3 and Llama language models without "
+                          "encoders, at rows within their sliding window)")
     if plan.pricing is None:
         raise unpriced
     rows, measured = [], []
@@ -110,7 +110,7 @@ def _refine(plan: Plan, layouts: list, measured: list[float], eff: float, b: flo
     def error(e: float, k: float) -> float:
         intra, inter = (dataclasses.replace(link, bytes_per_s=link.bytes_per_s / k) for link in (p.intra, p.inter))
         return sum(math.log(step_time(p.shape.timed_as(lay.seq_len), lay, p.gpu, intra, inter, p.per_node, e,
-                                      p.attention, p.compiled, p.overlap).total / m) ** 2
+                                      p.attention, p.compiled, p.overlap, p.shape.qk_norm).total / m) ** 2
                    for lay, m in zip(layouts, measured))
     span = 4.0
     for _ in range(3):

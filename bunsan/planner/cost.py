@@ -117,12 +117,13 @@ class StepTime:
 
 def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect, inter: Interconnect,
               gpus_per_node: int, efficiency: float | None = None, attention: str = "flash",
-              compiled: bool = False, overlap: tuple = ()) -> StepTime:
+              compiled: bool = False, overlap: tuple = (), qk_norm: bool = False) -> StepTime:
     """Estimated seconds per optimizer step of `layout` training `model` on `gpu`s, `gpus_per_node` per node.
     `efficiency` is the fraction of the tensor-core peak a large GEMM reaches (default GEMM_EFFICIENCY);
     `attention` "materialized" prices a kernel that writes the scores out (no flash attention); `compiled`
     prices torch.compile's fused element-wise ops (`train.compile`), else eager PyTorch's op-by-op passes;
-    `overlap` the communication another framework overlaps (OVERLAPS), for pricing its runs."""
+    `overlap` the communication another framework overlaps (OVERLAPS), for pricing its runs; `qk_norm` blocks
+    that keep their q/k norms' inputs too (a Qwen3's: activations.Micro.qk_norm), in offloaded activations."""
     unknown = [o for o in overlap if o not in OVERLAPS]
     if unknown:
         raise ValueError(f"overlap {unknown}: not one of {', '.join(OVERLAPS)}")
@@ -151,7 +152,7 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
     optimizer = 0.0 if layout.offload_optimizer != "none" else optimizer_time(shard, gpu)
     return StepTime(compute=compute, recompute=recompute, tp_comm=tp_comm, dp_comm=dp_exposed,
                     pp_comm=_pp_comm(model, layout, topo), bubble=bubble,
-                    offload=_offload(layout, psi) + _activation_offload(model, layout), optimizer=optimizer,
+                    offload=_offload(layout, psi) + _activation_offload(model, layout, qk_norm), optimizer=optimizer,
                     dp_comm_total=dp_total, tokens_per_step=tokens, flops_per_token=flops_per_token,
                     gpus=layout.gpus, peak_flops=peak, cp_comm=cp_comm(model, layout, topo, blocks),
                     assumptions=step_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled,
@@ -311,11 +312,12 @@ def _offload(layout: Layout, psi: float) -> float:
     return seconds
 
 
-def _activation_offload(model: LlamaConfig, layout: Layout) -> float:
+def _activation_offload(model: LlamaConfig, layout: Layout, qk_norm: bool = False) -> float:
     """Offloaded blocks' saved activations: to the host in forward, back in backward, every micro-batch."""
     if not layout.offload_blocks:
         return 0.0
-    micro = Micro(layout.micro_batch, layout.seq_len, layout.dtype_bytes, layout.tp, layout.sequence_parallel)
+    micro = Micro(layout.micro_batch, layout.seq_len, layout.dtype_bytes, layout.tp, layout.sequence_parallel,
+                  qk_norm=qk_norm)
     _, host = offloaded_per_block(model, micro, layout.checkpointing, layout.recompute_ops)
     blocks = offloaded_count(layout.offload_blocks, model.num_hidden_layers / layout.pp)
     return 2 * layout.grad_accum * blocks * host / HOST_LINK_BYTES_PER_S

@@ -216,10 +216,12 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
 def timed_step(shape: ModelShape, timed, lay: Layout, *args) -> StepTime:
     """cost.step_time of `lay` for the Llama shape `timed` (shape.timed_as); a transformers model's step says
     that it is priced as that Llama's."""
-    step = step_time(timed, lay, *args)
+    step = step_time(timed, lay, *args, qk_norm=shape.qk_norm)
     if shape.llama is None:
         note = (f"{type(shape.module).__name__} priced as bunsan's Llama of its shape: the same GEMMs and attention, "
-                "its element-wise ops as the Llama block's (benchmarks/bench_hf_blocks.py measures the two)")
+                "its element-wise ops as the Llama block's" + ("; its q/k norms' passes not priced (their saved "
+                                                               "inputs are)" if shape.qk_norm else "")
+                + " (benchmarks/bench_hf_blocks.py measures the two)")
         step = dataclasses.replace(step, assumptions=step.assumptions + (note,))
     return step
 
