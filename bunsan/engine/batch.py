@@ -31,6 +31,17 @@ DOCUMENTS = "document_ids"    # packed rows: each position's document (a model w
 HF_TARGETS = ("labels", "shift_labels")
 
 
+def without_kv_cache(module, kwargs: dict) -> dict:
+    """The keywords of a DeepSpeed-style `engine(**batch)` call: a transformers model training (grad on, train
+    mode) gets use_cache=False unless the caller chose, as train_batch's Objective passes. Its KV cache is state
+    the forward changes: selective recompute finds it changed and stops ("not found in storage"), and a
+    training step has no use for it."""
+    if "use_cache" in kwargs or not (module.training and torch.is_grad_enabled()):
+        return kwargs
+    accepted = keyword_inputs(module)
+    return {**kwargs, "use_cache": False} if accepted is not None and "use_cache" in accepted else kwargs
+
+
 def keyword_inputs(module) -> set[str] | None:
     """The keyword inputs a Hugging Face-style forward names (None for a model called positionally); a
     pipeline stage of one says its own (pipeline/partition.py)."""

@@ -24,7 +24,7 @@ from bunsan.comm.mesh import Mesh
 from bunsan.comm.rollcall import post_step
 from bunsan.context_parallel import shard_batch
 from bunsan.doctor.oom import OutOfMemory, explain, is_oom
-from bunsan.engine.batch import Objective, check_cut, rows_of, split
+from bunsan.engine.batch import Objective, check_cut, rows_of, split, without_kv_cache
 from bunsan.engine.media import check_rows
 from bunsan.engine.preference import objective_for
 from bunsan.engine.precision import LossScaler, cast_inputs_to_half, model_dtype
@@ -127,7 +127,7 @@ class Engine:
         self._whole_step_only("engine(inputs)")
         if self._micro_steps == 0 and self.device.type == "cuda":   # the reported peak is this step's
             reset_peak_memory(self.device)
-        return self.module(*args, **kwargs)
+        return self.module(*args, **without_kv_cache(self.module, kwargs))
 
     def _whole_step_only(self, what: str) -> None:
         if self.cp is not None:
