@@ -56,9 +56,8 @@ class ModelShape:
         a Llama-form language model's (its blocks run the same GEMMs and attention; whole steps measure within 4%
         of bunsan's Llama's in fp32 on a CPU, Qwen3's 8% over with its q/k norms' passes: benchmarks/
         bench_hf_blocks.py; on a GPU, scripts/gpu-check's "transformers blocks" row); None for any other model, a
-        composite one (its encoders' compute depends on
-        the media per sample) and rows longer than a sliding window (whose attention computes less than the
-        causal square priced)."""
+        composite one (its encoders' compute depends on the media per sample) and rows longer than a sliding
+        window (whose attention computes less than the causal square priced)."""
         if self.llama is not None:
             return self.llama
         if not self.steps_as_llama or (self.sliding_window is not None and seq_len > self.sliding_window):
