@@ -26,7 +26,7 @@ import sys
 import time
 
 import torch
-from bench_dp import markdown_section
+from bench_dp import markdown_section, print_section
 
 BYTES_PER_PARAM = 7 * 4
 
@@ -90,10 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown_section("ZeRO-Offload's host step: AdamW on a CPU shard", [
         f"a {args.params:.3g}-element fp32 shard, median of {args.steps} steps; the planner's figure: "
         f"{CPU_ADAM_PARAMS_PER_S:.3g} params/s per process (hardware.CPU_ADAM_PARAMS_PER_S)"], header, rows)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write(text)
+    print_section(text, args.markdown)
     return 0
 
 

@@ -249,6 +249,14 @@ def markdown_section(title: str, notes: list[str], header: list[str], rows: list
     return "\n".join(lines) + "\n\n"
 
 
+def print_section(text: str, markdown: str | None) -> None:
+    """Print a markdown_section, and append it to the file `markdown` when one is given (--markdown)."""
+    print(text)
+    if markdown:
+        with open(markdown, "a") as f:
+            f.write(text)
+
+
 def write_markdown(path: str, header: list[str], rows: list[list[str]], args: argparse.Namespace) -> None:
     title = f"Data parallelism: bunsan vs DDP vs single ({args.preset}, seq {args.seq}, micro-batch {args.micro_batch})"
     notes = [f"{args.steps} timed step(s) after {args.warmup} warm-up step(s); ceiling = 2 x single-process "

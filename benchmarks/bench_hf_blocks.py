@@ -15,13 +15,15 @@ in bf16, on a CPU in fp32 with one thread. Each figure is the median of --steps 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
 
 from bunsan.models.llama import Llama, LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))     # its sibling, also when scripts/gpu-check imports it
+from bench_kernels import timed  # noqa: E402
 
 
 def models(dims: dict) -> dict:
@@ -42,6 +44,7 @@ def models(dims: dict) -> dict:
 
 
 def step_seconds(model: torch.nn.Module, rows: torch.Tensor, steps: int) -> float:
+    """Median seconds of one forward + backward (bench_kernels.timed: CUDA events on a GPU) after two warm-ups."""
     vocab = model.config.vocab_size
     kwargs = {} if isinstance(model, Llama) else {"use_cache": False}      # (transformers': no KV cache in training)
 
@@ -49,15 +52,7 @@ def step_seconds(model: torch.nn.Module, rows: torch.Tensor, steps: int) -> floa
         out = model(rows, **kwargs)
         logits = out.logits if hasattr(out, "logits") else out
         torch.nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), rows.reshape(-1)).backward()
-        if rows.is_cuda:
-            torch.cuda.synchronize()
-    step(), step()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return timed(step, rows.device, reps=steps, warmup=2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--markdown", help="append the table to this file")
     args = p.parse_args(argv)
-    from bench_dp import markdown_section        # (a script's sibling; scripts/gpu-check imports the rest as a package)
+    from bench_dp import markdown_section, print_section   # (siblings; scripts/gpu-check imports the rest)
     if args.hidden % args.heads or min(args.layers, args.rows, args.seq, args.steps) < 1:
         p.error(f"--hidden {args.hidden} must split into --heads {args.heads}; layers, rows, seq and steps >= 1")
     cuda = torch.cuda.is_available()
@@ -102,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         f"key/value), MLP {dims['intermediate_size']}, vocabulary {args.vocab}; {args.rows} x {args.seq} tokens; "
         f"forward + backward, median of {args.steps} steps"],
         ["model", "parameters", "step ms", "x bunsan's Llama"], table)
-    print(text)
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write(text)
+    print_section(text, args.markdown)
     return 0
 
 

@@ -81,14 +81,11 @@ def main(argv=None) -> int:
         rows = [(f"bunsan (masked), {w} process(es)", *bench_bunsan(folder, recs, w)) for w in (1, 2)]
         for w in (1, 2):
             rows.append((f"datasets.map (unmasked), {w} process(es)", *bench_datasets(folder, recs, w)))
-    from bench_dp import markdown_section
+    from bench_dp import markdown_section, print_section
     text = markdown_section(f"Fine-tuning data: chat rendering, {a.records} conversations", [],
                             ["contender", "seconds", "tokens", "tokens/s"],
                             [[name, f"{s:.2f}", f"{n:,}", f"{n / s:,.0f}"] for name, s, n in rows])
-    print(text)
-    if a.markdown:
-        with open(a.markdown, "a") as f:
-            f.write(text)
+    print_section(text, a.markdown)
     return 0
 
 
