@@ -242,7 +242,8 @@ def _transformers_shape(d: dict, path: Path, overrides: dict | None) -> ModelSha
 def transformers_shape(model: nn.Module, caveats: list[str] | tuple[str, ...] = ()) -> ModelShape:
     """A ModelShape of a module other than bunsan's Llama (a transformers model, any nn.Module), with the
     caveats its price carries in its name: what it leaves out, such as a composite model's encoders."""
-    blocks_as = _llama_form_blocks(getattr(model, "config", None))
+    text = _text_config(getattr(model, "config", None))      # (the language model's config)
+    blocks_as = _llama_form_blocks(text)
     towers = encoder_paths(model) if blocks_as is not None else []
     caveats = tuple(caveats) + ((f"NOT PRICED: the activations of {', '.join(towers)}",) if towers else ())
     name = type(model).__name__
@@ -251,8 +252,8 @@ def transformers_shape(model: nn.Module, caveats: list[str] | tuple[str, ...] = 
     return ModelShape(name, model, None, blocks_as=blocks_as, caveats=caveats,
                       unpriced_encoders=_unpriced_encoders(model, towers) if towers else "",
                       steps_as_llama=blocks_as is not None and not towers and _head(model) is not None,
-                      sliding_window=_sliding_window(getattr(model, "config", None)),
-                      qk_norm=blocks_as is not None and _text_type(getattr(model, "config", None)) in QK_NORM_BLOCKS)
+                      sliding_window=_sliding_window(text),
+                      qk_norm=blocks_as is not None and getattr(text, "model_type", None) in QK_NORM_BLOCKS)
 
 
 def _unpriced_encoders(model: nn.Module, towers: list[str]) -> str:
@@ -283,10 +284,9 @@ QK_NORM_BLOCKS = ("qwen3",)
 
 
 def _llama_form_blocks(config) -> LlamaConfig | None:
-    """The Llama shape of a LLAMA_FORM_BLOCKS model's blocks (a composite model's language model's); None for
-    any other model, or a head_dim apart from hidden / heads (which bunsan's Llama cannot express)."""
-    get_text = getattr(config, "get_text_config", None)
-    config = get_text() if callable(get_text) else config
+    """The Llama shape of a LLAMA_FORM_BLOCKS language model's blocks (`config`: a composite model's
+    text_config); None for any other model, or a head_dim apart from hidden / heads (which bunsan's Llama cannot
+    express)."""
     if getattr(config, "model_type", None) not in LLAMA_FORM_BLOCKS:
         return None
     heads = config.num_attention_heads
@@ -299,17 +299,15 @@ def _llama_form_blocks(config) -> LlamaConfig | None:
                        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
 
 
-def _text_type(config) -> str | None:
-    """The model_type of a config's language model (a composite model's text_config)."""
+def _text_config(config):
+    """A config's language model's (a composite model's text_config; the config itself otherwise)."""
     get_text = getattr(config, "get_text_config", None)
-    return getattr(get_text() if callable(get_text) else config, "model_type", None)
+    return get_text() if callable(get_text) else config
 
 
 def _sliding_window(config) -> int | None:
-    """The tokens a model's attention looks back over where it is a sliding window (Mistral's `sliding_window`;
-    Qwen2's only with `use_sliding_window`), else None."""
-    get_text = getattr(config, "get_text_config", None)
-    config = get_text() if callable(get_text) else config
+    """The tokens a language model's attention looks back over where it is a sliding window (Mistral's
+    `sliding_window`; Qwen2's only with `use_sliding_window`), else None."""
     if config is None or getattr(config, "use_sliding_window", True) is False:
         return None
     kinds = getattr(config, "layer_types", None)        # (Qwen2's max_window_layers: the layers that slide)
