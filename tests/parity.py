@@ -39,10 +39,7 @@ SGD_LR = 0.05
 # -- inputs ----------------------------------------------------------------------------------------
 def tiny_model(seed: int = 0, **overrides) -> Llama:
     torch.manual_seed(seed)
-    cfg = get_preset("tiny")
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    return Llama(cfg)
+    return Llama(get_preset("tiny").replace(**overrides))
 
 
 def batches(steps: int, rows: int, seq: int = 32, seed: int = 1, ignore_frac: float = 0.0) -> list[dict]:

@@ -20,23 +20,26 @@ transformers = pytest.importorskip("transformers")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def _hf_model(tmp_path, tied=False, shard="60KB"):
+def _hf_model(tmp_path, tied=False, shard="60KB", head_dim=None):
+    """A transformers Llama saved in `tmp_path`; `head_dim` set apart from hidden / heads = 16 where given (the
+    form of Mistral Nemo and NVIDIA's width-pruned Minitron Llamas)."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=tied)
+                                   tie_word_embeddings=tied, head_dim=head_dim)
     model = transformers.LlamaForCausalLM(cfg).eval()
-    out = tmp_path / ("hf-tied" if tied else "hf")
+    out = tmp_path / (("hf-tied" if tied else "hf") + (f"-head-dim-{head_dim}" if head_dim else ""))
     model.save_pretrained(out, max_shard_size=shard)
     return model, out
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_hugging_face_round_trip_keeps_the_logits(tmp_path, tied):
+@pytest.mark.parametrize("tied,head_dim", [(False, None), (True, None), (False, 24)])
+def test_hugging_face_round_trip_keeps_the_logits(tmp_path, tied, head_dim):
     from bunsan.models.hf import load_llama, save_llama
-    hf, path = _hf_model(tmp_path, tied)
+    hf, path = _hf_model(tmp_path, tied, head_dim=head_dim)
     assert (path / "model.safetensors.index.json").is_file() or tied   # sharded with an index
     ours = load_llama(path).eval()
+    assert ours.config.head_dim == hf.config.head_dim and ours.config.attention_dim == 4 * hf.config.head_dim
     ids = torch.randint(0, 256, (2, 24))
     with torch.no_grad():
         want = hf(ids).logits
@@ -44,6 +47,7 @@ def test_hugging_face_round_trip_keeps_the_logits(tmp_path, tied):
         out = save_llama(ours.state_dict(), ours.config, tmp_path / "export", max_shard_bytes=50_000)
         back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
         torch.testing.assert_close(back(ids).logits, want, rtol=1e-5, atol=1e-5)
+        assert back.config.head_dim == hf.config.head_dim
 
 
 def _load_hf(rank, world, path, cfg):
@@ -62,14 +66,15 @@ def _load_hf(rank, world, path, cfg):
     return state, loss
 
 
-@pytest.mark.parametrize("cfg", [
-    {"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 0}},
-    {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}},
-    {"zero_optimization": {"stage": 3}},
-], ids=["tp2", "pp2", "zero3"])
-def test_hugging_face_weights_load_into_any_layout(pools, tmp_path, cfg):
+@pytest.mark.parametrize("cfg,head_dim", [
+    ({"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 0}}, None),
+    ({"tensor_parallel": {"size": 2}, "zero_optimization": {"stage": 0}}, 24),
+    ({"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}, None),
+    ({"zero_optimization": {"stage": 3}}, None),
+], ids=["tp2", "tp2-head-dim-apart", "pp2", "zero3"])
+def test_hugging_face_weights_load_into_any_layout(pools, tmp_path, cfg, head_dim):
     from bunsan.models.hf import load_llama
-    hf, path = _hf_model(tmp_path, tied=True)
+    hf, path = _hf_model(tmp_path, tied=True, head_dim=head_dim)
     cfg = {"train_batch_size": 4, **cfg, "train": {"timeout_s": 60}}
     plain = load_llama(path).state_dict()
     data = batches(1, 4)[0]

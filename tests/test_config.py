@@ -63,7 +63,8 @@ MALFORMED = [
     ({"pipeline": {"schedule": "1f1c"}}, ["pipeline.schedule", "did you mean '1f1b'?"]),
     ({"pipeline": {"virtual_stages": 2}}, ["pipeline.virtual_stages", "set pipeline.schedule to 'interleaved'"]),
     ({"pipeline": {"partition": "random"}}, ["pipeline.partition", "set it to one of"]),
-    ({"model": {"hidden_size": 100, "num_attention_heads": 3}}, ["model.hidden_size", "multiple of 3"]),
+    ({"model": {"hidden_size": 100, "num_attention_heads": 3}}, ["model.hidden_size", "multiple of 3", "head_dim"]),
+    ({"model": {"head_dim": 1}}, ["model.head_dim", ">= 2", "set it to"]),
     ({"model": {"num_attention_heads": 8, "num_key_value_heads": 3}},
      ["model.num_key_value_heads", "set num_key_value_heads to one of 1, 2, 4, 8"]),
     ({"model": {"rope_theta": -1.0}}, ["model.rope_theta", "> 0", "set it to"]),
@@ -291,6 +292,8 @@ def test_round_trip():
     assert again == cfg and again.to_dict() == d
     copy = Config.load(cfg)
     assert copy == cfg and copy is not cfg
+    # heads set apart from hidden / heads: 100 is no multiple of 3, and needs not be
+    assert Config.load({"model": {"hidden_size": 100, "num_attention_heads": 3, "head_dim": 32}}).model.head_dim == 32
 
 
 def test_unimplemented_table():

@@ -37,7 +37,8 @@ CONSUMED = {
     # the whole model section goes to build_config as keyword overrides, field by field
     **{f"model.{name}": ("training/loop.py", "cfg.model.model_dump()") for name in (
         "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings")},
+        "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
+        "head_dim")},
 }
 # A leaf name an ignored key shares with a key that acts: every read must name that other section.
 SHARED_LEAF = {"zero_optimization.offload_optimizer.buffer_count": "off_p.buffer_count",

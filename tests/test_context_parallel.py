@@ -40,6 +40,7 @@ LAYOUTS = {
     "cp2-dp2-zero2": layout(cp=2, dp=2, stage=2),
     "cp2-tp2": layout(cp=2, tp=2),
     "cp2-tp2-sp": layout(cp=2, tp=2, sp=True),
+    "cp2-head-dim-apart": layout(cp=2, overrides={"head_dim": 48}),     # not hidden / heads = 32
     # recomputed blocks all-gather K/V again in backward, in the same order on every rank
     "cp2-full-recompute": layout(cp=2, recompute="full"),
     "cp2-selective-recompute": layout(cp=2, recompute="selective"),

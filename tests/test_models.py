@@ -284,6 +284,36 @@ def test_hf_config_roundtrip_and_presets():
         build_config("tiny", hiden_size=64)
 
 
+def test_head_dim_set_apart_from_hidden_over_heads():
+    """HF's head_dim (Mistral Nemo: 128 on 5120 / 32 heads; Qwen3 0.6B: 128 on 1024 / 16): q_proj and o_proj are
+    heads x head_dim wide, config.json keeps it both ways, and a preset's overrides derive it again from a new
+    width or head count unless they name it."""
+    nemo = {"model_type": "llama", "vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 14336,
+            "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
+    c = LlamaConfig.from_hf(nemo)
+    assert (c.head_dim, c.attention_dim, c.head_dim_derived) == (128, 4096, False)
+    assert c.to_hf()["head_dim"] == 128 and LlamaConfig.from_hf(c.to_hf()) == c
+    kv = 8 * 128
+    assert c.num_params() == 40 * (2 * 5120 * 4096 + 2 * 5120 * kv + 3 * 5120 * 14336 + 2 * 5120) + 5120 \
+        + 2 * 131072 * 5120
+    assert flops_per_token(c, 1000) == 6 * c.num_params(include_embedding=False) + 12 * 40 * 4096 * 1000
+    assert LlamaConfig(hidden_size=130, num_attention_heads=4, num_key_value_heads=2, head_dim=32).attention_dim == 128
+    with pytest.raises(ValueError, match="or give head_dim"):
+        LlamaConfig(hidden_size=130, num_attention_heads=4)
+    with pytest.raises(ValueError, match="head_dim 7 is odd"):
+        LlamaConfig(head_dim=7)
+    with pytest.raises(ValueError, match="head_dim must be a positive int"):
+        LlamaConfig(head_dim=0)
+    assert build_config("tiny", hidden_size=256).head_dim == 64             # derived again: 4 heads
+    assert build_config("tiny", num_attention_heads=8, num_key_value_heads=2).head_dim == 16
+    assert build_config("tiny", head_dim=48).attention_dim == 192
+    assert build_config("tiny", head_dim=48, hidden_size=256).head_dim == 48
+    assert get_preset("tiny").replace(head_dim=48).replace(hidden_size=256).head_dim == 48   # set apart: kept
+    model = Llama(build_config("tiny", head_dim=48))
+    ids = torch.randint(0, 256, (2, 12))
+    assert model(ids).shape == (2, 12, 256) and model.layers[0].self_attn.q_proj.weight.shape == (192, 128)
+
+
 def test_llama31_presets_are_metas_configs_and_answer_to_their_usual_names():
     """meta-llama/Llama-3.1-8B's config.json (70B and 405B differ in the four shape fields only), and the names
     a user types for them; a name that is no preset says what is."""

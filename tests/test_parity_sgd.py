@@ -23,6 +23,7 @@ LORA = {"enabled": True, "r": 4, "alpha": 8.0, "dropout": 0.0,
         "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]}
 KV4 = {"num_key_value_heads": 4}          # tiny has 2 key/value heads: 4 for TP=4
 TIED = {"tie_word_embeddings": True}      # the embedding and head on different stages: their gradients summed
+WIDE_HEADS = {"head_dim": 48}             # heads 48 wide, not hidden / heads = 32 (Mistral Nemo's form)
 
 
 def layout(dp=1, tp=1, sp=False, pp=1, schedule="1f1b", m=1, v=1, stage=0, offload_optimizer=None,
@@ -67,6 +68,7 @@ LAYOUTS = {
     "tp4": layout(tp=4, overrides=KV4),
     "tp4-sp": layout(tp=4, sp=True, overrides=KV4),
     "tp2-dp2-zero1": layout(tp=2, dp=2, stage=1),
+    "tp2-sp-head-dim-apart": layout(tp=2, sp=True, overrides=WIDE_HEADS),
     "tp2-sp-dp2-zero1": layout(tp=2, sp=True, dp=2, stage=1),
     "tp2-dp2-zero3": layout(tp=2, dp=2, stage=3),
     "tp2-sp-dp2-zero3": layout(tp=2, sp=True, dp=2, stage=3),

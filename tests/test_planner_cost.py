@@ -48,6 +48,26 @@ def test_compute_bound_gemms_follow_the_6n_plus_attention_rule():
     assert st.tokens_per_step == tokens
 
 
+def test_heads_set_apart_from_hidden_are_priced_by_their_own_widths():
+    """head_dim apart from hidden / heads (Mistral Nemo's, Qwen3 0.6B's): the GEMMs are the FLOPs of the weights
+    the Llama built from the config holds (counted on the meta device, not from the config's formulas), and
+    attention's 12·L·h·s counts the query heads' width (8 x 48 = 384 here, not hidden 256)."""
+    import torch
+    from bunsan.models.llama import Llama
+    model = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=L,
+                        num_attention_heads=8, num_key_value_heads=2, head_dim=48)
+    with torch.device("meta"):
+        built = Llama(model)
+    linear = sum(m.weight.numel() for m in built.modules() if isinstance(m, torch.nn.Linear))
+    assert model.num_params(include_embedding=False) == linear + L * 2 * H + H
+    assert built.layers[0].self_attn.o_proj.weight.shape == (H, 384)
+    lay = Layout(dp=2, micro_batch=3, grad_accum=2, seq_len=128)
+    st = step_time(model, lay, WIDE, FAST, SLOW, 8, efficiency=0.5)
+    tokens = 2 * 3 * 2 * 128
+    assert rel(st.compute, (6 * linear + 12 * L * 384 * 128) * tokens / 2 / (1e12 * 0.5)) < 1e-6
+    assert st.flops_per_token == 6 * model.num_params(include_embedding=False) + 12 * L * 384 * 128
+
+
 def test_a_skinny_gemm_is_priced_by_its_bytes():
     """The roofline: one token through a 4096 x 4096 weight reads the weight; its FLOPs are nothing."""
     x = GPU("x", 2 ** 30, {"bf16": 1e15}, 1e12)

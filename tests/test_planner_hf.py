@@ -88,8 +88,8 @@ def test_plan_ranks_tensor_and_pipeline_layouts_of_a_qwen2_config(tmp_path, caps
 def _llama_of(config: dict) -> dict:
     """A bunsan Llama config.json of a Llama-form model's dimensions."""
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")
-    return {"model_type": "llama", **{k: config[k] for k in keep}}
+            "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings", "head_dim")
+    return {"model_type": "llama", **{k: config[k] for k in keep if k in config}}
 
 
 # Gemma 2B's dimensions: one key/value head, head_dim 256 = hidden / heads, the head tied to the embedding
@@ -99,12 +99,21 @@ GEMMA_2B = {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "vocab
             "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-06, "rope_theta": 10000.0}
 
 
-@pytest.mark.parametrize("config", [QWEN2_7B, GEMMA_2B], ids=["qwen2", "gemma-tied"])
+# Qwen3-0.6B's published config.json: 16 heads of 128 (2,048 wide) on a 1,024-wide residual stream, tied
+QWEN3_06B = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+             "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+             "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06, "rope_theta": 1000000,
+             "tie_word_embeddings": True, "use_sliding_window": False, "sliding_window": None,
+             "max_window_layers": 28, "hidden_act": "silu", "torch_dtype": "bfloat16"}
+
+
+@pytest.mark.parametrize("config", [QWEN2_7B, GEMMA_2B, QWEN3_06B], ids=["qwen2", "gemma-tied", "qwen3-head-dim"])
 def test_a_qwen2_config_is_priced_as_the_llama_of_its_shape(tmp_path, capsys, config):
     """Qwen2's blocks run a Llama block's GEMMs and attention (its q/k/v biases aside), and whole steps measure
     within 4% of bunsan's Llama's on a CPU (benchmarks/bench_hf_blocks.py), so its step is priced as the Llama of
     its shape: each layout both plans rank prices the same terms, and the Qwen2 plan says what it assumed. Gemma's
-    head tied to its embedding is carried (the data-parallel bytes count the table once)."""
+    head tied to its embedding is carried (the data-parallel bytes count the table once); Qwen3 0.6B's heads, set
+    apart from hidden / heads, are priced at their own width (head_dim carried into the Llama config.json)."""
     argv = ["--gpus", "8", "--gpu", "h100", "--seq-len", "4096", "--global-batch", "16", "--top", "0",
             "--zero-stages", "1,3", "--recompute", "none,full"]
     _, qwen = _json(capsys, ["plan", "--model", _write(tmp_path, config)] + argv)

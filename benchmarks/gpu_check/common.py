@@ -147,10 +147,7 @@ def free_memory() -> None:
 # -- models and data ------------------------------------------------------------------------------------
 def llama_config(preset: str, **overrides):
     from bunsan.models import get_preset
-    cfg = get_preset(preset)
-    for k, v in overrides.items():
-        setattr(cfg, k, v)
-    return cfg
+    return get_preset(preset).replace(**overrides)
 
 
 def build_model(preset: str, seed: int = 0, **overrides):

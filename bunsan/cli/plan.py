@@ -336,6 +336,7 @@ def _model_section(model: str) -> dict:
     if c is None:
         return {}
     fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
+              "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
+              "head_dim")
     return {"model": {"preset": "small", **{f: getattr(c, f) for f in fields}}}
 

@@ -85,8 +85,10 @@ class ModelOverrides(Section):
     hidden_size: OptInt = Field(None, ge=1, description="Width of the residual stream; None = the preset's")
     intermediate_size: OptInt = Field(None, ge=1, description="Width of the MLP's hidden layer; None = the preset's")
     num_hidden_layers: OptInt = Field(None, ge=1, description="Transformer blocks; None = the preset's")
-    num_attention_heads: OptInt = Field(None, ge=1, description="Query heads (must divide hidden_size); None = the "
-                                                                "preset's")
+    num_attention_heads: OptInt = Field(None, ge=1, description="Query heads (must divide hidden_size unless "
+                                                                "head_dim is given); None = the preset's")
+    head_dim: OptInt = Field(None, ge=2, description="Width of one attention head (even); None = hidden_size / "
+                                                     "num_attention_heads")
     num_key_value_heads: OptInt = Field(None, ge=1, description="Key/value heads, grouped-query attention (must "
                                                                 "divide num_attention_heads); None = the preset's")
     max_position_embeddings: OptInt = Field(None, ge=1, description="Longest sequence in tokens (at least "
@@ -100,9 +102,9 @@ class ModelOverrides(Section):
     @model_validator(mode="after")
     def _heads(self) -> ModelOverrides:
         h, a, k, problems = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, []
-        if h and a and h % a:
+        if h and a and h % a and self.head_dim is None:
             problems.append(("hidden_size", f"hidden_size {h} is not divisible by num_attention_heads {a}; set "
-                                            f"hidden_size to a multiple of {a} (e.g. {max(a, h // a * a)})"))
+                                            f"hidden_size to a multiple of {a} (e.g. {max(a, h // a * a)}) or give head_dim"))
         if a and k and a % k:
             divisors = ", ".join(str(d) for d in range(1, a + 1) if a % d == 0)
             problems.append(("num_key_value_heads", f"num_attention_heads {a} is not divisible by "

@@ -60,7 +60,7 @@ def _dtype_bytes(dtype) -> int:
 
 def weight_bytes(cfg: LlamaConfig, d: int) -> dict:
     h, i, kv_dim = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim
-    layer = (2 * h * h + 2 * h * kv_dim + 3 * h * i + 2 * h) * d      # q, o; k, v; gate, up, down; two norms
+    layer = (2 * h * cfg.attention_dim + 2 * h * kv_dim + 3 * h * i + 2 * h) * d  # q, o; k, v; gate, up, down; norms
     out = {"embed_tokens": cfg.vocab_size * h * d}
     out.update({f"layers.{j}": layer for j in range(cfg.num_hidden_layers)})
     out["norm"] = h * d
@@ -76,14 +76,15 @@ def kv_cache_bytes(cfg: LlamaConfig, batch: int, max_seq: int, d: int) -> int:
 def layer_step_bytes(cfg: LlamaConfig, batch: int, tokens: int, keys: int, d: int) -> int:
     """Peak bytes alive while one transformer block runs `tokens` new tokens per sequence over `keys` cached
     positions (its weights and KV cache excluded)."""
-    h, i, n = cfg.hidden_size, cfg.intermediate_size, batch * tokens
+    h, i, n, q = cfg.hidden_size, cfg.intermediate_size, batch * tokens, cfg.attention_dim
     # K/V are repeated to every query head only where SDPA's fused kernels do not take grouped heads (on a GPU
     # in fp32; models/llama.Attention.native_gqa)
     repeated = cfg.num_key_value_heads < cfg.num_attention_heads and not Attention.native_gqa(
         "cuda", torch.float32 if d >= 4 else torch.bfloat16, cfg.head_dim, masked=False)
-    # attention, at o_proj: the block's input, the normed input, q, the attention output, its [b, s, h] copy and
-    # o_proj's result; where repeated also k and v repeated to every query head over all cached positions
-    attention = 6 * d * n * h + (2 * d * batch * keys * h if repeated else 0)
+    # attention, at o_proj: the block's input, the normed input, q, the attention output, its [b, s, heads x
+    # head_dim] copy and o_proj's result; where repeated also k and v repeated to every query head over all
+    # cached positions
+    attention = 3 * d * n * (h + q) + (2 * d * batch * keys * q if repeated else 0)
     # MLP, at gate * up: the block's input and the residual after attention, the normed input, silu(gate), up and
     # their product
     mlp = 3 * d * n * h + 3 * d * n * i

@@ -43,13 +43,13 @@ def _tokens(m: Micro) -> int:
 
 SELECTIVE_KEPT = (
     Saved("block input", lambda c, m: m.d * _tokens(m) * c.hidden_size / m.seq_div),
-    Saved("q, k, v projections", lambda c, m: m.d * _tokens(m) * (c.hidden_size + 2 * c.num_key_value_heads
+    Saved("q, k, v projections", lambda c, m: m.d * _tokens(m) * (c.attention_dim + 2 * c.num_key_value_heads
                                                                    * c.head_dim) / m.tp),
     # o_proj's output (a plain nn.Linear), else the residual after attention: the same bytes
     Saved("attention output", lambda c, m: m.d * _tokens(m) * c.hidden_size / m.seq_div),
     Saved("gate, up projections", lambda c, m: 2 * m.d * _tokens(m) * c.intermediate_size / m.tp),
     # SDPA's output and its fp32 log-sum-exp per query head
-    Saved("attention core", lambda c, m: (m.d * _tokens(m) * c.hidden_size
+    Saved("attention core", lambda c, m: (m.d * _tokens(m) * c.attention_dim
                                           + 4 * _tokens(m) * c.num_attention_heads) / m.tp, "attention"),
     Saved("swiglu", lambda c, m: 2 * m.d * _tokens(m) * c.intermediate_size / m.tp, "swiglu"),   # silu(gate), product
 )

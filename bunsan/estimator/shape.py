@@ -67,8 +67,7 @@ class ModelShape:
     def untimed_why(self, seq_len: int) -> str:
         """Why timed_as(seq_len) is None, said for `bunsan plan`'s closing line."""
         if self.blocks_as is None:
-            return ("its blocks are not one of estimator/shape.py's LLAMA_FORM_BLOCKS, or their head_dim is not "
-                    "hidden / heads (which bunsan's Llama cannot express)")
+            return "its blocks are not one of estimator/shape.py's LLAMA_FORM_BLOCKS"
         if self.unpriced_encoders:
             return "its encoders' compute depends on the images or clips per sample"
         if not self.steps_as_llama:
@@ -174,10 +173,7 @@ def load_shape(model, overrides: dict | None = None) -> ModelShape:
             raise ValueError(f"model config {path} is not a JSON object")
         if d.get("model_type", "llama") != "llama" or "text_config" in d:     # priced from its own modules
             return _transformers_shape(d, path, overrides)
-        cfg = LlamaConfig.from_hf(d)
-        for k, v in (overrides or {}).items():
-            setattr(cfg, k, v)
-        return _llama_shape(cfg, path.parent.name or path.stem)
+        return _llama_shape(LlamaConfig.from_hf(d).replace(**(overrides or {})), path.parent.name or path.stem)
     from bunsan.models.presets import build_config
     return _llama_shape(build_config(str(model), **(overrides or {})) if overrides else get_preset(str(model)),
                         str(model))
@@ -285,16 +281,14 @@ QK_NORM_BLOCKS = ("qwen3",)
 
 def _llama_form_blocks(config) -> LlamaConfig | None:
     """The Llama shape of a LLAMA_FORM_BLOCKS language model's blocks (`config`: a composite model's
-    text_config); None for any other model, or a head_dim apart from hidden / heads (which bunsan's Llama cannot
-    express)."""
+    text_config, its head_dim as it says: Qwen3's and Gemma 7B's are apart from hidden / heads); None for any
+    other model."""
     if getattr(config, "model_type", None) not in LLAMA_FORM_BLOCKS:
-        return None
-    heads = config.num_attention_heads
-    if getattr(config, "head_dim", None) not in (None, config.hidden_size // heads):
         return None
     return LlamaConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
                        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
-                       num_attention_heads=heads, num_key_value_heads=getattr(config, "num_key_value_heads", None),
+                       num_attention_heads=config.num_attention_heads, head_dim=getattr(config, "head_dim", None),
+                       num_key_value_heads=getattr(config, "num_key_value_heads", None),
                        max_position_embeddings=config.max_position_embeddings,
                        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
 

@@ -38,11 +38,15 @@ class LlamaConfig:
     initializer_range: float = 0.02
     # HF rope_scaling: None/"default" or {"rope_type": "llama3", ...} (Llama 3.1/3.2).
     rope_scaling: dict | None = field(default=None)
+    # Width of one attention head. None -> hidden_size / num_attention_heads; set apart from that (Mistral
+    # Nemo's 128 with 5120 / 32, NVIDIA's width-pruned Minitron), q_proj and o_proj are heads x head_dim wide
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        for name in _POSITIVE_INTS:
+        derived = self.head_dim is None
+        for name in _POSITIVE_INTS + (() if derived else ("head_dim",)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"LlamaConfig.{name} must be a positive int, got {v!r}")
@@ -53,25 +57,41 @@ class LlamaConfig:
         if not isinstance(self.initializer_range, (int, float)) or self.initializer_range < 0:
             raise ValueError(f"LlamaConfig.initializer_range must be >= 0, got {self.initializer_range!r}")
         h, nh, kv = self.hidden_size, self.num_attention_heads, self.num_key_value_heads
-        if h % nh:
-            raise ValueError(
-                f"LlamaConfig.hidden_size {h} is not divisible by num_attention_heads {nh}; "
-                f"pick hidden_size a multiple of {nh} (e.g. {nh * max(1, round(h / nh))}) or change the head count")
+        if derived:
+            if h % nh:
+                raise ValueError(
+                    f"LlamaConfig.hidden_size {h} is not divisible by num_attention_heads {nh}; pick hidden_size "
+                    f"a multiple of {nh} (e.g. {nh * max(1, round(h / nh))}), change the head count or give head_dim")
+            self.head_dim = h // nh
         if nh % kv:
             raise ValueError(
                 f"LlamaConfig.num_attention_heads {nh} is not divisible by num_key_value_heads {kv}; "
                 f"set num_key_value_heads to a divisor of {nh} (e.g. {math.gcd(nh, kv)})")
-        if (h // nh) % 2:
-            raise ValueError(
-                f"LlamaConfig head_dim = hidden_size {h} / num_attention_heads {nh} = {h // nh} is odd; "
-                f"rotary embeddings rotate pairs, so choose hidden_size/heads even")
+        if self.head_dim % 2:
+            said = (f"head_dim = hidden_size {h} / num_attention_heads {nh} = {self.head_dim}" if derived
+                    else f"head_dim {self.head_dim}")
+            raise ValueError(f"LlamaConfig {said} is odd; rotary embeddings rotate pairs, so choose an even head_dim")
         rtype = rope_type(self.rope_scaling)
         if rtype not in ("default", "llama3"):
             raise ValueError(f"LlamaConfig.rope_scaling type {rtype!r} is not supported; use None or 'llama3'")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def attention_dim(self) -> int:
+        """Width of the query heads together (q_proj's output, o_proj's input): hidden_size unless head_dim is
+        set apart from hidden_size / num_attention_heads."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def head_dim_derived(self) -> bool:
+        """Whether head_dim is hidden_size / num_attention_heads."""
+        return self.num_attention_heads * self.head_dim == self.hidden_size
+
+    def replace(self, **changes) -> LlamaConfig:
+        """A validated copy with `changes`. A head_dim that was hidden_size / num_attention_heads is derived
+        again when either changes (unless `changes` names head_dim), so a wider preset keeps its head count."""
+        if self.head_dim_derived and "head_dim" not in changes and {"hidden_size", "num_attention_heads"} & {*changes}:
+            changes = {**changes, "head_dim": None}
+        return dataclasses.replace(self, **changes)
 
     def num_params(self, include_embedding: bool = True) -> int:
         """Exact parameter count (equals ``sum(p.numel())`` of ``Llama(self)``).
@@ -81,7 +101,7 @@ class LlamaConfig:
         (nanoGPT's convention for MFU).
         """
         h, kv_dim = self.hidden_size, self.num_key_value_heads * self.head_dim
-        attn = 2 * h * h + 2 * h * kv_dim
+        attn = 2 * h * self.attention_dim + 2 * h * kv_dim
         mlp = 3 * h * self.intermediate_size
         per_layer = attn + mlp + 2 * h
         emb = self.vocab_size * h
@@ -99,15 +119,7 @@ class LlamaConfig:
             if d.get(key):
                 raise ValueError(f"{key}=true is not supported: this Llama has no biases")
         names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {k: v for k, v in d.items() if k in names}
-        cfg = cls(**kwargs)
-        heads, hidden = cfg.num_attention_heads, cfg.hidden_size
-        if d.get("head_dim") not in (None, cfg.head_dim):
-            raise ValueError(f"head_dim {d['head_dim']} != hidden_size / num_attention_heads = {hidden} / {heads} "
-                             f"= {cfg.head_dim}: either config.json's hidden_size or num_attention_heads is wrong, "
-                             "or the model decouples head_dim from them (Gemma-style), which bunsan's Llama does "
-                             "not; its weights' shapes tell which")
-        return cfg
+        return cls(**{k: v for k, v in d.items() if k in names})
 
     def to_hf(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -121,7 +133,8 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> int:
 
     N = ``config.num_params(include_embedding=False)``: every parameter except the
     input embedding lookup (which does no matmul); the LM head counts, tied or not
-    (nanoGPT/PaLM convention). 12*L*h*s is the attention score/value matmuls.
+    (nanoGPT/PaLM convention). 12*L*h*s is the attention score/value matmuls, h the
+    query heads' width (``attention_dim``: hidden_size unless head_dim is set apart).
     """
     n = config.num_params(include_embedding=False)
-    return 6 * n + 12 * config.num_hidden_layers * config.hidden_size * seq_len
+    return 6 * n + 12 * config.num_hidden_layers * config.attention_dim * seq_len

@@ -92,4 +92,4 @@ def build_config(preset: str, **overrides) -> LlamaConfig:
     if "num_attention_heads" in overrides and "num_key_value_heads" not in overrides \
             and base.num_key_value_heads == base.num_attention_heads:
         overrides["num_key_value_heads"] = overrides["num_attention_heads"]  # keep MHA presets MHA
-    return dataclasses.replace(base, **overrides)
+    return base.replace(**overrides)

@@ -16,7 +16,8 @@ def step_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_toke
             (("tp", layout.tp, 1), ("cp", layout.cp, layout.tp), ("dp", layout.shard_ranks, layout.tp),
              ("pp", layout.pp, layout.tp * layout.shard_ranks))}
     return (
-        f"{flops_per_token / 1e9:.4g} GFLOP/token = 6N (N={n_flops:,}, no input embedding) + 12·L·h·s counts "
+        f"{flops_per_token / 1e9:.4g} GFLOP/token = 6N (N={n_flops:,}, no input embedding) + 12·L·h·s "
+        + (f"(h the {model.attention_dim} query heads' width) " if not model.head_dim_derived else "") + "counts "
         f"MFU; time is priced per GEMM: roofline of {eff:.0%} of {gpu.sustained_flops(layout.precision) / 1e12:.4g} "
         f"TFLOP/s {layout.precision} and {K.HBM_EFFICIENCY:.0%} of {gpu.hbm_bytes_per_s / 1e12:.3g} TB/s HBM on "
         f"{gpu.name}" + (f" ({gpu.form}, {gpu.power_w:g} W)" if gpu.form and gpu.power_w else "")

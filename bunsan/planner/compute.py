@@ -85,14 +85,14 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
     check_kernel(attention, gpu)
     t, b, s, h = layout.tp, layout.micro_batch, layout.seq_len, model.hidden_size
     heads, kv = model.num_attention_heads, model.num_key_value_heads
-    d, inter, p, nb = h // heads, model.intermediate_size, layout.precision, layout.dtype_bytes
+    d, inter, p, nb = model.head_dim, model.intermediate_size, layout.precision, layout.dtype_bytes
     tokens = b * s
 
     def mm(m, k, n, batch=1):
         return gemm(m, k, n, gpu, p, nb, efficiency, batch)
 
     qkv = mm(tokens, h, (heads + 2 * kv) * d // t)
-    o_proj = mm(tokens, h // t, h)
+    o_proj = mm(tokens, heads * d // t, h)
     mlp = mm(tokens, h, 2 * inter // t) + mm(tokens, inter // t, h)
     core = _attention_core(b, s, keys or s, heads // t, kv // t or 1, d, gpu, p, nb,
                            flash_efficiency(gpu, efficiency, chunk or s, keys or s, attention)

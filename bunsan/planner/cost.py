@@ -131,7 +131,7 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
     peak = _validate(model, layout, gpu, gpus_per_node, eff)
     topo = Topology(gpus_per_node, intra, inter)
     n_flops, n_all = model.num_params(include_embedding=False), model.num_params()
-    flops_per_token = 6 * n_flops + 12 * model.num_hidden_layers * model.hidden_size * layout.seq_len
+    flops_per_token = 6 * n_flops + 12 * model.num_hidden_layers * model.attention_dim * layout.seq_len
     tokens, m = layout.global_batch * layout.seq_len, layout.grad_accum
     # Under context parallelism a rank computes its seq_len/cp tokens of each row, their queries attending
     # to the whole row's keys (the balanced causal split gives every rank the same share of the square)
