@@ -23,9 +23,9 @@ def tiny(**kw):
     return LlamaConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_weights_match_the_blocks_load_places(tied):
-    cfg = tiny(tie_word_embeddings=tied)
+@pytest.mark.parametrize("tied,head_dim", [(False, None), (True, None), (False, 32)])
+def test_weights_match_the_blocks_load_places(tied, head_dim):
+    cfg = tiny(tie_word_embeddings=tied, head_dim=head_dim)       # 32: heads set apart from hidden / heads = 16
     with torch.device("meta"):
         model = Llama(cfg)
     for dtype in (torch.float32, torch.bfloat16):
@@ -53,11 +53,12 @@ def test_kv_cache_is_what_generate_allocates(monkeypatch):
         assert held == est.kv_cache[f"layers.{i}"] == 2 * 3 * 4 * 17 * 16 * 2
 
 
-@pytest.mark.parametrize("kv,dtype,prompt,new", [(4, torch.float32, 64, 8), (8, torch.float32, 200, 4),
-                                                 (2, torch.bfloat16, 8, 150), (4, torch.float32, 32, 4)])
-def test_activations_match_the_live_tensors_of_a_run(kv, dtype, prompt, new):
+@pytest.mark.parametrize("kv,dtype,prompt,new,head_dim", [
+    (4, torch.float32, 64, 8, None), (8, torch.float32, 200, 4, None), (2, torch.bfloat16, 8, 150, None),
+    (4, torch.float32, 32, 4, None), (4, torch.float32, 200, 4, 48)])     # 48: query heads 384 wide on 128
+def test_activations_match_the_live_tensors_of_a_run(kv, dtype, prompt, new, head_dim):
     vocab = 4096 if prompt == 32 else 512          # a large vocabulary: the prompt's logits are the peak
-    cfg = tiny(num_key_value_heads=kv, vocab_size=vocab)
+    cfg = tiny(num_key_value_heads=kv, vocab_size=vocab, head_dim=head_dim)
     model = Llama(cfg).eval().to(dtype)
     ids = torch.randint(0, vocab, (2, prompt))
     with torch.no_grad(), LiveBytes() as live:
