@@ -153,6 +153,19 @@ def test_selective_keeps_what_the_estimator_prices(dtype, kv_heads, ops):
         assert kept_per_block(c, m, "selective") < 0.75 * kept_per_block(c, m, "none")
 
 
+@pytest.mark.parametrize("ops", [SELECTIVE_OPS, ()], ids=lambda o: "+".join(o) or "-")
+def test_heads_set_apart_from_hidden_keep_what_the_estimator_prices(ops):
+    """head_dim 48 on hidden 128 / 4 heads: the q projection and the attention core are 192 wide, not 128."""
+    def build(layers):
+        torch.manual_seed(0)
+        return Llama(build_config("tiny", num_hidden_layers=layers, vocab_size=512, head_dim=48))
+    b, s = 3, 40
+    ids = torch.randint(0, 512, (b, s))
+    c, m = build(1).config, Micro(b, s, 4, device="cpu")
+    assert _per_block(build, ids, _selective(ops)) == sum(selective_kept(c, m, ops).values())
+    assert _per_block(build, ids, lambda model: model) == block_bytes(c, m)
+
+
 def _held_under_tp(rank, world, sp, ids):
     held = []
     for layers in (1, 3):
@@ -177,18 +190,26 @@ def test_selective_under_tensor_parallel_keeps_what_the_estimator_prices(pools, 
     assert pools.run(2, _held_under_tp, 2, sp, ids) == [want, want]
 
 
-@pytest.mark.parametrize("kv_heads", [2, 4], ids=["gqa", "mha"])
-def test_hugging_face_block_keeps_the_same(kv_heads):
+@pytest.mark.parametrize("arch,kv_heads,head_dim", [("llama", 2, None), ("llama", 4, None), ("llama", 2, 16),
+                                                    ("qwen3", 2, None), ("qwen3", 2, 16)])
+def test_hugging_face_block_keeps_the_same(arch, kv_heads, head_dim):
+    """A transformers Llama's or Qwen3's block under selective recompute keeps what the estimator prices for
+    bunsan's Llama block of its shape (Qwen3's q/k norms are recomputed from the kept q and k projections),
+    heads set apart from hidden / heads (16, not 32 / 4) included."""
     transformers = pytest.importorskip("transformers")
+    classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
 
     def build(layers):
         torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        return classes[1](classes[0](
             vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
-            num_key_value_heads=kv_heads, max_position_embeddings=64))
+            num_key_value_heads=kv_heads, max_position_embeddings=64, head_dim=head_dim or 8))
     b, s = 2, 12
     ids = torch.randint(0, 64, (b, s))
-    c = LlamaConfig.from_hf(build(1).config.to_dict())
+    shape = build(1).config
+    c = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=kv_heads, head_dim=shape.head_dim)
 
     def run(model):
         inner = model.forward
