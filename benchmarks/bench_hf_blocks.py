@@ -3,12 +3,12 @@ backward, timed on this machine. `bunsan plan` prices a Llama-form transformers 
 Gemma, Qwen3, a transformers Llama: estimator/shape.py LLAMA_FORM_BLOCKS) as bunsan's Llama of its shape; this is
 where that assumption is checked (Qwen3's q/k norms are passes the price leaves out).
 
-    python benchmarks/bench_hf_blocks.py [--hidden 512] [--layers 8] [--heads 8] [--rows 8] [--seq 256]
-                                         [--steps 5] [--markdown out.md]
+    python benchmarks/bench_hf_blocks.py [--hidden 512] [--layers 8] [--heads 8] [--head-dim 64] [--rows 8]
+                                         [--seq 256] [--steps 5] [--markdown out.md]
 
-Every model gets the same dimensions (vocabulary, hidden size, MLP width, layers, heads, key/value heads; Gemma's
-and Qwen3's head_dim set to hidden / heads, as LLAMA_FORM_BLOCKS requires), PyTorch SDPA attention, eager, and the same token
-rows; the step is the forward, a cross-entropy over the logits in fp32 and the backward. On a GPU the models run
+Every model gets the same dimensions (vocabulary, hidden size, MLP width, layers, heads, key/value heads, head_dim:
+hidden / heads unless --head-dim sets it apart, as Qwen3 0.6B's is), PyTorch SDPA attention, eager, and the same
+token rows; the step is the forward, a cross-entropy over the logits in fp32 and the backward. On a GPU the models run
 in bf16, on a CPU in fp32 with one thread. Each figure is the median of --steps timed steps after two warm-ups.
 """
 
@@ -29,16 +29,15 @@ from bench_kernels import timed  # noqa: E402
 def models(dims: dict) -> dict:
     """name -> a builder of that model with `dims` (the transformers ones only where transformers has the class)."""
     import transformers as t
+    dims = {**dims, "head_dim": dims.get("head_dim") or dims["hidden_size"] // dims["num_attention_heads"]}
     builders = {"bunsan Llama": lambda: Llama(LlamaConfig(**dims))}
-    for name, cls, cfg, extra in (("transformers Llama", "LlamaForCausalLM", "LlamaConfig", {}),
-                                  ("transformers Qwen2", "Qwen2ForCausalLM", "Qwen2Config", {}),
-                                  ("transformers Mistral", "MistralForCausalLM", "MistralConfig", {}),
-                                  ("transformers Qwen3", "Qwen3ForCausalLM", "Qwen3Config",
-                                   {"head_dim": dims["hidden_size"] // dims["num_attention_heads"]}),
-                                  ("transformers Gemma", "GemmaForCausalLM", "GemmaConfig",
-                                   {"head_dim": dims["hidden_size"] // dims["num_attention_heads"]})):
+    for name, cls, cfg in (("transformers Llama", "LlamaForCausalLM", "LlamaConfig"),
+                           ("transformers Qwen2", "Qwen2ForCausalLM", "Qwen2Config"),
+                           ("transformers Mistral", "MistralForCausalLM", "MistralConfig"),
+                           ("transformers Qwen3", "Qwen3ForCausalLM", "Qwen3Config"),
+                           ("transformers Gemma", "GemmaForCausalLM", "GemmaConfig")):
         if hasattr(t, cls):
-            config = getattr(t, cfg)(**dims, **extra, attn_implementation="sdpa")
+            config = getattr(t, cfg)(**dims, attn_implementation="sdpa")
             builders[name] = lambda cls=cls, config=config: getattr(t, cls)(config)
     return builders
 
@@ -61,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
+    p.add_argument("--head-dim", type=int, default=None, help="width of a head (default: hidden / heads)")
     p.add_argument("--intermediate", type=int, default=None, help="MLP width (default: 8/3 x hidden, to 16)")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--rows", type=int, default=8)
@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", help="append the table to this file")
     args = p.parse_args(argv)
     from bench_dp import markdown_section, print_section   # (siblings; scripts/gpu-check imports the rest)
-    if args.hidden % args.heads or min(args.layers, args.rows, args.seq, args.steps) < 1:
-        p.error(f"--hidden {args.hidden} must split into --heads {args.heads}; layers, rows, seq and steps >= 1")
+    if (args.hidden % args.heads and not args.head_dim) or min(args.layers, args.rows, args.seq, args.steps) < 1:
+        p.error(f"--hidden {args.hidden} must split into --heads {args.heads} (or give --head-dim); layers, rows, "
+                "seq and steps >= 1")
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     if not cuda:
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     dims = dict(vocab_size=args.vocab, hidden_size=args.hidden, num_hidden_layers=args.layers,
                 num_attention_heads=args.heads, num_key_value_heads=args.kv_heads or args.heads,
                 intermediate_size=args.intermediate or 8 * args.hidden // 3 // 16 * 16,
-                max_position_embeddings=max(args.seq, 1024))
+                max_position_embeddings=max(args.seq, 1024), head_dim=args.head_dim)
     torch.manual_seed(0)
     rows = torch.randint(0, args.vocab, (args.rows, args.seq), device=device)
     results = []
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name() + ", bf16" if cuda else "CPU, fp32, one thread"
     text = markdown_section("transformers' Llama-form models against bunsan's Llama of their shape", [
         f"{where}; hidden {args.hidden}, {args.layers} layers, {args.heads} heads ({dims['num_key_value_heads']} "
-        f"key/value), MLP {dims['intermediate_size']}, vocabulary {args.vocab}; {args.rows} x {args.seq} tokens; "
+        f"key/value) of {args.head_dim or args.hidden // args.heads}, MLP {dims['intermediate_size']}, vocabulary "
+        f"{args.vocab}; {args.rows} x {args.seq} tokens; "
         f"forward + backward, median of {args.steps} steps"],
         ["model", "parameters", "step ms", "x bunsan's Llama"], table)
     print_section(text, args.markdown)

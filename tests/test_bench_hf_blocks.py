@@ -11,10 +11,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 pytest.importorskip("transformers")
 
 
-def test_the_models_compared_have_the_same_shape():
+@pytest.mark.parametrize("head_dim", [None, 32], ids=["hidden-over-heads", "head-dim-apart"])
+def test_the_models_compared_have_the_same_shape(head_dim):
     import bench_hf_blocks
     dims = dict(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=128)
+                num_key_value_heads=2, max_position_embeddings=128, head_dim=head_dim)
     built = {name: build() for name, build in bench_hf_blocks.models(dims).items()}
     assert {"bunsan Llama", "transformers Llama", "transformers Qwen2", "transformers Mistral",
             "transformers Qwen3"} <= set(built)

@@ -65,6 +65,7 @@ MALFORMED = [
     ({"pipeline": {"partition": "random"}}, ["pipeline.partition", "set it to one of"]),
     ({"model": {"hidden_size": 100, "num_attention_heads": 3}}, ["model.hidden_size", "multiple of 3", "head_dim"]),
     ({"model": {"head_dim": 1}}, ["model.head_dim", ">= 2", "set it to"]),
+    ({"model": {"head_dim": 63}}, ["model.head_dim", "is odd", "e.g. 64"]),
     ({"model": {"num_attention_heads": 8, "num_key_value_heads": 3}},
      ["model.num_key_value_heads", "set num_key_value_heads to one of 1, 2, 4, 8"]),
     ({"model": {"rope_theta": -1.0}}, ["model.rope_theta", "> 0", "set it to"]),

@@ -104,7 +104,11 @@ class ModelOverrides(Section):
         h, a, k, problems = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, []
         if h and a and h % a and self.head_dim is None:
             problems.append(("hidden_size", f"hidden_size {h} is not divisible by num_attention_heads {a}; set "
-                                            f"hidden_size to a multiple of {a} (e.g. {max(a, h // a * a)}) or give head_dim"))
+                                            f"hidden_size to a multiple of {a} (e.g. {max(a, h // a * a)}) or give "
+                                            "head_dim"))
+        if self.head_dim and self.head_dim % 2:
+            problems.append(("head_dim", f"head_dim {self.head_dim} is odd and rotary embeddings rotate pairs; set "
+                                         f"an even head_dim (e.g. {self.head_dim + 1})"))
         if a and k and a % k:
             divisors = ", ".join(str(d) for d in range(1, a + 1) if a % d == 0)
             problems.append(("num_key_value_heads", f"num_attention_heads {a} is not divisible by "
