@@ -39,7 +39,9 @@ class LlamaConfig:
     # HF rope_scaling: None/"default" or {"rope_type": "llama3", ...} (Llama 3.1/3.2).
     rope_scaling: dict | None = field(default=None)
     # Width of one attention head. None -> hidden_size / num_attention_heads; set apart from that (Mistral
-    # Nemo's 128 with 5120 / 32, NVIDIA's width-pruned Minitron), q_proj and o_proj are heads x head_dim wide
+    # Nemo's 128 with 5120 / 32, NVIDIA's width-pruned Minitron), q_proj and o_proj are heads x head_dim wide.
+    # Resolved at construction, as transformers' LlamaConfig does: dataclasses.replace keeps it as it was,
+    # LlamaConfig.replace derives it again from a new width or head count
     head_dim: int | None = None
 
     def __post_init__(self) -> None:
