@@ -385,3 +385,18 @@ def test_hf_meta_build_equals_a_normal_build_for_each_architecture(arch):
                                    dict(normal.named_parameters(remove_duplicate=False))[n], rtol=0, atol=0, msg=n)
     for n, b in model.named_buffers():
         torch.testing.assert_close(b, dict(normal.named_buffers())[n], rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("arch,head_dim", [("llama", None), ("qwen3", 16)])
+def test_the_mfu_of_an_init_from_model_counts_its_query_heads_width(tmp_path, arch, head_dim):
+    """`bunsan train --init-from`'s meter counts 6N + 12·L·h·s FLOPs a token with h the query heads' width: the
+    hidden size, or heads x head_dim where head_dim is set apart (16 x 4 = 64 on hidden 32 here)."""
+    from bunsan.config import Config
+    from bunsan.models import flops_per_token
+    from bunsan.training.hf_model import load_hf_model
+    tiny(arch, **({"head_dim": head_dim} if head_dim else {})).save_pretrained(tmp_path)
+    model, shape = load_hf_model(tmp_path, Config.load({"data": {"seq_len": SEQ, "packing": False}}), VOCAB)
+    width = 4 * (head_dim or 8)
+    assert shape.attention_dim == width == model.model.layers[0].self_attn.q_proj.out_features
+    n = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    assert flops_per_token(shape, SEQ) == 6 * n + 12 * 2 * width * SEQ

@@ -41,6 +41,7 @@ class HFShape:
     hidden_size: int
     vocab_size: int
     tie_word_embeddings: bool
+    attention_dim: int          # the query heads' width (heads x head_dim): the h of attention's 12·L·h·s
 
     def num_params(self, include_embedding: bool = True) -> int:
         return self.total if include_embedding or self.tie_word_embeddings else self.total - self.embedding
@@ -104,8 +105,10 @@ def load_hf_model(path, cfg, vocab_size: int, multimodal: bool = False) -> tuple
     embedding = model.get_input_embeddings().weight.numel()
     head = model.get_output_embeddings()
     tied = head is not None and head.weight is model.get_input_embeddings().weight     # (as built, whatever config)
+    heads = getattr(config, "num_attention_heads", None)        # (transformers maps GPT-2's n_head to it)
+    width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads) if heads else config.hidden_size
     shape = HFShape(model.config.to_dict(), sum(p.numel() for p in model.parameters()), embedding,
-                    config.num_hidden_layers, config.hidden_size, config.vocab_size, tied)
+                    config.num_hidden_layers, config.hidden_size, config.vocab_size, tied, width)
     return model, shape
 
 
