@@ -144,10 +144,17 @@ def test_lora_without_targets_is_a_config_error():
         bunsan.Config.load({"lora": {"enabled": True, "target_modules": []}})
 
 
-def test_a_config_json_whose_hidden_size_lies_is_named():
-    hf = tiny_model(0).config.to_hf()
-    with pytest.raises(ValueError, match=r"head_dim 32 != hidden_size / num_attention_heads = 256 / 4 = 64: either "
-                                         r"config.json's hidden_size or num_attention_heads is wrong"):
-        LlamaConfig.from_hf({**hf, "hidden_size": 256})
+def test_a_config_json_whose_hidden_size_lies_is_named(tmp_path):
+    """hidden_size 256 beside head_dim 32 x 4 heads is a valid config.json (heads set apart from hidden / heads,
+    as Mistral Nemo's), so the lie shows at the weights: the tensor whose shape disagrees is named."""
+    import json
+    from bunsan.models.hf import load_llama, save_llama
+    model = tiny_model(0)
+    hf = model.config.to_hf()
+    out = save_llama(model.state_dict(), model.config, tmp_path / "hf")
+    (out / "config.json").write_text(json.dumps({**hf, "hidden_size": 256}))
+    with pytest.raises(ValueError, match=r"embed_tokens.weight has shape \[256, 128\], its config.json says "
+                                         r"\[256, 256\]"):
+        load_llama(out)
     with pytest.raises(ValueError, match=r"hidden_size 130 is not divisible by num_attention_heads 4"):
         LlamaConfig.from_hf({**hf, "hidden_size": 130, "head_dim": None})
