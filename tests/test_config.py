@@ -294,7 +294,11 @@ def test_round_trip():
     copy = Config.load(cfg)
     assert copy == cfg and copy is not cfg
     # heads set apart from hidden / heads: 100 is no multiple of 3, and needs not be
-    assert Config.load({"model": {"hidden_size": 100, "num_attention_heads": 3, "head_dim": 32}}).model.head_dim == 32
+    # heads set apart from hidden / heads: 100 is no multiple of 3, and needs not be; `bunsan train` builds it
+    wide = Config.load({"model": {"preset": "tiny", "hidden_size": 100, "num_attention_heads": 3,
+                                  "num_key_value_heads": 1, "head_dim": 32}})
+    from bunsan.training.loop import model_config
+    assert (model_config(wide, 256).attention_dim, model_config(wide, 256).hidden_size) == (96, 100)
 
 
 def test_unimplemented_table():
