@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,8 +16,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from chat_tokenizer import save_chat_tokenizer  # noqa: E402
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 def _config(kind: str):
@@ -54,7 +49,7 @@ def corpus(tmp_path_factory):
                                          ("qwen3", ["--zero", "2"]), ("mistral", ["--tp", "2"]),
                                          ("gemma2", ["--zero", "0"]), ("gemma3", ["--zero", "1"]),
                                          ("phi3", ["--zero", "3"])])
-def test_train_from_a_transformers_directory_and_generate_from_the_result(tmp_path, corpus, kind, layout):
+def test_train_from_a_transformers_directory_and_generate_from_the_result(pools, tmp_path, corpus, kind, layout):
     from bunsan.config.root import Config
     from bunsan.training.data import TokenBatches
     from bunsan.training.sources import load_source
@@ -66,13 +61,11 @@ def test_train_from_a_transformers_directory_and_generate_from_the_result(tmp_pa
     eot = json.loads((source / "tokenizer.json").read_text())["added_tokens"][0]["id"]
     (source / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot]}))
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "bunsan.cli", "train", "--nproc", "2", "--init-from", str(source),
-                        "--steps", "2", "--micro-batch", "2", "--seq-len", "32", *layout,
-                        "--lr", "0.01", "--data", str(corpus / "*.py"), "--output", str(out),
-                        "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.val_fraction=0",
-                        "--set", "steps_per_print=1", "--tokenizer", str(source / "tokenizer.json")],
-                       capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
+    ranks = pools.cli(2, ["train", "--nproc", "2", "--init-from", source, "--steps", "2", "--micro-batch", "2",
+                          "--seq-len", "32", *layout, "--lr", "0.01", "--data", corpus / "*.py", "--output", out,
+                          "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.val_fraction=0",
+                          "--set", "steps_per_print=1", "--tokenizer", source / "tokenizer.json"], cwd=tmp_path)
+    assert [r.returncode for r in ranks] == [0, 0], ranks
     final = out / "final"
     meta = json.loads((final / "bunsan.json").read_text())
     cfg = Config.load(meta["bunsan_config"])
@@ -90,19 +83,16 @@ def test_train_from_a_transformers_directory_and_generate_from_the_result(tmp_pa
     assert type(tuned) is type(start)
     moved = [n for n, p in tuned.named_parameters() if not torch.equal(p, start.state_dict()[n])]
     assert moved
-    gen = subprocess.run([sys.executable, "-m", "bunsan.cli", "generate", "--checkpoint", str(out), "--prompt",
-                          "def ", "--max-new-tokens", "8"], capture_output=True, text=True, timeout=120, env=ENV)
+    generate = ["generate", "--checkpoint", out, "--prompt", "def ", "--max-new-tokens", "8"]
+    gen = pools.cli(1, generate)[0]
     assert gen.returncode == 0 and gen.stdout.startswith("def "), gen.stderr[-2000:]
-    split = subprocess.run([sys.executable, "-m", "bunsan.cli", "generate", "--checkpoint", str(out), "--prompt",
-                            "def ", "--max-new-tokens", "8", "--tp", "2"], capture_output=True, text=True, timeout=180,
-                           env=ENV)
+    split = pools.cli(2, generate + ["--tp", "2"])[0]
     if kind == "gpt2":          # Conv1D layers and no plan: refused by name, never split wrongly
         assert split.returncode != 0 and "ships no tensor-parallel plan" in split.stderr, split.stderr[-2000:]
     else:                       # the model's own plan, the same greedy text as one process
         assert split.returncode == 0 and split.stdout == gen.stdout, split.stderr[-2000:]
     assert json.loads((final / "generation_config.json").read_text())["eos_token_id"] == [eot]
-    converted = subprocess.run([sys.executable, "-m", "bunsan.cli", "convert", str(out), str(tmp_path / "converted"),
-                                "--to", "hf"], capture_output=True, text=True, timeout=120, env=ENV)
+    converted = pools.cli(1, ["convert", out, tmp_path / "converted", "--to", "hf"])[0]
     assert converted.returncode == 0, converted.stderr[-2000:]
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "converted")
     assert all(torch.equal(p, tuned.state_dict()[n]) for n, p in again.state_dict().items())
