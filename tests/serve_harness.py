@@ -1,32 +1,103 @@
-"""A `bunsan serve` app on loopback for the serving tests: a tiny random Llama, the byte tokenizer, uvicorn
-on a free port in a thread of the test process."""
+"""`bunsan serve` for the serving tests: in this process (a tiny random Llama and the byte tokenizer, or a
+checkpoint loaded by the command's own code) with uvicorn on a free port in a thread; or started as a user
+starts it, a process of its own (`Launched`).
+
+No wait here is a deadline on how fast the machine is: each waits for an event (the port answers /health,
+the process exited, the requests finished) and fails at once when the thing waited on cannot happen any more
+(the process or thread ended: its output says why). CEILING_S only stops a real hang."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
 import httpx
+import pytest
 import torch
 
 from node_harness import free_port
 
 PROMPTS = ["def f(x):", "import os", "a", "class Point:\n    def", "for i in range(10):", "# comment",
            "x = [1, 2,", "return"]
+CEILING_S = 600.0          # nothing that works takes this long even on a machine shared with several suites
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def wait_until_healthy(proc, url: str, what: str = "the server", timeout_s: float = 120) -> None:
-    """Until a `bunsan serve` subprocess answers /health; its output if it exits first."""
-    deadline = time.time() + timeout_s
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+def wait_for(condition, what: str, alive=lambda: True, why=lambda: "", ceiling_s: float = CEILING_S) -> None:
+    """Until `condition()`; fails at once with `why()` when `alive()` says it can no longer come true."""
+    give_up = time.monotonic() + ceiling_s
+    while not condition():
+        if not alive():
+            if condition():         # (it came true as its source ended)
                 return
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, f"{what} did not start"
-        time.sleep(0.3)
+            pytest.fail(f"{what}: it can no longer happen\n{why()}")
+        if time.monotonic() > give_up:
+            pytest.fail(f"{what}: not after {ceiling_s:.0f} s, a hang\n{why()}")
+        time.sleep(0.02)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=10).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def wait_until_healthy(proc, url: str, what: str = "the server", output=None) -> None:
+    """Until a `bunsan serve` subprocess answers /health; if it exits first, fail at once with its output
+    (`output()`, else its stdout pipe)."""
+    def said() -> str:
+        if output is not None:
+            return output()
+        try:
+            return proc.communicate(timeout=30)[0] or ""
+        except (subprocess.TimeoutExpired, ValueError):     # (a child still holds the pipe)
+            return "(its output could not be read)"
+    wait_for(lambda: _healthy(url), f"{what} answering /health", lambda: proc.poll() is None,
+             lambda: f"exit status {proc.poll()}; its output:\n{said()}")
+
+
+class Launched:
+    """`bunsan serve ARGS` started as a user starts it, its output kept in a file (a pipe nobody reads can fill
+    and stall it; `pipe=True` where the test itself closes the reader)."""
+
+    def __init__(self, *args, what: str = "bunsan serve", env=None, pipe: bool = False, **popen):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = None if pipe else tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", *map(str, args), "--port",
+                                      str(self.port)], env=env or ENV, stdout=subprocess.PIPE if pipe else self.log,
+                                     stderr=subprocess.STDOUT, text=True, **popen)
+        self._out = ""
+        try:
+            wait_until_healthy(self.proc, self.url, what, None if pipe else self.output)
+        except BaseException:
+            self.close(kill=True)
+            raise
+
+    def output(self) -> str:
+        if self.log is None:
+            return self._out
+        self.log.seek(0)
+        return self.log.read()
+
+    def close(self, kill: bool = False) -> str:
+        """Stop it (SIGTERM, or SIGKILL) if still running, wait for it to end; everything it printed."""
+        if self.proc.poll() is None and kill:
+            self.proc.kill()
+        elif self.proc.poll() is None:
+            self.proc.terminate()
+        if self.log is None:
+            if not self.proc.stdout.closed:
+                self._out = self.proc.communicate(timeout=CEILING_S)[0]
+            self.proc.wait(CEILING_S)
+        else:
+            self.proc.wait(CEILING_S)
+        return self.output()
 
 
 class Server:
@@ -36,26 +107,52 @@ class Server:
                  num_blocks=None, **limits):
         from bunsan.training.data import load_tokenizer
         from bunsan.serve import Batcher, Limits, build_app
-        from bunsan.serve.server import Server as Uvicorn
         self.tokenizer = tokenizer or load_tokenizer(None)
         self.batcher = Batcher(model, slots, context, prefix_reuse=prefix_reuse, num_blocks=num_blocks)
         self.app = build_app(self.batcher, self.tokenizer, "tiny", Limits(**limits), **(app or {}))
+        self._start(grace_s)
+
+    @classmethod
+    def of_command(cls, *argv) -> "Server":
+        """`bunsan serve ARGV` in this process, built by cli/serve.py's own steps for one process without
+        --tp (the checkpoint loaded, its layers prepacked on the CPU, the KV cache sized, adapters, the app):
+        for tests of what it answers, not of how it starts. `banner`: its images line."""
+        from bunsan.cli import serve as cli
+        from bunsan.cli.main import build_parser
+        from bunsan.serve import Batcher
+        self = cls.__new__(cls)
+        args = build_parser().parse_args(["serve", *map(str, argv)])
+        assert args.tp == 1, "--tp starts processes: Launched"
+        model, self.tokenizer, name, context = cli.load_model(args)
+        lora = args.lora_modules or args.allow_runtime_lora
+        if all(p.device.type == "cpu" for p in model.parameters()) and not lora:
+            from bunsan.serve.cpu_linear import pack_linears, packable
+            if packable(model):
+                pack_linears(model, rows=min(64, args.slots if isinstance(args.slots, int) else 64))
+        slots, blocks, _ = cli.cache_size(args, model, context, None)
+        self.batcher = Batcher(model, slots, context, prefix_reuse=not args.no_prefix_reuse, num_blocks=blocks,
+                               block_size=args.block_size, adapters=cli.lora_adapters(args, model))
+        self.app, _, self.banner = cli.serve_app(args, model, self.tokenizer, name, context, self.batcher)
+        self._start(args.shutdown_grace, args.keep_alive_timeout)
+        return self
+
+    def _start(self, grace_s: float, keep_alive_s: float | None = None) -> None:
+        from bunsan.serve.server import Server as Uvicorn
         self.port = free_port()
-        self.server = Uvicorn(self.app, port=self.port, grace_s=grace_s)
+        self.server = Uvicorn(self.app, port=self.port, grace_s=grace_s,
+                              **({} if keep_alive_s is None else {"keep_alive_s": keep_alive_s}))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.02)
+        wait_for(lambda: self.server.started, "uvicorn listening", self.thread.is_alive,
+                 lambda: "its thread ended (the error is above)")
         self.url = f"http://127.0.0.1:{self.port}"
 
     def post(self, body, path="/v1/completions", **kw):
-        return httpx.post(self.url + path, json=body, timeout=60, **kw)
+        return httpx.post(self.url + path, json=body, timeout=CEILING_S, **kw)
 
     def close(self):
         self.server.should_exit = True
-        self.thread.join(timeout=20)
+        self.thread.join(timeout=CEILING_S)
 
 
 def offline(model, tokenizer, prompt, n):
@@ -65,15 +162,14 @@ def offline(model, tokenizer, prompt, n):
     return tokenizer.decode(generate(model, ids, n)[0, ids.shape[1]:].tolist())
 
 
-def run_until_done(batcher, finished: list, count: int, timeout_s: float = 120) -> None:
+def run_until_done(batcher, finished: list, count: int) -> None:
     """Run `batcher` on a thread until `count` requests reported to `finished`, then stop it; every one must
     have ended at its token budget ("length")."""
     worker = threading.Thread(target=batcher.run)
     worker.start()
-    deadline = time.time() + timeout_s
     try:
-        while len(finished) < count and time.time() < deadline:
-            worker.join(0.05)
+        wait_for(lambda: len(finished) >= count, f"{count} requests finished", worker.is_alive,
+                 lambda: f"the batcher's thread ended: {batcher.fatal}; finished: {finished}")
     finally:
         batcher.stop()
         worker.join()

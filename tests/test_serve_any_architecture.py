@@ -5,12 +5,21 @@ transformers masks them) gives the tokens transformers' own greedy `generate` gi
 and so do the commands in one process, over tensor-parallel ranks and under a device map that puts blocks on
 disk."""
 
+# The cases kept (architecture x precision x where the model runs), and why each is enough:
+#   batcher, fp32 (preempted, prefix reused)   qwen2 qwen3 mistral gemma2 gemma3 phi3 gpt2: each its own forward
+#   batcher, bf16 and fp16                      the same seven x both dtypes (softcap, learned positions, windows)
+#   the head's rows                             bunsan's Llama, qwen2
+#   `bunsan serve DIR`, in this process         qwen2 (one process; device map to disk): the command's own loading
+#   --tp 2's serving forward on a pool's ranks  qwen2, qwen3 (q/k norms), gemma3 (sliding layers), phi3 (fused
+#                                               qkv, gathered): each family's plan, by the command's load and split
+#       (each was a `bunsan serve --tp 2` launched, and failed to start in time on a busy machine; the launch
+#       itself, torchrun and rank 0's HTTP process, is test_serve.py's tensor-parallel test, on a Llama)
+#   `bunsan generate DIR` on a pool's ranks     qwen2 --tp 2; qwen2 device map to disk (test_cli launches
+#                                               `generate --tp 2`)
+
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -21,9 +30,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from chat_tokenizer import save_chat_tokenizer  # noqa: E402
-from serve_harness import free_port, run_until_done, wait_until_healthy  # noqa: E402
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+from serve_harness import CEILING_S, Server, run_until_done  # noqa: E402
 SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -113,64 +120,106 @@ def _save_directory(folder, kind: str):
 
 
 @pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory):
-    return _save_directory(tmp_path_factory.mktemp("qwen2"), "qwen2")
+def hf_dirs(tmp_path_factory):
+    """A Hugging Face directory per architecture, saved the first time a test asks for it."""
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            made[kind] = _save_directory(tmp_path_factory.mktemp(kind), kind)
+        return made[kind]
+    return get
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(hf_dirs):
+    return hf_dirs("qwen2")
 
 
 def _completions(url: str, prompts: list[list[int]], n: int) -> list[str]:
     with ThreadPoolExecutor(len(prompts)) as pool:
-        replies = list(pool.map(lambda p: httpx.post(url + "/v1/completions", timeout=120, json={
+        replies = list(pool.map(lambda p: httpx.post(url + "/v1/completions", timeout=CEILING_S, json={
             "prompt": p, "max_tokens": n, "temperature": 0}), prompts))
     for r in replies:
         assert r.status_code == 200, r.text
     return [r.json()["choices"][0]["text"] for r in replies]
 
 
-@pytest.mark.parametrize("spread", [[], ["--tp", "2"], ["--device-map", "sequential", "--max-memory", "cpu=250KB"]],
-                         ids=["one-process", "tp2", "device-map-disk"])
-def test_serve_a_transformers_directory(qwen2_dir, spread):
-    _serve_and_compare(qwen2_dir, spread)
-
-
-@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "phi3"])
-def test_serve_tp2_splits_each_family_by_its_own_plan(tmp_path, kind):
-    """Qwen3's q/k norms, Gemma 3's sliding layers and Phi-3's fused qkv_proj, which its plan gathers
-    (`colwise_gather_output`: every rank keeps every key/value head in its cache), over two ranks."""
-    _serve_and_compare(_save_directory(tmp_path, kind), ["--tp", "2"])
-
-
-def _serve_and_compare(folder, spread):
+def _prompts_and_answers(folder) -> tuple[list[list[int]], list[str]]:
+    """Three prompts of the directory's vocabulary and transformers' greedy text for each (10 tokens)."""
     from bunsan.training.data import load_tokenizer
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     tokenizer = load_tokenizer(str(folder / "tokenizer.json"))
     torch.manual_seed(2)
     prompts = [torch.randint(3, 300, (n,)).tolist() for n in (4, 9, 6)]
-    want = [tokenizer.decode(_greedy(hf, p, 10)) for p in prompts]
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", "--checkpoint", str(folder), "--port",
-                               str(port), "--slots", "2", "--context", "64", *spread], env=ENV,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    return prompts, [tokenizer.decode(_greedy(hf, p, 10)) for p in prompts]
+
+
+@pytest.mark.parametrize("spread", [[], ["--device-map", "sequential", "--max-memory", "cpu=250KB"]],
+                         ids=["one-process", "device-map-disk"])
+def test_serve_a_transformers_directory(qwen2_dir, spread):
+    """Loaded by the command's own code (cli/serve.py's load_model, cache_size, serve_app) and served here."""
+    prompts, want = _prompts_and_answers(qwen2_dir)
+    server = Server.of_command("--checkpoint", qwen2_dir, "--slots", "2", "--context", "64", *spread)
     try:
-        wait_until_healthy(server, url)
-        assert _completions(url, prompts, 10) == want
+        assert _completions(server.url, prompts, 10) == want
     finally:
-        server.kill()
-        server.wait()
+        server.close()
+
+
+def _tp2_serving_forward(rank: int, folder: str, prompts: list[list[int]], n: int):
+    """A pool job: `bunsan serve --tp 2`'s model side (cli/serve.py's _serve) on this rank: the directory loaded
+    and split by the command's code, the sizes agreed, rank 0's batcher leading rank 1's forwards. Rank 0's
+    greedy tokens per prompt. (Not warmed: these batches are below the in-place kernel's size.)"""
+    from bunsan.cli import serve as cli
+    from bunsan.cli.main import build_parser
+    from bunsan.inference.tp import split_over_ranks
+    from bunsan.serve import Batcher, PagedCache
+    from bunsan.serve.batcher import Request
+    from bunsan.serve.tp import Leader, follow
+    # (a collective's timeout far past the pool's ceiling: a busy machine never trips it)
+    args = build_parser().parse_args(["serve", "--checkpoint", folder, "--slots", "2", "--context", "64", "--tp", "2",
+                                      "--timeout", str(CEILING_S)])
+    model, _, _, context = cli.load_model(args)
+    shard = split_over_ranks(model, args.tp, timeout_s=args.timeout)
+    slots, blocks = cli._agreed(shard, *cli.cache_size(args, model, context, shard.kv_heads)[:2])
+    if shard.rank != 0:
+        follow(model, PagedCache(model, blocks, args.block_size, shard.kv_heads), shard.comm, shard.group,
+               shard.device)
+        return None
+    batcher = Batcher(model, slots, context, shard.kv_heads, Leader(shard.comm, shard.group, shard.device),
+                      num_blocks=blocks, block_size=args.block_size)
+    got, finished = [[] for _ in prompts], []
+    for i, p in enumerate(prompts):
+        batcher.submit(Request(p, n, emit=lambda t, i=i: got[i].append(t.id), finish=finished.append))
+    run_until_done(batcher, finished, len(prompts))         # (its stop tells rank 1 to stop following)
+    return got
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gemma3", "phi3"])
+def test_serve_tp2_splits_each_family_by_its_own_plan(pools, hf_dirs, kind):
+    """Qwen2, Qwen3's q/k norms, Gemma 3's sliding layers and Phi-3's fused qkv_proj, which its plan gathers
+    (`colwise_gather_output`: every rank keeps every key/value head in its cache), over two ranks."""
+    folder = hf_dirs(kind)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    torch.manual_seed(2)
+    prompts = [torch.randint(3, 300, (n,)).tolist() for n in (4, 9, 6)]
+    got = pools.run(2, _tp2_serving_forward, str(folder), prompts, 10, timeout=CEILING_S)[0]
+    assert got == [_greedy(hf, p, 10) for p in prompts]
 
 
 @pytest.mark.parametrize("spread", [["--tp", "2"], ["--device-map", "sequential", "--max-memory", "cpu=150KB"]],
                          ids=["tp2", "device-map-disk"])
-def test_generate_from_a_transformers_directory(qwen2_dir, spread):
+def test_generate_from_a_transformers_directory(pools, qwen2_dir, spread):
+    """The command on a pool's ranks, as torchrun's workers run it (test_cli launches `generate --tp 2`)."""
     from bunsan.training.data import load_tokenizer
     hf = transformers.AutoModelForCausalLM.from_pretrained(qwen2_dir).eval()
     tokenizer = load_tokenizer(str(qwen2_dir / "tokenizer.json"))
     prompt = "def f(x):"
     want = prompt + tokenizer.decode(_greedy(hf, tokenizer.encode(prompt), 12))
-    r = subprocess.run([sys.executable, "-m", "bunsan.cli", "generate", "--checkpoint", str(qwen2_dir), "--prompt",
-                        prompt, "--max-new-tokens", "12", *spread], capture_output=True, text=True, timeout=300,
-                       env=ENV)
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = pools.cli(2 if "--tp" in spread else 1, ["generate", "--checkpoint", qwen2_dir, "--prompt", prompt,
+                                                 "--max-new-tokens", "12", *spread], timeout=CEILING_S)[0]
+    assert r.returncode == 0, r
     lines = r.stdout.splitlines()
     assert want in lines, r.stdout
     if "--device-map" in spread:
