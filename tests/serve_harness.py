@@ -63,21 +63,31 @@ def wait_until_healthy(proc, url: str, what: str = "the server", output=None) ->
 
 class Launched:
     """`bunsan serve ARGS` started as a user starts it, its output kept in a file (a pipe nobody reads can fill
-    and stall it; `pipe=True` where the test itself closes the reader)."""
+    and stall it; `pipe=True` where the test itself closes the reader). `wait=False`: `ready()` waits later (so
+    that several start together)."""
 
-    def __init__(self, *args, what: str = "bunsan serve", env=None, pipe: bool = False, **popen):
-        self.port = free_port()
+    def __init__(self, *args, what: str = "bunsan serve", env=None, pipe: bool = False, wait: bool = True,
+                 **popen):
+        self.port, self.what, self.healthy = free_port(), what, False
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = None if pipe else tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", *map(str, args), "--port",
                                       str(self.port)], env=env or ENV, stdout=subprocess.PIPE if pipe else self.log,
                                      stderr=subprocess.STDOUT, text=True, **popen)
         self._out = ""
-        try:
-            wait_until_healthy(self.proc, self.url, what, None if pipe else self.output)
-        except BaseException:
-            self.close(kill=True)
-            raise
+        if wait:
+            self.ready()
+
+    def ready(self) -> "Launched":
+        """Until it answers /health (once: later calls return at once)."""
+        if not self.healthy:
+            try:
+                wait_until_healthy(self.proc, self.url, self.what, None if self.log is None else self.output)
+            except BaseException:
+                self.close(kill=True)
+                raise
+            self.healthy = True
+        return self
 
     def output(self) -> str:
         if self.log is None:

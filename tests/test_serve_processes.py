@@ -3,14 +3,22 @@ crosses between them arrives whole (a cancelled stream frees its blocks in the m
 it once per prompt, a grammar is rebuilt there, adapters load there), and when either process goes, the
 other does too instead of hanging; SIGTERM drains as in one process."""
 
+# Servers launched (each a `bunsan serve` process, e2e), and the tests that share one (TAKES):
+#   shared          answers, its cores bound; then SIGTERM drains it (the test that ends it)
+#   free            --cpu-bind none: its cores left to the scheduler; then Ctrl-C drains it
+#   model-killed    the model's process killed, the HTTP process must end
+#   http-killed     the HTTP process killed, the model's process must end
+#   one-process     --one-process: answers, no HTTP child, the decode kernel built
+# Those the selected tests take start together, so their start-ups overlap on the cores instead of queueing;
+# a test whose server another already ended gets a fresh one (any order passes). The cancelled sequence runs
+# both sides over a pipe in this process.
+
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
+import threading
 
 import pytest
 
@@ -18,9 +26,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from parity import tiny_model  # noqa: E402
-from serve_harness import free_port, offline, wait_until_healthy  # noqa: E402
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+from serve_harness import CEILING_S, Launched, offline, wait_for  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +38,24 @@ def llama_dir(tmp_path_factory):
     return folder, model
 
 
-class Served:
-    def __init__(self, folder, *flags):
-        self.port = free_port()
-        # a session of its own, as a terminal's: Ctrl-C is its whole process group's SIGINT
-        self.proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", "--checkpoint", str(folder),
-                                      "--port", str(self.port), "--context", "96", *flags], env=ENV,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-        wait_until_healthy(self.proc, self.url)
+FLAGS = {"shared": ("--slots", "4", "--shutdown-grace", "0.5"),
+         "free": ("--slots", "4", "--shutdown-grace", "0.5", "--cpu-bind", "none"),
+         "model-killed": (), "http-killed": (), "one-process": ("--one-process",)}
+TAKES = {"test_answers_cross_the_processes_as_generate_gives_them": ("shared",),
+         "test_the_models_threads_are_bound_to_their_cores_and_the_http_process_is_not": ("shared", "free"),
+         "test_a_signal_drains_then_both_processes_end[sigterm]": ("shared",),
+         "test_a_signal_drains_then_both_processes_end[ctrl-c]": ("free",),
+         "test_when_one_process_dies_the_other_ends[model]": ("model-killed",),
+         "test_when_one_process_dies_the_other_ends[http]": ("http-killed",),
+         "test_one_process_serves_the_same": ("one-process",)}
+
+
+class Served(Launched):
+    def __init__(self, folder, key: str):
+        # a session of its own, as a terminal's: Ctrl-C is its whole process group's SIGINT; the model-killed
+        # one's output through a pipe, whose reader the test closes
+        super().__init__("--checkpoint", folder, "--context", "96", *FLAGS[key], pipe=key == "model-killed",
+                         wait=False, start_new_session=True, what=f"bunsan serve ({key})")
 
     def http_pid(self) -> int:
         """The HTTP process: the model's process's child that multiprocessing spawned."""
@@ -50,43 +64,46 @@ class Served:
         assert len(spawned) == 1, children
         return spawned[0]
 
-    def close(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        if self.proc.stdout.closed:
-            self.proc.wait(60)
-            return ""
-        out, _ = self.proc.communicate(timeout=60)
-        return out
-
 
 @pytest.fixture(scope="module")
-def served(llama_dir):
-    s = Served(llama_dir[0], "--slots", "4")
-    yield s
-    s.close()
+def served(request, llama_dir):
+    """`served(key)`: that server, answering /health."""
+    keys = {k for item in request.session.items if item.module is request.module for k in TAKES.get(item.name, ())}
+    running = {k: Served(llama_dir[0], k) for k in sorted(keys)}
+
+    def get(key: str) -> Served:
+        s = running.get(key)
+        if s is None or (s.healthy and s.proc.poll() is not None):
+            running[key] = s = Served(llama_dir[0], key)
+        return s.ready()
+    yield get
+    for s in running.values():
+        s.close(kill=True)
 
 
+@pytest.mark.e2e
 def test_answers_cross_the_processes_as_generate_gives_them(served, llama_dir):
     from bunsan.training.data import load_tokenizer
+    s = served("shared")
     model, tokenizer = llama_dir[1], load_tokenizer(None)
     prompts = ["def f(x):", "import os", "class A:"]
     for prompt in prompts:
-        r = httpx.post(served.url + "/v1/completions", timeout=60,
+        r = httpx.post(s.url + "/v1/completions", timeout=CEILING_S,
                        json={"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 2})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == offline(model, tokenizer, prompt, 10)
         assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"]) == 10
-    embedded = httpx.post(served.url + "/v1/embeddings", json={"input": ["hello", "world"]}, timeout=60).json()
+    embedded = httpx.post(s.url + "/v1/embeddings", json={"input": ["hello", "world"]},
+                          timeout=CEILING_S).json()
     assert [len(d["embedding"]) for d in embedded["data"]] == [model.config.hidden_size] * 2
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    shaped = httpx.post(served.url + "/v1/chat/completions", timeout=60, json={
+    shaped = httpx.post(s.url + "/v1/chat/completions", timeout=CEILING_S, json={
         "messages": [{"role": "user", "content": "n"}], "max_tokens": 30, "temperature": 1, "seed": 3,
         "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}).json()
     assert "choices" in shaped, shaped
     assert isinstance(json.loads(shaped["choices"][0]["message"]["content"])["n"], int)
-    name = httpx.get(served.url + "/v1/models").json()["data"][0]["id"]
-    show = httpx.post(served.url + "/api/show", json={"model": name}).json()
+    name = httpx.get(s.url + "/v1/models").json()["data"][0]["id"]
+    show = httpx.post(s.url + "/api/show", json={"model": name}).json()
     assert show["model_info"]["general.parameter_count"] == sum(p.numel() for p in model.parameters())
 
 
@@ -100,37 +117,40 @@ def _cores(pid: int) -> set[str]:
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding leaves the HTTP process a core: needs two")
-def test_the_models_threads_are_bound_to_their_cores_and_the_http_process_is_not(served, llama_dir):
+def test_the_models_threads_are_bound_to_their_cores_and_the_http_process_is_not(served):
     """--cpu-bind auto (the default): every thread of the model's process on the last cores this process may
     use, as many as its torch threads (--threads' default: all but one), the HTTP process on all of them;
     --cpu-bind none leaves both to the scheduler."""
     allowed = sorted(os.sched_getaffinity(0))
     model_cores = allowed[1:]
     want = f"{model_cores[0]}-{model_cores[-1]}" if len(model_cores) > 1 else str(model_cores[0])
-    assert _cores(served.proc.pid) == {want}
-    everything = _cores(served.http_pid())
+    shared = served("shared")
+    assert _cores(shared.proc.pid) == {want}
+    everything = _cores(shared.http_pid())
     assert len(everything) == 1 and everything != {want}
-    free = Served(llama_dir[0], "--slots", "2", "--cpu-bind", "none")
-    try:
-        assert _cores(free.proc.pid) == _cores(free.http_pid()) == everything
-    finally:
-        free.close()
+    free = served("free")
+    assert _cores(free.proc.pid) == _cores(free.http_pid()) == everything
 
 
 def test_a_cancelled_sequence_stops_in_the_models_process(llama_dir):
-    """The two sides over a pipe in this process, each forward slowed to 50 ms: a sequence cancelled on the
-    HTTP side (a stop string, a client gone) ends in the model's process within a few steps, its blocks back."""
+    """The two sides over a pipe in this process, the model's forwards let through one at a time: a sequence
+    cancelled on the HTTP side (a stop string, a client gone) while a forward is held ends in the model's
+    process at its next step (the held one's token at most), its blocks back."""
     import multiprocessing
-    import threading
 
     from bunsan.serve.batcher import Batcher, Request
     from bunsan.serve.engine import Engine, model_facts
     from bunsan.serve.engine_client import EngineClient
     from bunsan.training.data import load_tokenizer
     batcher = Batcher(llama_dir[1], 2, 96)
-    forward = batcher._forward
-    batcher._forward = lambda *a: (time.sleep(0.05), forward(*a))[1]
+    forward, permits = batcher._forward, threading.Semaphore(0)
+
+    def held(*a):
+        assert permits.acquire(timeout=CEILING_S), "no permit: the test hung"
+        return forward(*a)
+    batcher._forward = held
     here, there = multiprocessing.Pipe()
     engine = Engine(batcher, load_tokenizer(None), here)
     client = EngineClient(there, model_facts(batcher))
@@ -139,30 +159,37 @@ def test_a_cancelled_sequence_stops_in_the_models_process(llama_dir):
         t.start()
     tokens, ended = [], []
     r = Request([5, 6, 7], 60, emit=tokens.append, finish=ended.append)
-    client.submit(r)
-    deadline = time.monotonic() + 30
-    while len(tokens) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    r.cancelled = True
-    while not ended and time.monotonic() < deadline:
-        time.sleep(0.01)
     try:
-        assert ended == ["cancelled"] and len(tokens) < 20, (ended, len(tokens))
-        assert batcher.pool.available() == batcher.pool.usable and client.pool.available() == batcher.pool.usable
+        client.submit(r)
+        for _ in range(3):                  # the prefill and two decoding steps, then the fourth waits
+            permits.release()
+        wait_for(lambda: len(tokens) == 3, "three tokens back in the HTTP side", threads[1].is_alive)
+        r.cancelled = True
+        wait_for(lambda: all(q.cancelled for q in list(engine.requests.values())),
+                 "the cancel reaching the model's side", threads[0].is_alive)
+        for _ in range(60):
+            permits.release()
+        wait_for(lambda: ended, "the sequence ending", threads[2].is_alive)
+        assert ended == ["cancelled"] and len(tokens) <= 4, (ended, len(tokens))
+        wait_for(lambda: client.pool.available() == batcher.pool.usable, "the client hearing its blocks are back",
+                 threads[2].is_alive)
+        assert batcher.pool.available() == batcher.pool.usable
     finally:
         client.stop()
         for t in threads:
-            t.join(10)
+            t.join(CEILING_S)
     assert client.stopped and not batcher.running
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
-def test_a_signal_drains_then_both_processes_end(llama_dir, how):
+def test_a_signal_drains_then_both_processes_end(served, how):
     """SIGTERM to the model's process, or Ctrl-C (SIGINT to both): one graceful drain (a second signal would
-    be uvicorn's forced exit), the running stream ends with its [DONE], both processes leave, status 0."""
-    s = Served(llama_dir[0], "--shutdown-grace", "0.5")
+    be uvicorn's forced exit), the running stream ends with its [DONE], both processes leave, status 0.
+    (Each ends a shared server: the default one, the --cpu-bind none one.)"""
+    s = served("shared" if how == "sigterm" else "free")
     http = s.http_pid()
-    with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+    with httpx.stream("POST", s.url + "/v1/completions", timeout=CEILING_S,
                       json={"prompt": "a", "max_tokens": 90, "temperature": 0, "stream": True}) as r:
         lines = r.iter_lines()
         next(lines)
@@ -174,34 +201,43 @@ def test_a_signal_drains_then_both_processes_end(llama_dir, how):
     assert events[-1] == "data: [DONE]"
     out = s.close()
     assert s.proc.returncode == 0, out
-    assert not os.path.exists(f"/proc/{http}") or "zombie" in open(f"/proc/{http}/status").read().lower()
+    assert _gone(http)
 
 
+def _gone(pid: int) -> bool:
+    """Process `pid` has ended (a zombie its parent has not yet reaped has ended too)."""
+    try:
+        return "zombie" in open(f"/proc/{pid}/status").read().lower()
+    except OSError:
+        return True
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("killed", ["model", "http"])
-def test_when_one_process_dies_the_other_ends(llama_dir, killed):
+def test_when_one_process_dies_the_other_ends(served, killed):
     """Killed as a test harness or a supervisor kills it: its output's reader gone too (the HTTP process
     then cannot print why it stops, and stops all the same)."""
-    s = Served(llama_dir[0])
+    s = served(f"{killed}-killed")
     http = s.http_pid()
     if killed == "model":
         s.proc.stdout.close()
     os.kill(s.proc.pid if killed == "model" else http, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (os.path.exists(f"/proc/{http}") or s.proc.poll() is None):
-        if killed == "model" and s.proc.poll() is not None and not os.path.exists(f"/proc/{http}"):
-            break
-        time.sleep(0.1)
-    out = s.close()
-    assert not os.path.exists(f"/proc/{http}"), "the HTTP process outlived the model's"
+    try:
+        wait_for(lambda: s.proc.poll() is not None and _gone(http),
+                 "both processes ended (a hang: the one left outlived the other)")
+    finally:
+        out = s.close(kill=True)
     if killed == "http":
         assert s.proc.returncode == 1, out          # serving failed: said by the exit status
 
 
-def test_one_process_serves_the_same(llama_dir):
+@pytest.mark.e2e
+def test_one_process_serves_the_same(served, llama_dir):
     from bunsan.training.data import load_tokenizer
-    s = Served(llama_dir[0], "--one-process")
+    s = served("one-process")
     try:
-        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x = ", "max_tokens": 8, "temperature": 0})
+        r = httpx.post(s.url + "/v1/completions", timeout=CEILING_S,
+                       json={"prompt": "x = ", "max_tokens": 8, "temperature": 0})
         assert r.json()["choices"][0]["text"] == offline(llama_dir[1], load_tokenizer(None), "x = ", 8)
         children = open(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children").read().split()
         assert not [c for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
