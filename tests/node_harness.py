@@ -110,7 +110,7 @@ class Cluster:
                 stdout=log, stderr=subprocess.STDOUT, env={**ENV, MARK: f"{self.tag}-{node}"}, cwd=self.root,
                 start_new_session=True)
         if node == 0 and wait_for_store:
-            self.wait_until(lambda: _listening(self.port), 60, "node 0 hosting the rendezvous store")
+            self.wait_until(lambda: _listening(self.port), 120, "node 0 hosting the rendezvous store")
 
     def log_path(self, node: int) -> Path:
         return self.root / f"node{node}.log"
@@ -167,7 +167,7 @@ class Cluster:
                 except ProcessLookupError:
                     pass
             p.wait(30)
-        deadline = time.monotonic() + 10     # (the kernel reaps a dying namespace's processes in its own time)
+        deadline = time.monotonic() + 60     # (the kernel reaps a dying namespace's processes in its own time)
         while True:
             left = [pid for n in self.procs for pids in self.processes(n).values() for pid in pids]
             if not left or time.monotonic() > deadline:
