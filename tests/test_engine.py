@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import pytest
@@ -129,26 +128,24 @@ def _stuck(rank, world, op):
     comm = Comm(timeout_s=3)
     if rank == 1:
         return "skipped"          # rank 1 never joins the collective
-    t0 = time.monotonic()
     try:
         if op == "all_reduce":
             comm.all_reduce(torch.ones(4), mesh.dp_group)
         else:                     # on gloo: a point-to-point exchange (bunsan/comm/exchange.py)
             comm.reduce_scatter(torch.empty(4), torch.ones(8), mesh.dp_group)
     except CommError as e:
-        return str(e), time.monotonic() - t0
-    return "no error", 0.0
+        return str(e)
+    return "no error"
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
 def test_a_missing_rank_fails_with_rank_and_op_instead_of_hanging(pools, op):
     try:
-        msg, waited = pools.run(2, _stuck, 2, op)[0]
+        msg = pools.run(2, _stuck, 2, op)[0]          # (a hang would meet the pool's ceiling instead)
     finally:
         pools.discard(2)          # the group is unusable after an abandoned collective
-    assert f"rank 0: {op} #1 on group 'dp'" in msg and "train.timeout_s" in msg
+    assert f"rank 0: {op} #1 on group 'dp'" in msg and "the collective timeout is 3s (train.timeout_s)" in msg, msg
     assert "ranks [1] did not arrive" in msg          # the roll call (bunsan/comm/rollcall.py)
-    assert waited < 30
 
 
 def _compiled(rank, world):
