@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -17,10 +16,9 @@ def test_yaml_aliases_are_refused_quickly(tmp_path):
          f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]" for i in range(9)]
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text("\n".join(lines) + "\ntrain_batch_size: *j\n")
-    t0 = time.monotonic()
-    with pytest.raises(ConfigError, match="aliases"):
+    # refused at the first alias met (line 2), as it is composed: nothing was expanded
+    with pytest.raises(ConfigError, match=r"aliases \(\*name\) are not accepted(.|\n)*line 2, column 8:"):
         Config.load(bomb)
-    assert time.monotonic() - t0 < 5
 
 
 def test_deep_json_is_a_message_not_a_traceback(tmp_path):
