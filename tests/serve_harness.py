@@ -9,6 +9,7 @@ the process exited, the requests finished) and fails at once when the thing wait
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -25,10 +26,38 @@ PROMPTS = ["def f(x):", "import os", "a", "class Point:\n    def", "for i in ran
            "x = [1, 2,", "return"]
 CEILING_S = 600.0          # nothing that works takes this long even on a machine shared with several suites
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+# one TLS context for every request here (over plain HTTP it is never used): httpx otherwise builds one per call,
+# 25 ms of CPU, as much as a tiny model's answer
+_TLS = ssl.create_default_context()
 
 
-def wait_for(condition, what: str, alive=lambda: True, why=lambda: "", ceiling_s: float = CEILING_S) -> None:
-    """Until `condition()`; fails at once with `why()` when `alive()` says it can no longer come true."""
+def http_post(url: str, **kw) -> httpx.Response:
+    return httpx.post(url, verify=_TLS, **{"timeout": CEILING_S, **kw})
+
+
+def http_get(url: str, **kw) -> httpx.Response:
+    return httpx.get(url, verify=_TLS, **{"timeout": CEILING_S, **kw})
+
+
+def http_stream(method: str, url: str, **kw):
+    return httpx.stream(method, url, verify=_TLS, **{"timeout": CEILING_S, **kw})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """torch's intra-op threads at one while a module that imports this runs, then as they were: its models are
+    tiny, and two threads on cores shared with other work wait for each other at every op (a minute of
+    generation under load that one thread does in a second)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def wait_for(condition, what: str, alive=lambda: True, why=lambda: "", ceiling_s: float = CEILING_S,
+             every_s: float = 0.02) -> None:
+    """Until `condition()` (asked every `every_s`); fails at once with `why()` when `alive()` says it can no
+    longer come true."""
     give_up = time.monotonic() + ceiling_s
     while not condition():
         if not alive():
@@ -37,12 +66,12 @@ def wait_for(condition, what: str, alive=lambda: True, why=lambda: "", ceiling_s
             pytest.fail(f"{what}: it can no longer happen\n{why()}")
         if time.monotonic() > give_up:
             pytest.fail(f"{what}: not after {ceiling_s:.0f} s, a hang\n{why()}")
-        time.sleep(0.02)
+        time.sleep(every_s)
 
 
 def _healthy(url: str) -> bool:
     try:
-        return httpx.get(url + "/health", timeout=10).status_code == 200
+        return http_get(url + "/health", timeout=10).status_code == 200
     except httpx.TransportError:
         return False
 
@@ -58,7 +87,7 @@ def wait_until_healthy(proc, url: str, what: str = "the server", output=None) ->
         except (subprocess.TimeoutExpired, ValueError):     # (a child still holds the pipe)
             return "(its output could not be read)"
     wait_for(lambda: _healthy(url), f"{what} answering /health", lambda: proc.poll() is None,
-             lambda: f"exit status {proc.poll()}; its output:\n{said()}")
+             lambda: f"exit status {proc.poll()}; its output:\n{said()}", every_s=0.25)
 
 
 class Launched:
@@ -110,6 +139,13 @@ class Launched:
         return self.output()
 
 
+def selected(request, *names: str) -> bool:
+    """Whether a test of `request`'s module named `names` (functions) is among those about to run: a fixture
+    launches its server early only for a test that will take it."""
+    return any(item.module is request.module and getattr(item, "originalname", item.name) in names
+               for item in request.session.items)
+
+
 class Server:
     """`slots` x `context` of KV cache; `limits` are Limits' fields; `app` takes build_app's keywords."""
 
@@ -158,7 +194,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def post(self, body, path="/v1/completions", **kw):
-        return httpx.post(self.url + path, json=body, timeout=CEILING_S, **kw)
+        return http_post(self.url + path, json=body, **kw)
 
     def close(self):
         self.server.should_exit = True
@@ -184,3 +220,40 @@ def run_until_done(batcher, finished: list, count: int) -> None:
         batcher.stop()
         worker.join()
     assert finished == ["length"] * count, finished
+
+
+def tp_serving_job(rank: int, argv: list, prompts: list[list[int]], n: int, idle_s: float = 0.0):
+    """A pool job: `bunsan serve ARGV --tp WORLD`'s model side (cli/serve.py's _serve) on this rank: the
+    checkpoint loaded and split by the command's own code, the sizes agreed, rank 0's batcher leading the
+    others' forwards, idle `idle_s` first (heartbeats only). Rank 0's greedy tokens per prompt. (Not warmed:
+    these batches are below the in-place kernel's size.)"""
+    from bunsan.cli import serve as cli
+    from bunsan.cli.main import build_parser
+    from bunsan.inference.tp import split_over_ranks
+    from bunsan.serve import Batcher, PagedCache
+    from bunsan.serve.batcher import Request
+    from bunsan.serve.tp import Leader, follow
+    args = build_parser().parse_args(["serve", *map(str, argv)])
+    model, _, _, context = cli.load_model(args)
+    shard = split_over_ranks(model, args.tp, timeout_s=args.timeout)
+    slots, blocks = cli._agreed(shard, *cli.cache_size(args, model, context, shard.kv_heads)[:2])
+    if shard.rank != 0:
+        follow(model, PagedCache(model, blocks, args.block_size, shard.kv_heads), shard.comm, shard.group,
+               shard.device)
+        return None
+    batcher = Batcher(model, slots, context, shard.kv_heads, Leader(shard.comm, shard.group, shard.device),
+                      num_blocks=blocks, block_size=args.block_size)
+    worker = threading.Thread(target=batcher.run)
+    worker.start()
+    got, finished = [[] for _ in prompts], []
+    try:
+        time.sleep(idle_s)
+        for i, p in enumerate(prompts):
+            batcher.submit(Request(p, n, emit=lambda t, i=i: got[i].append(t.id), finish=finished.append))
+        wait_for(lambda: len(finished) == len(prompts), "every prompt answered", worker.is_alive,
+                 lambda: f"rank 0's batcher ended: {batcher.fatal}")
+    finally:
+        batcher.stop()                  # (its last message tells the others to stop following)
+        worker.join()
+    assert finished == ["length"] * len(prompts), (finished, batcher.fatal)
+    return got

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +16,9 @@ from parity import tiny_model
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
-from serve_harness import PROMPTS, Server, free_port, offline, wait_until_healthy  # noqa: E402  (needs httpx, uvicorn)
+from serve_harness import (CEILING_S, PROMPTS, Launched, Server, http_get, http_post,  # noqa: E402
+                           http_stream, offline, selected, wait_for)
+from serve_harness import one_torch_thread  # noqa: E402,F401  (autouse: torch on one thread here)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_past_the_slots_requests_wait_and_are_all_answered_at_the_default_limits
 def test_streaming_sends_the_same_text_as_events(server, model):
     want = offline(model, server.tokenizer, PROMPTS[0], 20)
     chunks, done = [], False
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+    with http_stream("POST", server.url + "/v1/completions", timeout=60,
                       json={"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
@@ -133,7 +134,7 @@ def test_sampling_is_seeded(server):
     ({"prompt": "x" * 5000}, 413, "exceeds the limit"),
 ])
 def test_bad_input_gets_a_4xx_with_the_reason(server, body, status, words):
-    r = (httpx.post(server.url + "/v1/completions", content=body, timeout=30) if isinstance(body, str)
+    r = (http_post(server.url + "/v1/completions", content=body, timeout=30) if isinstance(body, str)
          else server.post(body))
     assert r.status_code == status
     assert words in r.json()["error"]["message"]
@@ -152,7 +153,7 @@ def test_a_bad_request_among_good_ones_disturbs_nothing(server, model):
 def test_a_client_that_does_not_read_blocks_no_one(server, model):
     """A streaming client that never reads its events: the others are answered all the same."""
     want = offline(model, server.tokenizer, PROMPTS[4], 12)
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+    with http_stream("POST", server.url + "/v1/completions", timeout=60,
                       json={"prompt": PROMPTS[3], "max_tokens": 60, "stream": True, "temperature": 0}) as idle:
         assert idle.status_code == 200                     # opened, then left unread
         with ThreadPoolExecutor(3) as pool:
@@ -161,22 +162,20 @@ def test_a_client_that_does_not_read_blocks_no_one(server, model):
 
 
 def test_health(server):
-    h = httpx.get(server.url + "/health", timeout=10).json()
+    h = http_get(server.url + "/health", timeout=10).json()
     assert h["status"] == "ok" and h["slots"] == 3 and h["context"] == 96
 
 
 def test_concurrency_limit_and_shutdown():
     gate = threading.Event()
     held = tiny_model(0).eval()
-    held.register_forward_pre_hook(lambda m, a: None if gate.wait(60) else None)   # runs until we let it
+    held.register_forward_pre_hook(lambda m, a: None if gate.wait(CEILING_S) else None)   # until let
     s = Server(held, slots=1, context=96, max_concurrent=1, max_tokens=64)
     try:
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(s.post, {"prompt": "a", "max_tokens": 4, "temperature": 0})
-            deadline = time.time() + 30
-            while sum(s.batcher.load()) == 0:                       # it reached the batcher
-                assert time.time() < deadline
-                time.sleep(0.02)
+            wait_for(lambda: sum(s.batcher.load()) > 0, "the first request reaching the batcher",
+                     lambda: not first.done())
             busy = s.post({"prompt": "b", "max_tokens": 4})
             gate.set()
             assert busy.status_code == 429 and "retry" in busy.json()["error"]["message"]
@@ -237,46 +236,71 @@ def _rank_of(pid: int) -> int | None:
     return int(ranks[0][5:]) if ranks else None
 
 
-def test_tensor_parallel_serving_and_a_dead_rank(tmp_path, model):
-    """--tp 2: rank 0 serves, both ranks run every forward; outputs equal one process's; idle longer than the
-    collective timeout is fine (heartbeats); a killed follower ends serving with errors, never a hang."""
+@pytest.fixture(scope="module", autouse=True)
+def tp_server(request, tmp_path_factory, model):
+    """The `bunsan serve --tp 2` server, launched as the module starts when its test is to run: its start-up
+    (torchrun, two ranks, rank 0's HTTP process: a minute or more on a busy machine) overlaps the tests served
+    in this process. Its --timeout stays the default: it also bounds the ranks' meeting at start-up, which a
+    busy machine delays by seconds."""
+    if not selected(request, "test_tensor_parallel_serving_and_a_dead_rank"):
+        yield None
+        return
+    import os
+
+    from bunsan.models.hf import save_llama
+    folder = tmp_path_factory.mktemp("hf")
+    save_llama(model.state_dict(), model.config, folder)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    server = Launched("--checkpoint", folder, "--tp", "2", "--slots", "2", "--context", "96", env=env, wait=False,
+                      what="the tensor-parallel server")
+    yield server
+    server.close(kill=True)
+
+
+@pytest.mark.e2e
+def test_tensor_parallel_serving_and_a_dead_rank(tp_server, model):
+    """--tp 2: rank 0 serves, both ranks run every forward; outputs equal one process's; a killed follower ends
+    serving with errors, never a hang. (The `bunsan serve --tp 2` launch the suite keeps: torchrun's ranks,
+    rank 0's HTTP process.)"""
     import os
     import signal
-    import subprocess
-    import sys
 
     from bunsan.training.data import load_tokenizer
-    from bunsan.models.hf import save_llama
-    save_llama(model.state_dict(), model.config, tmp_path / "hf")
-    port = free_port()
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": f"{root}", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", "--checkpoint", str(tmp_path / "hf"),
-                             "--tp", "2", "--port", str(port), "--slots", "2", "--context", "96", "--timeout", "4"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    server = tp_server.ready()
+    url = server.url
     try:
-        wait_until_healthy(proc, url, "the tensor-parallel server")
-        time.sleep(6)                                   # idle past the 4 s timeout: heartbeats keep ranks joined
         tok = load_tokenizer(None)
         want = [offline(model, tok, p, 10) for p in PROMPTS[:3]]
         with ThreadPoolExecutor(3) as pool:
-            replies = list(pool.map(lambda p: httpx.post(url + "/v1/completions", timeout=60, json={
+            replies = list(pool.map(lambda p: http_post(url + "/v1/completions", timeout=CEILING_S, json={
                 "prompt": p, "max_tokens": 10, "temperature": 0}), PROMPTS[:3]))
-        assert [r.json()["choices"][0]["text"] for r in replies] == want
-        follower = [c for w in _children(proc.pid) for c in [w, *_children(w)] if _rank_of(c) == 1]
+        assert [r.json()["choices"][0]["text"] for r in replies] == want, server.output()
+        follower = [c for w in _children(server.proc.pid) for c in [w, *_children(w)] if _rank_of(c) == 1]
         assert follower, "rank 1's process not found"
         os.kill(follower[0], signal.SIGKILL)
         try:
-            r = httpx.post(url + "/v1/completions", timeout=60, json={"prompt": "a", "max_tokens": 10})
+            r = http_post(url + "/v1/completions", timeout=CEILING_S, json={"prompt": "a", "max_tokens": 10})
             assert r.status_code >= 500, r.text
         except httpx.TransportError:
             pass                                        # the server was already going down: also not a hang
-        assert proc.wait(timeout=90) != 0
+        assert server.proc.wait(timeout=CEILING_S) != 0, server.output()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.close(kill=True)
+
+
+@pytest.mark.e2e          # (seconds of real idle are its subject: it cannot be quick)
+def test_tensor_parallel_ranks_idle_past_the_collective_timeout_stay_joined(pools, tmp_path, model):
+    """Rank 0 idle longer than --timeout (6 s) before any request: its heartbeats keep rank 1 following, and the
+    prompts then give one process's tokens. On a pool's ranks (their group made already: the timeout bounds
+    only the collectives, the subject, not the ranks' meeting)."""
+    from bunsan.models import generate
+    from bunsan.models.hf import save_llama
+    from serve_harness import tp_serving_job
+    save_llama(model.state_dict(), model.config, tmp_path / "hf")
+    prompts = [[5, 6, 7], [9] * 12, [11, 3]]
+    argv = ["--checkpoint", tmp_path / "hf", "--tp", "2", "--slots", "2", "--context", "96", "--timeout", "6"]
+    got = pools.run(2, tp_serving_job, argv, prompts, 10, 7.0, timeout=CEILING_S)[0]
+    assert got == [generate(model, torch.tensor([p]), 10)[0, len(p):].tolist() for p in prompts]
 
 
 def test_the_kv_cache_size_follows_its_budget_and_is_printed(model):
