@@ -30,7 +30,9 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from chat_tokenizer import save_chat_tokenizer  # noqa: E402
-from serve_harness import CEILING_S, Server, run_until_done  # noqa: E402
+from serve_harness import CEILING_S, Server, http_post, run_until_done, tp_serving_job  # noqa: E402
+from serve_harness import one_torch_thread  # noqa: E402,F401  (autouse: torch on one thread here)
+
 SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -138,7 +140,7 @@ def qwen2_dir(hf_dirs):
 
 def _completions(url: str, prompts: list[list[int]], n: int) -> list[str]:
     with ThreadPoolExecutor(len(prompts)) as pool:
-        replies = list(pool.map(lambda p: httpx.post(url + "/v1/completions", timeout=CEILING_S, json={
+        replies = list(pool.map(lambda p: http_post(url + "/v1/completions", timeout=CEILING_S, json={
             "prompt": p, "max_tokens": n, "temperature": 0}), prompts))
     for r in replies:
         assert r.status_code == 200, r.text
@@ -167,35 +169,6 @@ def test_serve_a_transformers_directory(qwen2_dir, spread):
         server.close()
 
 
-def _tp2_serving_forward(rank: int, folder: str, prompts: list[list[int]], n: int):
-    """A pool job: `bunsan serve --tp 2`'s model side (cli/serve.py's _serve) on this rank: the directory loaded
-    and split by the command's code, the sizes agreed, rank 0's batcher leading rank 1's forwards. Rank 0's
-    greedy tokens per prompt. (Not warmed: these batches are below the in-place kernel's size.)"""
-    from bunsan.cli import serve as cli
-    from bunsan.cli.main import build_parser
-    from bunsan.inference.tp import split_over_ranks
-    from bunsan.serve import Batcher, PagedCache
-    from bunsan.serve.batcher import Request
-    from bunsan.serve.tp import Leader, follow
-    # (a collective's timeout far past the pool's ceiling: a busy machine never trips it)
-    args = build_parser().parse_args(["serve", "--checkpoint", folder, "--slots", "2", "--context", "64", "--tp", "2",
-                                      "--timeout", str(CEILING_S)])
-    model, _, _, context = cli.load_model(args)
-    shard = split_over_ranks(model, args.tp, timeout_s=args.timeout)
-    slots, blocks = cli._agreed(shard, *cli.cache_size(args, model, context, shard.kv_heads)[:2])
-    if shard.rank != 0:
-        follow(model, PagedCache(model, blocks, args.block_size, shard.kv_heads), shard.comm, shard.group,
-               shard.device)
-        return None
-    batcher = Batcher(model, slots, context, shard.kv_heads, Leader(shard.comm, shard.group, shard.device),
-                      num_blocks=blocks, block_size=args.block_size)
-    got, finished = [[] for _ in prompts], []
-    for i, p in enumerate(prompts):
-        batcher.submit(Request(p, n, emit=lambda t, i=i: got[i].append(t.id), finish=finished.append))
-    run_until_done(batcher, finished, len(prompts))         # (its stop tells rank 1 to stop following)
-    return got
-
-
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gemma3", "phi3"])
 def test_serve_tp2_splits_each_family_by_its_own_plan(pools, hf_dirs, kind):
     """Qwen2, Qwen3's q/k norms, Gemma 3's sliding layers and Phi-3's fused qkv_proj, which its plan gathers
@@ -204,7 +177,9 @@ def test_serve_tp2_splits_each_family_by_its_own_plan(pools, hf_dirs, kind):
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     torch.manual_seed(2)
     prompts = [torch.randint(3, 300, (n,)).tolist() for n in (4, 9, 6)]
-    got = pools.run(2, _tp2_serving_forward, str(folder), prompts, 10, timeout=CEILING_S)[0]
+    # (a collective's timeout far past the pool's ceiling: a busy machine never trips it)
+    argv = ["--checkpoint", folder, "--slots", "2", "--context", "64", "--tp", "2", "--timeout", CEILING_S]
+    got = pools.run(2, tp_serving_job, argv, prompts, 10, timeout=CEILING_S)[0]
     assert got == [_greedy(hf, p, 10) for p in prompts]
 
 

@@ -26,7 +26,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from parity import tiny_model  # noqa: E402
-from serve_harness import CEILING_S, Launched, offline, wait_for  # noqa: E402
+from serve_harness import CEILING_S, Launched, http_get, http_post, http_stream, offline, wait_for  # noqa: E402
+from serve_harness import one_torch_thread  # noqa: E402,F401  (autouse: torch on one thread here)
 
 
 @pytest.fixture(scope="module")
@@ -88,22 +89,22 @@ def test_answers_cross_the_processes_as_generate_gives_them(served, llama_dir):
     model, tokenizer = llama_dir[1], load_tokenizer(None)
     prompts = ["def f(x):", "import os", "class A:"]
     for prompt in prompts:
-        r = httpx.post(s.url + "/v1/completions", timeout=CEILING_S,
+        r = http_post(s.url + "/v1/completions", timeout=CEILING_S,
                        json={"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 2})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == offline(model, tokenizer, prompt, 10)
         assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"]) == 10
-    embedded = httpx.post(s.url + "/v1/embeddings", json={"input": ["hello", "world"]},
+    embedded = http_post(s.url + "/v1/embeddings", json={"input": ["hello", "world"]},
                           timeout=CEILING_S).json()
     assert [len(d["embedding"]) for d in embedded["data"]] == [model.config.hidden_size] * 2
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
-    shaped = httpx.post(s.url + "/v1/chat/completions", timeout=CEILING_S, json={
+    shaped = http_post(s.url + "/v1/chat/completions", timeout=CEILING_S, json={
         "messages": [{"role": "user", "content": "n"}], "max_tokens": 30, "temperature": 1, "seed": 3,
         "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}).json()
     assert "choices" in shaped, shaped
     assert isinstance(json.loads(shaped["choices"][0]["message"]["content"])["n"], int)
-    name = httpx.get(s.url + "/v1/models").json()["data"][0]["id"]
-    show = httpx.post(s.url + "/api/show", json={"model": name}).json()
+    name = http_get(s.url + "/v1/models").json()["data"][0]["id"]
+    show = http_post(s.url + "/api/show", json={"model": name}).json()
     assert show["model_info"]["general.parameter_count"] == sum(p.numel() for p in model.parameters())
 
 
@@ -189,7 +190,7 @@ def test_a_signal_drains_then_both_processes_end(served, how):
     (Each ends a shared server: the default one, the --cpu-bind none one.)"""
     s = served("shared" if how == "sigterm" else "free")
     http = s.http_pid()
-    with httpx.stream("POST", s.url + "/v1/completions", timeout=CEILING_S,
+    with http_stream("POST", s.url + "/v1/completions", timeout=CEILING_S,
                       json={"prompt": "a", "max_tokens": 90, "temperature": 0, "stream": True}) as r:
         lines = r.iter_lines()
         next(lines)
@@ -236,7 +237,7 @@ def test_one_process_serves_the_same(served, llama_dir):
     from bunsan.training.data import load_tokenizer
     s = served("one-process")
     try:
-        r = httpx.post(s.url + "/v1/completions", timeout=CEILING_S,
+        r = http_post(s.url + "/v1/completions", timeout=CEILING_S,
                        json={"prompt": "x = ", "max_tokens": 8, "temperature": 0})
         assert r.json()["choices"][0]["text"] == offline(llama_dir[1], load_tokenizer(None), "x = ", 8)
         children = open(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children").read().split()
