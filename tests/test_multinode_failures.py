@@ -46,7 +46,7 @@ import pytest
 from node_harness import BUNSAN, ENV, Cluster, free_port, gone
 
 NEVER_S = 600       # a timeout no test reaches: CEILING_S fails a run long before
-CEILING_S = 180     # from a fault (or a start) to every node's end: only a hang reaches it
+CEILING_S = 180     # a start, or a fault to every node's end: only a hang reaches it (torch's exit barrier too: 300 s)
 STOPPED_TIMEOUT_S = 10   # what a stopped rank is found by; the workers' start-ups may differ by less
 
 
