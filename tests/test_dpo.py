@@ -180,37 +180,40 @@ def _pairs_file(path, conversational: bool):
     return path
 
 
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    """A tiny transformers model (Qwen2) with a chat template: the conversational cases start from it."""
+    transformers = pytest.importorskip("transformers")
+    from chat_tokenizer import save_chat_tokenizer
+    model_dir = tmp_path_factory.mktemp("qwen")
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128)).save_pretrained(model_dir)
+    save_chat_tokenizer(model_dir)
+    return model_dir
+
+
 @pytest.mark.parametrize("conversational,layout,objective", [
     (False, ["--zero", "2"], "dpo"), (True, ["--zero", "2"], "dpo"), (False, ["--pp", "2", "--grad-accum", "2"], "dpo"),
     (False, ["--cp", "2"], "dpo"), (False, ["--zero", "1"], "simpo"), (True, ["--zero", "1"], "orpo")],
     ids=["text-zero2", "chat-zero2", "text-pp2", "text-cp2", "simpo-text", "orpo-chat"])
-def test_bunsan_train_dpo_starts_at_log_2_and_prefers_the_chosen(tmp_path, conversational, layout, objective):
+def test_bunsan_train_dpo_starts_at_log_2_and_prefers_the_chosen(pools, request, tmp_path, conversational, layout,
+                                                                 objective):
     """With the model before training as the reference, every pair's first margin is 0: the first loss is
     log 2 exactly when the reference's forward is the training forward; then the chosen responses win (and
     under SimPO and ORPO, which need no reference)."""
     import json
-    import os
-    import subprocess
-    import sys
-    args = [sys.executable, "-m", "bunsan.cli", "train", "--nproc", "2", "--format", "preference", "--data",
-            str(_pairs_file(tmp_path / "pairs.jsonl", conversational)), "--steps", "6", "--micro-batch", "2",
-            "--seq-len", "48", *layout, "--lr", "3e-3", "--output", str(tmp_path / "out"),
+    args = ["train", "--nproc", "2", "--format", "preference", "--data",
+            _pairs_file(tmp_path / "pairs.jsonl", conversational), "--steps", "6", "--micro-batch", "2",
+            "--seq-len", "48", *layout, "--lr", "3e-3", "--output", tmp_path / "out",
             "--set", f"train.objective={objective}", "--set", "data.val_fraction=0", "--set", "steps_per_print=1",
             "--set", "scheduler.params.warmup_steps=0"]
     if conversational:          # the chat template's path, on a transformers model (Qwen2)
-        transformers = pytest.importorskip("transformers")
-        from chat_tokenizer import save_chat_tokenizer
-        model_dir = tmp_path / "qwen"
-        torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(
-            vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)).save_pretrained(model_dir)
-        save_chat_tokenizer(model_dir)
-        args += ["--init-from", str(model_dir)]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "12 examples, 12 used" in r.stderr
+        args += ["--init-from", request.getfixturevalue("qwen_dir")]
+    ranks = pools.cli(2, args, cwd=tmp_path)
+    assert [r.returncode for r in ranks] == [0, 0], ranks
+    assert "12 examples, 12 used" in "".join(r.stderr for r in ranks)
     losses = [json.loads(line)["loss"] for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(line)]
     if objective == "dpo":                  # (the reference-free objectives have no such start)
