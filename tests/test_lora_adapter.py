@@ -4,10 +4,7 @@ to the merged model (RUN/final); generate takes the adapter folder (merged into 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,20 +14,18 @@ peft = pytest.importorskip("peft")
 
 from chat_tokenizer import save_chat_tokenizer  # noqa: E402
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 CHATS = [{"messages": [{"role": "user", "content": f"Add {i} and 1"}, {"role": "assistant", "content": f"{i + 1}."}]}
          for i in range(8)]
 
 
-def _train(tmp_path, base, save):
+def _train(pools, tmp_path, base, save):
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in CHATS))
     out = tmp_path / f"out-{save}"
-    return out, subprocess.run(
-        [sys.executable, "-m", "bunsan.cli", "train", "--nproc", "1", "--init-from", str(base), "--lora",
-         "--data", str(data), "--format", "chat", "--steps", "3", "--seq-len", "48", "--micro-batch", "2",
-         "--lr", "0.05", "--output", str(out), "--set", "data.val_fraction=0", "--set", f"lora.save={save}"],
-        capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    return out, pools.cli(1, ["train", "--nproc", "1", "--init-from", base, "--lora", "--data", data, "--format",
+                              "chat", "--steps", "3", "--seq-len", "48", "--micro-batch", "2", "--lr", "0.05",
+                              "--output", out, "--set", "data.val_fraction=0", "--set", f"lora.save={save}"],
+                          cwd=tmp_path)[0]
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +41,14 @@ def base(tmp_path_factory):
     return d
 
 
-def _generate(path):
-    r = subprocess.run([sys.executable, "-m", "bunsan.cli", "generate", "--checkpoint", str(path), "--prompt",
-                        "Add", "--max-new-tokens", "8"], capture_output=True, text=True, timeout=120, env=ENV)
+def _generate(pools, path):
+    r = pools.cli(1, ["generate", "--checkpoint", path, "--prompt", "Add", "--max-new-tokens", "8"])[0]
     assert r.returncode == 0, r.stderr[-2000:]
     return r.stdout
 
 
-def test_the_adapter_on_its_base_is_the_merged_model(tmp_path, base):
-    out, r = _train(tmp_path, base, "both")
+def test_the_adapter_on_its_base_is_the_merged_model(pools, tmp_path, base):
+    out, r = _train(pools, tmp_path, base, "both")
     assert r.returncode == 0, r.stdout + r.stderr
     adapter = out / "adapter"
     config = json.loads((adapter / "adapter_config.json").read_text())
@@ -68,14 +62,14 @@ def test_the_adapter_on_its_base_is_the_merged_model(tmp_path, base):
         got, want, before = tuned(ids).logits, merged(ids).logits, plain(ids).logits
     assert not torch.allclose(want, before, atol=1e-4)               # training moved the adapters
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert _generate(adapter) == _generate(out / "final")
+    assert _generate(pools, adapter) == _generate(pools, out / "final")
 
 
-def test_adapter_only_leaves_no_merged_copy_and_generate_takes_the_run(tmp_path, base):
-    out, r = _train(tmp_path, base, "adapter")
+def test_adapter_only_leaves_no_merged_copy_and_generate_takes_the_run(pools, tmp_path, base):
+    out, r = _train(pools, tmp_path, base, "adapter")
     assert r.returncode == 0, r.stdout + r.stderr
     assert not (out / "final").exists() and (out / "adapter" / "adapter_model.safetensors").is_file()
-    assert _generate(out).startswith("Add")
+    assert _generate(pools, out).startswith("Add")
     shutil.rmtree(out)
 
 
