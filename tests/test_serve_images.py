@@ -6,13 +6,16 @@ client's image_url parts (data: URLs, files under --allowed-local-media-path) an
 transformers does on the model's own processor output (LLaVA's, Qwen2-VL's and Qwen2.5-VL's), and what cannot be
 read is a 400 naming it."""
 
+# Where each is served: the batcher in this process (llava, qwen2_vl, qwen2_5_vl); `bunsan serve` launched as a
+# user starts it (e2e), the images launch path kept: LLaVA through the openai client and Ollama's API; loaded by
+# the command's own code and served in this process: LLaVA's unreadable images (400s), Qwen2-VL and
+# Qwen2.5-VL through the openai client and Ollama, Qwen2-Audio's text and its refused audio (these were each a
+# server launched).
+
 from __future__ import annotations
 
 import base64
 import io
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,10 +26,10 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 
 from chat_tokenizer import save_chat_tokenizer  # noqa: E402
-from serve_harness import Server, free_port, run_until_done, wait_until_healthy  # noqa: E402
+from serve_harness import CEILING_S, Launched, Server, http_get, http_post, run_until_done, selected  # noqa: E402
+from serve_harness import one_torch_thread  # noqa: E402,F401  (autouse: torch on one thread here)
 from test_multimodal import END, IMAGE, START, build  # noqa: E402
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 NEW = 8
 
 
@@ -132,33 +135,56 @@ def _expected(folder, text: str, png: bytes) -> str:
 
 
 @pytest.fixture(scope="module")
-def llava_server(llava_dir, tmp_path_factory):
-    media = tmp_path_factory.mktemp("media")
-    (media / "one.png").write_bytes(_png(1))
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli.main", "serve", "--checkpoint", str(llava_dir),
-                             "--port", str(port), "--allowed-local-media-path", str(media), "--served-model-name", "llava",
-                             "--context", "96"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(proc, url, "bunsan serve on a LLaVA directory")
-        yield url, media
-    finally:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=30)
-    assert "images: LlavaProcessor" in out, out
+def media(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "one.png").write_bytes(_png(1))
+    return folder
+
+
+def _llava_flags(llava_dir, media) -> list:
+    return ["--checkpoint", llava_dir, "--allowed-local-media-path", media, "--served-model-name", "llava",
+            "--context", "96"]
+
+
+@pytest.fixture(scope="module")
+def llava_in_process(llava_dir, media):
+    server = Server.of_command(*_llava_flags(llava_dir, media))
+    yield server.url, media
+    server.close()
 
 
 def _ask(url: str, text: str, image_url: str) -> str:
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=CEILING_S)
     reply = client.chat.completions.create(model="llava", temperature=0, max_tokens=NEW, messages=[
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url, "detail": "auto"}},
                                      {"type": "text", "text": text}]}])
     return reply.choices[0].message.content
 
 
-def test_openai_image_parts_and_ollama_images_answer_as_transformers(llava_dir, llava_server):
-    url, media = llava_server
+@pytest.fixture(scope="module", autouse=True)
+def llava_launched(request):
+    """`bunsan serve` on the LLaVA directory, launched as the module starts when its test is to run (its
+    start-up overlaps the tests served in this process)."""
+    if not selected(request, "test_openai_image_parts_and_ollama_images_answer_as_transformers"):
+        yield None
+        return
+    flags = _llava_flags(request.getfixturevalue("llava_dir"), request.getfixturevalue("media"))
+    server = Launched(*flags, wait=False, what="bunsan serve on a LLaVA directory")
+    yield server
+    server.close(kill=True)
+
+
+@pytest.mark.e2e
+def test_openai_image_parts_and_ollama_images_answer_as_transformers(llava_launched, llava_dir, media):
+    """`bunsan serve` launched on a LLaVA directory (its model's process and HTTP process)."""
+    try:
+        _llava_answers(llava_dir, llava_launched.ready().url, media)
+    finally:
+        out = llava_launched.close()
+    assert "images: LlavaProcessor" in out, out
+
+
+def _llava_answers(llava_dir, url: str, media) -> None:
     one, two = _png(1), _png(2)
     want_one, want_two = _expected(llava_dir, "what is", one), _expected(llava_dir, "what is", two)
     assert want_one != want_two
@@ -167,19 +193,19 @@ def test_openai_image_parts_and_ollama_images_answer_as_transformers(llava_dir, 
     assert _ask(url, "what is", "data:image/png;base64," + base64.b64encode(two).decode()) == want_two
     assert _ask(url, "what is", str(media / "one.png")) == want_one             # a file under the allowed path
     assert _ask(url, "what is", f"file://{media / 'one.png'}") == want_one
-    ollama = httpx.post(url + "/api/chat", timeout=120, json={
+    ollama = http_post(url + "/api/chat", timeout=CEILING_S, json={
         "model": "llava", "stream": False, "options": {"temperature": 0, "num_predict": NEW},
         "messages": [{"role": "user", "content": "what is", "images": [base64.b64encode(two).decode()]}]})
     assert ollama.status_code == 200, ollama.text
     assert ollama.json()["message"]["content"] == want_two
-    generated = httpx.post(url + "/api/generate", timeout=120, json={
+    generated = http_post(url + "/api/generate", timeout=CEILING_S, json={
         "model": "llava", "stream": False, "options": {"temperature": 0, "num_predict": NEW}, "prompt": "what is",
         "images": [base64.b64encode(one).decode()]})
     assert generated.status_code == 200, generated.text
     assert generated.json()["response"] == want_one             # its template's user turn, as /api/chat's
-    show = httpx.post(url + "/api/show", json={"model": "llava"}).json()
+    show = http_post(url + "/api/show", json={"model": "llava"}).json()
     assert "vision" in show["capabilities"]
-    assert httpx.get(url + "/health").json()["prefix_tokens_reused"] > 0     # the same image asked again
+    assert http_get(url + "/health").json()["prefix_tokens_reused"] > 0     # the same image asked again
 
 
 @pytest.mark.parametrize("image_url, says", [
@@ -190,9 +216,9 @@ def test_openai_image_parts_and_ollama_images_answer_as_transformers(llava_dir, 
     ("/etc/passwd", "outside --allowed-local-media-path"),
     ("file:///nowhere/../etc/hosts", "outside --allowed-local-media-path"),
 ])
-def test_an_image_that_cannot_be_read_is_a_400_naming_it(llava_server, image_url, says):
-    url, media = llava_server
-    reply = httpx.post(url + "/v1/chat/completions", timeout=60, json={"max_tokens": 4, "messages": [
+def test_an_image_that_cannot_be_read_is_a_400_naming_it(llava_in_process, image_url, says):
+    url, media = llava_in_process
+    reply = http_post(url + "/v1/chat/completions", timeout=CEILING_S, json={"max_tokens": 4, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url",
                                                                       "image_url": {"url": image_url}}]}]})
     assert reply.status_code == 400, reply.text
@@ -236,28 +262,21 @@ def test_an_audio_language_model_serves_its_text_and_refuses_audio_parts(tmp_pat
     new = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, eos_token_id=end,
                          pad_token_id=0)[0, len(prompt):].tolist()
     new = new[:new.index(end)] if end in new else new
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli.main", "serve", "--checkpoint", str(tmp_path),
-                             "--port", str(port), "--context", "96"], env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    server = Server.of_command("--checkpoint", tmp_path, "--context", "96")
     try:
-        wait_until_healthy(proc, url, "bunsan serve on a Qwen2-Audio directory")
-        reply = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-            "max_tokens": NEW, "temperature": 0,
-            "messages": [{"role": "user", "content": "hello"}]})
+        reply = server.post({"max_tokens": NEW, "temperature": 0, "messages": [{"role": "user", "content": "hello"}]},
+                            "/v1/chat/completions")
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"] == tokenizer.decode(new)
         for part in ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
                      {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}):
-            refused = httpx.post(url + "/v1/chat/completions", timeout=60, json={"max_tokens": 2, "messages": [
-                {"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]})
+            refused = server.post({"max_tokens": 2, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]}, "/v1/chat/completions")
             assert refused.status_code == 400, refused.text
             assert refused.json()["error"]["param"] == "messages[0].content[1]"
     finally:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=30)
-    assert "takes no images" in out and "audio: not served" in out, out
+        server.close()
+    assert "takes no images" in server.banner and "audio: not served" in server.banner, server.banner
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
@@ -267,18 +286,11 @@ def qwen2_vl_server(request, tmp_path_factory):
     from multimodal_dirs import save_qwen2_vl
     folder = tmp_path_factory.mktemp(request.param)
     save_qwen2_vl(folder, request.param)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli.main", "serve", "--checkpoint", str(folder),
-                             "--port", str(port), "--served-model-name", "qwen2-vl", "--context", "160"],
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until_healthy(proc, url, f"bunsan serve on a {request.param} directory")
-        yield url, folder
-    finally:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=30)
-    assert f"images: {'Qwen2VLProcessor' if request.param == 'qwen2_vl' else 'Qwen2_5_VLProcessor'}" in out, out
+    server = Server.of_command("--checkpoint", folder, "--served-model-name", "qwen2-vl", "--context", "160")
+    processor = "Qwen2VLProcessor" if request.param == "qwen2_vl" else "Qwen2_5_VLProcessor"
+    assert server.banner.startswith(f"images: {processor}"), server.banner
+    yield server.url, folder
+    server.close()
 
 
 def test_qwen2_vl_answers_openai_image_parts_and_ollama_images_as_transformers(qwen2_vl_server):
@@ -288,14 +300,14 @@ def test_qwen2_vl_answers_openai_image_parts_and_ollama_images_as_transformers(q
     one, two = _png(1), _png(2)
     want_one, want_two = _expected(folder, "what is", one), _expected(folder, "what is", two)
     assert want_one != want_two
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=CEILING_S)
     for png, want in ((one, want_one), (two, want_two)):
         reply = client.chat.completions.create(model="qwen2-vl", temperature=0, max_tokens=NEW, messages=[
             {"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
                 {"type": "text", "text": "what is"}]}])
         assert reply.choices[0].message.content == want
-    ollama = httpx.post(url + "/api/chat", timeout=120, json={
+    ollama = http_post(url + "/api/chat", timeout=CEILING_S, json={
         "model": "qwen2-vl", "stream": False, "options": {"temperature": 0, "num_predict": NEW},
         "messages": [{"role": "user", "content": "what is", "images": [base64.b64encode(two).decode()]}]})
     assert ollama.status_code == 200, ollama.text
