@@ -4,69 +4,105 @@
 
 With a stage, `bunsan.deepspeed.install()` comes first: the one line that makes the Trainer's DeepSpeed bunsan.
 `hf`: the Trainer builds the optimizer and its linear schedule; `config`: the DeepSpeed config's optimizer with
-"auto" values (the Trainer fills them), and the Trainer's schedule over it. `save RUN`: 3 steps, saved in RUN; `resume RUN`: another
-process resumes from RUN/checkpoint-3 (weights, optimizer, schedule) into a model of other weights, steps 4-5. Writes the logged losses to OUT.
+"auto" values (the Trainer fills them), and the Trainer's schedule over it. `save RUN`: 3 steps, saved in RUN;
+`resume RUN`: a later run resumes from RUN/checkpoint-3 (weights, optimizer, schedule) into a model of other
+weights, steps 4-5. Writes the logged losses to OUT.
+
+`rank_job` runs the same `main` as a job of tests/dist_harness.py's ranks (torchrun's environment, a gloo group
+already made), so that a test pays for no launch where the launch is not what it checks.
 """
 
 import json
+import os
 import sys
 
-out_path, stage, source, optim = sys.argv[1:5]
-if stage != "none":
-    import bunsan.deepspeed
-    bunsan.deepspeed.install()
 
-import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+def main(argv: list[str]) -> dict | None:
+    out_path, stage, source, optim = argv[:4]
+    extra = argv[4:]
+    if stage != "none":
+        import bunsan.deepspeed
+        bunsan.deepspeed.install()
 
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self):
-        self.ids = torch.randint(0, 128, (48, 16), generator=torch.Generator().manual_seed(0))
+    class Tokens(torch.utils.data.Dataset):
+        def __init__(self):
+            self.ids = torch.randint(0, 128, (48, 16), generator=torch.Generator().manual_seed(0))
 
-    def __len__(self):
-        return len(self.ids)
+        def __len__(self):
+            return len(self.ids)
 
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    ds_config = None
+    if stage != "none":
+        ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                     "gradient_clipping": "auto", "zero_optimization": {"stage": int(stage)}}
+        if source == "config":
+            ds_config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                                  "weight_decay": "auto"}}
+        if extra and extra[0] not in ("save", "resume"):   # the usual form: a path to the JSON file
+            with open(extra[0], "w") as f:
+                json.dump(ds_config, f)
+            ds_config = extra[0]
+    args = TrainingArguments(
+        output_dir=out_path + ".run", per_device_train_batch_size=4, max_steps=5,
+        learning_rate=5e-2 if optim == "sgd" else 1e-2, weight_decay=0.01, logging_steps=1, save_strategy="no",
+        report_to=[], deepspeed=ds_config, use_cpu=ds_config is None, seed=0, lr_scheduler_type="linear",
+        max_grad_norm=0.0 if optim == "sgd" else 1.0, optim="sgd" if optim == "sgd" else "adamw_torch",
+        dataloader_drop_last=True)
+    phase = extra[0] if extra and extra[0] in ("save", "resume") else None
+    if phase is not None:
+        args.output_dir, args.save_strategy, args.save_steps = extra[1], "steps", 3
 
-torch.manual_seed(0)
-model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
-ds_config = None
-if stage != "none":
-    ds_config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                 "gradient_clipping": "auto", "zero_optimization": {"stage": int(stage)}}
-    if source == "config":
-        ds_config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                              "weight_decay": "auto"}}
-    if len(sys.argv) > 5 and sys.argv[5] not in ("save", "resume"):   # the usual form: a path to the JSON file
-        with open(sys.argv[5], "w") as f:
-            json.dump(ds_config, f)
-        ds_config = sys.argv[5]
-args = TrainingArguments(
-    output_dir=out_path + ".run", per_device_train_batch_size=4, max_steps=5, learning_rate=5e-2 if optim == "sgd"
-    else 1e-2, weight_decay=0.01, logging_steps=1, save_strategy="no", report_to=[], deepspeed=ds_config,
-    use_cpu=ds_config is None, seed=0, lr_scheduler_type="linear", max_grad_norm=0.0 if optim == "sgd" else 1.0,
-    optim="sgd" if optim == "sgd" else "adamw_torch", dataloader_drop_last=True)
-phase = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] in ("save", "resume") else None
-if phase is not None:
-    args.output_dir, args.save_strategy, args.save_steps = sys.argv[6], "steps", 3
+    class StopAfterThree(TrainerCallback):   # the run is stopped, as a preempted job is; the schedule is 5 steps'
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 3
 
-class StopAfterThree(TrainerCallback):   # the run is stopped, as a preempted job is; the schedule is 5 steps'
-    def on_step_end(self, args, state, control, **kwargs):
-        control.should_training_stop = state.global_step == 3
-
-
-if phase == "resume":
-    torch.manual_seed(123)                  # other weights: every weight must come from the checkpoint
-    model = LlamaForCausalLM(model.config)
-trainer = Trainer(model=model, args=args, train_dataset=Tokens(),
-                  callbacks=[StopAfterThree()] if phase == "save" else None)
-trainer.train(resume_from_checkpoint=f"{sys.argv[6]}/checkpoint-3" if phase == "resume" else None)
-if args.process_index == 0:
+    if phase == "resume":
+        torch.manual_seed(123)                  # other weights: every weight must come from the checkpoint
+        model = LlamaForCausalLM(model.config)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(),
+                      callbacks=[StopAfterThree()] if phase == "save" else None)
+    trainer.train(resume_from_checkpoint=f"{extra[1]}/checkpoint-3" if phase == "resume" else None)
+    if args.process_index != 0:
+        return None
     logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    result = {"losses": logged, "lrs": [h["learning_rate"] for h in trainer.state.log_history if "loss" in h],
+              "processes": trainer.accelerator.num_processes}
     with open(out_path, "w") as f:
-        json.dump({"losses": logged, "lrs": [h["learning_rate"] for h in trainer.state.log_history if "loss" in h],
-                   "processes": trainer.accelerator.num_processes}, f)
+        json.dump(result, f)
+    return result
+
+
+# What the launch gives the script's process, set for one job and undone after it: the ranks serve other tests.
+JOB_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "TRANSFORMERS_VERBOSITY": "error"}
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def rank_job(rank: int, argv: list[str]) -> dict | None:
+    """`main(argv)` on a harness rank as torchrun's worker runs the script; with stage `none`, as `python
+    script.py` runs it (no torchrun environment: one process). The environment and the accelerate state the
+    Trainer leaves are undone after, for the rank's next job."""
+    saved = dict(os.environ)
+    os.environ.update(JOB_ENV)
+    if argv[1] == "none":
+        for key in TORCHRUN_ENV:
+            os.environ.pop(key, None)
+    try:
+        return main(argv)
+    finally:
+        from accelerate.state import AcceleratorState     # (imported after main's install(), as the script does)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
