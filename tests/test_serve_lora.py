@@ -3,10 +3,12 @@ batches, each giving the greedy tokens of its own merged model (peft's merge_and
 bunsan's merge for its Llama), the prefix cache kept apart per adapter; `--lora-modules` and vLLM's runtime
 load/unload endpoints over HTTP."""
 
+# Over HTTP twice, the same checks: loaded by the command's own code and served in this process; and `bunsan
+# serve --lora-modules` launched as a user starts it (e2e, the LoRA launch path: adapters in the model's process).
+
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
@@ -17,7 +19,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
 from parity import tiny_model  # noqa: E402
-from serve_harness import run_until_done  # noqa: E402
+from serve_harness import Launched, Server, http_get, http_post, run_until_done  # noqa: E402
+from serve_harness import one_torch_thread  # noqa: E402,F401  (autouse: torch on one thread here)
 
 SMALL = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
@@ -107,91 +110,69 @@ def test_bunsan_llama_serves_its_own_adapter_format(tmp_path):
     assert _run(batcher, [(prompt, 1, adapters.roots["mine"]), (prompt, 0, 0)], 8) == want
 
 
-def test_adapters_by_name_over_http_and_loaded_at_run_time(qwen, tmp_path):
-    from bunsan.serve import Batcher, Limits, build_app
-    from bunsan.serve.lora import AdapterSet
-    from bunsan.serve.server import Server
-    from bunsan.serve.transformers_model import TransformersLM
-    from bunsan.training.data import load_tokenizer
+@pytest.fixture(scope="module")
+def base_dir(qwen, tmp_path_factory):
+    """The Qwen2 base saved as a Hugging Face directory with a tokenizer of its 320 tokens (not bytes)."""
     from chat_tokenizer import save_chat_tokenizer
-    from serve_harness import free_port
-    base, root, merged = qwen
-    served = TransformersLM(copy.deepcopy(base))
-    adapters = AdapterSet(served, capacity=2, max_rank=8)
-    adapters.add("a", str(root / "a"))
-    batcher = Batcher(served, slots=4, max_len=64, adapters=adapters)
-    save_chat_tokenizer(tmp_path / "tok")          # (a vocabulary of 320: not bytes)
-    tokenizer = load_tokenizer(str(tmp_path / "tok" / "tokenizer.json"))
-    app = build_app(batcher, tokenizer, "base", Limits(max_tokens=16), runtime_lora=True)
-    port = free_port()
-    server = Server(app, port=port, grace_s=0.0)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
+    folder = tmp_path_factory.mktemp("served") / "base"       # (served as "base": its folder's name)
+    qwen[0].save_pretrained(folder)
+    save_chat_tokenizer(folder)
+    return folder
+
+
+def _lora_flags(base_dir, root) -> list:
+    return ["--checkpoint", base_dir, "--context", "64", "--max-tokens", "16", "--lora-modules", f"a={root / 'a'}",
+            "--allow-runtime-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+
+
+def test_adapters_by_name_over_http_and_loaded_at_run_time(qwen, base_dir):
+    """Loaded by the command's own code (cli/serve.py: lora_adapters, serve_app) and served in this process."""
+    from bunsan.training.data import load_tokenizer
+    server = Server.of_command(*_lora_flags(base_dir, qwen[1]))
     try:
-        while not server.started:
-            thread.join(0.05)
-        _adapters_over_http(url, tokenizer, qwen, tmp_path)
+        _adapters_over_http(server.url, load_tokenizer(str(base_dir / "tokenizer.json")), qwen, base_dir)
     finally:
-        server.should_exit = True
-        thread.join(20)
+        server.close()
 
 
-def test_adapters_loaded_at_run_time_in_the_model_process_of_bunsan_serve(qwen, tmp_path):
+@pytest.mark.e2e
+def test_adapters_loaded_at_run_time_in_the_model_process_of_bunsan_serve(qwen, base_dir):
     """The same through `bunsan serve` as a user starts it: the adapters load in the model's process, the
     HTTP process names them (serve/engine.py)."""
-    import os
-    import subprocess
-    import sys
-
     from bunsan.training.data import load_tokenizer
-    from chat_tokenizer import save_chat_tokenizer
-    from serve_harness import free_port, wait_until_healthy
-    base, root, _ = qwen
-    base.save_pretrained(tmp_path / "base")
-    save_chat_tokenizer(tmp_path / "base")
-    save_chat_tokenizer(tmp_path / "tok")
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", "--checkpoint", str(tmp_path / "base"),
-                             "--port", str(port), "--context", "64", "--max-tokens", "16", "--lora-modules",
-                             f"a={root / 'a'}", "--allow-runtime-lora", "--max-loras", "2", "--max-lora-rank", "8"],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    server = Launched(*_lora_flags(base_dir, qwen[1]), what="bunsan serve with LoRA adapters")
     try:
-        wait_until_healthy(proc, url)
-        _adapters_over_http(url, load_tokenizer(str(tmp_path / "base" / "tokenizer.json")), qwen, tmp_path)
+        _adapters_over_http(server.url, load_tokenizer(str(base_dir / "tokenizer.json")), qwen, base_dir)
     finally:
-        proc.terminate()
-        out, _ = proc.communicate(timeout=60)
+        out = server.close()
     assert "the model in a process of its own" in out, out
 
 
-def _adapters_over_http(url: str, tokenizer, qwen, tmp_path) -> None:
+def _adapters_over_http(url: str, tokenizer, qwen, not_adapter) -> None:
     base, root, merged = qwen
     prompt = [5, 17, 42, 7, 99]
 
     def complete(model):
-        r = httpx.post(url + "/v1/completions", timeout=60, json={"model": model, "prompt": prompt,
-                                                                   "max_tokens": 6, "temperature": 0})
+        r = http_post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 6,
+                                                     "temperature": 0})
         return r.status_code, r.json()
     assert complete("a")[1]["choices"][0]["text"] == tokenizer.decode(_greedy(merged["a"], prompt, 6))
     assert complete("base")[1]["choices"][0]["text"] == tokenizer.decode(_greedy(base, prompt, 6))
     assert complete("b")[0] == 404                           # not loaded yet
-    bad = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(tmp_path / "tok")})
+    bad = http_post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(not_adapter)})
     assert bad.status_code == 400 and "is not a LoRA adapter" in bad.text
-    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(root / "b")})
+    r = http_post(url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(root / "b")})
     assert r.status_code == 200, r.text
     answer = complete("b")
     assert answer[0] == 200, answer
     assert answer[1]["choices"][0]["text"] == tokenizer.decode(_greedy(merged["b"], prompt, 6))
-    cards = {c["id"]: c for c in httpx.get(url + "/v1/models").json()["data"]}
+    cards = {c["id"]: c for c in http_get(url + "/v1/models").json()["data"]}
     assert cards["b"]["parent"] == "base" and cards["base"]["parent"] is None
-    full = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(root / "a")})
+    full = http_post(url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(root / "a")})
     assert full.status_code == 400 and "--max-loras" in full.text
-    assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 200
+    assert http_post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 200
     assert complete("b")[0] == 404
-    assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 404
+    assert http_post(url + "/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 404
 
 
 def test_the_commands_lora_flags(qwen):
