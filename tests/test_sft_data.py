@@ -6,9 +6,6 @@ HF_DIR --lora --data chat.jsonl --format chat` end to end."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -120,25 +117,29 @@ def test_batches_are_sharded_resumable_and_reshuffled(tok_dir, tmp_path):
     assert (labels == -100).any() and (labels != -100).any()
 
 
-@pytest.mark.parametrize("packing", [False, True])
-def test_train_init_from_lora_chat_end_to_end(tok_dir, tmp_path, packing):
+@pytest.fixture(scope="module")
+def hf_chat_model(tok_dir, tmp_path_factory):
+    """A tiny Llama directory with the chat tokenizer and end-of-turn ids: what both packings start from."""
     from bunsan.models import Llama, LlamaConfig
     from bunsan.models.hf import save_llama
     import shutil
     cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
-    hf = save_llama(Llama(cfg).state_dict(), cfg, tmp_path / "hf")
+    hf = save_llama(Llama(cfg).state_dict(), cfg, tmp_path_factory.mktemp("sft") / "hf")
     for f in tok_dir.iterdir():
         shutil.copy(f, hf / f.name)
     (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 257], "max_new_tokens": 32}))
+    return hf
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_train_init_from_lora_chat_end_to_end(pools, hf_chat_model, tmp_path, packing):
     data = _jsonl(tmp_path / "chat.jsonl", CHATS)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "bunsan.cli", "train", "--nproc", "1", "--init-from", str(hf),
-                        "--lora", "--data", str(data), "--format", "chat", "--steps", "3", "--seq-len", "96",
-                        "--micro-batch", "2", "--output", str(tmp_path / "out"), "--set", "data.val_fraction=0.2",
-                        "--set", f"data.packing={str(packing).lower()}"],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    r = pools.cli(1, ["train", "--nproc", "1", "--init-from", hf_chat_model, "--lora", "--data", data, "--format",
+                      "chat", "--steps", "3", "--seq-len", "96", "--micro-batch", "2", "--output", tmp_path / "out",
+                      "--set", "data.val_fraction=0.2", "--set", f"data.packing={str(packing).lower()}"],
+                  cwd=tmp_path)[0]
     assert r.returncode == 0, r.stdout + r.stderr
     assert "12 examples, 12 used" in r.stderr and ("packed into" in r.stderr) == packing
     final = tmp_path / "out" / "final"
