@@ -4,10 +4,8 @@ not edit; DeepSpeed's ZeRO-3 parameter attributes, init_inference and the engine
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import textwrap
+import types
 
 import pytest
 import torch
@@ -49,11 +47,6 @@ def _as_bunsan(lines: str) -> str:
             .replace("import deepspeed\n", "import bunsan.deepspeed as deepspeed\n"))
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
-
-
 def test_every_import_line_of_the_scripts_works_under_bunsans_name():
     namespace: dict = {}
     exec(_as_bunsan(IMPORTS), namespace)
@@ -75,33 +68,42 @@ def test_what_bunsan_lacks_imports_and_fails_where_used_naming_it(name):
             pass
 
 
-def test_install_makes_import_deepspeed_bunsans_for_code_not_yours():
-    checks = textwrap.dedent("""
-        import importlib.metadata, sys
-        assert deepspeed is bunsan.deepspeed and dist is bunsan.deepspeed.comm
-        assert sys.modules["deepspeed.runtime.zero.partition_parameters"] is \\
-            bunsan.deepspeed.runtime.zero.partition_parameters
-        assert bunsan.deepspeed.comm.__spec__.name == "bunsan.deepspeed.comm"   # still bunsan's own module
-        assert importlib.metadata.version("deepspeed") == "0.19.8"
-        from transformers.integrations.deepspeed import is_deepspeed_available
-        assert is_deepspeed_available()
-        print("ok")
-    """)
-    proc = _python("import bunsan.deepspeed\nbunsan.deepspeed.install()\n" + IMPORTS + checks)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+def _install_rank(rank) -> str:
+    """The start of a program whose DeepSpeed imports are not its own, on a rank (a process of its own, where
+    nothing imported DeepSpeed's name): install(), the scripts' import lines as written, then what transformers
+    and the package metadata see."""
+    import importlib.metadata
+    import sys
+
+    import bunsan.deepspeed
+    bunsan.deepspeed.install()
+    namespace: dict = {}
+    exec(IMPORTS, namespace)
+    assert namespace["deepspeed"] is bunsan.deepspeed and namespace["dist"] is bunsan.deepspeed.comm
+    assert sys.modules["deepspeed.runtime.zero.partition_parameters"] is \
+        bunsan.deepspeed.runtime.zero.partition_parameters
+    assert bunsan.deepspeed.comm.__spec__.name == "bunsan.deepspeed.comm"   # still bunsan's own module
+    assert importlib.metadata.version("deepspeed") == "0.19.8"
+    from transformers.integrations.deepspeed import is_deepspeed_available
+    assert is_deepspeed_available()
+    return "ok"
 
 
-def test_install_after_deepspeed_itself_was_imported_is_refused():
-    proc = _python("""
-        import sys, types
-        sys.modules["deepspeed"] = types.ModuleType("deepspeed")   # DeepSpeed itself, imported first
-        import bunsan.deepspeed
-        try:
-            bunsan.deepspeed.install()
-        except RuntimeError as e:
-            print(e)
-    """)
-    assert "was imported already" in proc.stdout and "call install() first" in proc.stdout, proc.stderr
+def test_install_makes_import_deepspeed_bunsans_for_code_not_yours(pools):
+    try:
+        assert pools.run(1, _install_rank) == ["ok"]
+    finally:
+        pools.discard(1)         # the rank keeps the alias: other tests' ranks must not
+
+
+def test_install_after_deepspeed_itself_was_imported_is_refused(monkeypatch):
+    from bunsan.deepspeed import alias
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, alias._Alias)])
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))   # DeepSpeed itself, first
+    with pytest.raises(RuntimeError) as refused:
+        deepspeed.install()
+    assert "was imported already" in str(refused.value) and "call install() first" in str(refused.value)
+    assert not alias.installed()
 
 
 def test_compression_helper():

@@ -5,12 +5,6 @@ HfDeepSpeedConfig at ZeRO-3 loading the checkpoint's weights (bunsan.deepspeed.i
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 import torch.nn as nn
@@ -193,40 +187,35 @@ def test_deepspeed_chats_lora_layers_train_at_every_stage(pools, stage):
         assert got == pytest.approx(want, rel=1e-5)
 
 
-FROM_PRETRAINED = textwrap.dedent("""
-    import sys, torch
+def _aliased(job, path: str) -> str:
+    """A DeepSpeed-Chat script's part on a rank: `bunsan.deepspeed.install()` first, then its code as written
+    against `import deepspeed` (the ranks stand for torchrun's workers; the group is made already)."""
     import bunsan.deepspeed
     bunsan.deepspeed.install()
     import deepspeed
     from transformers import AutoModelForCausalLM
     from transformers.integrations.deepspeed import HfDeepSpeedConfig
     deepspeed.init_distributed()
-    path = sys.argv[1]
+    job(deepspeed, AutoModelForCausalLM, HfDeepSpeedConfig, path)
+    return "ok"
+
+
+def _from_pretrained(deepspeed, AutoModelForCausalLM, HfDeepSpeedConfig, path):
     plain = AutoModelForCausalLM.from_pretrained(path)
     config = {"train_batch_size": 4, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}
-    keep = HfDeepSpeedConfig(config)                    # as DeepSpeed-Chat's create_hf_model does
+    keep = HfDeepSpeedConfig(config)                    # noqa: F841 (as DeepSpeed-Chat's create_hf_model does)
     model = AutoModelForCausalLM.from_pretrained(path)
     engine, *_ = deepspeed.initialize(model=model, config=config)
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         for (name, got), (_, want) in zip(engine.module.named_parameters(), plain.named_parameters()):
             assert torch.equal(got.float(), want.to(torch.bfloat16).float()), name
-    print("ok")
-""")
 
 
-RESIZED = textwrap.dedent("""
-    import sys, torch
-    import bunsan.deepspeed
-    bunsan.deepspeed.install()
-    import deepspeed
-    from transformers import AutoModelForCausalLM
-    from transformers.integrations.deepspeed import HfDeepSpeedConfig
-    deepspeed.init_distributed()
-    path = sys.argv[1]
+def _resized(deepspeed, AutoModelForCausalLM, HfDeepSpeedConfig, path):
     plain = AutoModelForCausalLM.from_pretrained(path)
     config = {"train_batch_size": 4, "zero_optimization": {"stage": 3},
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
-    keep = HfDeepSpeedConfig(config)
+    keep = HfDeepSpeedConfig(config)                    # noqa: F841
     model = AutoModelForCausalLM.from_pretrained(path)      # the output embedding tied after the build
     model.resize_token_embeddings(72)                       # DeepSpeed-Chat's create_hf_model
     engine, *_ = deepspeed.initialize(model=model, config=config)
@@ -235,35 +224,40 @@ RESIZED = textwrap.dedent("""
         assert embedding.shape == (72, 32), embedding.shape
         assert torch.equal(embedding[:64], plain.get_input_embeddings().weight)
         assert torch.equal(engine.module.get_output_embeddings().weight, embedding)
-    print("ok")
-""")
 
 
-def _two_ranks(tmp_path, script_text: str, model) -> subprocess.CompletedProcess:
-    model.save_pretrained(tmp_path / "model")
-    script = tmp_path / "script.py"
-    script.write_text(script_text)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(port), str(script), str(tmp_path / "model")], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"})
+def _from_pretrained_rank(rank, path):
+    return _aliased(_from_pretrained, path)
 
 
-def test_from_pretrained_under_hf_deepspeed_config_loads_the_checkpoint_at_zero3(tmp_path):
+def _resized_rank(rank, path):
+    return _aliased(_resized, path)
+
+
+@pytest.fixture(scope="module")
+def aliased_ranks(pools):
+    """Two ranks as fresh as the processes torchrun starts: install() comes before transformers imports its
+    DeepSpeed integration (in a rank that ran generate first, HfDeepSpeedConfig was built without DeepSpeed, as it
+    would be in a script that called install() too late). Discarded after: they keep `import deepspeed` aliased
+    to bunsan, which other tests' ranks must not."""
+    pools.discard(2)
+    yield pools
+    pools.discard(2)
+
+
+def test_from_pretrained_under_hf_deepspeed_config_loads_the_checkpoint_at_zero3(tmp_path, aliased_ranks):
     """transformers marks each loaded weight and re-initialises the unmarked ones afterwards (with every rank's
     own set order): zero.Init keeps the parameter objects and gathers in an order every rank shares."""
-    proc = _two_ranks(tmp_path, FROM_PRETRAINED, _llama())
-    assert proc.returncode == 0 and proc.stdout.count("ok") == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    _llama().save_pretrained(tmp_path / "model")
+    assert aliased_ranks.run(2, _from_pretrained_rank, str(tmp_path / "model")) == ["ok", "ok"]
 
 
-def test_a_tied_model_resized_under_zero3_keeps_its_rows(tmp_path):
+def test_a_tied_model_resized_under_zero3_keeps_its_rows(tmp_path, aliased_ranks):
     """resize_token_embeddings at ZeRO-3 builds the new embeddings beside the sliced ones (on their device)
     and copies the old rows in through the output embedding's slot, which took the weight after slicing."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     tied = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
-    proc = _two_ranks(tmp_path, RESIZED, tied)
-    assert proc.returncode == 0 and proc.stdout.count("ok") == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    tied.save_pretrained(tmp_path / "model")
+    assert aliased_ranks.run(2, _resized_rank, str(tmp_path / "model")) == ["ok", "ok"]
