@@ -82,8 +82,9 @@ def _chat(url: str, content: str) -> dict:
     return r.json()["choices"][0]
 
 
+@pytest.mark.e2e         # `bunsan serve` started as a server process
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_fine_tune_then_serve_with_the_models_own_template_ending_at_end_of_turn(tmp_path, family):
+def test_fine_tune_then_serve_with_the_models_own_template_ending_at_end_of_turn(pools, tmp_path, family):
     base = tmp_path / "base"
     _model_dir(base, family)
     data = tmp_path / "chat.jsonl"
@@ -91,11 +92,9 @@ def test_fine_tune_then_serve_with_the_models_own_template_ending_at_end_of_turn
                                                      {"role": "assistant", "content": "Sure."}]}) + "\n"
                             for i in range(16)))
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-m", "bunsan.cli", "train", "--nproc", "1", "--init-from", str(base),
-                        "--data", str(data), "--format", "chat", "--steps", "40", "--micro-batch", "4",
-                        "--seq-len", "32", "--lr", "3e-3", "--output", str(run), "--set", "data.val_fraction=0",
-                        "--set", "scheduler.params.warmup_steps=0"],
-                       capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    r = pools.cli(1, ["train", "--nproc", "1", "--init-from", base, "--data", data, "--format", "chat", "--steps",
+                      "40", "--micro-batch", "4", "--seq-len", "32", "--lr", "3e-3", "--output", run,
+                      "--set", "data.val_fraction=0", "--set", "scheduler.params.warmup_steps=0"], cwd=tmp_path)[0]
     assert r.returncode == 0, r.stdout + r.stderr
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", "--checkpoint", str(run), "--port",
