@@ -128,14 +128,14 @@ def corpus(tmp_path_factory):
 RESTARTS = 5
 
 
-def test_a_killed_rank_resumes_and_ends_like_an_uninterrupted_run(tmp_path, corpus):
+@pytest.mark.e2e         # a rank SIGKILLed and torchrun's restart of the job
+def test_a_killed_rank_resumes_and_ends_like_an_uninterrupted_run(pools, tmp_path, corpus):
     """torchrun restarts the job after a rank is killed; it resumes from its newest whole checkpoint and ends
     bit-equal to an uninterrupted run, RESTARTS times in a row (bunsan run makes each rendezvous round use a
     fresh store: cli/launch.py)."""
     args, whole = _train_args(tmp_path, corpus, "whole")
-    r = subprocess.run([sys.executable, "-m", "bunsan.cli"] + args + ["--nproc", "2"], capture_output=True,
-                       text=True, timeout=300, env=ENV, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
+    ranks = pools.cli(2, args + ["--nproc", "2"], cwd=tmp_path)      # (the uninterrupted run needs no launch)
+    assert [r.returncode for r in ranks] == [0, 0], ranks
     a = load_file(str(whole / "final" / "model.safetensors"))
     for attempt in range(RESTARTS):
         run = tmp_path / f"restart{attempt}"
@@ -183,15 +183,14 @@ def test_convert_consolidates_any_layout(pools, tmp_path):
     assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "x.safetensors")]) == 2
 
 
-def test_fine_tuning_a_hugging_face_checkpoint_end_to_end(tmp_path, corpus):
+def test_fine_tuning_a_hugging_face_checkpoint_end_to_end(pools, tmp_path, corpus):
     hf, path = _hf_model(tmp_path, tied=False)
     out = tmp_path / "tuned"
-    r = subprocess.run([sys.executable, "-m", "bunsan.cli", "train", "--nproc", "2", "--init-from", str(path),
-                        "--steps", "3", "--micro-batch", "2", "--seq-len", "64", "--zero", "1", "--lr", "1e-3",
-                        "--data", str(corpus / "*.py"), "--output", str(out), "--set", f"data.cache_dir={tmp_path / 'c'}",
-                        "--set", "steps_per_print=1", "--set", "data.val_fraction=0"],
-                       capture_output=True, text=True, timeout=240, env=ENV, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
+    ranks = pools.cli(2, ["train", "--nproc", "2", "--init-from", path, "--steps", "3", "--micro-batch", "2",
+                          "--seq-len", "64", "--zero", "1", "--lr", "1e-3", "--data", corpus / "*.py", "--output", out,
+                          "--set", f"data.cache_dir={tmp_path / 'c'}", "--set", "steps_per_print=1",
+                          "--set", "data.val_fraction=0"], cwd=tmp_path)
+    assert [r.returncode for r in ranks] == [0, 0], ranks
     tuned = load_file(str(out / "final" / "model.safetensors"))     # transformers' names, as HF's own
     start = hf.state_dict()
     moved = [k for k in start if not torch.equal(tuned[k], start[k])]
