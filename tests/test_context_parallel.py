@@ -271,20 +271,15 @@ def test_the_mesh_puts_cp_just_outside_tp_and_reduces_gradients_over_dp_x_cp():
     assert Mesh._groups(2, 2, 1, 2, "dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]   # without cp: as before
 
 
-def test_bunsan_train_with_cp(tmp_path):
+def test_bunsan_train_with_cp(pools, tmp_path):
     import inspect
     import json
-    import os
-    import subprocess
-    import sys
     (tmp_path / "code.py").write_text(inspect.getsource(json))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "bunsan.cli", "train", "--nproc", "2", "--cp", "2", "--preset", "tiny",
-                        "--steps", "2", "--micro-batch", "2", "--seq-len", "64", "--data", str(tmp_path / "code.py"),
-                        "--output", str(tmp_path / "out"), "--set", f"data.cache_dir={tmp_path / 'cache'}"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=240, env=env)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "cp=2" in r.stdout + r.stderr
+    ranks = pools.cli(2, ["train", "--nproc", "2", "--cp", "2", "--preset", "tiny", "--steps", "2", "--micro-batch",
+                          "2", "--seq-len", "64", "--data", tmp_path / "code.py", "--output", tmp_path / "out",
+                          "--set", f"data.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path)
+    assert [r.returncode for r in ranks] == [0, 0], ranks
+    assert "cp=2" in "".join(r.stdout + r.stderr for r in ranks)
     meta = json.loads((tmp_path / "out" / "final" / "bunsan.json").read_text())
     assert meta["bunsan_config"]["context_parallel"] == {"size": 2}
 
