@@ -221,19 +221,12 @@ def test_serve_dtype_reaches_weights_and_the_kv_cache(tmp_path):
         assert {k.dtype for k in cache.k + cache.v} == {torch.float16}, (ckpt, extra)
 
 
-def test_tensor_parallel_generate_in_bf16(tmp_path):
+def test_tensor_parallel_generate_in_bf16(pools, tmp_path):
     """`generate --tp 2 --dtype bf16`: two processes, each its model on init_distributed's device (the CPU
     here), bf16 shards and KV cache; it runs and continues the prompt."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
     _trained_checkpoint(tmp_path / "final", tiny_model(0).eval())
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "bunsan.cli", "generate", "--checkpoint", str(tmp_path), "--prompt",
-                        "def ", "--max-new-tokens", "8", "--tp", "2", "--dtype", "bf16"],
-                       capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    r = pools.cli(2, ["generate", "--checkpoint", tmp_path, "--prompt", "def ", "--max-new-tokens", "8", "--tp", "2",
+                      "--dtype", "bf16"], cwd=tmp_path)[0]
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.startswith("def ") and len(r.stdout.rstrip("\n")) > 4
 
