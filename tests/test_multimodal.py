@@ -9,9 +9,6 @@ gradient accumulation cutting the flat patches by image. SGD without clipping, f
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -340,8 +337,7 @@ def test_a_checkpoint_saved_across_ranks_resumes_in_one_process(pools, kind, lay
     engine = bunsan.initialize(build(kind), _cfg(ga=2))
     engine.load_checkpoint(str(tmp_path))
     saved = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
-    done = subprocess.run([sys.executable, "-m", "bunsan.cli.main", "convert", str(tmp_path),
-                           str(tmp_path / "hf"), "--to", "hf"], capture_output=True, text=True)
+    done = pools.cli(1, ["convert", tmp_path, tmp_path / "hf", "--to", "hf"])[0]
     assert done.returncode == 0, done.stdout + done.stderr
     named = json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"]
     assert named == [type(build(kind)).__name__]
