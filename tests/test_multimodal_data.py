@@ -296,10 +296,7 @@ def plain_loop(model_dir, data, frozen: list[str], seed: int, seq_len: int = SEQ
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def bunsan_train(model_dir, data, out, nproc: int, frozen: list[str], seq_len: int = SEQ, seed: int = 7):
-    import os
-    import subprocess
-    import sys
+def bunsan_train(pools, model_dir, data, out, nproc: int, frozen: list[str], seq_len: int = SEQ, seed: int = 7):
     from safetensors.torch import load_file
     config = {"train_batch_size": BATCH, "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1,
               "optimizer": {"type": "SGD", "params": {"lr": LR}}, "zero_optimization": {"stage": 2},
@@ -307,26 +304,33 @@ def bunsan_train(model_dir, data, out, nproc: int, frozen: list[str], seq_len: i
                         "freeze": frozen},
               "data": {"format": "chat", "paths": [str(data)], "seq_len": seq_len, "val_fraction": 0}}
     (out.parent / f"{out.name}.json").write_text(json.dumps(config))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    r = subprocess.run([sys.executable, "-m", "bunsan.cli", "train", str(out.parent / f"{out.name}.json"),
-                        "--nproc", str(nproc)], capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    ranks = pools.cli(nproc, ["train", out.parent / f"{out.name}.json", "--nproc", nproc])
+    assert [r.returncode for r in ranks] == [0] * nproc, ranks
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(line)]
-    return losses, load_file(out / "final" / "model.safetensors"), r.stderr
+    return losses, load_file(out / "final" / "model.safetensors"), "".join(r.stderr for r in ranks)
+
+
+FROZEN = ["vision_tower"]
+
+
+@pytest.fixture(scope="module")
+def image_records(llava, tmp_path_factory):
+    """The image records and the plain loop's (losses, state) on them: one reference for both process counts."""
+    folder = tmp_path_factory.mktemp("image-records")
+    data = _jsonl(folder / "mm.jsonl", _records(folder))
+    return data, plain_loop(llava, data, FROZEN, seed=7)
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_bunsan_train_on_image_records_equals_the_plain_loop(llava, tmp_path, nproc):
+def test_bunsan_train_on_image_records_equals_the_plain_loop(pools, llava, image_records, tmp_path, nproc):
     """ZeRO-2 with 2 rows a micro-batch: one process accumulates two, two processes take one each."""
-    data = _jsonl(tmp_path / "mm.jsonl", _records(tmp_path))
-    frozen = ["vision_tower"]
-    losses, state, log = bunsan_train(llava, data, tmp_path / "out", nproc, frozen)
+    data, (want_losses, want) = image_records
+    losses, state, log = bunsan_train(pools, llava, data, tmp_path / "out", nproc, FROZEN)
     assert "8 examples, 8 used" in log
     saved = {p.name for p in (tmp_path / "out" / "final").iterdir()}
     processor = {p.name for p in llava.iterdir() if "processor" in p.name}
     assert processor and processor <= saved          # bunsan serve reads images with it
-    want_losses, want = plain_loop(llava, data, frozen, seed=7)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
     assert want_losses[-1] < want_losses[0]
     assert set(state) == set(want)
@@ -339,7 +343,7 @@ def test_bunsan_train_on_image_records_equals_the_plain_loop(llava, tmp_path, np
             assert not torch.equal(state[name], before[name]), name      # trained
 
 
-def test_bunsan_train_on_audio_records_equals_the_plain_loop(qwen2_audio, tmp_path):
+def test_bunsan_train_on_audio_records_equals_the_plain_loop(pools, qwen2_audio, tmp_path):
     records = []
     for i in range(8):
         write_wav(tmp_path / f"{i}.wav", i, seconds=0.25 + 0.1 * i)
@@ -348,7 +352,7 @@ def test_bunsan_train_on_audio_records_equals_the_plain_loop(qwen2_audio, tmp_pa
                                                                   {"type": "text", "text": "Which?"}]},
                                      {"role": "assistant", "content": f"Clip {i}."}]})
     data = _jsonl(tmp_path / "au.jsonl", records)
-    losses, state, _ = bunsan_train(qwen2_audio, data, tmp_path / "out", 1, [], seq_len=80)
+    losses, state, _ = bunsan_train(pools, qwen2_audio, data, tmp_path / "out", 1, [], seq_len=80)
     want_losses, want = plain_loop(qwen2_audio, data, [], seed=7, seq_len=80)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
     for name, value in want.items():
