@@ -14,6 +14,7 @@ from bunsan.training import stream
 from bunsan.training.data import TokenCache, resolve_paths
 
 
+@pytest.mark.e2e         # the peak memory of a fresh process: only a process of its own has one
 def test_a_corpus_far_larger_than_the_memory_it_may_use(tmp_path):
     """256 MiB of text tokenised by a process whose peak memory grows by under 64 MiB."""
     corpus = tmp_path / "corpus"
