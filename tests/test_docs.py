@@ -117,12 +117,16 @@ def _instruct_model(d: Path) -> None:
 
 @pytest.fixture(scope="module")
 def workdirs(tmp_path_factory):
-    """One working directory per page (its blocks run in order there), with the user's files."""
+    """One working directory per page (its blocks run in order there), with the user's files (the model made
+    once, each page its own copy: a block may write into it)."""
+    import shutil
+    model = tmp_path_factory.mktemp("user-files") / "Llama-3.2-1B-Instruct"
+    _instruct_model(model)
     dirs = {}
     for page in PAGES:
         d = tmp_path_factory.mktemp(page.stem)
         (d / ".venv").symlink_to(Path(sys.prefix))       # this suite's environment
-        _instruct_model(d / "Llama-3.2-1B-Instruct")
+        shutil.copytree(model, d / model.name)
         chats = [{"messages": [{"role": "user", "content": f"What is {i} + 1?"},
                                {"role": "assistant", "content": f"{i + 1}."}]} for i in range(16)]
         (d / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
@@ -150,14 +154,21 @@ def _config(text: str, what: str) -> None:
     bunsan.Config.load(data)
 
 
-@pytest.mark.parametrize("page,line,lang,text", [b for b in BLOCKS if b[2] in RUN],
-                         ids=[f"{b[0].name}:{b[1]}" for b in BLOCKS if b[2] in RUN])
+CONFIGS = [b for b in BLOCKS if b[2] == "json"]
+SCRIPTS = [b for b in BLOCKS if b[2] in RUN and b[2] != "json"]
+
+
+@pytest.mark.parametrize("page,line,lang,text", CONFIGS, ids=[f"{b[0].name}:{b[1]}" for b in CONFIGS])
+def test_json_block_loads(page, line, lang, text):
+    _config(text, f"{page.relative_to(ROOT)}:{line} ({lang})")
+
+
+@pytest.mark.e2e         # each block as the user runs it: a script, or a shell with the `bunsan` command
+@pytest.mark.parametrize("page,line,lang,text", SCRIPTS, ids=[f"{b[0].name}:{b[1]}" for b in SCRIPTS])
 def test_block_runs(workdirs, page, line, lang, text):
     cwd = workdirs[page]
     what = f"{page.relative_to(ROOT)}:{line} ({lang})"
-    if lang == "json":
-        _config(text, what)
-    elif lang == "python":
+    if lang == "python":
         script = cwd / f"block_{line}.py"
         script.write_text(text)
         _run([sys.executable, script.name], cwd, what)
