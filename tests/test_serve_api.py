@@ -21,7 +21,8 @@ except ImportError:          # requirements-dev.txt pins it; without it only the
 needs_openai = pytest.mark.skipif(openai is None, reason="the openai client is not installed: "
                                                          "pip install -r requirements-dev.txt")
 
-from serve_harness import PROMPTS, Server, offline  # noqa: E402  (needs httpx and uvicorn)
+from serve_harness import PROMPTS, Server, http_get, http_stream, offline  # noqa: E402  (needs httpx and uvicorn)
+from serve_harness import one_torch_thread  # noqa: E402,F401  (autouse: torch on one thread here)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +156,7 @@ def test_ollama_generate_chat_and_tags(server, model):
     body = {"model": "tiny", "prompt": PROMPTS[5], "options": {"temperature": 0, "num_predict": 8, "num_ctx": 64}}
     whole = server.post(body | {"stream": False}, path="/api/generate").json()
     assert whole["response"] == want and whole["done"] and whole["eval_count"] == 8
-    with httpx.stream("POST", server.url + "/api/generate", json=body, timeout=60) as r:
+    with http_stream("POST", server.url + "/api/generate", json=body, timeout=60) as r:
         assert r.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert "".join(x["response"] for x in lines) == want and lines[-1]["done_reason"] == "length"
@@ -165,7 +166,7 @@ def test_ollama_generate_chat_and_tags(server, model):
     chat = server.post({"model": "tiny:latest", "messages": messages, "stream": False,
                         "options": {"temperature": 0, "num_predict": 6}}, path="/api/chat").json()
     assert chat["message"]["content"] == offline(model, server.tokenizer, chatml(messages), 6)
-    assert [m["name"] for m in httpx.get(server.url + "/api/tags").json()["models"]] == ["tiny", "alias"]
+    assert [m["name"] for m in http_get(server.url + "/api/tags").json()["models"]] == ["tiny", "alias"]
     missing = server.post({"model": "llama3", "prompt": "x"}, path="/api/generate")
     assert missing.status_code == 404 and "llama3" in missing.json()["error"]
     assert server.post({"model": "tiny", "prompt": "x", "options": {"mirostat": 2}}, path="/api/generate"

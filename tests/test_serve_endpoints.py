@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -17,7 +16,8 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 
-from serve_harness import Server  # noqa: E402
+from serve_harness import CEILING_S, Server, http_get, http_post, http_stream, wait_for  # noqa: E402
+from serve_harness import one_torch_thread  # noqa: E402,F401  (autouse: torch on one thread here)
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +57,11 @@ def test_embeddings_are_the_models_last_hidden_state(server, model):
     torch.testing.assert_close(decoded, want[0], rtol=1e-5, atol=1e-6)
     by_ids = client.embeddings.create(model="tiny", input=[server.tokenizer.encode(texts[0])])
     torch.testing.assert_close(torch.tensor(by_ids.data[0].embedding), want[0], rtol=1e-5, atol=1e-6)
-    r = httpx.post(server.url + "/api/embed", json={"model": "tiny", "input": texts})
+    r = http_post(server.url + "/api/embed", json={"model": "tiny", "input": texts})
     assert r.status_code == 200 and r.json()["prompt_eval_count"] == reply.usage.prompt_tokens
     for got, w in zip(r.json()["embeddings"], want):
         torch.testing.assert_close(torch.tensor(got), w, rtol=1e-5, atol=1e-6)
-    r = httpx.post(server.url + "/api/embeddings", json={"model": "tiny", "prompt": texts[0]})
+    r = http_post(server.url + "/api/embeddings", json={"model": "tiny", "prompt": texts[0]})
     torch.testing.assert_close(torch.tensor(r.json()["embedding"]), want[0], rtol=1e-5, atol=1e-6)
 
 
@@ -76,14 +76,14 @@ def test_embeddings_are_the_models_last_hidden_state(server, model):
     ("/api/show", {}, 400, "model is missing"),
     ("/api/show", {"model": "nope"}, 404, "not found")])
 def test_bad_requests_to_them_are_4xx(server, path, body, status, words):
-    r = httpx.post(server.url + path, json=body)
+    r = http_post(server.url + path, json=body)
     assert r.status_code == status and words in r.text, r.text
 
 
 def test_metrics_count_what_was_served(server):
     def scrape() -> dict:
         from prometheus_client.parser import text_string_to_metric_families
-        text = httpx.get(server.url + "/metrics").text
+        text = http_get(server.url + "/metrics").text
         return {(s.name, s.labels.get("finished_reason")): s.value for f in text_string_to_metric_families(text)
                 for s in f.samples}
     before = scrape()
@@ -104,30 +104,40 @@ def test_metrics_count_what_was_served(server):
 
 
 def test_metrics_show_the_blocks_a_running_request_holds(server, monkeypatch):
-    """Scraped while a streamed request runs (each forward slowed, so it still runs): it is running and holds
-    the blocks of its tokens so far."""
-    import time
+    """Scraped while a streamed request runs (its steps held after the first two, so it still runs): it is
+    running and holds the blocks of its tokens so far."""
+    import threading
 
     from prometheus_client.parser import text_string_to_metric_families
-    forward = server.batcher._forward
-    monkeypatch.setattr(server.batcher, "_forward", lambda *a: (time.sleep(0.05), forward(*a))[1])
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
-                      json={"prompt": "a" * 40, "max_tokens": 32, "temperature": 0, "stream": True}) as r:
-        lines = r.iter_lines()
-        next(lines)                                                     # its first token is out
-        text = httpx.get(server.url + "/metrics").text
-        seen = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-        for _ in lines:
-            pass
+    forward, permits = server.batcher._forward, threading.Semaphore(0)
+
+    def held(*a):
+        assert permits.acquire(timeout=CEILING_S), "no permit: the test hung"
+        return forward(*a)
+    monkeypatch.setattr(server.batcher, "_forward", held)
+    permits.release(2)                                                  # the prefill and one decoding step
+    steps = server.batcher.steps
+    try:
+        with http_stream("POST", server.url + "/v1/completions",
+                         json={"prompt": "a" * 40, "max_tokens": 32, "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            wait_for(lambda: server.batcher.steps == steps + 1, "its first decoding step", server.thread.is_alive)
+            text = http_get(server.url + "/metrics").text
+            seen = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+            permits.release(64)
+            for _ in lines:
+                pass
+    finally:
+        permits.release(64)
     assert seen["bunsan_num_requests_running"] == 1
     assert seen["bunsan_kv_cache_blocks_used"] >= -(-41 // server.batcher.pool.block_size)
 
 
 def test_ollama_show_and_ps(server, model):
-    show = httpx.post(server.url + "/api/show", json={"model": "tiny"}).json()
+    show = http_post(server.url + "/api/show", json={"model": "tiny"}).json()
     assert show["model_info"]["llama.block_count"] == model.config.num_hidden_layers
     assert show["model_info"]["general.parameter_count"] == sum(p.numel() for p in model.parameters())
     assert "<|im_start|>" in show["template"] and "embedding" in show["capabilities"]
-    ps = httpx.get(server.url + "/api/ps").json()["models"][0]
+    ps = http_get(server.url + "/api/ps").json()["models"][0]
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert ps["name"] == "tiny" and ps["size"] == weights + server.batcher.cache.nbytes and ps["size_vram"] == 0

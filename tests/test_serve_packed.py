@@ -10,6 +10,7 @@ from parity import tiny_model
 
 pytest.importorskip("httpx")
 from serve_harness import run_until_done  # noqa: E402  (needs httpx)
+from serve_harness import one_torch_thread  # noqa: E402,F401  (autouse: torch on one thread here)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -20,7 +20,8 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
-from serve_harness import Server  # noqa: E402
+from serve_harness import Server, http_stream  # noqa: E402
+from serve_harness import one_torch_thread  # noqa: E402,F401  (autouse: torch on one thread here)
 
 
 class Weather(pydantic.BaseModel):
@@ -70,7 +71,7 @@ def test_streamed_and_n_sequences_each_follow_the_grammar(server):
                      "guided_choice": ["alpha", "beta"]}, path="/v1/chat/completions")
     assert r.status_code == 200, r.text
     assert {c["message"]["content"] for c in r.json()["choices"]} <= {"alpha", "beta"}
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=60, json={
+    with http_stream("POST", server.url + "/v1/completions", timeout=60, json={
             "prompt": "n=", "stream": True, "max_tokens": 50, "guided_regex": r"\d{4}"}) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     assert re.fullmatch(r"\d{4}", "".join(e["choices"][0]["text"] for e in events))
