@@ -8,9 +8,6 @@ Gemma: the tokenizer's own eos_token is the end of text)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,9 +16,8 @@ transformers = pytest.importorskip("transformers")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from serve_harness import free_port, wait_until_healthy  # noqa: E402
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+from serve_harness import Server, http_post  # noqa: E402
+from serve_harness import one_torch_thread  # noqa: E402,F401  (autouse: torch on one thread here)
 
 # Each family's turn format, written here (shortened to what a one-turn chat uses): specials, the tokenizer's
 # eos_token, generation_config.json's eos tokens (None: no file), bos, the template.
@@ -76,13 +72,12 @@ def _model_dir(folder, family):
 
 
 def _chat(url: str, content: str) -> dict:
-    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+    r = http_post(url + "/v1/chat/completions", json={
         "messages": [{"role": "user", "content": content}], "max_tokens": 16, "temperature": 0})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
 
-@pytest.mark.e2e         # `bunsan serve` started as a server process
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_fine_tune_then_serve_with_the_models_own_template_ending_at_end_of_turn(pools, tmp_path, family):
     base = tmp_path / "base"
@@ -96,16 +91,11 @@ def test_fine_tune_then_serve_with_the_models_own_template_ending_at_end_of_turn
                       "40", "--micro-batch", "4", "--seq-len", "32", "--lr", "3e-3", "--output", run,
                       "--set", "data.val_fraction=0", "--set", "scheduler.params.warmup_steps=0"], cwd=tmp_path)[0]
     assert r.returncode == 0, r.stdout + r.stderr
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "bunsan.cli", "serve", "--checkpoint", str(run), "--port",
-                               str(port), "--slots", "1", "--context", "128"], env=ENV, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    # the run loaded by `bunsan serve`'s own code, served in this process (test_serve_processes launches it)
+    server = Server.of_command("--checkpoint", run, "--slots", "1", "--context", "128")
     try:
-        wait_until_healthy(server, url)
-        choice = _chat(url, "Q3")
+        choice = _chat(server.url, "Q3")
         assert choice["finish_reason"] == "stop", choice           # ended at the end of turn, not at max_tokens
         assert choice["message"]["content"].strip() == "Sure."
     finally:
-        server.kill()
-        server.wait()
+        server.close()
