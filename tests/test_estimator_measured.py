@@ -1,7 +1,8 @@
 """The estimate against real runs: 15 layouts of a 20M-parameter Llama on 2 gloo ranks (CPU).
 
 Model-state bytes must agree within 5% and the peak resident set within 15% (issue #6). Each layout gets
-fresh worker processes, so one layout's heap cannot inflate the next one's peak.
+fresh worker processes (forked: cheap), so one layout's heap cannot inflate the next one's peak; a forked
+rank's baseline counts its parent's library pages as a started process would (estimate_runs.resident_as_started).
 """
 
 import pytest
