@@ -1,6 +1,11 @@
 """`scripts/gpu-check --dry-run`: the GPU self-check, end to end on the CPU, so that it cannot rot between the
 rare runs on a lent GPU machine. Every row the GPU run reports must be present here and pass; the expected
 rows are listed in this file (not read from the script), so a row the script stopped running fails the test.
+
+The dry run is one command run as its users run it (sections in processes of their own, a server, `bunsan
+generate`), shared by every test that reads its report: the end-to-end tier. It has no time budget (a loaded
+machine makes it slow, never skipped); the budget of a real run and the verdict on a skip are checked without
+running a section, in the fast tier.
 """
 
 from __future__ import annotations
@@ -15,7 +20,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu-check"
-DRY_RUN_TIMEOUT_S = 290          # above the dry run's own limit (260 s): a slow machine gets its report, not a kill
+# A ceiling that only catches a hang (the dry run has no time limit; its sections' own ceiling is 900 s each).
+DRY_RUN_HANG_S = 1800
+
+
+def dry_run(test):
+    """A test of the dry run's report: end-to-end tier, and a ceiling over the report's making (the setup of
+    whichever such test runs first)."""
+    return pytest.mark.e2e(pytest.mark.timeout(DRY_RUN_HANG_S + 60)(test))
+
 
 EXPECTED = {
     "preflight": ["environment"],
@@ -39,7 +52,7 @@ EXPECTED = {
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-check")
     done = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--out", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=DRY_RUN_TIMEOUT_S)
+                          text=True, timeout=DRY_RUN_HANG_S)
     log = (out / "gpu-check.log").read_text() if (out / "gpu-check.log").exists() else ""
     assert done.returncode == 0, f"rc {done.returncode}\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}\n{log[-6000:]}"
     return json.loads((out / "gpu-check.json").read_text())
@@ -49,7 +62,7 @@ def _rows(report) -> dict:
     return {(r["section"], r["name"]): r for r in report["rows"]}
 
 
-@pytest.mark.timeout(DRY_RUN_TIMEOUT_S + 20)
+@dry_run
 def test_every_row_is_there_and_passed(report):
     rows = _rows(report)
     expected = {(s, n) for s, names in EXPECTED.items() for n in names}
@@ -61,11 +74,14 @@ def test_every_row_is_there_and_passed(report):
     assert report["counts"] == {"pass": len(rows), "fail": 0, "skipped": 0}
     assert {s["name"] for s in report["sections"]} == set(EXPECTED) - {"preflight"}
     assert all(s["rc"] == 0 and not s["timed_out"] for s in report["sections"])
+    # no budget anywhere in a dry run: none for the check, none for a section
+    assert report["time_limit_s"] is None and all(s["budget_s"] is None for s in report["sections"])
     for key in ("date", "commit", "machine", "elapsed_s"):
         assert report[key], key
     assert report["machine"]["torch"] and "python" in report["machine"]
 
 
+@dry_run
 def test_parity_rows_compare_losses_that_move(report):
     rows = _rows(report)
     for name in EXPECTED["single"] + EXPECTED["shared_gpu"]:
@@ -76,6 +92,7 @@ def test_parity_rows_compare_losses_that_move(report):
         assert all(math.isfinite(x) for x in n["losses"]), name
 
 
+@dry_run
 def test_every_shared_gpu_row_checked_tensors_on_both_ranks(report):
     rows = _rows(report)
     for name in EXPECTED["shared_gpu"]:
@@ -88,6 +105,7 @@ def test_every_shared_gpu_row_checked_tensors_on_both_ranks(report):
     assert rows[("shared_gpu", "gloo pp2 1f1b")]["numbers"]["layout"] == {"dp": 1, "tp": 1, "pp": 2}
 
 
+@dry_run
 def test_sync_rows_count_the_steps_host_reads(report):
     rows = _rows(report)
     for name in EXPECTED["syncs"]:
@@ -100,6 +118,7 @@ def test_sync_rows_count_the_steps_host_reads(report):
         assert any(w.startswith("bunsan/engine/engine.py") for w in n["sync_sources"]), n["sync_sources"]
 
 
+@dry_run
 def test_throughput_and_memory_rows_have_their_figures(report):
     rows = _rows(report)
     assert rows[("throughput", "matmul reference rate")]["numbers"]["flops_per_s"] > 0
@@ -117,6 +136,7 @@ def test_throughput_and_memory_rows_have_their_figures(report):
         assert isinstance(n["target"]["met"], bool)
 
 
+@dry_run
 def test_inference_rows_generate_and_serve(report):
     rows = _rows(report)
     placed = rows[("inference", "generate --device-map auto (command)")]["numbers"]["placement"]
@@ -127,6 +147,7 @@ def test_inference_rows_generate_and_serve(report):
 
 
 
+@dry_run
 def test_kernel_rows_carry_the_figures_the_planner_is_fitted_to(report):
     rows = _rows(report)
     gemm = rows[("kernels", "gemm by shape")]["numbers"]
@@ -160,19 +181,35 @@ def test_loss_comparison_fails_on_a_wrong_step_a_nan_and_an_insensitive_referenc
             compare_losses(Row("s", "bad"), got, want, 3e-2, "ref")
 
 
-def test_a_dry_run_fails_when_a_row_is_skipped(tmp_path):
-    """A time limit too short to start any section: the section is recorded as skipped, and in a dry run a skip
-    fails the run (exit 1), so a dry run that silently ran nothing cannot pass."""
-    done = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--sections", "single", "--time-limit", "5", "--out",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1, done.stdout + done.stderr
-    rep = json.loads((tmp_path / "gpu-check.json").read_text())
-    assert rep["passed"] is False and rep["counts"]["skipped"] == 1
+def test_only_a_real_run_has_a_budget_and_a_skip_fails_a_dry_run(tmp_path, on_path):
+    """What a budget does, without running a section. A real run (a lent GPU's lease ends hard) gives each
+    section its budget within the time limit, skips a section the limit cannot hold and a row its section's
+    budget cannot, and passes with a skipped row (the rest stands). A dry run has no budget, runs every row
+    whatever it needs, and fails on any skip: a dry run that silently ran nothing cannot pass."""
+    from benchmarks.gpu_check.__main__ import GRACE_S, _deadline, _not_started, _passed, main
+    from benchmarks.gpu_check.common import Row, Section
+    now, ok = 1000.0, Row("preflight", "environment")
+    assert _deadline(45, now + 460, now) == now + 45 and _deadline(None, now + 460, now) == now + 460 - GRACE_S
+    spent = _deadline(45, now + 5, now)
+    assert _not_started("single", ok, spent, now, 460).status == "skipped"
+    assert _not_started("single", ok, _deadline(45, now + 460, now), now, 460) is None
+    assert _not_started("single", ok, None, now, None) is None                       # a dry run's section
+    broken = Row("preflight", "environment", status="fail", why="no CUDA")
+    assert _not_started("single", broken, None, now, None).status == "fail"
+    skipped = {"pass": 3, "fail": 0, "skipped": 1}
+    assert not _passed(skipped, dry_run=True) and _passed(skipped, dry_run=False)
+    assert not _passed({"pass": 3, "fail": 1, "skipped": 0}, dry_run=False)
+    ran = []
+    real = Section("single", str(tmp_path / "real.jsonl"), time.time() - 1.0, dry_run=False)     # budget spent
+    assert real.run("row", lambda row: ran.append("real"), 5.0).status == "skipped" and not ran
+    dry = Section("single", str(tmp_path / "dry.jsonl"), None, dry_run=True)
+    assert dry.run("row", lambda row: ran.append("dry"), 1e9).status == "pass" and ran == ["dry"]
+    assert main(["--dry-run", "--time-limit", "5", "--out", str(tmp_path)]) == 2      # refused: no budget there
 
 
 def test_a_crashed_section_fails_its_rows(tmp_path, on_path):
     from benchmarks.gpu_check.__main__ import _section
     with open(tmp_path / "log", "w") as log:
-        rows, info = _section("no_such_section", time.time() + 60, True, tmp_path, log)
+        rows, info = _section("no_such_section", None, True, tmp_path, log)
     assert info["rc"] != 0 and [r["status"] for r in rows] == ["fail"]
     assert "ModuleNotFoundError" in rows[0]["why"] or "No module" in rows[0]["why"]

@@ -11,7 +11,9 @@ the assumption the planner prices their steps on.
 The last row measures what the first H100 run left open: `train.compile` with whole-block recompute peaked at
 1.31x the estimate where eager recompute was within 1%. One 1B model, bf16, per mode (eager recompute, compiled
 recompute as bunsan applies it, and the compile inside the checkpoint instead): the bytes held after forward
-and the step's peak. A dry run: tiny sizes on the CPU (no CUDA peaks: held bytes by pack hooks only).
+and the step's peak. A dry run: the smallest sizes each row's logic takes, on the CPU (one shape per GEMM kind,
+two lengths for flash attention's chunk rows, one step per recompute mode; torch.compile through aot_eager; no CUDA
+peaks: held bytes by pack hooks only).
 """
 
 from __future__ import annotations
@@ -34,32 +36,34 @@ def main(section: Section) -> None:
     dtype = torch.bfloat16
 
     def gemm(row):
-        big = 256 if dry else 8192
+        big = 64 if dry else 8192
         ref = torch.randn(big, big, device=dev, dtype=dtype)
         best = 2 * big ** 3 / bk.timed(lambda: ref @ ref, dev) / 1e12
         del ref
-        rows = bk.gemms(dev, dtype, [64, 128] if dry else bk.TOKENS, [(128, 256), (256, 128)] if dry else bk.GEMM_KN)
+        rows = bk.gemms(dev, dtype, [32] if dry else bk.TOKENS, [(32, 64)] if dry else bk.GEMM_KN)
         for r in rows:
             r["of_reference"] = round(r["tflops"] / best, 4)
         row.numbers.update(reference_tflops=best, reference_n=big, gemms=rows)
         check(all(r["tflops"] > 0 for r in rows), "a GEMM timed at zero")
         fractions = sorted(r["of_reference"] for r in rows)
         long_rows = [r["of_reference"] for r in rows if r["m"] >= 4096] or fractions
-        row.headline = (f"{len(rows)} GEMMs against {big}^3 at {best:.0f} TFLOP/s: median {statistics.median(fractions):.2f}"
+        row.headline = (f"{len(rows)} GEMMs against {big}^3 at {best:.0f} TFLOP/s: median "
+                        f"{statistics.median(fractions):.2f}"
                         f" of it, {min(fractions):.2f}-{max(fractions):.2f}; at >= 4096 tokens median "
                         f"{statistics.median(long_rows):.2f}")
 
     def flash(row):
-        rows = bk.flash(dev, dtype, [64, 128] if dry else bk.SEQS, 256 if dry else 16384, 4 if dry else 32,
-                        32 if dry else 128)
+        rows = bk.flash(dev, dtype, [16, 32] if dry else bk.SEQS, 32 if dry else 16384, 2 if dry else 32,
+                        16 if dry else 128)
         row.numbers.update(flash=rows)
         causal = [r for r in rows if r["kind"] == "causal"]
         top = max(r["tflops"] for r in causal)
         row.numbers["causal_of_best"] = {r["seq"]: round(r["tflops"] / top, 3) for r in causal}
-        row.headline = "causal fwd+bwd TFLOP/s by length: " + ", ".join(f"{r['seq']}: {r['tflops']:.0f}" for r in causal)
+        row.headline = "causal fwd+bwd TFLOP/s by length: " + ", ".join(f"{r['seq']}: {r['tflops']:.0f}"
+                                                                      for r in causal)
 
     def elementwise(row):
-        out = bk.elementwise(dev, dtype, 128 if dry else 16384, 256 if dry else 4096, 512 if dry else 14336,
+        out = bk.elementwise(dev, dtype, 16 if dry else 16384, 64 if dry else 4096, 128 if dry else 14336,
                              4 if dry else 32, 2 if dry else 8)
         row.numbers.update(out)
         row.headline = f"copy {out['copy_bytes_per_s'] / 1e9:.0f} GB/s; forward passes " + ", ".join(
@@ -69,18 +73,18 @@ def main(section: Section) -> None:
         # `bunsan plan` prices a Llama-form transformers model's step as bunsan's Llama of its shape: the ratio here
         # is that assumption on this GPU (benchmarks/bench_hf_blocks.py's code; one CPU thread measured it in fp32)
         import benchmarks.bench_hf_blocks as hb
-        dims = dict(vocab_size=512 if dry else 32000, hidden_size=128 if dry else 2048,
-                    num_hidden_layers=2 if dry else 16, num_attention_heads=4 if dry else 16,
-                    num_key_value_heads=2 if dry else 8, intermediate_size=352 if dry else 5632,
+        dims = dict(vocab_size=128 if dry else 32000, hidden_size=64 if dry else 2048,
+                    num_hidden_layers=1 if dry else 16, num_attention_heads=4 if dry else 16,
+                    num_key_value_heads=2 if dry else 8, intermediate_size=128 if dry else 5632,
                     max_position_embeddings=2048)
-        ids = torch.randint(0, dims["vocab_size"], (2, 64) if dry else (4, 2048), device=dev)
+        ids = torch.randint(0, dims["vocab_size"], (1, 16) if dry else (4, 2048), device=dev)
         seconds = {}
         for name, build in hb.models(dims).items():
             free_memory()
             torch.manual_seed(0)
             with torch.device(dev):     # drawn where it runs (five 1B models drawn on the CPU take a while)
                 model = build().to(dtype)
-            seconds[name] = hb.step_seconds(model, ids, 2 if dry else 5)
+            seconds[name] = hb.step_seconds(model, ids, 1 if dry else 5)
             del model
         base = seconds["bunsan Llama"]
         row.numbers.update(dims=dims, tokens=list(ids.shape), step_s=seconds,
@@ -95,14 +99,15 @@ def main(section: Section) -> None:
         from bunsan.models import Llama
         from bunsan.transforms.checkpointing import apply_activation_checkpointing
         from bunsan.transforms.compile import apply_compile
-        preset, mb, seq = ("tiny", 2, 64) if dry else ("1b", 4, 2048)
+        preset, mb, seq = ("tiny", 1, 16) if dry else ("1b", 4, 2048)
+        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1) if dry else {}
         results = {}
         for mode in ("eager recompute", "compiled recompute", "compile inside the checkpoint"):
             free_memory()
             torch._dynamo.reset()
             torch.manual_seed(0)
             with torch.device(dev):     # drawn where it runs (a 1B model drawn on the CPU takes seconds)
-                model = Llama(llama_config(preset)).to(dtype)
+                model = Llama(llama_config(preset, **shape)).to(dtype)
             if mode == "compile inside the checkpoint":
                 for block in model.layers:
                     inner = torch.compile(block.forward)
@@ -113,7 +118,7 @@ def main(section: Section) -> None:
                     apply_compile(model)
             ids = torch.randint(0, model.config.vocab_size, (mb, seq), device=dev)
             params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-            for _ in range(2):          # the first step compiles
+            for _ in range(1 if dry else 2):        # the first step compiles (a dry run measures nothing)
                 saved = {}
 
                 def pack(t):

@@ -60,7 +60,7 @@ def _train(rank: int, name: str, sz, ckpt_dir: str | None) -> dict:
     extra = LAYOUTS[name]
     cfg = config(extra, sz)
     data = token_batches(sz.steps, sz.rows, sz.seq)
-    engine = bunsan.initialize(build_model(sz.preset, seed=0), cfg)
+    engine = bunsan.initialize(build_model(sz.preset, seed=0, **sz.model), cfg)
     out = {"device": str(engine.device), "rank": engine.mesh.rank, "dp": engine.dp_size, "tp": engine.tp_size,
            "pp": engine.pp_size}
 
@@ -82,7 +82,7 @@ def _train(rank: int, name: str, sz, ckpt_dir: str | None) -> dict:
     out["losses"].append(step(engine, data[-1]))
     checked = engine.comm.tensors_checked
     del engine
-    fresh = bunsan.initialize(build_model(sz.preset, seed=7), cfg)
+    fresh = bunsan.initialize(build_model(sz.preset, seed=7, **sz.model), cfg)
     fresh.load_checkpoint(ckpt_dir, tag="gpu-check")
     out["resumed_loss"] = step(fresh, data[-1])
     out["resumed_step"] = fresh.global_step
@@ -108,7 +108,7 @@ def main(section: Section) -> None:
     if dev.type == "cuda":    # the reference in fp32 on the same GPU, TF32 off as in the ranks
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    reference = reference_losses(build_model(sz.preset, seed=0), data,
+    reference = reference_losses(build_model(sz.preset, seed=0, **sz.model), data,
                                  lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM), dev)
     state = {"ranks": None}
     tmp = tempfile.mkdtemp(prefix="bunsan-gpu-check-ckpt-")

@@ -16,6 +16,7 @@ from .common import Section, begin, build_model, check, clone, compare_losses, f
 RTOL_16BIT = 3e-2
 LR = 1e-3          # AdamW; on token_batches the fp32 loss falls 20-35% in 3-4 steps, smoothly
 LORA_LR = 3e-3     # adapters start at B = 0 and move the loss more slowly
+DRY_LORA_LR = 1e-2     # the dry run's two-layer model: at 3e-3 its loss moves within the tolerance in 3 steps
 
 # row -> (precision, config sections on top of the base); ZeRO-3 NVMe offload gets its directory at run time
 LAYOUTS = {
@@ -39,14 +40,14 @@ LAYOUTS = {
 }
 
 
-def lr(name: str) -> float:
-    return LORA_LR if "lora" in LAYOUTS[name][1] else LR
+def lr(name: str, dry: bool = False) -> float:
+    return (DRY_LORA_LR if dry else LORA_LR) if "lora" in LAYOUTS[name][1] else LR
 
 
-def config(name: str, sz, nvme_dir: str | None = None) -> dict:
+def config(name: str, sz, nvme_dir: str | None = None, dry: bool = False) -> dict:
     precision, extra = LAYOUTS[name]
     cfg = {"train_micro_batch_size_per_gpu": sz.rows // 2, "gradient_accumulation_steps": 2,
-           "optimizer": {"type": "AdamW", "params": {"lr": lr(name), "weight_decay": 0.0}},
+           "optimizer": {"type": "AdamW", "params": {"lr": lr(name, dry), "weight_decay": 0.0}},
            "data": {"seq_len": sz.seq}, "train": {"seed": 1234}}
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
@@ -71,7 +72,8 @@ def main(section: Section) -> None:
     from bunsan.transforms.lora import apply_lora
 
     sz, dev, data = begin(section, LAYOUTS)
-    base = build_model(sz.preset, seed=0)
+    dry = section.dry_run
+    base = build_model(sz.preset, seed=0, **sz.model)
     cpu = torch.device("cpu")
     reference = reference_losses(clone(base), data, adamw(LR), cpu)
 
@@ -79,7 +81,7 @@ def main(section: Section) -> None:
 
     def run(row, name):
         with tempfile.TemporaryDirectory(prefix="bunsan-gpu-check-nvme-") as nvme:
-            cfg = config(name, sz, nvme)
+            cfg = config(name, sz, nvme, dry)
             model = clone(base)
             ref_model = clone(base)
             if cfg.get("lora", {}).get("enabled"):    # the reference gets the same adapters, drawn the same way
@@ -103,7 +105,7 @@ def main(section: Section) -> None:
                                    host_bytes=mem.get("host"), disk_bytes=mem.get("disk"))
             want = reference
             if any(skipped) or cfg.get("lora", {}).get("enabled"):     # a reference of its own
-                want = reference_losses(ref_model, data, adamw(lr(name)), cpu, skip=skipped)
+                want = reference_losses(ref_model, data, adamw(lr(name, dry)), cpu, skip=skipped)
             compare_losses(row, losses, want, RTOL_16BIT, "CPU fp32")
             ran[name] = losses
             if engine.scaler is not None:
@@ -119,7 +121,7 @@ def main(section: Section) -> None:
         if name in ran:
             losses[False] = ran[name]
         for round_trip in (False, True) if name not in ran else (True,):
-            engine, *_ = deepspeed.initialize(model=clone(base), config=config(name, sz))
+            engine, *_ = deepspeed.initialize(model=clone(base), config=config(name, sz, dry=dry))
             got = []
             for k, batch in enumerate(data):
                 got.append(engine.bunsan.train_batch(batch))

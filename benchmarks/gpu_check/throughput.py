@@ -9,9 +9,9 @@ weights beside its fp32 master; autocast casts the fp32 weights at each use inst
 F.cross_entropy(logits.float()) that most loops write. MFU = tokens/s x (6N + 12 L h s) / the GPU's dense bf16
 peak (bunsan.metrics.PEAK_BF16_FLOPS, NVIDIA's datasheet); an 8192^3 bf16 matrix product gives the measured
 ceiling beside it. The issue's targets (>= 45% MFU compiled; bunsan >= torch's loop) are reported as met or
-not; a row fails only if its steps error. A dry run: the tiny preset, sequence 64, compile off (inductor's
-compile would dominate a CPU dry run), no MFU (a CPU has no known peak), memory against the CPU-side estimate, and
-a simulated out-of-memory at the first micro-batch so that the search's retry path runs too.
+not; a row fails only if its steps error. A dry run: a two-layer tiny model, sequence 16, one timed step, compile
+off (its rows run eager), no MFU (a CPU has no known peak), memory against the CPU-side estimate, and a
+simulated out-of-memory at the first micro-batch so that the search's retry path runs too.
 """
 
 from __future__ import annotations
@@ -35,11 +35,13 @@ class Plan:
     timed: int
     compile: bool
     matmul: int                # n of the n x n x n reference product
+    model: dict = field(default_factory=dict)    # the preset's fields changed
 
 
 GPU_PLAN = Plan("1b", 2048, (16, 8, 4, 2, 1), warmup=2, timed=5, compile=True, matmul=8192)
-DRY_PLAN = Plan("tiny", 64, (4, 2, 1), warmup=1, timed=2, compile=False, matmul=512)
-DRY_SIMULATED_OOM_ABOVE = 2    # dry run, first bunsan run: micro-batches above this "run out of memory"
+DRY_PLAN = Plan("tiny", 16, (2, 1), warmup=1, timed=1, compile=False, matmul=128,
+                model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2))
+DRY_SIMULATED_OOM_ABOVE = 1    # dry run, first bunsan run: micro-batches above this "run out of memory"
 
 # runs: (row, who, compile, checkpointing, seconds it needs on the GPU: a compile takes most of it)
 RUNS = [
@@ -164,7 +166,7 @@ def main(section: Section) -> None:
     dev = device(dry)
     plan = DRY_PLAN if dry else GPU_PLAN
     section.plan([MATMUL_ROW] + [r[0] for r in RUNS] + [memory_row(r[0]) for r in RUNS if r[1] == "bunsan"])
-    cfg = llama_config(plan.preset)
+    cfg = llama_config(plan.preset, **plan.model)
     flops_tok = flops_per_token(cfg, plan.seq)
     peak = peak_flops(dev)
     peak_name = (f"{torch.cuda.get_device_name(dev)}: {peak / 1e12:.1f} TFLOP/s dense bf16 (NVIDIA datasheet, "
@@ -199,7 +201,7 @@ def main(section: Section) -> None:
         # built (and drawn) on the GPU: a meta model would be materialised with bunsan's seeded init, which
         # draws each weight on the CPU for device-independent values (seconds per 1B build, here only waste)
         with torch.device(dev):
-            model = Llama(llama_config(plan.preset))
+            model = Llama(llama_config(plan.preset, **plan.model))
         engine = bunsan.initialize(model, config)
         if simulate["left"] and mb > DRY_SIMULATED_OOM_ABOVE:
             simulate["left"] = False
@@ -221,7 +223,7 @@ def main(section: Section) -> None:
         _start_over(compiled)
         torch.manual_seed(0)
         with torch.device(dev):
-            model = Llama(llama_config(plan.preset))
+            model = Llama(llama_config(plan.preset, **plan.model))
         if compiled:        # as bunsan's apply_compile: each block, the repeated blocks sharing one graph
             for block in model.layers:
                 block.compile()
