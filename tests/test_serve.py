@@ -1,6 +1,10 @@
 """`bunsan serve` on loopback: concurrent completions equal offline greedy generation, streaming, stop strings,
 4xx answers for bad input, limits, and a clean shutdown."""
 
+# Served in this process (serve_harness.Server) but for two --tp 2 tests (e2e): `bunsan serve --tp 2` launched as
+# a user starts it (the suite's one --tp 2 launch; started with the module, its start-up overlapping the rest),
+# and rank 0 idle past --timeout on a pool's ranks (real seconds of idle are its subject).
+
 from __future__ import annotations
 
 import json
@@ -61,8 +65,8 @@ def test_past_the_slots_requests_wait_and_are_all_answered_at_the_default_limits
 def test_streaming_sends_the_same_text_as_events(server, model):
     want = offline(model, server.tokenizer, PROMPTS[0], 20)
     chunks, done = [], False
-    with http_stream("POST", server.url + "/v1/completions", timeout=60,
-                      json={"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0, "stream": True}) as r:
+    with http_stream("POST", server.url + "/v1/completions",
+                     json={"prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if not line.startswith("data: "):
@@ -134,7 +138,7 @@ def test_sampling_is_seeded(server):
     ({"prompt": "x" * 5000}, 413, "exceeds the limit"),
 ])
 def test_bad_input_gets_a_4xx_with_the_reason(server, body, status, words):
-    r = (http_post(server.url + "/v1/completions", content=body, timeout=30) if isinstance(body, str)
+    r = (http_post(server.url + "/v1/completions", content=body) if isinstance(body, str)
          else server.post(body))
     assert r.status_code == status
     assert words in r.json()["error"]["message"]
@@ -153,8 +157,8 @@ def test_a_bad_request_among_good_ones_disturbs_nothing(server, model):
 def test_a_client_that_does_not_read_blocks_no_one(server, model):
     """A streaming client that never reads its events: the others are answered all the same."""
     want = offline(model, server.tokenizer, PROMPTS[4], 12)
-    with http_stream("POST", server.url + "/v1/completions", timeout=60,
-                      json={"prompt": PROMPTS[3], "max_tokens": 60, "stream": True, "temperature": 0}) as idle:
+    with http_stream("POST", server.url + "/v1/completions",
+                     json={"prompt": PROMPTS[3], "max_tokens": 60, "stream": True, "temperature": 0}) as idle:
         assert idle.status_code == 200                     # opened, then left unread
         with ThreadPoolExecutor(3) as pool:
             replies = list(pool.map(server.post, [{"prompt": PROMPTS[4], "max_tokens": 12, "temperature": 0}] * 3))
@@ -162,7 +166,7 @@ def test_a_client_that_does_not_read_blocks_no_one(server, model):
 
 
 def test_health(server):
-    h = http_get(server.url + "/health", timeout=10).json()
+    h = http_get(server.url + "/health").json()
     assert h["status"] == "ok" and h["slots"] == 3 and h["context"] == 96
 
 

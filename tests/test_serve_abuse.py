@@ -3,6 +3,10 @@ error shape and the server then answers as before; a body that never finishes, a
 uploading or while its answer is generated, stop strings past the limits; admission of waiting requests in
 one batched prefill; a bounded shutdown."""
 
+# Every server here is in this process. Where a test shows that something does not wait (a stalled body, a
+# client gone, a shutdown), the model's steps are let through one by one and the cause is waited for, never a
+# number of seconds. The two keep-alive tests idle real seconds (their subject): the e2e tier.
+
 from __future__ import annotations
 
 import json
@@ -114,7 +118,7 @@ def test_fuzz_malformed_requests_get_4xx_and_change_nothing(server, model):
     def send(item):
         path, body = item
         return item, http_post(server.url + path, content=body, timeout=CEILING_S,
-                                headers={"content-type": "application/json"})
+                               headers={"content-type": "application/json"})
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(send, bodies))
     wrong = [(item, r.status_code, r.text[:200]) for item, r in answers
@@ -269,7 +273,7 @@ def test_shutdown_answers_running_requests_with_an_error_within_the_grace(model)
 
     def stream():
         with http_stream("POST", s.url + "/v1/completions", timeout=CEILING_S,
-                          json=_with(GOOD, max_tokens=60, stream=True)) as r:
+                         json=_with(GOOD, max_tokens=60, stream=True)) as r:
             events.extend(line for line in r.iter_lines() if line.startswith("data: "))
     reader = threading.Thread(target=stream)
     try:

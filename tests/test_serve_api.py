@@ -21,7 +21,7 @@ except ImportError:          # requirements-dev.txt pins it; without it only the
 needs_openai = pytest.mark.skipif(openai is None, reason="the openai client is not installed: "
                                                          "pip install -r requirements-dev.txt")
 
-from serve_harness import PROMPTS, Server, http_get, http_stream, offline  # noqa: E402  (needs httpx and uvicorn)
+from serve_harness import CEILING_S, PROMPTS, Server, http_get, http_stream, offline  # noqa: E402  (httpx, uvicorn)
 from serve_harness import one_torch_thread  # noqa: E402,F401  (autouse: torch on one thread here)
 
 
@@ -39,7 +39,7 @@ def server(model):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=CEILING_S)
 
 
 def chatml(messages) -> str:
@@ -156,7 +156,7 @@ def test_ollama_generate_chat_and_tags(server, model):
     body = {"model": "tiny", "prompt": PROMPTS[5], "options": {"temperature": 0, "num_predict": 8, "num_ctx": 64}}
     whole = server.post(body | {"stream": False}, path="/api/generate").json()
     assert whole["response"] == want and whole["done"] and whole["eval_count"] == 8
-    with http_stream("POST", server.url + "/api/generate", json=body, timeout=60) as r:
+    with http_stream("POST", server.url + "/api/generate", json=body) as r:
         assert r.headers["content-type"].startswith("application/x-ndjson")
         lines = [json.loads(line) for line in r.iter_lines() if line]
     assert "".join(x["response"] for x in lines) == want and lines[-1]["done_reason"] == "length"

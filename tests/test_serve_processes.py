@@ -90,12 +90,12 @@ def test_answers_cross_the_processes_as_generate_gives_them(served, llama_dir):
     prompts = ["def f(x):", "import os", "class A:"]
     for prompt in prompts:
         r = http_post(s.url + "/v1/completions", timeout=CEILING_S,
-                       json={"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 2})
+                      json={"prompt": prompt, "max_tokens": 10, "temperature": 0, "logprobs": 2})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == offline(model, tokenizer, prompt, 10)
         assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"]) == 10
     embedded = http_post(s.url + "/v1/embeddings", json={"input": ["hello", "world"]},
-                          timeout=CEILING_S).json()
+                         timeout=CEILING_S).json()
     assert [len(d["embedding"]) for d in embedded["data"]] == [model.config.hidden_size] * 2
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     shaped = http_post(s.url + "/v1/chat/completions", timeout=CEILING_S, json={
@@ -191,7 +191,7 @@ def test_a_signal_drains_then_both_processes_end(served, how):
     s = served("shared" if how == "sigterm" else "free")
     http = s.http_pid()
     with http_stream("POST", s.url + "/v1/completions", timeout=CEILING_S,
-                      json={"prompt": "a", "max_tokens": 90, "temperature": 0, "stream": True}) as r:
+                     json={"prompt": "a", "max_tokens": 90, "temperature": 0, "stream": True}) as r:
         lines = r.iter_lines()
         next(lines)
         if how == "sigterm":
@@ -238,7 +238,7 @@ def test_one_process_serves_the_same(served, llama_dir):
     s = served("one-process")
     try:
         r = http_post(s.url + "/v1/completions", timeout=CEILING_S,
-                       json={"prompt": "x = ", "max_tokens": 8, "temperature": 0})
+                      json={"prompt": "x = ", "max_tokens": 8, "temperature": 0})
         assert r.json()["choices"][0]["text"] == offline(llama_dir[1], load_tokenizer(None), "x = ", 8)
         children = open(f"/proc/{s.proc.pid}/task/{s.proc.pid}/children").read().split()
         assert not [c for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]

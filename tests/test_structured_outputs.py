@@ -20,7 +20,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
-from serve_harness import Server, http_stream  # noqa: E402
+from serve_harness import CEILING_S, Server, http_stream  # noqa: E402
 from serve_harness import one_torch_thread  # noqa: E402,F401  (autouse: torch on one thread here)
 
 
@@ -39,7 +39,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=CEILING_S)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -71,7 +71,7 @@ def test_streamed_and_n_sequences_each_follow_the_grammar(server):
                      "guided_choice": ["alpha", "beta"]}, path="/v1/chat/completions")
     assert r.status_code == 200, r.text
     assert {c["message"]["content"] for c in r.json()["choices"]} <= {"alpha", "beta"}
-    with http_stream("POST", server.url + "/v1/completions", timeout=60, json={
+    with http_stream("POST", server.url + "/v1/completions", json={
             "prompt": "n=", "stream": True, "max_tokens": 50, "guided_regex": r"\d{4}"}) as s:
         events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     assert re.fullmatch(r"\d{4}", "".join(e["choices"][0]["text"] for e in events))
@@ -199,7 +199,7 @@ def bpe_server(tmp_path_factory):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_the_parse_helper_over_a_bpe_tokenizer(bpe_server, temperature):
-    client = openai.OpenAI(base_url=bpe_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=bpe_server.url + "/v1", api_key="unused", max_retries=0, timeout=CEILING_S)
     completion = client.chat.completions.parse(
         model="tiny", messages=[{"role": "user", "content": "Weather in Rome?"}], response_format=Weather,
         max_tokens=150, temperature=temperature, seed=4)
