@@ -2,6 +2,11 @@ import os
 import sys
 
 import pytest
+import torch
+
+# One intra-op thread in the test process, as in the ranks: on two cores shared with the ranks (and on a busy
+# machine) a second thread only waits for a core, and references computed here then split work as the ranks do.
+torch.set_num_threads(1)
 
 sys.path.insert(0, os.path.dirname(__file__))  # workers import test modules by name
 
