@@ -183,11 +183,11 @@ def _vl_records(folder) -> list[dict]:
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_bunsan_train_on_qwen2_vl_image_records_equals_the_plain_loop(qwen2_vl, tmp_path, nproc):
+def test_bunsan_train_on_qwen2_vl_image_records_equals_the_plain_loop(pools, qwen2_vl, tmp_path, nproc):
     """ZeRO-2 with 2 rows a micro-batch: one process accumulates two, two processes take one each; every weight
     trains, the vision tower's too (its gradient comes through each row's own patches)."""
     data = _jsonl(tmp_path / "mm.jsonl", _vl_records(tmp_path))
-    losses, state, log = bunsan_train(qwen2_vl, data, tmp_path / "out", nproc, [], seq_len=SEQ)
+    losses, state, log = bunsan_train(pools, qwen2_vl, data, tmp_path / "out", nproc, [], seq_len=SEQ)
     assert "8 examples, 8 used" in log
     saved = {p.name for p in (tmp_path / "out" / "final").iterdir()}
     assert {"preprocessor_config.json", "chat_template.jinja"} <= saved       # bunsan serve reads images with it
