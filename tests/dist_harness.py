@@ -35,8 +35,8 @@ PEERS_REPORT_S = 10
 START_OVER = "start over"
 
 # Imported once, in the forkserver every worker is forked from (a module missing here is skipped).
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "bunsan", "bunsan.engine.engine", "bunsan.cli.main", "transformers",
-           "parity"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "bunsan", "bunsan.engine.engine", "bunsan.cli.main",
+           "transformers", "parity"]
 
 
 def _context():
