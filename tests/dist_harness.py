@@ -33,6 +33,7 @@ COLLECTIVE_TIMEOUT_S = 60
 # lives on); past it the pool is replaced. Either way the test gets the same failure.
 PEERS_REPORT_S = 10
 START_OVER = "start over"
+TERM_GRACE_S = 3     # a torn-down worker's time to leave on SIGTERM before it is killed
 
 # Imported once, in the forkserver every worker is forked from (a module missing here is skipped).
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "bunsan", "bunsan.engine.engine", "bunsan.cli.main",
@@ -179,8 +180,12 @@ class Pool:
                 box.put(None)
             for p in self.procs:
                 p.join(timeout=10)
-        for p in self.procs:
+        for p in self.procs:    # SIGTERM first: a worker's atexit work (scripts/coverage's data) is not lost
             if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=TERM_GRACE_S)
+            if p.is_alive():        # stuck where no signal handler runs (a collective in C): killed
                 p.kill()
                 p.join(timeout=5)
 
