@@ -139,9 +139,12 @@ def test_tput_timer_offload_states_and_boundaries():
     engine.reload_states()
     with pytest.raises(ValueError, match="offloads to 'cpu' only"):
         engine.offload_states(device="nvme")
-    engine.set_gradient_accumulation_boundary(False)      # micro-batch 1 of 2: not a boundary
-    with pytest.raises(ValueError, match="micro-batch 1 of 2"):
-        engine.set_gradient_accumulation_boundary(True)
+    engine.set_gradient_accumulation_boundary(True)       # as accelerate: this micro-batch ends the step
+    engine.backward(engine(torch.randn(2, 4)).square().mean())
+    engine.step()
+    assert engine.global_steps == 5
+    with pytest.raises(RuntimeError, match="no backward since the last step"):
+        engine.step()
     assert engine.gradient_accumulation_steps() == 2
     assert engine[0] is net[0] if hasattr(engine, "__getitem__") else engine.module[0] is net[0]
 

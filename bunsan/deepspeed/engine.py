@@ -142,14 +142,10 @@ class DeepSpeedEngine(nn.Module):
         self._after(self.bunsan.step)
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
-        """accelerate says before each backward whether it ends a step. bunsan counts the micro-batches of a
-        step itself (gradient_accumulation_steps), so a boundary elsewhere is an error, not a second count."""
-        ends = self.bunsan.micro_steps + 1 == self.bunsan.grad_accum
-        if bool(is_boundary) != ends:
-            raise ValueError(f"set_gradient_accumulation_boundary({is_boundary}) at micro-batch "
-                             f"{self.bunsan.micro_steps + 1} of {self.bunsan.grad_accum}: bunsan ends a step every "
-                             "gradient_accumulation_steps micro-batches; set the same accumulation on both sides "
-                             "(TrainingArguments.gradient_accumulation_steps and the config's)")
+        """accelerate says before each backward whether it ends a step (and calls step() only when it does), as
+        DeepSpeed takes it: that micro-batch ends the step, whatever the count, an epoch's shorter last
+        accumulation included."""
+        self.bunsan.set_gradient_accumulation_boundary(bool(is_boundary))
 
     def no_sync(self):
         return self.bunsan.no_sync()

@@ -75,6 +75,8 @@ class Engine:
 
         self.global_step = 0
         self._micro_steps = 0       # micro-batches seen in the current optimizer step (DeepSpeed-style loop)
+        self._backwards = 0         # backward passes whose gradients wait for the next optimizer step
+        self._boundary: bool | None = None   # set_gradient_accumulation_boundary's; None: counted
         self._no_sync = False       # inside no_sync(): backward keeps gradients local
         self.skipped_steps = 0
         self.last_grad_norm = float("nan")
@@ -103,14 +105,15 @@ class Engine:
     def state_dict(self) -> dict:
         """The engine's own state, what a checkpoint needs besides model and optimizer: step counters and the
         loss scaler (the learning rate follows from them). JSON-able."""
-        if self._micro_steps:
-            raise RuntimeError(f"the engine is in the middle of an optimizer step ({self._micro_steps} of "
-                               f"{self.grad_accum} micro-batches done): save after engine.step() completes one")
+        if self._backwards:
+            raise RuntimeError(f"the engine is in the middle of an optimizer step ({self._backwards} micro-batches' "
+                               "gradients accumulated): save after engine.step() completes one")
         return {"global_step": self.global_step, "skipped_steps": self.skipped_steps,
                 "scaler": self.scaler.state_dict() if self.scaler else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.global_step, self.skipped_steps, self._micro_steps = state["global_step"], state["skipped_steps"], 0
+        self._backwards = 0
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if self.cfg.scheduler is None and state.get("lrs") is not None:
@@ -142,7 +145,19 @@ class Engine:
     forward = __call__
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-batch ends a step: as set_gradient_accumulation_boundary last said, else
+        every gradient_accumulation_steps-th micro-batch."""
+        if self._boundary is not None:
+            return self._boundary
         return (self._micro_steps + 1) % self.grad_accum == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's: from now on the caller says which micro-batch ends a step (accelerate, for transformers'
+        Trainer, says it before every backward, the last shorter accumulation of an epoch included). The loss
+        each backward gets is the caller's to scale (the Trainer passes scale_wrt_gas=False)."""
+        if not isinstance(is_boundary, bool):
+            raise TypeError(f"set_gradient_accumulation_boundary({is_boundary!r}): takes True or False")
+        self._boundary = is_boundary
 
     def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True) -> None:
         """Backward of one micro-batch's mean loss; the gradients of the step average over micro-batches and
@@ -154,6 +169,7 @@ class Engine:
             loss = loss / self.grad_accum
         sync = self.is_gradient_accumulation_boundary() and not self._no_sync
         self._backward(loss * scale if scale != 1.0 else loss, sync=sync)
+        self._backwards += 1
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -172,12 +188,16 @@ class Engine:
             self._no_sync = False
 
     def step(self) -> None:
-        """Call once per micro-batch; the optimizer steps on the accumulation boundary."""
+        """Call once per micro-batch (or only on boundaries, as accelerate does); the optimizer steps on the
+        accumulation boundary."""
         self._whole_step_only("engine.step()")
         if self._no_sync:
             raise RuntimeError("engine.step() inside no_sync(): the gradients are not reduced yet; leave the "
                                "no_sync() block, run one more backward, then step")
         if self.is_gradient_accumulation_boundary():
+            if not self._backwards:
+                raise RuntimeError("engine.step() on an accumulation boundary with no backward since the last "
+                                   "step: there are no gradients to apply; call engine.backward(loss) first")
             self._optimizer_step(1.0 / self.mesh.dp)
         else:
             self._micro_steps += 1
@@ -225,7 +245,7 @@ class Engine:
     def _finish_step(self) -> None:
         """As DeepSpeed: every step counts, a skipped (overflow) step does not advance the schedule."""
         self.global_step += 1
-        self._micro_steps = 0
+        self._micro_steps = self._backwards = 0
         self.comm.finished_step = self.global_step
         if self.mesh.world.size > 1:      # for the roll call, should a collective hang
             post_step(self.mesh.rank, self.global_step)
