@@ -193,10 +193,18 @@ def test_commands_in_text_blocks_name_real_flags():
             assert not flags - known, f"{page.name}:{line}: bunsan {words[1]} has no {sorted(flags - known)}"
 
 
+@pytest.mark.parametrize("page", [*PAGES, ROOT / "benchmarks" / "README.md"], ids=lambda p: p.name)
+def test_links_stay_inside_the_repository(page):
+    """A user's clone has nothing outside it: every relative link resolves to a file of the repository."""
+    for link in re.findall(r"\]\(([^)#\s]+)", page.read_text()):
+        if link.startswith(("http://", "https://", "mailto:")):
+            continue
+        target = (page.parent / link).resolve()
+        assert target.is_relative_to(ROOT.resolve()), f"{page.name} links to {link}, outside the repository"
+        assert target.exists(), f"{page.name} links to {link}, which does not exist"
+
+
 def test_the_readme_is_a_quickstart():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= 200, "README.md is the five-minute quickstart; the rest goes to docs/"
-    for link in re.findall(r"\]\(([^)#]+)", text):
-        if not link.startswith(("http", "../")):          # (../shared is the workplace's, not the clone's)
-            assert (ROOT / link).exists(), f"README.md links to {link}, which does not exist"
     assert "bash scripts/train" in text and "bash scripts/test" in text
