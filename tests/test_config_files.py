@@ -73,3 +73,35 @@ def test_a_damaged_data_position_is_refused():
     for bad in (-3, "7", 1.5, True):
         with pytest.raises(ValueError, match="not a non-negative integer"):
             batches.load_state_dict({**state, "position": bad})
+
+
+def test_a_bunsan_toml_refuses_unknown_keys_at_every_depth(tmp_path):
+    """bunsan's own format: every table is typed, and its free-form mappings list the keys they hold."""
+    typed, free = tmp_path / "typed.toml", tmp_path / "free.toml"
+    typed.write_text("[train]\nsteps = 10\n\n[zero_optimization]\nstage = 3\n\n[zero_optimization.offload_param]\n"
+                     "device = \"none\"\npin_memroy = true\n")
+    free.write_text("[data.fields]\npromt = \"question\"\n\n"
+                    "[data_efficiency.data_sampling.curriculum_learning.curriculum_metrics.seqlen_truncate]\n"
+                    "min_difficulty = 8\nmax_difficulty = 64\nschedule_type = \"fixed_linear\"\n"
+                    "schedule_config = {total_curriculum_step = 10, difficulty_step = 8, difficulty_stp = 8}\n")
+    metric = "data_efficiency.data_sampling.curriculum_learning.curriculum_metrics.seqlen_truncate.schedule_config"
+    for f, wrong in [(typed, [("zero_optimization.offload_param.pin_memroy",
+                               "zero_optimization.offload_param.pin_memory")]),
+                     (free, [("data.fields.promt", "data.fields.prompt"),
+                             (f"{metric}.difficulty_stp", f"{metric}.difficulty_step")])]:
+        with pytest.raises(ConfigError) as info:
+            Config.load(f)
+        msg = str(info.value)
+        assert msg.startswith(f"config file '{f}': ")
+        for key, meant in wrong:
+            assert f"unknown config key '{key}' (did you mean '{meant}'?)" in msg
+
+
+def test_data_fields_takes_the_roles_records_have():
+    from bunsan.config.bunsan_sections import FIELD_ROLES
+    from bunsan.training.examples import DEFAULT_FIELDS
+    assert set(FIELD_ROLES) == set(DEFAULT_FIELDS)
+    assert Config.load({"data": {"fields": {"prompt": "question", "completion": "answer"}}}).data.fields == {
+        "prompt": "question", "completion": "answer"}
+    with pytest.raises(ConfigError, match=r"^unknown config key 'data.fields.answer'; remove it or use one of: text, "):
+        Config.load({"data": {"fields": {"answer": "completion"}}})

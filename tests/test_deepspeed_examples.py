@@ -29,8 +29,11 @@ EXPECTED_FAILURES: dict[str, tuple[str, dict[str, str]]] = {
                          {"optimizer.params.max_grad_norm": "gradient_clipping"}),
     "megatron_zero_stage_2": ("max_grad_norm (DeepSpeed 0.19 refuses it too)",
                               {"optimizer.params.max_grad_norm": "gradient_clipping"}),
-    "megatron_curriculum_fixed_linear": ("legacy curriculum learning (DeepSpeed 0.19 removed it)",
-                                         {"curriculum_learning": "curriculum learning is not built"}),
+    "megatron_curriculum_fixed_linear": ("legacy curriculum learning (DeepSpeed 0.19 removed it), and total_step "
+                                         "for total_curriculum_step (DeepSpeed's scheduler asserts on it too)",
+                                         {"curriculum_learning": "curriculum learning is not built",
+                                          "curriculum_learning.schedule_config.total_step":
+                                          "did you mean 'curriculum_learning.schedule_config.total_curriculum_step'?"}),
     "megatron_zero_infinity": ("a typo, stage3_param_persitance_threshold (DeepSpeed 0.19 refuses it too)",
                                {"zero_optimization.stage3_param_persitance_threshold":
                                 "did you mean 'zero_optimization.stage3_param_persistence_threshold'?"}),

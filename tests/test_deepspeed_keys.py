@@ -127,8 +127,10 @@ SPECIAL = {   # rows whose off test is a one-off: (off value, asking value)
 
 
 def _other(v):
-    return (not v if isinstance(v, bool) else v + 1 if isinstance(v, (int, float)) else
-            {"x": 1} if isinstance(v, dict) else "x")
+    """A value unlike v; a section's first key changed (its keys are checked, so none is made up)."""
+    if isinstance(v, dict):
+        return {k: _other(x) if i == 0 else x for i, (k, x) in enumerate(v.items())} if v else {"x": 1}
+    return not v if isinstance(v, bool) else v + 1 if isinstance(v, (int, float)) else "x"
 
 
 def _values(key: str, row) -> tuple:
@@ -144,7 +146,8 @@ def _values(key: str, row) -> tuple:
     if off is disabled:
         return {"enabled": False}, {"enabled": True}
     if off is nothing_enabled:
-        return {"a": {"enabled": False}}, {"a": {"enabled": True}}
+        return ({"weight_quantization": {"shared_parameters": {"enabled": False}}},
+                {"weight_quantization": {"shared_parameters": {"enabled": True}}})
     assert off is never, f"{key}: add its values to SPECIAL"
     return ..., True
 
@@ -190,6 +193,118 @@ def test_unknown_keys_inside_a_deepspeed_section_are_unknown():
     with pytest.raises(ConfigError, match=r"unknown config key 'flops_profiler.profile_stp' \(did you mean "
                                           r"'flops_profiler.profile_step'\?\)"):
         Config.load({"flops_profiler": {"enabled": False, "profile_stp": 1}})
+
+
+# -- unknown keys at every depth of every section, enabled, disabled or refused ------------------
+def _refused(cfg: dict) -> str:
+    with pytest.raises(ConfigError) as info:
+        Config.load(cfg)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("cfg, key, meant", [
+    # a disabled section bunsan does not build (enabled missing is DeepSpeed's false)
+    ({"expert_parallel": {"size": 2}}, "expert_parallel.size", "expert_parallel.autoep_size"),
+    ({"expert_parallel": {"enabled": False, "autoep_sise": 2}}, "expert_parallel.autoep_sise",
+     "expert_parallel.autoep_size"),
+    # depth 2: a typed section switched off, and a row at its defaults
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none", "pin_memry": True}}},
+     "zero_optimization.offload_optimizer.pin_memry", "zero_optimization.offload_optimizer.pin_memory"),
+    ({"timers": {"throughput": {"enabld": True}}}, "timers.throughput.enabld", "timers.throughput.enabled"),
+    # depth 3 and deeper inside disabled sections
+    ({"quantize_training": {"enabled": False, "quantize_bits": {"start_bit": 16}}},
+     "quantize_training.quantize_bits.start_bit", "quantize_training.quantize_bits.start_bits"),
+    ({"autotuning": {"enabled": False, "model_info": {"num_param": 10}}}, "autotuning.model_info.num_param",
+     "autotuning.model_info.num_params"),
+    ({"compression_training": {"weight_quantization": {"shared_parameters": {"enabled": False,
+                                                                            "quantize_group": 8}}}},
+     "compression_training.weight_quantization.shared_parameters.quantize_group",
+     "compression_training.weight_quantization.shared_parameters.quantize_groups"),
+    ({"compression_training": {"head_pruning": {"different_groups": {"hp1": {"params": {"dense_ration": 0.5}}}}}},
+     "compression_training.head_pruning.different_groups.hp1.params.dense_ration",
+     "compression_training.head_pruning.different_groups.hp1.params.dense_ratio"),
+    ({"data_efficiency": {"data_routing": {"enabled": False, "random_ltd": {"random_ltd_schedule": {
+        "schedule_config": {"seq_per_stepp": 16}}}}}},
+     "data_efficiency.data_routing.random_ltd.random_ltd_schedule.schedule_config.seq_per_stepp",
+     "data_efficiency.data_routing.random_ltd.random_ltd_schedule.schedule_config.seq_per_step"),
+    # inside a row refused whatever its value (the refusal is said too)
+    ({"tensor_parallel": {"partition_config": None}, "zero_optimization": {"zenflow": None, "leaf_module": {
+        "clases": ["MixtralSparseMoeBlock"]}}},
+     "zero_optimization.leaf_module.clases", "zero_optimization.leaf_module.classes"),
+])
+def test_an_unknown_key_at_any_depth_of_a_section_is_named_with_its_whole_path(cfg, key, meant):
+    msg = _refused(cfg)
+    assert f"unknown config key '{key}' (did you mean '{meant}'?)" in msg
+
+
+def test_an_unknown_key_in_a_section_bunsan_refuses_is_said_with_the_refusal():
+    lines = _refused({"wandb": {"enabled": True, "projet": "p"}}).splitlines()
+    assert "unknown config key 'wandb.projet' (did you mean 'wandb.project'?)" in lines[1]
+    assert lines[2].strip().startswith("wandb: ") and TABLE["wandb"].why in lines[2]
+    msg = _refused({"expert_parallel": {"enabled": True, "autoep_size": 2, "top_kk": 2}})
+    assert "unknown config key 'expert_parallel.top_kk' (did you mean 'expert_parallel.top_k'?)" in msg
+    assert TABLE["expert_parallel"].why in msg
+    msg = _refused({"tensor_parallel": {"partition_config": {"layer_specs": [{"patterns": ["x"]}, {"pattern": "y"}]}}})
+    assert "unknown config key 'tensor_parallel.partition_config.layer_specs[1].pattern' (did you mean " \
+           "'tensor_parallel.partition_config.layer_specs[1].patterns'?)" in msg
+
+
+def test_every_problem_of_a_config_is_said_at_once():
+    lines = _refused({"expert_parallel": {"size": 2}, "data": {"fields": {"promt": "q"}},
+                      "sparse_attention": {"mode": "fixed"}}).splitlines()
+    assert lines[0] == "3 problems in the config:"
+    assert {line.split("'")[1] for line in lines if "unknown config key" in line} == {"data.fields.promt",
+                                                                                     "expert_parallel.size"}
+    assert any(line.strip().startswith("sparse_attention: ") for line in lines)
+
+
+def test_a_disabled_section_with_deepspeeds_keys_loads():
+    """Users' DeepSpeed configs carry sections they switched off, with all their keys: those load silently."""
+    off = {
+        "expert_parallel": {"enabled": False, "autoep_size": 4, "preset_model": "mixtral", "expert_w1": "w1",
+                            "expert_w3": None, "top_k": "auto", "load_balance_coeff": None},
+        "autotuning": {"enabled": False, "fast": True, "arg_mappings": {"train_micro_batch_size_per_gpu": "--bs"},
+                       "model_info": {"profile": False, "num_params": 1000}},
+        "quantize_training": {"enabled": False, "quantize_bits": {"start_bits": 16, "target_bits": 8},
+                              "quantize_schedule": {"quantize_period": 400, "schedule_offset": 0},
+                              "quantize_algo": {"q_type": "symmetric"}, "eigenvalue": {"enabled": False}},
+        "compression_training": {
+            "weight_quantization": {"shared_parameters": {"enabled": False, "quantize_groups": 64},
+                                    "different_groups": {"wq1": {"params": {"start_bits": 8, "target_bits": 8},
+                                                                 "modules": ["attn.c_attn"]}}},
+            "layer_reduction": {"enabled": False, "keep_number_layer": 6, "teacher_layer": [1, 3, 5]}},
+        "curriculum_learning": {"enabled": False, "curriculum_type": "seqlen", "schedule_type": "fixed_linear",
+                                "schedule_config": {"total_curriculum_step": 100, "difficulty_step": 8}},
+        "elasticity": {"enabled": False, "max_train_batch_size": 2000, "micro_batch_sizes": [2, 4]},
+        "nebula": {"enabled": False, "persistent_storage_path": "/tmp"},
+        "amp": {"enabled": False, "opt_level": "O1"},
+        "torch_autocast": {"enabled": False, "dtype": "bfloat16"},
+        "progressive_layer_drop": {"enabled": False, "theta": 0.5, "gamma": 0.001},
+        "weight_quantization": {"enabled": False, "post_init_quant": {"fc": {"num_bits": 4}}},
+        "compile": {"deepcompile": False, "offload_opt_states": True},
+        "timers": {"throughput": {"enabled": True, "synchronized": True}},
+        "data_efficiency": {"data_routing": {"enabled": False, "random_ltd": {
+            "enabled": False, "total_layer_num": 12, "random_ltd_schedule": {
+                "min_value": 128, "max_value": 2048, "schedule_type": "fixed_linear",
+                "schedule_config": {"seq_per_step": 16, "require_steps": 100}}}}},
+        "zero_optimization": {"stage": 3, "zenflow": None, "zeropp_loco_param": None,
+                              "offload_optimizer": {"device": "none", "pin_memory": False}},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Config.load(off)
+
+
+# rows whose DeepSpeed value is a mapping, besides those whose off test reads one (disabled, at_defaults, ...)
+MAPPING_ROWS = ("weight_quantization", "compile", "sparse_attention", "datastates_ckpt", "zero_optimization.zenflow",
+                "zero_optimization.zeropp_loco_param", "zero_optimization.leaf_module", "checkpoint.writer",
+                "tensor_parallel.tp", "tensor_parallel.tensor_parallel", "tensor_parallel.partition_config")
+
+
+def test_every_section_without_a_field_lists_its_keys():
+    sections = [k for k, row in TABLE.items() if row.off in (disabled, nothing_enabled)
+                or isinstance(row.off, at_defaults)] + list(MAPPING_ROWS)
+    assert not [k for k in sections if not TABLE[k].keys], "sections whose keys go unchecked"
 
 
 # -- DeepSpeed's deprecated forms ----------------------------------------------------------------

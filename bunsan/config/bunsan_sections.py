@@ -118,6 +118,11 @@ class ModelOverrides(Section):
         return self
 
 
+# the record fields data.fields may rename (training/examples.py's DEFAULT_FIELDS, which a test keeps equal)
+FIELD_ROLES = ("text", "prompt", "completion", "instruction", "input", "output", "messages", "role", "content",
+               "chosen", "rejected")
+
+
 class Data(Section):
     """bunsan: the text `bunsan train` tokenizes (once, cached) and batches."""
     paths: list[str] = Field(default_factory=list, description="Text files, directories or globs; [] = the built-in "

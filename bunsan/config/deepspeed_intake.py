@@ -1,7 +1,8 @@
 """A raw DeepSpeed config made ready for the typed tree, before validation: DeepSpeed's deprecated forms read as
 their current spelling (each with one OldSpellingWarning), its other spellings renamed (deepspeed_keys.ALIASES),
 and the keys bunsan has no field for taken out (deepspeed_only.TABLE): dropped when off, said once when
-ignored, an error when they ask for a feature bunsan does not have."""
+ignored, an error when they ask for a feature bunsan does not have. Unknown keys inside those, and inside the
+typed tree's free-form mappings (free_form_keys.py), are refused at every depth."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any
 
 from bunsan.config.deepspeed_keys import OldSpellingWarning, rename_aliases, say_once, warn_ignored
 from bunsan.config.deepspeed_only import TABLE, DeepSpeedOnly, never
-from bunsan.config.errors import Rule, show, suggest
+from bunsan.config.errors import Rule, show
+from bunsan.config.free_form_keys import unknown_in_free_form
+from bunsan.config.key_shapes import NAME, unknown_keys
 
 _Z = "zero_optimization"
 # DeepSpeed's deprecated keys whose value becomes another key's (`bunsan config --explain` prints these)
@@ -32,7 +35,15 @@ def prepare(data: Any) -> Any:
     """The raw config as the typed tree reads it (the caller's dicts are not changed)."""
     if not isinstance(data, dict):
         return data
-    return take_deepspeed_only(rename_aliases(_old_zero(data)))
+    data = rename_aliases(_old_zero(data))
+    unknown = unknown_in_free_form(data)   # the typed tree's own mappings, checked here where the whole path is
+    try:
+        data = take_deepspeed_only(data)
+    except Rule as e:   # every problem in one message
+        raise Rule(*unknown, *e.problems) from None
+    if unknown:
+        raise Rule(*unknown)
+    return data
 
 
 def _old(key: str, value: Any, new: str, new_value: Any) -> None:
@@ -113,15 +124,9 @@ def _without(data: dict, path: list[str], leaf: str) -> dict:
     return data
 
 
-def _unknown_inside(key: str, value: Any, row: DeepSpeedOnly) -> list[tuple[str, str]]:
-    if not row.keys or not isinstance(value, dict):
-        return []
-    return [(f"{key}.{k}", f"unknown config key '{key}.{k}' ({suggest(k, row.keys, key + '.')})")
-            for k in value if k not in row.keys]
-
-
 def take_deepspeed_only(data: dict) -> dict:
-    """`data` without the table's keys; Rule naming each that asks for what bunsan does not have."""
+    """`data` without the table's keys; Rule naming each that asks for what bunsan does not have, and each key
+    inside them that DeepSpeed does not have (checked at every depth, whether the section is on or off)."""
     problems = []
     for key, row in TABLE.items():
         *path, leaf = key.split(".")
@@ -129,10 +134,11 @@ def take_deepspeed_only(data: dict) -> dict:
         if node is None or leaf not in node:
             continue
         value = node[leaf]
-        problems += _unknown_inside(key, value, row)
+        unknown = unknown_keys(key, value, row.keys)
+        problems += unknown
         if not row.off(value) and row.refused:
             problems.append((key, f"{show(value)}: {row.why}"))
-        elif not row.off(value):
+        elif not row.off(value) and not unknown:   # (not "accepted" when the load fails on its keys)
             warn_ignored(key, value, row.why)
         data = _without(data, path, leaf)
     if problems:
@@ -152,6 +158,6 @@ def explain_row(key: str) -> list[str] | None:
     out = [f"{name} (DeepSpeed's key; bunsan has no field for it)", f"  {kind}{row.why}"]
     if row.off is not never:
         out.append("  accepted as it is when it leaves its feature off (enabled false, or DeepSpeed's default)")
-    if row.keys:
-        out.append(f"  its keys: {', '.join(row.keys)}")
+    if named := [k for k in row.keys if k != NAME]:
+        out.append(f"  its keys: {', '.join(named)}")
     return out

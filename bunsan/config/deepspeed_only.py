@@ -10,8 +10,11 @@ Set to ask for the feature it is an error, or, where ignoring it changes no resu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from bunsan.config import deepspeed_shapes as shapes
+from bunsan.config.key_shapes import Shape, keys
 
 
 @dataclass(frozen=True)
@@ -19,7 +22,8 @@ class DeepSpeedOnly:
     why: str                            # what bunsan lacks (or does instead) and what to use
     off: Callable[[Any], bool]          # the values that ask for nothing: accepted and dropped
     refused: bool = True                # asked for: an error, or (False) accepted with an IgnoredKeyWarning
-    keys: tuple[str, ...] = ()          # a whole section's DeepSpeed keys; any other key in it is unknown
+    keys: Shape = field(default_factory=dict)   # a section's DeepSpeed keys at every depth (deepspeed_shapes.py);
+    #                                             any other key in it is unknown, enabled or not
 
 
 def same(a: Any, b: Any) -> bool:
@@ -71,17 +75,17 @@ class at_defaults:   # noqa: N801
         return isinstance(v, dict) and all(k in self.defaults and same(x, self.defaults[k]) for k, x in v.items())
 
 
-def refuse(off, why: str, keys: tuple[str, ...] = ()) -> DeepSpeedOnly:
-    return DeepSpeedOnly(why, off, True, keys)
+def refuse(off, why: str, shape: Shape | None = None) -> DeepSpeedOnly:
+    return DeepSpeedOnly(why, off, True, shape or {})
 
 
-def ignore(off, why: str, keys: tuple[str, ...] = ()) -> DeepSpeedOnly:
-    return DeepSpeedOnly(why, off, False, keys)
+def ignore(off, why: str, shape: Shape | None = None) -> DeepSpeedOnly:
+    return DeepSpeedOnly(why, off, False, shape or {})
 
 
 def _section(refused: bool, why: str, **dflt: Any) -> DeepSpeedOnly:
     """A monitor or profiler section: off while not enabled; its keys are DeepSpeed's (defaults given)."""
-    return DeepSpeedOnly(why, disabled, refused, ("enabled", *dflt))
+    return DeepSpeedOnly(why, disabled, refused, keys("enabled", *dflt))
 
 
 _SINKS = ("bunsan train writes the metric records to train.output_dir/metrics.jsonl (and TensorBoard scalars "
@@ -102,48 +106,54 @@ MONITORS = {
                              verbose=False, prof_all=True, prof_ops=[], debug=False),
     "timers": ignore(at_defaults(throughput={"enabled": True, "synchronized": True}),
                      "DeepSpeed's samples/s timer; bunsan times every step and records tokens_per_s",
-                     ("throughput",)),
+                     shapes.TIMERS),
     "aio": ignore(at_defaults(block_size=1048576, queue_depth=8, intra_op_parallelism=1, thread_count=1,
                               single_submit=False, overlap_events=True, use_gds=False),
                   "DeepSpeed's async NVMe I/O tuning; bunsan's swap file uses plain positional reads and writes "
                   "(os.pread/os.pwrite), so there is nothing to tune",
-                  ("block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit",
-                   "overlap_events", "use_gds")),
+                  keys("block_size", "queue_depth", "intra_op_parallelism", "thread_count", "single_submit",
+                       "overlap_events", "use_gds")),
 }
 
 _REMOVED = " (DeepSpeed 0.19 removed it too)"
 FEATURES = {
     "autotuning": refuse(disabled, "DeepSpeed's autotuner (trial launches over batch sizes and ZeRO stages) is "
-                         "not built; `bunsan plan` ranks layouts by estimate; set enabled false"),
-    "curriculum_learning": refuse(disabled, "curriculum learning is not built" + _REMOVED + "; set enabled false"),
+                         "not built; `bunsan plan` ranks layouts by estimate; set enabled false", shapes.AUTOTUNING),
+    "curriculum_learning": refuse(disabled, "curriculum learning is not built" + _REMOVED + "; set enabled false",
+                                  shapes.CURRICULUM_LEARNING),
     "compression_training": refuse(nothing_enabled, "DeepSpeed's compression library (quantization, pruning, "
-                                   "layer reduction) is not built" + _REMOVED + "; remove the section"),
+                                   "layer reduction) is not built" + _REMOVED + "; remove the section",
+                                   shapes.COMPRESSION_TRAINING),
     "elasticity": refuse(disabled, "elastic training is not built" + _REMOVED + "; set train_batch_size and "
-                         "train_micro_batch_size_per_gpu directly"),
+                         "train_micro_batch_size_per_gpu directly", shapes.ELASTICITY),
     "nebula": refuse(disabled, "Nebula checkpointing is not built" + _REMOVED + "; checkpoint.dir saves bunsan's "
-                     "sharded checkpoints; set enabled false"),
-    "amp": refuse(disabled, "NVIDIA Apex AMP is not built" + _REMOVED + "; use bf16.enabled or fp16.enabled"),
+                     "sharded checkpoints; set enabled false", shapes.NEBULA),
+    "amp": refuse(disabled, "NVIDIA Apex AMP is not built" + _REMOVED + "; use bf16.enabled or fp16.enabled",
+                  shapes.AMP),
     "torch_autocast": refuse(disabled, "torch.autocast mixed precision is not built; bf16.enabled or fp16.enabled "
-                             "casts the model and keeps fp32 master weights; set enabled false"),
+                             "casts the model and keeps fp32 master weights; set enabled false", shapes.TORCH_AUTOCAST),
     "sparse_attention": refuse(never, "DeepSpeed's block-sparse attention is not built" + _REMOVED +
-                               "; remove the section"),
+                               "; remove the section", shapes.SPARSE_ATTENTION),
     "sparse_gradients": refuse(is_(False), "sparse embedding-gradient reduction is not built" + _REMOVED +
                                "; set it to false"),
     "progressive_layer_drop": refuse(disabled, "progressive layer dropping is not built" + _REMOVED +
-                                     "; set enabled false"),
+                                     "; set enabled false", shapes.PROGRESSIVE_LAYER_DROP),
     "graph_harvesting": refuse(is_(False), "CUDA-graph harvesting is not built" + _REMOVED + "; set it to false"),
-    "eigenvalue": refuse(disabled, "eigenvalue-guided quantization is not built" + _REMOVED + "; set enabled false"),
+    "eigenvalue": refuse(disabled, "eigenvalue-guided quantization is not built" + _REMOVED + "; set enabled false",
+                         shapes.EIGENVALUE),
     "quantize_training": refuse(disabled, "quantization-aware training (MoQ) is not built" + _REMOVED +
-                               "; set enabled false"),
+                               "; set enabled false", shapes.QUANTIZE_TRAINING),
     "weight_quantization": refuse(lambda v: isinstance(v, dict) and v.get("enabled", True) is False,
-                                  "DeepSpeed's weight quantization is not built; remove the section"),
+                                  "DeepSpeed's weight quantization is not built; remove the section",
+                                  shapes.WEIGHT_QUANTIZATION),
     "expert_parallel": refuse(disabled, "mixture-of-experts (AutoEP expert parallelism) is not built; set "
-                              "enabled false"),
+                              "enabled false", shapes.EXPERT_PARALLEL),
     "compile": refuse(lambda v: isinstance(v, dict) and not v.get("deepcompile", False), "DeepSpeed's "
                       "DeepCompile is not built; train.compile torch.compiles each transformer block; set "
-                      "deepcompile false"),
+                      "deepcompile false", shapes.COMPILE),
     "datastates_ckpt": refuse(is_(False, None), "DataStates asynchronous checkpointing is not built; "
-                              "checkpoint.dir saves bunsan's sharded checkpoints; remove it"),
+                              "checkpoint.dir saves bunsan's sharded checkpoints; remove it",
+                              shapes.FREE),   # handed to the datastates library as it is
     "sequence_parallel_size": refuse(is_(1), "DeepSpeed-Ulysses sequence parallelism is not built; "
                                      "context_parallel.size splits each row's tokens over ranks (K/V "
                                      "all-gathered), tensor_parallel.sequence_parallel shards activations "
@@ -205,12 +215,14 @@ ZERO = {
                                                        "built" + _NOT_ZERO_PP + "false"),
     _Z + "zero_quantized_gradients": refuse(is_(False), "ZeRO++ quantized gradient reduction (qgZ) is not built"
                                             + _NOT_ZERO_PP + "false"),
-    _Z + "zenflow": refuse(is_(None), "ZenFlow (stepping important gradients first) is not built; remove it"),
+    _Z + "zenflow": refuse(is_(None), "ZenFlow (stepping important gradients first) is not built; remove it",
+                           shapes.ZENFLOW),
     _Z + "mics_shard_size": refuse(is_(-1), "MiCS sub-group sharding is not built" + _REMOVED + "; remove it"),
     _Z + "mics_hierarchical_params_gather": refuse(is_(False), "MiCS is not built" + _REMOVED + "; remove it"),
-    _Z + "zeropp_loco_param": refuse(is_(None), "LoCo-Zero++ is not built" + _REMOVED + "; remove it"),
+    _Z + "zeropp_loco_param": refuse(is_(None), "LoCo-Zero++ is not built" + _REMOVED + "; remove it",
+                                     shapes.ZEROPP_LOCO_PARAM),
     _Z + "leaf_module": refuse(never, "DeepSpeed's ZeRO-3 leaf modules; name bunsan's ZeRO-3 units with "
-                                      "zero_optimization.stage3_unit_modules instead"),
+                                      "zero_optimization.stage3_unit_modules instead", shapes.LEAF_MODULE),
     _Z + "offload_optimizer.ratio": refuse(is_(1.0), "offloading part of the optimizer states is not built; "
                                                      "set it to 1 (offload all) or remove offload_optimizer"),
     _Z + "offload_optimizer.super_offload": refuse(is_(False), "SuperOffload (Grace-Hopper superchips) is not "
@@ -267,7 +279,7 @@ DATA_TYPES = {
                          "DeepSpeed's dtype overrides (gradient accumulation, parameters, buffers, fp32 modules) "
                          "are not built; bunsan's dtypes follow bf16/fp16 (a 16-bit model, fp32 master weights "
                          "and states); remove them",
-                         ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules")),
+                         keys("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules")),
 }
 
 CHECKPOINT = {
@@ -279,24 +291,25 @@ CHECKPOINT = {
     "checkpoint.load_universal": ignore(is_(False), "bunsan's checkpoints load on any layout already"),
     "checkpoint.parallel_write": ignore(at_defaults(pipeline_stage=False), "every bunsan rank writes only the "
                                         "pieces it steps, in parallel, whatever its pipeline stage",
-                                        ("pipeline_stage",)),
+                                        keys("pipeline_stage")),
     "checkpoint.checkpoint_serialization": ignore(is_(True), "torch.save's format switch; bunsan writes "
                                                   "safetensors"),
     "checkpoint.writer": ignore(is_(None), "DeepSpeed's fast checkpoint writer; bunsan writes safetensors with "
-                                "plain file I/O"),
+                                "plain file I/O", shapes.CHECKPOINT_WRITER),
 }
 
 _DS_PIPE = ("DeepSpeed's PipelineModule/PipelineEngine setting; bunsan's pipeline takes stages, schedule, "
             "virtual_stages and partition; remove it")
 _DS_TP = ("DeepSpeed's AutoTP setting; bunsan's tensor parallelism is tensor_parallel.size (and "
           "sequence_parallel), over its Llama or a tp_plan passed to bunsan.initialize; remove it")
+_TP_SHAPES = {"tp": shapes.TP_CONFIG, "tensor_parallel": shapes.TP_CONFIG, "partition_config": shapes.PARTITION_CONFIG}
 PARALLEL = {
     "pipeline.activation_checkpoint_interval": refuse(is_(0), "checkpointing every n-th pipeline layer is not "
                                                       "built; activation_checkpointing.enabled recomputes every "
                                                       "block; set it to 0"),
     **{f"pipeline.{k}": refuse(never, _DS_PIPE) for k in (
         "seed_layers", "pipe_partitioned", "grad_partitioned", "use_reentrant")},
-    **{f"tensor_parallel.{k}": refuse(never if d is ... else is_(d), _DS_TP) for k, d in {
+    **{f"tensor_parallel.{k}": refuse(never if d is ... else is_(d), _DS_TP, _TP_SHAPES.get(k)) for k, d in {
         "autotp_size": 0, "tp_overlap_comm": False, "keep_module_on_host": False, "replace_with_kernel_inject":
         False, "kernel_inject": False, "vocab_parallel_lm_head": None, "vocab_parallel_ce_backend": "torch",
         "injection_policy_tuple": None, "partition_config": None, "preset_model": None, "tp": {},

@@ -54,10 +54,21 @@ def suggest(name: str, choices: typing.Iterable[str], prefix: str = "") -> str:
     """'did you mean ...?' when something is close, else the list of valid names."""
     choices = list(choices)
     lower = {c.lower(): c for c in choices}
-    close = difflib.get_close_matches(str(name).lower(), list(lower), n=1, cutoff=0.6)
+    name = str(name).lower()
+    close = (_by_words(name, lower, lambda mine, theirs: mine <= theirs)
+             or difflib.get_close_matches(name, list(lower), n=1, cutoff=0.6)
+             or _by_words(name, lower, lambda mine, theirs: theirs <= mine))
     if close:
         return f"did you mean '{prefix}{lower[close[0]]}'?"
     return "valid: " + (", ".join(choices) if choices else "(none)")
+
+
+def _by_words(name: str, lower: typing.Iterable[str], fits: typing.Callable[[set, set], bool]) -> list[str]:
+    """The closest choice whose words (split at _) fit name's: a key missing its section's prefix (size for
+    autoep_size, total_step for total_curriculum_step) is too short for difflib's ratio, or nearer another."""
+    mine = set(name.split("_")) - {""}
+    near = [c for c in lower if mine and fits(mine, set(c.split("_")) - {""})]
+    return sorted(near, key=lambda c: -difflib.SequenceMatcher(None, name, c).ratio())[:1]
 
 
 def dotted(loc: typing.Iterable[Any]) -> str:
@@ -136,8 +147,9 @@ def _lines(err: dict, root: type) -> list[str]:
         dflt = f" (default {show(field.get_default(call_default_factory=True))})"
         if is_model(unwrap(field.annotation)):
             dflt = ""  # a whole section's default is not a useful hint
-    if kind == "value_error" and isinstance(ctx.get("error"), Rule):
-        return [f"{'.'.join(p for p in (dotted(loc), k) if p)}: {m}" for k, m in ctx["error"].problems]
+    if kind == "value_error" and isinstance(ctx.get("error"), Rule):   # (an unknown key's line names it already)
+        return [m if m.startswith("unknown config key") else f"{'.'.join(p for p in (dotted(loc), k) if p)}: {m}"
+                for k, m in ctx["error"].problems]
     if v == "auto" and kind.endswith(("_type", "_parsing", "literal_error")):   # the HF Trainer's placeholder
         return [f"{key}: 'auto' is the Hugging Face Trainer's placeholder, filled in from its TrainingArguments; "
                 f"bunsan has no Trainer to fill it: set a value{dflt}"]
