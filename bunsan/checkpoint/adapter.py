@@ -7,7 +7,6 @@ base (`merged_with_base`).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -16,8 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bunsan.checkpoint.store import CheckpointError
-from bunsan.checkpoint.untrusted import read_small
 from bunsan.models.hf import hf_key
+from bunsan.models.model_dir import field, read_json
 from bunsan.models.tensor_file import TensorFileError, check_dtypes, checked_header
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_dir", "adapter_pairs", "write_adapter", "merged_with_base"]
@@ -29,8 +28,8 @@ PREFIX = "base_model.model."
 def adapter_dir(path) -> Path | None:
     """RUN/adapter for a training output RUN, or the folder itself when it is a peft adapter; None when neither."""
     path = Path(path)
-    for d in (path / "adapter", path):
-        if (d / ADAPTER_CONFIG).is_file() and (d / ADAPTER_WEIGHTS).is_file():
+    for d in (path / "adapter", path):    # (a config that is no file is found: read_adapter says what it is)
+        if os.path.lexists(d / ADAPTER_CONFIG) and (d / ADAPTER_WEIGHTS).is_file():
             return d
     return None
 
@@ -72,14 +71,19 @@ def write_adapter(out: Path, state: dict, lora_cfg, base: str, bunsan_names: boo
 
 
 def read_adapter(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(adapter_config.json, the adapter tensors), checked: small JSON, a LORA config, floating-point tensors."""
-    text = read_small(folder / ADAPTER_CONFIG, 1 << 20)
-    try:
-        config = json.loads(text) if text is not None else None
-    except ValueError:
-        config = None
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA" or not isinstance(config.get("r"), int):
-        raise CheckpointError(f"{folder / ADAPTER_CONFIG} is not a peft LoRA adapter config (peft_type LORA, r)")
+    """(adapter_config.json, the adapter tensors), checked: a small JSON object in a regular file, not a link
+    (models/model_dir.py), a LORA config with its rank, floating-point tensors."""
+    path = folder / ADAPTER_CONFIG
+    config = read_json(path, follow_links=False)
+    kind = field(config, "peft_type", path, str, "the kind of adapter")
+    if kind != "LORA":
+        raise CheckpointError(f"{path}: peft_type is {kind[:40]!r}; bunsan merges and serves LoRA adapters only "
+                              "(peft_type LORA): merge this one with peft (merge_and_unload) and point at the result")
+    r = field(config, "r", path, int, "the adapter's rank")
+    if r <= 0:
+        raise CheckpointError(f"{path}: r is {r}, not a positive rank; save the adapter again")
+    config = {**config, "lora_alpha": field(config, "lora_alpha", path, (int, float), "its scale: lora_alpha / r",
+                                            default=r)}
     path = folder / ADAPTER_WEIGHTS
     try:
         check_dtypes(path, checked_header(path))

@@ -10,8 +10,9 @@
                                   special_tokens_map.json, chat_template.jinja/.json)
     RUN/final/generation_config.json   the initial model's (--init-from), when it has one: its end-of-turn ids
 
-The directory is untrusted when read (it may come from anyone): config.json is a small JSON object, the weights
-match the digest it records, their header is consistent (models/tensor_file.py) and every weight is floating point.
+The directory is untrusted when read (it may come from anyone): bunsan.json and config.json are small JSON
+objects in regular files, not links (models/model_dir.py), the weights match the digest bunsan.json records,
+their header is consistent (models/tensor_file.py) and every weight is floating point.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from bunsan.checkpoint.store import CheckpointError, sha256
 from bunsan.models.hf import save_hf_named, save_llama
 from bunsan.models.llama_config import LlamaConfig
 from bunsan.models.tensor_file import TensorFileError, check_dtypes, checked_header
-from bunsan.checkpoint.untrusted import read_small
+from bunsan.models.model_dir import ModelFileError, field, read_json, read_text
 
 WEIGHTS, CONFIG, TOKENIZER, BUNSAN = "model.safetensors", "config.json", "tokenizer.json", "bunsan.json"
 # what a Hugging Face tokenizer folder keeps beside tokenizer.json: without them `serve` would not know the
@@ -39,7 +40,6 @@ TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "cha
                         "chat_template.json", "processor_config.json", "preprocessor_config.json",
                         "video_preprocessor_config.json")
 GENERATION_CONFIG = "generation_config.json"
-CONFIG_BYTES = 1 << 22
 
 
 def final_dir(path) -> Path | None:
@@ -47,8 +47,9 @@ def final_dir(path) -> Path | None:
     final/ folder, or a Hugging Face directory, its weights in one file or in shards with an index); None when
     neither."""
     path = Path(path)
-    for d in (path / "final", path):
-        if ((d / WEIGHTS).is_file() or (d / "model.safetensors.index.json").is_file()) and (d / CONFIG).is_file():
+    for d in (path / "final", path):     # (a JSON file that is no file is found: its reader says what it is)
+        weights = (d / WEIGHTS).is_file() or os.path.lexists(d / "model.safetensors.index.json")
+        if weights and os.path.lexists(d / CONFIG):
             return d
     return None
 
@@ -98,37 +99,32 @@ def write_final(tmp: Path, final: Path, state: dict, config, meta: dict, tokeniz
 
 def is_final(folder: Path) -> bool:
     """A final/ folder of `bunsan train` (this layout, or the older one whose config.json held bunsan's record)."""
-    if (folder / BUNSAN).is_file():
+    if os.path.lexists(folder / BUNSAN):
         return True
-    text = read_small(folder / CONFIG, CONFIG_BYTES) if (folder / CONFIG).is_file() else None
-    return text is not None and '"bunsan_config"' in text
-
-
-def _json_object(path: Path) -> dict:
-    text = read_small(path, CONFIG_BYTES)
-    if text is None:
-        raise CheckpointError(f"{path} is not a readable UTF-8 file under {CONFIG_BYTES:,} bytes")
     try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise CheckpointError(f"{path} is not JSON ({e}); the run's output is damaged") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path} is not a JSON object; the run's output is damaged")
-    return value
+        text = read_text(folder / CONFIG, follow_links=False) if os.path.lexists(folder / CONFIG) else None
+    except ModelFileError:
+        return False          # (read_meta, or the Hugging Face directory's reader, says what is wrong with it)
+    return text is not None and '"bunsan_config"' in text
 
 
 def read_meta(folder: Path) -> dict:
     """bunsan.json with the model's config (config.json) under "model"; from an older final/, config.json,
-    which held both."""
-    if (folder / BUNSAN).is_file():
-        return {**_json_object(folder / BUNSAN), "model": _json_object(folder / CONFIG)}
-    path = folder / CONFIG
-    meta = _json_object(path)
+    which held both. A training output's files are its own: a link among them is refused, never followed."""
+    config = folder / CONFIG
+    if os.path.lexists(folder / BUNSAN):
+        meta = read_json(folder / BUNSAN, follow_links=False)
+        run = field(meta, "bunsan_config", folder / BUNSAN, dict, "the run's config", default={})
+        return {**meta, "bunsan_config": run, "model": read_json(config, follow_links=False)}
+    meta = read_json(config, follow_links=False) if not config.is_symlink() else {}    # (a hub snapshot's link)
     if not isinstance(meta.get("model"), dict):
-        raise CheckpointError(f"{path} has no \"model\" object (the model's config): it is not the final/ folder "
-                              "of `bunsan train` (a Hugging Face directory's config.json is the model's config "
-                              "itself)")
-    return meta
+        raise CheckpointError(f"{folder} has no {BUNSAN}: it is a Hugging Face model directory, not the final/ folder "
+                              f"of `bunsan train` (which holds {BUNSAN}, bunsan's record of the run, beside the "
+                              f"model's {CONFIG} and weights); `bunsan generate` and `bunsan serve` load it as it "
+                              "is, `bunsan convert` takes a checkpoint directory (checkpoint.dir) or a training "
+                              "output")
+    run = field(meta, "bunsan_config", config, dict, "the run's config (an older final/ kept it here)", default={})
+    return {**meta, "bunsan_config": run}
 
 
 def checked_final(folder: Path) -> dict:
@@ -165,10 +161,10 @@ def read_final(folder: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def _read_hf_weights(folder: Path, meta: dict, load: bool = True) -> dict[str, torch.Tensor]:
-    recorded = meta.get("weights")
+    recorded = field(meta, "weights", folder / BUNSAN, dict, "each weights file's sha256 and size")
     files = sorted(f.name for f in folder.iterdir() if f.name.endswith(".safetensors"))
-    if not isinstance(recorded, dict) or sorted(recorded) != files:
-        raise CheckpointError(f"{folder / BUNSAN} records the weights files {sorted(recorded or {})}, the folder "
+    if sorted(recorded) != files:
+        raise CheckpointError(f"{folder / BUNSAN} records the weights files {sorted(recorded)}, the folder "
                               f"holds {files}: it was altered or damaged after training")
     state = {}
     for name in files:

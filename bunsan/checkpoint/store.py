@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from bunsan.models.model_dir import what_is
 from bunsan.models.tensor_file import FLOAT, TORCH_NAME, TensorFileError, checked_header
 from bunsan.checkpoint.untrusted import UntrustedError, check_meta, check_pieces, inside, plain_name, read_small
 
@@ -264,8 +265,11 @@ def check_file(root: Path, tag: str, name: str, expect: dict, pieces: list[dict]
     except UntrustedError as e:
         return str(e)
     try:
-        if not path.is_file():
+        if not os.path.lexists(path):
             return f"{path} is missing"
+        kind = what_is(os.stat(path).st_mode)
+        if kind is not None:      # (never opened: a pipe would block the digest forever)
+            return f"{path} is {kind}, not the regular file its save wrote (replaced or altered)"
         size = path.stat().st_size
         if size != expect["bytes"]:
             return f"{path} has {size} bytes, {expect['bytes']} were written (truncated or altered)"

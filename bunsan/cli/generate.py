@@ -3,6 +3,7 @@ tensor-parallel ranks, or spread over devices, CPU and disk (--device-map)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -46,7 +47,7 @@ def hf_tokenizer(checkpoint, tokenizer_path: str | None, vocab_size: int):
     tok = Path(checkpoint) / "tokenizer.json"
     if tokenizer_path is None and tok.is_symlink():     # the directory's own file, never one it points at
         raise ValueError(f"{tok} is a symbolic link; copy the tokenizer into the directory or pass --tokenizer")
-    path = tokenizer_path or (str(tok) if tok.is_file() else None)
+    path = tokenizer_path or (str(tok) if os.path.lexists(tok) else None)      # (one that is no file: said)
     if path is None and vocab_size > 256:
         raise ValueError(f"{checkpoint} has no tokenizer.json, and its model's vocabulary of {vocab_size} tokens is "
                          "not bytes (256): pass --tokenizer PATH/tokenizer.json (the tokenizer it was trained with)")
@@ -126,8 +127,8 @@ def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=No
     from bunsan.checkpoint.final import checked_final, final_dir, is_final, read_final
     from bunsan.config.root import Config
     from bunsan.training.hf_model import is_other_architecture
-    from bunsan.models import Llama, LlamaConfig
-    from bunsan.models.hf import load_llama
+    from bunsan.models import Llama
+    from bunsan.models.hf import llama_config, load_llama
     from bunsan.training.data import load_tokenizer
     ckpt = final_dir(path)
     if ckpt is None and adapter_dir(path) is not None:
@@ -143,11 +144,11 @@ def trained_model(path, tokenizer_path=None, command: str = "generate", dtype=No
         from bunsan.models.hf import pretrained_lm
         model = pretrained_lm(ckpt, dtype=torch.float32)
     elif is_final(ckpt):
-        model = Llama(LlamaConfig.from_hf(meta["model"]))
+        model = Llama(llama_config(meta["model"], ckpt / "config.json"))
         load_exactly(model, state, ckpt)
     else:
         model = load_llama(ckpt)
-    if not is_final(ckpt) and tokenizer_path is None and not (ckpt / "tokenizer.json").is_file():
+    if not is_final(ckpt) and tokenizer_path is None and not os.path.lexists(ckpt / "tokenizer.json"):
         raise SystemExit(f"bunsan {command}: {ckpt} is a Hugging Face directory without tokenizer.json; pass "
                          f"--tokenizer PATH/tokenizer.json")
     if dtype is not None:
@@ -165,7 +166,7 @@ def adapted_model(folder: Path, tokenizer_path, command: str, dtype):
         raise SystemExit(f"bunsan {command}: {folder} is a LoRA adapter whose base model {base!r} is not a "
                          "directory here; point --checkpoint at the merged model (RUN/final) instead")
     print(f"bunsan {command}: {folder} is a LoRA adapter of {base}; merging it into that base", file=sys.stderr)
-    own = tokenizer_path or (str(folder / "tokenizer.json") if (folder / "tokenizer.json").is_file() else None)
+    own = tokenizer_path or (str(folder / "tokenizer.json") if os.path.lexists(folder / "tokenizer.json") else None)
     model, tokenizer = trained_model(base, own, command, dtype)
     merged = merged_with_base(folder, model.state_dict(), isinstance(model, Llama))
     model.load_state_dict(merged)
@@ -188,12 +189,15 @@ def load_exactly(model, state: dict, where: Path) -> None:
 def recorded_tokenizer(ckpt: Path, recorded, command: str):
     """The tokenizer a training output names: bytes, or the tokenizer.json saved beside the weights; a path
     elsewhere is not followed (the directory may come from anyone): --tokenizer says which file to trust."""
-    if (ckpt / "tokenizer.json").is_file() and not (ckpt / "tokenizer.json").is_symlink():
-        return str(ckpt / "tokenizer.json")
+    own = ckpt / "tokenizer.json"
+    if os.path.lexists(own) and not own.is_symlink():        # (one that is no file: its reader says what it is)
+        return str(own)
     if recorded is None or str(recorded) == "byte":
         return recorded
-    raise ValueError(f"{ckpt}/config.json names the tokenizer {str(recorded)[:100]!r}, which is not in {ckpt}; "
-                     f"pass it yourself: bunsan {command} --tokenizer PATH/tokenizer.json")
+    record = "bunsan.json" if os.path.lexists(ckpt / "bunsan.json") else "config.json"    # (an older final/'s)
+    raise ValueError(f"{ckpt / record} records the tokenizer {str(recorded)[:100]!r} (data.tokenizer), and {ckpt} "
+                     "holds no tokenizer.json of its own; a path elsewhere is not followed (the directory may come "
+                     f"from anyone); pass it yourself: bunsan {command} --tokenizer PATH/tokenizer.json")
 
 
 def cmd_generate(args) -> int:

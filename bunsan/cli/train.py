@@ -73,16 +73,28 @@ def train_config(args):
     return cfg.override(updates) if updates else cfg
 
 
+def check_init_from(cfg) -> None:
+    """train.init_from's config.json read now, before any process starts or reads its corpus (models/model_dir.py):
+    a missing or damaged one is one message naming it."""
+    if not cfg.train.init_from:
+        return
+    from bunsan.models.hf import read_config
+    from bunsan.training.hf_model import is_other_architecture
+    if not is_other_architecture(cfg.train.init_from):        # (transformers reads another one's itself)
+        read_config(cfg.train.init_from)
+
+
 def cmd_train(args) -> int:
     if args.nproc < 1:
         raise ValueError(f"--nproc {args.nproc}: the number of processes must be at least 1 (default 2)")
+    cfg = train_config(args)      # fail fast on a bad config or model directory, before starting processes
+    check_init_from(cfg)
     if args.nproc > 1 and not under_torchrun():
-        cfg = train_config(args)  # fail fast on a bad config, before starting processes
         return relaunch(args, args.nproc, cfg.train.timeout_s)
     from bunsan.doctor.oom import EXIT_CODE, OutOfMemory
     from bunsan.training.loop import run_training
     try:
-        run_training(train_config(args))
+        run_training(cfg)
         shutdown_distributed()
     except OutOfMemory as e:          # the doctor's advice, and a code a script can tell apart
         print(f"bunsan train: {e}", file=sys.stderr, flush=True)

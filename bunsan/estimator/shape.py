@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from bunsan.models.blocks import repeated_blocks
 from bunsan.models.llama import Llama, LlamaConfig
+from bunsan.models.model_dir import ROLES, read_json
 from bunsan.models.presets import get_preset
 from bunsan.pipeline.partition import encoder_paths
 
@@ -161,16 +162,14 @@ def load_shape(model, overrides: dict | None = None) -> ModelShape:
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise FileNotFoundError(f"{model} is a directory without a config.json; point --model at a Hugging "
                                     "Face model directory, its config.json, or a preset name")
-    if path.suffix == ".json" or path.is_file():
-        try:
-            d = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read model config {path}: {e}") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"model config {path} is not a JSON object")
+    if path.suffix == ".json" and not os.path.lexists(path):
+        raise FileNotFoundError(f"model config {path} does not exist; point --model at a Hugging Face model "
+                                "directory, its config.json, or a preset name")
+    if os.path.lexists(path):
+        d = read_json(path, role=ROLES["config.json"])      # (whatever its name: a model's config)
         if d.get("model_type", "llama") != "llama" or "text_config" in d:     # priced from its own modules
             return _transformers_shape(d, path, overrides)
         return _llama_shape(LlamaConfig.from_hf(d).replace(**(overrides or {})), path.parent.name or path.stem)

@@ -16,11 +16,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from bunsan.models.model_dir import ModelFileError, field, read_json
 from bunsan.models.tensor_file import check_dtypes, checked_header
 from bunsan.models.llama import Llama, LlamaConfig
 
 log = logging.getLogger("bunsan")
 CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
+# what a Llama's config.json must give: the defaults of bunsan's Llama and of transformers' differ, so a missing
+# one would build another model (num_key_value_heads may go: one KV head per query head, in both)
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "max_position_embeddings")
 
 
 def hf_key(name: str) -> str:
@@ -33,24 +38,23 @@ def has_chat_template(folder: Path) -> bool:
     if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
         return True
     config = folder / "tokenizer_config.json"
-    try:
-        return bool(config.is_file() and json.loads(config.read_text()).get("chat_template"))
-    except (OSError, ValueError):
-        return False
+    return os.path.lexists(config) and bool(read_json(config).get("chat_template"))
 
 
 def generation_eos_ids(folder: Path) -> set[int]:
     """generation_config.json's eos_token_id (one id or a list: Llama 3's <|end_of_text|>, <|eot_id|>, ...), the
-    ids the model ends a turn with; none when the file is missing. A file that is not such JSON is said, and
-    ignored: the tokenizer's own end token still stops."""
-    path = folder / "generation_config.json"
-    if not path.exists():
+    ids the model ends a turn with; none when the file is missing. A file that is not such JSON is said (what
+    model_dir.py refuses, or an eos_token_id of another kind), and ignored: the tokenizer's own end token
+    still stops."""
+    path = Path(folder) / "generation_config.json"
+    if not os.path.lexists(path):
         return set()
-    try:        # (a small file: the directory may come from anyone)
-        data = json.loads(path.read_text(encoding="utf-8")) if path.stat().st_size <= 1 << 20 else None
-    except (OSError, ValueError):
-        data = None
-    ids = data.get("eos_token_id") if isinstance(data, dict) else "unreadable"
+    try:
+        ids = read_json(path).get("eos_token_id")
+    except ModelFileError as e:
+        log.warning("%s; meanwhile generation stops at the tokenizer's end token only (not at the file's "
+                    "eos_token_id as one id or a list of ids)", e)
+        return set()
     if ids is None:
         return set()
     ids = [ids] if isinstance(ids, int) and not isinstance(ids, bool) else ids
@@ -62,18 +66,30 @@ def generation_eos_ids(folder: Path) -> set[int]:
 
 
 def read_config(path) -> LlamaConfig:
+    """The LlamaConfig of a Hugging Face Llama directory (or of its config.json), read through model_dir.py."""
     d = Path(path)
     cfg = d / CONFIG if d.is_dir() else d
-    if not cfg.is_file():
+    if not os.path.lexists(cfg):
         raise FileNotFoundError(f"{d} has no {CONFIG}: point at a Hugging Face model directory "
                                 "(config.json + model.safetensors, or shards with model.safetensors.index.json)")
-    data = json.loads(cfg.read_text())
+    data = read_json(cfg)
     if data.get("model_type", "llama") != "llama":
         raise ValueError(f"{cfg}: model_type {data['model_type']!r} is not a Llama. bunsan train --init-from and "
                          "generate (one process) take any transformers causal LM; device maps, tensor-parallel "
                          "generation and serve run bunsan's own Llama, so they read model_type 'llama' "
                          "checkpoints (Llama 2/3, SmolLM, TinyLlama, ...)")
-    return LlamaConfig.from_hf(data)
+    return llama_config(data, cfg)
+
+
+def llama_config(data: dict, path) -> LlamaConfig:
+    """LlamaConfig.from_hf of `data`, read from `path`: its SHAPE_FIELDS present, any refusal naming the file."""
+    for key in SHAPE_FIELDS:
+        field(data, key, path, int, "part of the Llama's shape, which bunsan does not guess")
+    field(data, "rope_scaling", path, dict, "how the rotary embedding is scaled", default=None)
+    try:
+        return LlamaConfig.from_hf(data)
+    except (TypeError, ValueError) as e:
+        raise ModelFileError(f"{path}: {e}") from None
 
 
 class HFWeights:
@@ -81,11 +97,9 @@ class HFWeights:
 
     def __init__(self, path):
         self.dir = Path(path)
-        if (self.dir / INDEX).is_file():
-            index = json.loads((self.dir / INDEX).read_text())
-            self.where = index.get("weight_map") if isinstance(index, dict) else None
-            if not isinstance(self.where, dict):
-                raise ValueError(f"{self.dir / INDEX} has no weight_map object; the directory is damaged")
+        if os.path.lexists(self.dir / INDEX):
+            self.where = field(read_json(self.dir / INDEX), "weight_map", self.dir / INDEX, dict,
+                               "the file of each weight")
             for file in set(self.where.values()):    # shards inside the directory: never a path elsewhere
                 if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", "..") \
                         or (self.dir / file).is_symlink():
@@ -98,7 +112,7 @@ class HFWeights:
                                     "weights only (convert .bin files with transformers' save_pretrained first)")
         self._check_files()
         self._open: dict[str, object] = {}
-        config = json.loads((self.dir / CONFIG).read_text()) if (self.dir / CONFIG).is_file() else {}
+        config = read_json(self.dir / CONFIG) if os.path.lexists(self.dir / CONFIG) else {}
         self.tied = bool(config.get("tie_word_embeddings", False))
 
     def _check_files(self) -> None:
@@ -274,7 +288,7 @@ def pretrained_lm(path, **kwargs):
     audio_config) its multimodal LM (the image-text-to-text or audio model, with its encoder)."""
     import transformers
     cls = transformers.AutoModelForCausalLM
-    config = Path(path) / "config.json"
-    if config.is_file() and {"vision_config", "audio_config"} & set(json.loads(config.read_text())):
+    config = Path(path) / CONFIG
+    if os.path.lexists(config) and {"vision_config", "audio_config"} & set(read_json(config)):
         cls = transformers.AutoModelForMultimodalLM
     return cls.from_pretrained(str(path), **kwargs)

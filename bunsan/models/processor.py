@@ -11,9 +11,11 @@ error naming the cause, never dropped; it pickles by loading the folder again (d
 from __future__ import annotations
 
 import inspect
-import json
 import logging
+import os
 from pathlib import Path
+
+from bunsan.models.model_dir import read_json
 
 log = logging.getLogger("bunsan")
 
@@ -85,8 +87,5 @@ def _attributes(cls: type) -> list[str]:
 
 
 def _read(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    """A config of the folder ({} without it); one that is not a JSON object is refused naming it (model_dir.py)."""
+    return read_json(path) if os.path.lexists(path) else {}

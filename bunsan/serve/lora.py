@@ -81,6 +81,7 @@ class AdapterSet:
         """Load the peft adapter `folder` under `name`; a clear error if it does not fit."""
         from bunsan.checkpoint.adapter import adapter_dir, adapter_pairs
         from bunsan.checkpoint.store import CheckpointError
+        from bunsan.models.model_dir import ModelFileError
         if name in self.slots:
             raise ValueError(f"an adapter named {name!r} is already loaded; unload it first or use another name")
         free = sorted(set(range(1, self.capacity + 1)) - set(self.slots.values()))
@@ -89,7 +90,7 @@ class AdapterSet:
         shapes = {stem: (layer.base.out_features, layer.base.in_features) for stem, layer in self.layers.items()}
         try:
             scale, pairs = adapter_pairs(adapter_dir(folder) or Path(folder), shapes)
-        except (CheckpointError, OSError) as e:
+        except (CheckpointError, ModelFileError, OSError) as e:      # (each names the file and what is wrong)
             raise ValueError(f"{folder} is not a LoRA adapter of this model: {e}") from None
         r = max(a.shape[0] for a, _ in pairs.values())
         if r > self.max_rank:

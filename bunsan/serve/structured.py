@@ -108,9 +108,12 @@ def ascii_classes(pattern: str) -> str:
 def grammar_tokenizer(tokenizer, vocab_size: int, end_ids: list[int]):
     """The tokenizer as llguidance reads it (built once per server: it indexes the whole vocabulary)."""
     import llguidance
+
+    from bunsan.models.model_dir import ROLES, read_text
     path = getattr(tokenizer, "path", None)
-    if path is not None:                      # a Hugging Face tokenizer.json
-        return llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size, eos_token=end_ids or None)
+    if path is not None:                      # a Hugging Face tokenizer.json (read as model_dir.py reads one)
+        return llguidance.LLTokenizer(read_text(path, ROLES["tokenizer.json"]), n_vocab=vocab_size,
+                                      eos_token=end_ids or None)
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(ByteVocabulary(vocab_size)))
 
 

@@ -11,24 +11,24 @@ reach it as `shift_labels` (engine/batch.py). A Llama directory keeps bunsan's o
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from bunsan.models.model_dir import read_json
+
 __all__ = ["HFShape", "is_other_architecture", "load_hf_model", "use_shift_labels"]
 
 
 def is_other_architecture(path) -> bool:
-    """A Hugging Face directory whose model_type is not llama (which bunsan's own Llama runs)."""
+    """A Hugging Face directory whose model_type is not llama (which bunsan's own Llama runs); False without a
+    config.json, and one that is not a JSON object is refused naming it (models/model_dir.py)."""
     config = Path(path) / "config.json"
-    try:
-        data = json.loads(config.read_text()) if config.is_file() else {}
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and data.get("model_type", "llama") != "llama" and "model_type" in data
+    data = read_json(config) if os.path.lexists(config) else {}
+    return data.get("model_type", "llama") != "llama" and "model_type" in data
 
 
 @dataclass

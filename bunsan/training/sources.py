@@ -3,6 +3,7 @@ corpus) or records rendered to one example per row (the other formats: examples.
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -28,7 +29,7 @@ def tokenizer_folder(cfg) -> str | None:
     if cfg.data.tokenizer is not None:
         return cfg.data.tokenizer
     init = cfg.train.init_from
-    if init and (Path(init) / "tokenizer.json").is_file():
+    if init and os.path.lexists(Path(init) / "tokenizer.json"):     # (one that is no file: its reader says so)
         return init
     return None
 

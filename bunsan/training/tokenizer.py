@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 
 from bunsan.models.hf import generation_eos_ids
+from bunsan.models.model_dir import ROLES, read_json, regular_file
 
 
 class ByteTokenizer:
@@ -45,10 +45,11 @@ class HFTokenizer:
 
     def __init__(self, path: str | os.PathLike):
         p = Path(path)
-        if p.is_dir():
+        if p.is_dir() and p.name != "tokenizer.json":      # (a folder holding one; not a folder in its place)
             p = p / "tokenizer.json"
-        if not p.is_file():
+        if not os.path.lexists(p):
             raise FileNotFoundError(f"tokenizer file not found: {p} (expected a Hugging Face tokenizer.json)")
+        regular_file(p, ROLES["tokenizer.json"])       # (a pipe or a directory in its place: said, never opened)
         try:
             from tokenizers import Tokenizer
         except ImportError as e:
@@ -75,11 +76,9 @@ class HFTokenizer:
 
     @staticmethod
     def _configured_eos(path: Path) -> str | None:
-        """tokenizer_config.json's eos_token (a string, or {"content": ...}); None without a readable one."""
-        try:
-            token = json.loads(path.read_text()).get("eos_token") if path.is_file() else None
-        except (OSError, ValueError, AttributeError):
-            return None
+        """tokenizer_config.json's eos_token (a string, or {"content": ...}); None without the file or the field.
+        A file that is not such JSON is refused (models/model_dir.py): another end token would train silently."""
+        token = read_json(path).get("eos_token") if os.path.lexists(path) else None
         token = token.get("content") if isinstance(token, dict) else token
         return token if isinstance(token, str) and token else None
 
@@ -94,7 +93,7 @@ class HFTokenizer:
         """Where stream.py may cut a file and get the whole file's tokens: at line starts when nothing
         rewrites the text first and the pre-tokenizer splits at whitespace (byte-level BPE without a prefix
         space: GPT-2's, Llama 3's), else nowhere (a SentencePiece-style normalizer prepends to each piece)."""
-        spec = json.loads(self.path.read_text())
+        spec = read_json(self.path, role=ROLES["tokenizer.json"])
         pre = spec.get("pre_tokenizer") or {}
         steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
         whitespace_split = any(st.get("type") in ("ByteLevel", "Split", "Whitespace", "WhitespaceSplit")
