@@ -259,3 +259,10 @@ def test_convert_launches(tmp_path, trained):
 def test_config_launches(tmp_path):
     r = _run(["config", "--explain", "zero_optimisation.stage"], cwd=tmp_path, timeout=120)
     assert r.returncode == 2 and "did you mean 'zero_optimization.stage'?" in r.stderr
+
+
+@pytest.mark.parametrize("argv", [["run"], ["run", "--help"]])
+def test_run_alone_or_with_help_prints_torchruns_usage(argv, capsys):
+    from bunsan.cli.main import main
+    assert main(argv) == 0
+    assert "--nproc-per-node" in capsys.readouterr().out

@@ -256,3 +256,25 @@ def test_measuring_a_gpu_initialises_cuda_before_resetting_its_peak(monkeypatch)
     report.start({0: 1 << 30, "cpu": 1 << 30})
     measure.reset_peak_memory(torch.device("cuda", 0))
     assert calls[0] == "init" and ("reset", 0) in calls and ("reset", torch.device("cuda", 0)) in calls
+
+
+@pytest.mark.e2e
+def test_tensor_parallel_generate_launches_its_own_ranks(tmp_path):
+    """The launch itself, once: `bunsan generate --tp 2` from a shell starts its two ranks (launch.relaunch) and
+    prints what the pool's ranks print for the same command."""
+    import os
+    import subprocess
+    import sys
+    _trained_checkpoint(tmp_path / "final", tiny_model(0).eval())
+    argv = ["generate", "--checkpoint", str(tmp_path), "--prompt", "def ", "--max-new-tokens", "8", "--tp", "2"]
+    proc = subprocess.run([sys.executable, "-m", "bunsan.cli", *argv], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.startswith("def ") and len(proc.stdout.rstrip("\n")) > 4
+
+
+def test_generate_refuses_an_empty_prompt(tmp_path, capsys):
+    from bunsan.cli.main import main
+    _trained_checkpoint(tmp_path / "final", tiny_model(0).eval())
+    with pytest.raises(SystemExit, match="--prompt is empty; give some text to continue"):
+        main(["generate", "--checkpoint", str(tmp_path), "--prompt", ""])
