@@ -151,6 +151,7 @@ def _crash_during_save(rank, world, root):
     engine.save_checkpoint(root)
 
 
+@pytest.mark.e2e
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint(pools, tmp_path):
     pools.run(2, _save_twice, 2, str(tmp_path))
     with pytest.raises((AssertionError, TimeoutError)):

@@ -118,6 +118,7 @@ def test_cli_plan_searches_the_cp_sizes_asked_for(capsys):
     assert "--cp-sizes 'two': write sizes as 1,2,4,8,16" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_plan_explain_prices_a_named_layout_as_the_first_choice_and_compares_term_by_term(capsys):
     """The first choice explained against itself differs in nothing; a TP-8 layout across the search's
     first choice loses on tensor-parallel traffic, priced as the search prices it; a layout past the memory
@@ -229,6 +230,7 @@ def test_gpus_without_nodes_are_priced_at_8_per_node_and_an_impossible_node_is_r
     assert "12 is not a multiple of 8; pass --nodes" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_plan_calibrate_recovers_the_constants_of_measured_runs(tmp_path, capsys):
     """Four runs priced with a GEMM efficiency of 0.6 and links at half their bandwidth, given as measured:
     the fit finds both, every run's error falls from over 15% to under 1%, and the plan is searched with them."""
@@ -262,6 +264,7 @@ def test_plan_calibrate_recovers_the_constants_of_measured_runs(tmp_path, capsys
     assert "give its layout (a string) and one positive step_s or tokens_per_s" in capsys.readouterr().err
 
 
+@pytest.mark.e2e
 def test_the_memory_cut_follows_the_estimates_measured_error():
     """A layout whose estimated peak fits at the highest measured/estimated ratio is ranked; one that fits at
     the lowest ratio only is ranked after those, with how far past memory it may go; beyond, it is dropped.
@@ -289,6 +292,7 @@ def test_the_memory_cut_follows_the_estimates_measured_error():
 
 
 
+@pytest.mark.e2e
 def test_compiled_whole_block_recompute_is_cut_at_its_own_measured_ratio(tmp_path, capsys):
     """The H100 self-check measured train.compile + whole-block recompute at 1.311x the estimate (eager and
     compiled without recompute within 1%): such a layout fits only within memory / 1.311, in `plan --compile`

@@ -74,6 +74,7 @@ def test_a_gemm_and_flash_attention_are_priced_at_the_measured_rates(kernels_fil
     assert slower > compute.block_time(model, lay, same_scale, K.GEMM_EFFICIENCY).forward   # 2048-token GEMMs < 1
 
 
+@pytest.mark.e2e
 def test_plan_with_kernels_prices_by_them_and_says_so(kernels_file, capsys):
     argv = ["plan", "--model", "1b", "--gpus", "8", "--gpu", "h100", "--seq-len", "2048", "--global-batch", "64",
             "--json", "--top", "1"]

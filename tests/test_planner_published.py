@@ -32,6 +32,8 @@ import published_nemo as nemo
 import published_runs as pr
 from bunsan.estimator import hardware
 
+pytestmark = pytest.mark.e2e    # the planner's whole search of each published run: the end-to-end tier
+
 BY_NAME = {r.name: r for r in pr.RUNS + mpt.RUNS + llama3.RUNS + nemo.RUNS + gpu_runs.RUNS}
 
 H100_500W = ("torchtitan on Grand Teton H100 at 500 W, held out from SUSTAINED_HOPPER's fit: its other six rows price "
