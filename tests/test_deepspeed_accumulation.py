@@ -120,3 +120,20 @@ def test_in_bf16_accelerates_boundaries_equal_the_counted_accumulation(pools, st
         assert losses == want_losses
         for k in want_weights:
             assert torch.equal(weights[k], want_weights[k]), k
+
+
+def test_zero_grad_inside_an_accumulation_accelerate_drives_is_refused():
+    """With accelerate's boundaries no step() comes between the micro-batches of a step: zero_grad() there would
+    drop their gradients silently."""
+    import bunsan.deepspeed as deepspeed
+    engine, *_ = deepspeed.initialize(model=_model(), config=_config(0))
+    x, y = _data(2)
+    engine.set_gradient_accumulation_boundary(False)
+    engine.backward(F.mse_loss(engine(x[0][0]), y[0][0]) / 2, scale_wrt_gas=False)
+    with pytest.raises(RuntimeError, match="zero_grad\\(\\) after 1 micro-batches"):
+        engine.zero_grad()
+    engine.set_gradient_accumulation_boundary(True)
+    engine.backward(F.mse_loss(engine(x[1][0]), y[1][0]) / 2, scale_wrt_gas=False)
+    engine.step()
+    engine.zero_grad()                   # after the step: nothing is waiting
+    assert engine.global_steps == 1

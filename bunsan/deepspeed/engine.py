@@ -152,8 +152,8 @@ class DeepSpeedEngine(nn.Module):
 
     def zero_grad(self) -> None:
         """Drop the gradients of the micro-batches so far (DeepSpeed's engine.zero_grad)."""
-        if self.bunsan.micro_steps:
-            raise RuntimeError(f"zero_grad() after {self.bunsan.micro_steps} micro-batches of an accumulating "
+        if self.bunsan.accumulated:
+            raise RuntimeError(f"zero_grad() after {self.bunsan.accumulated} micro-batches of an accumulating "
                                "step: their gradients would be dropped while the step still counts them")
         self.bunsan.strategy.zero_grad()
 

@@ -97,6 +97,8 @@ class Engine:
     loss_scale = property(lambda self: self.scaler.scale if self.scaler else 1.0)
 
     micro_steps = property(lambda self: self._micro_steps, doc="micro-batches done in the current step")
+    accumulated = property(lambda self: self._backwards,
+                           doc="backward passes whose gradients wait for the next optimizer step")
 
     @property
     def lr(self) -> float:
