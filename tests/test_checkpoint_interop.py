@@ -109,10 +109,12 @@ FAULTY = textwrap.dedent("""
 
 def _train_args(tmp_path, corpus, name):
     out = tmp_path / name
+    # --timeout only catches a hang: torchrun's agent restarts on the kill itself; the same timeout bounds the
+    # restarted ranks' set-up, which two busy processes beside the suite can stretch past 20 s
     return ["train", "--preset", "tiny", "--steps", "6", "--micro-batch", "2", "--seq-len", "64", "--zero", "2",
             "--data", str(corpus / "*.py"), "--output", str(out), "--checkpoint-dir", str(out / "ckpt"),
             "--save-interval", "1", "--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "steps_per_print=1",
-            "--set", "data.val_fraction=0", "--timeout", "20"], out
+            "--set", "data.val_fraction=0", "--timeout", "120"], out
 
 
 @pytest.fixture(scope="module")
