@@ -37,6 +37,7 @@ STEP_MODULES = [
     "pipeline/partition.py", "deepspeed/engine.py", "comm/along.py", "context_parallel/attention.py",
     "context_parallel/shard.py", "zero/schedule_grads.py", "zero/stage3_pipeline.py", "models/packing.py",
     "engine/preference.py", "engine/media.py",
+    "models/moe.py", "models/moe_router.py", "models/moe_dispatch.py", "models/moe_experts.py",
 ]
 
 FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
