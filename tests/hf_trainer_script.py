@@ -13,7 +13,8 @@ weights, steps 4-5. Writes the logged losses to OUT.
 last accumulation is shorter (the boundary the Trainer sets, through accelerate, at the epoch's end);
 `save`/`resume` then stop and resume after the first half of the steps plus one (in the second epoch).
 `eval=1`: an evaluation every 2 steps. `plugin=1`: no `deepspeed=` in TrainingArguments, the DeepSpeed config
-is accelerate's plugin (`accelerate launch` with `distributed_type: DEEPSPEED`). `dtype=bf16`: TrainingArguments(bf16=True), the config's bf16 "auto".
+is accelerate's plugin (`accelerate launch` with `distributed_type: DEEPSPEED`). `dtype=bf16`:
+TrainingArguments(bf16=True), the config's bf16 "auto".
 
 `rank_job` runs the same `main` as a job of tests/dist_harness.py's ranks (torchrun's environment, a gloo group
 already made), so that a test pays for no launch where the launch is not what it checks.
