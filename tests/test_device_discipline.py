@@ -36,7 +36,7 @@ STEP_MODULES = [
     "models/llama.py", "models/saving.py", "transforms/selective.py", "transforms/offload.py",
     "pipeline/partition.py", "deepspeed/engine.py", "comm/along.py", "context_parallel/attention.py",
     "context_parallel/shard.py", "zero/schedule_grads.py", "zero/stage3_pipeline.py", "models/packing.py",
-    "engine/preference.py", "engine/media.py",
+    "engine/preference.py", "engine/media.py", "engine/ds_loop.py",
     "models/moe.py", "models/moe_router.py", "models/moe_dispatch.py", "models/moe_experts.py",
 ]
 
