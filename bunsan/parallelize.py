@@ -1,8 +1,8 @@
 """`initialize`: a plain model becomes a training engine through transforms applied in one visible order,
 
     (tensor-parallel plan) -> pipeline cut -> LoRA -> materialise -> saving forms -> tensor parallel ->
-    context parallel -> activation checkpointing (full or selective) and offload -> compile -> data parallel
-    (the ZeRO strategy) -> Engine
+    context parallel -> expert parallel -> activation checkpointing (full or selective) and offload -> compile
+    -> data parallel (the ZeRO strategy; the experts' over their own group) -> Engine
 
 torchtitan's order. Each transform below is a function with one job; the model code never learns about
 any of them (parameter names and state-dict keys stay those of the plain model).
@@ -26,9 +26,10 @@ from bunsan.config.root import Config
 from bunsan.context_parallel import CPContext, apply_context_parallel
 from bunsan.engine.engine import Engine
 from bunsan.engine.precision import model_dtype
+from bunsan.expert_parallel import EPContext, apply_expert_parallel, expert_parameter_names
 from bunsan.models.blocks import repeated_blocks
 from bunsan.models.llama import Llama
-from bunsan.optim.optimizers import optimizer_class, rebuild_over
+from bunsan.optim.optimizers import optimizer_class, rebuild_over, restricted_to
 from bunsan.optim.stepping import check_where, refuse_stepped
 from bunsan.tensor_parallel import TPContext, apply_tensor_parallel, replicated_parameter_names
 from bunsan.tensor_parallel.hf_plan import is_hf_model
@@ -40,6 +41,7 @@ from bunsan.transforms.offload import apply_activation_offload
 from bunsan.transforms.saving_forms import apply_saving_forms
 from bunsan.transforms.selective import apply_selective_recompute
 from bunsan.zero import OtherDims, make_strategy
+from bunsan.zero.experts import ExpertSplit
 
 
 @dataclass
@@ -80,12 +82,14 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
         apply_saving_forms(model)
     model, tp = tensor_parallel(model, at, tp_plan, pipe)
     cp = context_parallel(model, at)
+    ep = expert_parallel(model, at)
     recompute(model, at.cfg, pipe)
     if at.cfg.train.compile:
         apply_compile(model)
     optimizer = follow_user_optimizer(optimizer, user_groups, model)
-    strategy = data_parallel(model, at, optimizer, tp, pipe)
-    return Engine(model, at.cfg, at.mesh, at.device, at.comm, strategy, loss_fn=loss_fn, tp=tp, pipe=pipe, cp=cp)
+    strategy = data_parallel(model, at, optimizer, tp, pipe, ep)
+    return Engine(model, at.cfg, at.mesh, at.device, at.comm, strategy, loss_fn=loss_fn, tp=tp, pipe=pipe, cp=cp,
+                  ep=ep)
 
 
 NO_TENSORBOARD = ("an engine you step yourself writes no TensorBoard scalars (`bunsan train` writes its metric "
@@ -114,7 +118,8 @@ def place(cfg: Config) -> Placement:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
-    mesh = Mesh.create(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size, cp=cfg.context_parallel.size)
+    mesh = Mesh.create(pp=cfg.pipeline.stages, tp=cfg.tensor_parallel.size, cp=cfg.context_parallel.size,
+                       ep=cfg.expert_parallel.size)
     comm = Comm(timeout_s=collective_timeout(cfg.train.timeout_s, backend_name()),
                 gloo_collectives=cfg.train.gloo_collectives, device=device)
     return Placement(cfg, device, mesh, comm)
@@ -238,6 +243,23 @@ def context_parallel(model: nn.Module, at: Placement) -> CPContext | None:
     return ctx
 
 
+def expert_parallel(model: nn.Module, at: Placement) -> EPContext | None:
+    """Each MoE block keeps its share of the experts and reaches the rest by all-to-all over the mesh's
+    expert-parallel group (a pipeline stage: its own blocks')."""
+    if at.mesh.ep == 1:
+        return None
+    if at.cfg.zero_optimization.stage == 3:
+        raise ValueError(f"expert_parallel.autoep_size {at.mesh.ep} with zero_optimization.stage 3 is not built "
+                         "yet (the experts' shards would be gathered over their own group); use stage 0, 1 or 2 "
+                         "with expert parallelism, or autoep_size 1 under stage 3")
+    if at.mesh.tp > 1:
+        raise ValueError(f"expert_parallel.autoep_size {at.mesh.ep} with tensor_parallel.size {at.mesh.tp} is not "
+                         "built yet; use one of the two")
+    ctx = EPContext(at.comm, at.mesh.ep_group, at.mesh.edp_group)
+    apply_expert_parallel(model, ctx)
+    return ctx
+
+
 def recompute(model: nn.Module, cfg: Config, pipe) -> None:
     """Activation checkpointing of every block (full or selective), then the offload of the chosen blocks'
     saved activations to host memory, around the checkpoint; a pipeline stage of only the embedding or head
@@ -254,7 +276,7 @@ def recompute(model: nn.Module, cfg: Config, pipe) -> None:
         apply_activation_offload(model, offloaded)
 
 
-def data_parallel(model: nn.Module, at: Placement, optimizer, tp, pipe):
+def data_parallel(model: nn.Module, at: Placement, optimizer, tp, pipe, ep=None):
     """The model in its training dtype on the device, and the ZeRO strategy that owns its gradients, master
     weights and optimizer states."""
     cfg, mesh = at.cfg, at.mesh
@@ -276,9 +298,28 @@ def data_parallel(model: nn.Module, at: Placement, optimizer, tp, pipe):
                              f"{list(cfg.lora.target_modules)} (a pipeline stage of only the embedding or "
                              "head?): target more modules, or use fewer pipeline stages")
         raise ValueError("the model has no parameters with requires_grad=True; nothing to train")
+    dims = other_dims(model, mesh, tp, pipe)
+    if ep is not None:
+        return expert_split(model, at, optimizer, trainable, dims)
     # context-parallel ranks hold the same weights and different tokens: data parallel for gradients
-    return make_strategy(trainable, at.comm, mesh.grad_group, cfg, at.device, optimizer, model,
-                         other_dims(model, mesh, tp, pipe))
+    return make_strategy(trainable, at.comm, mesh.grad_group, cfg, at.device, optimizer, model, dims)
+
+
+def expert_split(model: nn.Module, at: Placement, optimizer, trainable: list, dims: OtherDims) -> ExpertSplit:
+    """The dense weights' strategy over the gradient group and the experts' over the expert-data-parallel
+    group (zero/experts.py), each with its share of the user's optimizer."""
+    names = expert_parameter_names(model)
+    expert_ids = {id(p) for n, p in model.named_parameters() if n in names}
+    experts = [p for p in trainable if id(p) in expert_ids]
+    dense = [p for p in trainable if id(p) not in expert_ids]
+    if not experts or not dense:
+        raise ValueError(f"expert parallelism needs trainable experts and trainable dense weights; this rank "
+                         f"trains {len(experts)} expert and {len(dense)} other tensors (frozen experts, or LoRA "
+                         "on the attention only?): set expert_parallel.enabled false")
+    mesh, cfg = at.mesh, at.cfg
+    parts = [make_strategy(ps, at.comm, group, cfg, at.device, restricted_to(optimizer, ps), model, dims)
+             for ps, group in ((dense, mesh.grad_group), (experts, mesh.edp_group))]
+    return ExpertSplit(*parts, at.comm, mesh.ep_group)
 
 
 def other_dims(model: nn.Module, mesh: Mesh, tp, pipe) -> OtherDims:

@@ -28,6 +28,13 @@ from bunsan.optim.lrs import gathered_lrs
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
 
 
+def _refuse_expert_parallel(engine, what: str) -> None:
+    if engine.mesh.ep > 1:
+        raise ValueError(f"cannot {what} a checkpoint under expert parallelism (expert_parallel.autoep_size "
+                         f"{engine.mesh.ep}): resumable checkpoints of sharded experts are not built yet; the "
+                         "final weights are saved as a Hugging Face directory either way (engine."
+                         "consolidated_state_dict); train with autoep_size 1 to save and resume")
+
 
 def _barrier(engine) -> None:
     engine.comm.all_reduce_scalars([0.0], engine.mesh.world)
@@ -76,6 +83,7 @@ def _rank_state(engine) -> tuple[dict, dict]:
 def save_checkpoint(engine, save_dir, tag: str | float | None = None, client_state: dict | None = None,
                     keep_last: int | None = None) -> Path:
     """Every rank calls it. Returns the checkpoint directory (ROOT/tag)."""
+    _refuse_expert_parallel(engine, "save")
     root = Path(save_dir)
     tag = _agreed_tag(engine, store.tag_for(engine.global_step) if tag is None else tag)
     if tag == "latest":
@@ -272,6 +280,7 @@ def _reader_for(engine, root: Path, tag: str, meta: dict) -> store.Reader:
 def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_states: bool = True):
     """Every rank calls it. Returns (checkpoint path, client_state), as DeepSpeed does. A damaged checkpoint
     is refused (naming the file) and the previous complete one loaded instead."""
+    _refuse_expert_parallel(engine, "load")
     root = Path(load_dir)
     tags = store.candidates(root, tag)
     if not tags:

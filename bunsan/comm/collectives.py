@@ -25,6 +25,7 @@ copies here, inside the collective, so the step itself stays on the device.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -257,6 +258,36 @@ class Comm:
     def _all_to_all(self, out, full, group, async_op):
         return self._run("all_to_all", group, full.numel() * full.element_size(),
                          lambda: dist.all_to_all_single(out, full, group=group.pg, async_op=True), async_op)
+
+    def all_to_all_v(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                     group: Group) -> None:
+        """Uneven all-to-all along dim 0 (expert parallelism's token dispatch): the first in_splits[0] rows of
+        `inp` go to group rank 0, the next in_splits[1] to rank 1, ...; `out` gets out_splits[j] rows from
+        rank j, in rank order. Every rank's out_splits[j] is rank j's in_splits[this rank]: the caller has
+        exchanged the counts (a size mismatch is gloo's or NCCL's error, a hang is the timeout's). Accounted
+        as the bytes this rank sends to the other ranks."""
+        self._check("all_to_all_v", group, out, inp)
+        if len(in_splits) != group.size or len(out_splits) != group.size:
+            raise ValueError(f"all_to_all_v over {group.size} ranks takes {group.size} splits each way, got "
+                             f"{len(in_splits)} to send and {len(out_splits)} to receive")
+        if sum(in_splits) != inp.shape[0] or sum(out_splits) != out.shape[0]:
+            raise ValueError(f"all_to_all_v splits {in_splits} -> {out_splits} do not add up to the rows of "
+                             f"the input {tuple(inp.shape)} and output {tuple(out.shape)}")
+        if group.size == 1:
+            out.copy_(inp)
+            return None
+        row = math.prod(inp.shape[1:]) * inp.element_size()      # (a rank may send no rows at all)
+        sent = (sum(in_splits) - in_splits[group.rank]) * row
+
+        def run(tensors=(out, inp)):
+            o, i = tensors
+            return dist.all_to_all_single(o, i, output_split_sizes=list(out_splits),
+                                          input_split_sizes=list(in_splits), group=group.pg, async_op=True)
+        if self._staged(group):
+            self._via_host(lambda h: self._run("all_to_all_v", group, sent, lambda: run(h), False),
+                           [out, inp], 0, False, output_only=True)
+            return None
+        return self._run("all_to_all_v", group, sent, run, False)
 
     def broadcast(self, t: torch.Tensor, src_rank: int, group: Group, async_op: bool = False):
         """Broadcast from group-local rank `src_rank`."""

@@ -11,6 +11,13 @@ rows, so for gradients they are data parallel: `grad_group` (dp x cp) is the gro
 gradients are reduced over and ZeRO shards are spread over, while `dp_group` (and
 `dp`, `dp_rank`) is the data coordinate: which rows of the global batch a rank reads.
 Without context parallelism the two are the same group.
+
+Expert parallelism is folded over the gradient group (Megatron's parallel folding, torchtitan's efsdp): the
+grad_group's ranks, in order, are cut into blocks of `ep` consecutive ranks. An `ep_group` (one block) holds
+the experts between them, each rank its 1/ep, and routes tokens to them by all-to-all; the ranks at the same
+place in every block form the `edp_group`, the replicas of one expert shard, over which the experts'
+gradients are reduced and their ZeRO shards spread (DeepSpeed's expert-data-parallel group). Attention and
+every other weight stay data parallel over the whole grad_group.
 """
 
 from __future__ import annotations
@@ -40,12 +47,23 @@ class Mesh:
     cp: int = 1
     cp_group: Group | None = None
     grad_group: Group | None = None     # dp x cp: gradients and ZeRO shards (dp_group when cp is 1)
+    ep: int = 1
+    ep_group: Group | None = None       # ranks that split the experts between them (a block of grad_group)
+    edp_group: Group | None = None      # replicas of this rank's experts: their gradients and ZeRO shards
 
     def __post_init__(self) -> None:
         if self.cp_group is None:
             self.cp_group = Group("cp", None, 1, 0, (self.rank,))
         if self.grad_group is None:
             self.grad_group = self.dp_group
+        if self.ep_group is None:
+            self.ep_group = Group("ep", None, 1, 0, (self.rank,))
+        if self.edp_group is None:
+            self.edp_group = self.grad_group
+
+    @property
+    def ep_rank(self) -> int:
+        return self.ep_group.rank
 
     @property
     def pp_rank(self) -> int:
@@ -70,7 +88,7 @@ class Mesh:
         return (p, d, t) if cp == 1 else (p, d, c, t)
 
     @classmethod
-    def create(cls, pp: int = 1, tp: int = 1, cp: int = 1) -> "Mesh":
+    def create(cls, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1) -> "Mesh":
         world_size, rank = dist.get_world_size(), dist.get_rank()
         fixed = pp * tp * cp
         if pp < 1 or tp < 1 or cp < 1 or world_size % fixed:
@@ -93,7 +111,33 @@ class Mesh:
                     mine[name] = Group(name, pg, len(ranks_in), ranks_in.index(rank), tuple(ranks_in))
         cp_group = mine.get("cp")
         grad = mine["dp"] if cp == 1 else mine["dpcp"] if dp > 1 else cp_group
-        return cls(pp, dp, tp, rank, world, mine["dp"], mine["tp"], mine["pp"], cp, cp_group, grad)
+        mesh = cls(pp, dp, tp, rank, world, mine["dp"], mine["tp"], mine["pp"], cp, cp_group, grad)
+        if ep > 1:
+            mesh.fold_experts(ep)
+        return mesh
+
+    def fold_experts(self, ep: int) -> None:
+        """Cut every gradient group into expert-parallel blocks of `ep` ranks (see the module docstring).
+
+        Collective: every rank calls it with the same `ep` (new_group's rule)."""
+        folded = self.dp * self.cp
+        if ep < 1 or folded % ep:
+            raise ValueError(
+                f"expert parallel size {ep} does not divide the {folded} data-parallel ranks it is folded over "
+                f"(data {self.dp} x context {self.cp}; tensor {self.tp} and pipeline {self.pp} ranks hold the same "
+                f"experts); set expert_parallel.autoep_size to a divisor of {folded}, or launch more processes")
+        grad_axis = "dp" if self.cp == 1 else "dpcp" if self.dp > 1 else "cp"
+        mine = {}
+        for ranks_in in self._groups(self.pp, self.dp, self.cp, self.tp, grad_axis):
+            blocks = [ranks_in[i:i + ep] for i in range(0, folded, ep)]
+            for name, cut in (("ep", blocks), ("edp", [list(r) for r in zip(*blocks)])):
+                for members in cut:
+                    pg = dist.new_group(members) if 1 < len(members) < self.world.size else None
+                    if len(members) == self.world.size and self.world.size > 1:
+                        pg = dist.group.WORLD
+                    if self.rank in members:
+                        mine[name] = Group(name, pg, len(members), members.index(self.rank), tuple(members))
+        self.ep, self.ep_group, self.edp_group = ep, mine["ep"], mine["edp"]
 
     def pp_subgroup(self, stages: tuple[int, ...], name: str) -> Group | None:
         """The group of the given pipeline ranks at this rank's (dp, cp, tp) coordinates, or None if not among

@@ -56,7 +56,7 @@ def logical_bytes(op: str, nbytes: int, n: int) -> int:
         return 2 * (n - 1) * nbytes // n
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) * nbytes // n
-    return nbytes  # broadcast, send, recv
+    return nbytes  # broadcast, send, recv; all_to_all_v: the caller counts the bytes it sends off-rank
 
 
 MAX_PENDING = 1024       # device waits kept unread before the completed ones are added up

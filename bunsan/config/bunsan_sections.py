@@ -56,6 +56,39 @@ class ContextParallel(Section):
                                            "data.seq_len a multiple of 2 x size)")
 
 
+# DeepSpeed AutoEP keys that inject expert parallelism into a model by name patterns and presets; bunsan's
+# expert parallelism acts on its own MoE blocks (models/moe.py), whose routing the model's config sets
+_AUTOEP_INJECTION = (
+    "expert_tensor_parallel_size", "validate_folding_routing", "preset_model", "moe_layer_pattern",
+    "expert_pattern", "router_pattern", "use_grouped_mm", "disable_triton_grouped_mm", "route_norm",
+    "route_scale", "score_apply", "combine_impl", "num_expert_groups", "num_limited_groups", "score_func",
+    "top_k", "load_balance_coeff", "routed_scaling_factor", "expert_w1", "expert_w2", "expert_w3",
+    "num_experts_attr", "top_k_attr", "has_shared_experts", "shared_experts_pattern", "shared_experts_gate_pattern")
+
+
+class ExpertParallel(Section):
+    """Expert parallelism (DeepSpeed's AutoEP section, its keys): each MoE block's experts split over
+    autoep_size ranks folded over the data-parallel ones, tokens sent to them by all-to-all"""
+    enabled: bool = Field(False, description="Split the experts of bunsan's MoE blocks over autoep_size ranks")
+    autoep_size: Int = Field(1, ge=1, description="Ranks each MoE block's experts are split over; divides the "
+                                                  "data x context parallel ranks and the number of experts")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _injection(cls, data):
+        if isinstance(data, dict):
+            given = [k for k in _AUTOEP_INJECTION if k in data]
+            if given:
+                raise Rule((given[0], f"DeepSpeed AutoEP's model injection keys ({', '.join(given)}) are not "
+                                      "built: bunsan splits the experts of its own MoE blocks, whose routing the "
+                                      "model config's moe section sets; keep only enabled and autoep_size"))
+        return data
+
+    @property
+    def size(self) -> int:
+        return self.autoep_size if self.enabled else 1
+
+
 class Pipeline(Section):
     """bunsan: pipeline parallelism over consecutive layers; its micro-batches are gradient_accumulation_steps."""
     stages: Int = Field(1, ge=1, description="Pipeline stages the layers are cut into, one rank each; needs at "

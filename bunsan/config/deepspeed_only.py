@@ -146,8 +146,6 @@ FEATURES = {
     "weight_quantization": refuse(lambda v: isinstance(v, dict) and v.get("enabled", True) is False,
                                   "DeepSpeed's weight quantization is not built; remove the section",
                                   shapes.WEIGHT_QUANTIZATION),
-    "expert_parallel": refuse(disabled, "mixture-of-experts (AutoEP expert parallelism) is not built; set "
-                              "enabled false", shapes.EXPERT_PARALLEL),
     "compile": refuse(lambda v: isinstance(v, dict) and not v.get("deepcompile", False), "DeepSpeed's "
                       "DeepCompile is not built; train.compile torch.compiles each transformer block; set "
                       "deepcompile false", shapes.COMPILE),
@@ -181,7 +179,8 @@ _WHY_TOP = {   # accepted and ignored: (DeepSpeed's default, the reason)
                                        "division is split around the all-reduce (see prescale_gradients)"),
     "zero_force_ds_cpu_optimizer": (True, "bunsan steps offloaded optimizer states on the CPU with the "
                                           "configured torch optimizer; there is no DeepSpeed CPU optimizer to force"),
-    "use_data_before_expert_parallelism": (False, "orders expert-parallel groups; bunsan has no experts"),
+    "use_data_before_expert_parallelism": (False, "orders expert-parallel groups; bunsan folds them over "
+                                                   "the data-parallel ranks in rank order"),
     "cuda_visible_devices": (None, "DeepSpeed's config reads it nowhere (devices come from the launcher's "
                                    "CUDA_VISIBLE_DEVICES and LOCAL_RANK)"),
     "seq_parallel_communication_data_type": ("fp32", "the dtype of DeepSpeed-Ulysses' all-to-alls; bunsan "

@@ -2,20 +2,12 @@
 rows) or holds as one free-form mapping (data_efficiency.data_routing, a curriculum's schedule_config). Any
 other key in them is unknown, whether the section is enabled, disabled or refused: DeepSpeed configs carry
 disabled sections, and a typo in one would otherwise pass without a word. Transcribed from DeepSpeed's readers
-(module_inject/auto_ep_config.py, compression/config.py, runtime/data_pipeline/, autotuning/, elasticity/,
+(compression/config.py, runtime/data_pipeline/, autotuning/, elasticity/,
 nebula/, compile/config.py, inference/config.py, runtime/config.py and constants.py, ...)."""
 
 from __future__ import annotations
 
 from bunsan.config.key_shapes import FREE, NAME, keys
-
-# AutoEP (module_inject/auto_ep_config.py's parse_autoep_config)
-EXPERT_PARALLEL = keys(
-    "enabled", "autoep_size", "expert_tensor_parallel_size", "validate_folding_routing", "preset_model",
-    "moe_layer_pattern", "expert_pattern", "router_pattern", "use_grouped_mm", "disable_triton_grouped_mm",
-    "route_norm", "route_scale", "score_apply", "combine_impl", "num_expert_groups", "num_limited_groups",
-    "score_func", "top_k", "load_balance_coeff", "routed_scaling_factor", "expert_w1", "expert_w2", "expert_w3",
-    "num_experts_attr", "top_k_attr", "has_shared_experts", "shared_experts_pattern", "shared_experts_gate_pattern")
 
 AUTOTUNING = keys(
     "enabled", "fast", "results_dir", "exps_dir", "overwrite", "start_profile_step", "end_profile_step", "metric",

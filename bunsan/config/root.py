@@ -12,8 +12,8 @@ from typing import Any, Optional
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from bunsan.config.bunsan_sections import (Checkpoint, ContextParallel, Data, Dpo, Lora, ModelOverrides, Orpo, Pipeline,
-                                          Simpo, TensorParallel, Train)
+from bunsan.config.bunsan_sections import (Checkpoint, ContextParallel, Data, Dpo, ExpertParallel, Lora,
+                                          ModelOverrides, Orpo, Pipeline, Simpo, TensorParallel, Train)
 from bunsan.config.data_efficiency import DataEfficiency
 from bunsan.config.deepspeed_intake import prepare, row_for
 from bunsan.config.deepspeed_keys import IgnoredKeyWarning, canonical, log_ignored, say_once
@@ -88,6 +88,7 @@ class Config(Section):
     tensorboard: Tensorboard = Field(default_factory=Tensorboard, description=Tensorboard.__doc__)
     tensor_parallel: TensorParallel = Field(default_factory=TensorParallel, description=TensorParallel.__doc__)
     context_parallel: ContextParallel = Field(default_factory=ContextParallel, description=ContextParallel.__doc__)
+    expert_parallel: ExpertParallel = Field(default_factory=ExpertParallel, description=ExpertParallel.__doc__)
     pipeline: Pipeline = Field(default_factory=Pipeline, description=Pipeline.__doc__)
     lora: Lora = Field(default_factory=Lora, description=Lora.__doc__)
     model: ModelOverrides = Field(default_factory=ModelOverrides, description=ModelOverrides.__doc__)

@@ -21,6 +21,9 @@ class DeepSpeedLoop:
         self._whole_step_only("engine(inputs)")
         if self._micro_steps == 0 and self.device.type == "cuda":   # the reported peak is this step's
             reset_peak_memory(self.device)
+        # backward(loss) takes a mean per micro-batch, divided by the accumulation and averaged over the ranks:
+        # the MoE blocks' balancing losses get the same weight (engine/moe_step.py)
+        self.moe.set_aux_scale((self.scaler.scale if self.scaler else 1.0) / self.grad_accum)
         return self.module(*args, **without_kv_cache(self.module, kwargs))
 
     def _whole_step_only(self, what: str) -> None:

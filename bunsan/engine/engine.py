@@ -24,9 +24,11 @@ from bunsan.comm.mesh import Mesh
 from bunsan.comm.rollcall import post_step
 from bunsan.context_parallel import shard_batch
 from bunsan.doctor.oom import OutOfMemory, explain, is_oom
+from bunsan.expert_parallel import consolidate as consolidate_experts
 from bunsan.engine.batch import Objective, check_cut, rows_of, split
 from bunsan.engine.ds_loop import DeepSpeedLoop
 from bunsan.engine.media import check_rows
+from bunsan.engine.moe_step import MoESteps
 from bunsan.engine.preference import objective_for
 from bunsan.engine.precision import LossScaler, cast_inputs_to_half, model_dtype
 from bunsan.memory.measure import measured_memory, reset_peak_memory
@@ -50,9 +52,11 @@ class Engine(DeepSpeedLoop):
     model): loss, loss scaling, clipping, the learning-rate schedule and the step counters."""
 
     def __init__(self, model: nn.Module, cfg, mesh: Mesh, device: torch.device, comm: Comm, strategy: Strategy,
-                 loss_fn=None, tp=None, pipe=None, cp=None):
+                 loss_fn=None, tp=None, pipe=None, cp=None, ep=None):
         self.cfg, self.mesh, self.device, self.comm = cfg, mesh, device, comm
         self.cp = cp                # context parallelism's CPContext: this rank holds a share of each row
+        self.ep = ep                # expert parallelism's EPContext: this rank holds a share of the experts
+        self.moe = MoESteps(model, comm, mesh.grad_group)     # balancing losses, expert bias, load metrics
         self.tp_ctx, self.tp_head = tp if tp is not None else (None, None)
         if self.tp_head is not None:
             # What reaches the user (engine(inputs), a loss_fn, a Hugging Face model's own loss) is the whole
@@ -153,6 +157,7 @@ class Engine(DeepSpeedLoop):
                 raise
         self.last_grad_norm = norm
         overflow = not math.isfinite(norm)
+        self.moe.after_step(applied=not overflow)
         if self.scaler:
             self.scaler.update(overflow)
         if overflow:
@@ -216,6 +221,8 @@ class Engine(DeepSpeedLoop):
             objective.div = tokens[0].clamp(min=1.0).float()
         else:
             objective.div, objective.post_scale = self.grad_accum, 1.0 / self.mesh.dp
+        # each replica's mean balancing loss per micro-batch, in the units the reduced gradients are read in
+        self.moe.set_aux_scale(objective.scale / (len(micro) * self.mesh.grad_group.size * objective.post_scale))
         with self._logits_for(objective):
             total = self._forward_backward(micro, objective)
         self.comm.all_reduce(total, self.mesh.grad_group)
@@ -298,6 +305,8 @@ class Engine(DeepSpeedLoop):
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The full plain-model state dict (same keys as the unwrapped model), on every rank, on CPU."""
         state = self.strategy.consolidated_state_dict(self.module)
+        if self.ep is not None:
+            state = consolidate_experts(state, self.module, self.ep, self.device)
         if self.tp_ctx is not None:
             state = consolidate(state, self.module, self.tp_ctx, self.device)
         if self.pipe is not None:

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from bunsan.models.model_dir import ModelFileError, field, read_json
 from bunsan.models.tensor_file import check_dtypes, checked_header
 from bunsan.models.llama import Llama, LlamaConfig
+from bunsan.models.mixtral_form import hub_name, to_hub_tensors
 
 log = logging.getLogger("bunsan")
 CONFIG, INDEX, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
@@ -73,11 +74,11 @@ def read_config(path) -> LlamaConfig:
         raise FileNotFoundError(f"{d} has no {CONFIG}: point at a Hugging Face model directory "
                                 "(config.json + model.safetensors, or shards with model.safetensors.index.json)")
     data = read_json(cfg)
-    if data.get("model_type", "llama") != "llama":
+    if data.get("model_type", "llama") not in ("llama", "mixtral"):
         raise ValueError(f"{cfg}: model_type {data['model_type']!r} is not a Llama. bunsan train --init-from and "
                          "generate (one process) take any transformers causal LM; device maps, tensor-parallel "
                          "generation and serve run bunsan's own Llama, so they read model_type 'llama' "
-                         "checkpoints (Llama 2/3, SmolLM, TinyLlama, ...)")
+                         "checkpoints (Llama 2/3, SmolLM, TinyLlama, ...) and 'mixtral' ones (bunsan's MoE Llama)")
     return llama_config(data, cfg)
 
 
@@ -135,10 +136,27 @@ class HFWeights:
             file = self.where[key]
             check_dtypes(self.dir / file, {key: self.headers[file][key]})
 
+    def _expert_keys(self, name: str) -> list[str] | None:
+        """A MoE Llama's experts weight (one 3-D parameter in bunsan) as the hub's one key per expert
+        (models/mixtral_form.py); None for any other parameter."""
+        if name in self.where:
+            return None
+        key, along = hub_name(name)
+        if along is None:
+            return None
+        keys = []
+        while key.format(e=len(keys)) in self.where:
+            keys.append(key.format(e=len(keys)))
+        if not keys:
+            raise KeyError(f"{self.dir} has no tensor {key.format(e=0)!r} (bunsan parameter {name!r})")
+        return keys
+
     def _key(self, name: str) -> str:
         """The file's key of a parameter: its own name (a transformers model's), else bunsan's Llama name in
-        HF's spelling."""
+        HF's spelling (a MoE Llama's router in Mixtral's)."""
         key = name if name in self.where else hf_key(name)
+        if key not in self.where:
+            key = hub_name(name)[0]
         if key not in self.where and name == "lm_head.weight" and self.tied:
             key = hf_key("embed_tokens.weight")          # a tied head is often saved once, as the embedding
         if key not in self.where:
@@ -152,13 +170,23 @@ class HFWeights:
         return self._open[name]
 
     def shape(self, name: str) -> list[int]:
-        key = self._key(name)
-        return list(self._file(key).get_slice(key).get_shape())
+        experts = self._expert_keys(name)
+        key = self._key(name) if experts is None else experts[0]
+        shape = list(self._file(key).get_slice(key).get_shape())
+        return shape if experts is None else [len(experts), *shape]
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """The weight, or its [start, stop) along `dim` (read from disk alone); floating point, never an integer
-        or quantised tensor reinterpreted."""
-        key = self._key(name)
+        or quantised tensor reinterpreted. A MoE Llama's experts come stacked from one tensor per expert."""
+        experts = self._expert_keys(name)
+        if experts is not None:
+            if dim == 0:
+                return torch.stack([self.read_key(k) for k in experts[start:stop]])
+            return torch.stack([self.read_key(k, None if dim is None else dim - 1, start, stop) for k in experts])
+        return self.read_key(self._key(name), dim, start, stop)
+
+    def read_key(self, key: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """The file's tensor `key`, or its [start, stop) along `dim`."""
         self.check_float([key])
         if dim is None:
             return self._file(key).get_tensor(key)
@@ -173,7 +201,11 @@ def check_llama_dir(path, cfg: LlamaConfig, weights: HFWeights | None = None) ->
     weights = weights or HFWeights(path)
     with torch.device("meta"):
         model = Llama(cfg)
-    want = {hf_key(n): tuple(p.shape) for n, p in model.named_parameters()}
+    want = {}
+    for n, p in model.named_parameters():
+        key, along = hub_name(n) if cfg.moe is not None else (hf_key(n), None)
+        want.update({key: tuple(p.shape)} if along is None else
+                    {key.format(e=e): tuple(p.shape[1:]) for e in range(p.shape[0])})
     have = {k for k in weights.where if not k.endswith("rotary_emb.inv_freq")}   # (old HF files keep rope)
     if cfg.tie_word_embeddings:
         want.pop("lm_head.weight", None)
@@ -209,7 +241,7 @@ def load_llama(path, dtype: torch.dtype = torch.float32) -> Llama:
             if tuple(t.shape) != tuple(p.shape):
                 raise ValueError(f"{path}: {hf_key(name)} has shape {list(t.shape)}, the config says {list(p.shape)}")
             p.copy_(t)
-    model.reset_rope()
+    model.init_buffers()
     return model.to(dtype)
 
 
@@ -238,7 +270,12 @@ def save_llama(state: dict[str, torch.Tensor], config: LlamaConfig, out_dir, dty
     for name, t in state.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue                                   # HF ties it back to the embedding on load
-        tensors[hf_key(name)] = (t.to(dtype) if dtype is not None else t).contiguous()
+        t = (t.to(dtype) if dtype is not None else t)
+        hub = to_hub_tensors(name, t) if config.moe is not None else None
+        if hub is None:
+            tensors[hf_key(name)] = t.contiguous()
+        else:                                          # a MoE Llama in Mixtral's hub layout: one tensor per expert
+            tensors.update({k: v.contiguous() for k, v in hub.items()})
     shards, cur, size = [], {}, 0
     for key, t in tensors.items():
         nbytes = t.numel() * t.element_size()

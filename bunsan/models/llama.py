@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bunsan.models.llama_config import LlamaConfig, flops_per_token, rope_type  # noqa: F401  (flops: re-exported)
+from bunsan.models.moe import MoE
 from bunsan.models.packing import packed_forward
 from bunsan.models.saving import rms_norm, swiglu
 
@@ -168,7 +169,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.self_attn = Attention(config)
-        self.mlp = MLP(config)
+        moe = config.moe_config()
+        self.mlp = MLP(config) if moe is None else MoE(moe)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -213,7 +215,7 @@ class Llama(nn.Module):
         """
         for name, p in self.named_parameters():
             self.init_parameter(name, p, seed)
-        self.reset_rope()
+        self.init_buffers()
 
     @torch.no_grad()
     def init_parameter(self, name: str, p: torch.Tensor, seed: int | None = None) -> None:
@@ -223,7 +225,8 @@ class Llama(nn.Module):
             return
         c = self.config
         std = c.initializer_range
-        s = std / math.sqrt(2 * c.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+        into_residual = name.endswith(("o_proj.weight", "down_proj.weight", "experts.w2"))
+        s = std / math.sqrt(2 * c.num_hidden_layers) if into_residual else std
         if seed is None:
             p.normal_(0.0, s)
         else:
@@ -233,8 +236,14 @@ class Llama(nn.Module):
             p.copy_(drawn.normal_(0.0, s, generator=g))
 
     def init_buffers(self) -> None:
-        """Recompute the non-persistent buffers (rope tables) after materialising them."""
+        """Recompute the non-persistent buffers (rope tables) after materialising them; a MoE block's expert
+        bias and token counts start at 0."""
         self.reset_rope()
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, MoE):
+                    for b in (m.expert_bias, m.tokens_per_expert, m.dropped_per_expert):
+                        b.zero_()
 
     def reset_parameters(self) -> None:
         self.init_weights()

@@ -3,9 +3,13 @@ counts and training FLOPs per token. models/llama.py builds the model from it.""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from bunsan.models.mixtral_form import from_mixtral, to_mixtral
+from bunsan.models.moe_config import MoEConfig
 
 
 def rope_type(scaling: dict | None) -> str:
@@ -43,6 +47,10 @@ class LlamaConfig:
     # Resolved at construction, as transformers' LlamaConfig does: dataclasses.replace keeps it as it was,
     # LlamaConfig.replace derives it again from a new width or head count
     head_dim: int | None = None
+    # Mixture of experts: None (a dense SwiGLU MLP in every block), or bunsan's MoE block (models/moe.py) in
+    # every block, given as MoEConfig's fields but hidden_size (the model's), e.g. {"num_experts": 8,
+    # "top_k": 2, "expert_intermediate_size": 344}; intermediate_size is then unused
+    moe: dict | None = field(default=None)
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -76,6 +84,24 @@ class LlamaConfig:
         rtype = rope_type(self.rope_scaling)
         if rtype not in ("default", "llama3"):
             raise ValueError(f"LlamaConfig.rope_scaling type {rtype!r} is not supported; use None or 'llama3'")
+        if self.moe is not None:
+            self.moe_config()       # checked field by field now, not when the model is built
+
+    def moe_config(self) -> MoEConfig | None:
+        """The MoE block's config (None: dense MLPs), with the model's hidden_size."""
+        if self.moe is None:
+            return None
+        if not isinstance(self.moe, dict):
+            raise ValueError(f"LlamaConfig.moe must be None or a dict of MoEConfig fields, got "
+                             f"{type(self.moe).__name__}")
+        fields = {f.name for f in dataclasses.fields(MoEConfig)} - {"hidden_size"}
+        unknown = sorted(set(self.moe) - fields)
+        if unknown:
+            hints = [u + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u, fields, n=1)) else "")
+                     for u in unknown]
+            raise ValueError(f"LlamaConfig.moe has unknown field(s) {', '.join(hints)}; it takes "
+                             f"{', '.join(sorted(fields))} (hidden_size is the model's)")
+        return MoEConfig(hidden_size=self.hidden_size, **self.moe)
 
     @property
     def attention_dim(self) -> int:
@@ -95,16 +121,23 @@ class LlamaConfig:
             changes = {**changes, "head_dim": None}
         return dataclasses.replace(self, **changes)
 
-    def num_params(self, include_embedding: bool = True) -> int:
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
         """Exact parameter count (equals ``sum(p.numel())`` of ``Llama(self)``).
 
         ``include_embedding=False`` drops the input embedding table only. A tied
         table is still counted once as the LM head, since its matmul does work
-        (nanoGPT's convention for MFU).
+        (nanoGPT's convention for MFU). ``active=True`` counts the routed experts
+        a token passes (top_k of num_experts) instead of all of them: the
+        parameters whose matmuls one token's forward does.
         """
         h, kv_dim = self.hidden_size, self.num_key_value_heads * self.head_dim
         attn = 2 * h * self.attention_dim + 2 * h * kv_dim
-        mlp = 3 * h * self.intermediate_size
+        moe = self.moe_config()
+        if moe is None:
+            mlp = 3 * h * self.intermediate_size
+        else:
+            experts = moe.top_k if active else moe.num_experts
+            mlp = h * moe.num_experts + 3 * h * (experts * moe.expert_intermediate_size + moe.shared_width)
         per_layer = attn + mlp + 2 * h
         emb = self.vocab_size * h
         total = self.num_hidden_layers * per_layer + h + emb  # + final norm + lm_head (or tied table)
@@ -120,23 +153,27 @@ class LlamaConfig:
         for key in ("attention_bias", "mlp_bias"):
             if d.get(key):
                 raise ValueError(f"{key}=true is not supported: this Llama has no biases")
+        if d.get("model_type") == "mixtral":     # a MoE Llama (models/mixtral_form.py)
+            d = from_mixtral(d)
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
     def to_hf(self) -> dict[str, Any]:
+        """The config.json of this shape: transformers' Llama, or its Mixtral for a MoE Llama."""
         d = dataclasses.asdict(self)
         d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                  attention_bias=False, mlp_bias=False, head_dim=self.head_dim)
-        return d
+        return d if self.moe is None else to_mixtral(d, self.moe_config(), self.moe)
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward): 6N + 12*L*h*s.
 
-    N = ``config.num_params(include_embedding=False)``: every parameter except the
+    N = ``config.num_params(include_embedding=False, active=True)``: every parameter a
+    token's forward multiplies by (a MoE block's top_k experts, not all) except the
     input embedding lookup (which does no matmul); the LM head counts, tied or not
     (nanoGPT/PaLM convention). 12*L*h*s is the attention score/value matmuls, h the
     query heads' width (``attention_dim``: hidden_size unless head_dim is set apart).
     """
-    n = config.num_params(include_embedding=False)
+    n = config.num_params(include_embedding=False, active=True)
     return 6 * n + 12 * config.num_hidden_layers * config.attention_dim * seq_len

@@ -10,8 +10,11 @@ Plain PyTorch and single-process. Later work shards the experts' dimension 0 (ex
 dispatch/combine in an all-to-all; nothing here assumes all experts are local except that `experts` holds them.
 
 Balancing, as configured (MoEConfig): after each forward `last_losses` holds the auxiliary and z losses that
-are on (0-dim fp32 tensors attached to the router), and `aux_loss` their coefficient-weighted sum, which the
-caller adds to the training loss. DeepSeek-V3's auxiliary-loss-free balancing instead moves the `expert_bias`
+are on (0-dim fp32 tensors attached to the router), and `aux_loss` their coefficient-weighted sum, which a
+plain loop adds to its training loss. A training engine instead sets `aux_grad_scale`: the block then
+attaches aux_loss to its output's backward with that gradient (Megatron's MoEAuxLossAutoScaler), so the
+losses train the router from wherever the block sits (a pipeline stage without the loss, a recomputed
+block) and the caller adds nothing. DeepSeek-V3's auxiliary-loss-free balancing instead moves the `expert_bias`
 buffer once per optimizer step: the training step calls `update_expert_bias()` after `optimizer.step()`.
 Tokens per expert (and assignments dropped for capacity) accumulate in `tokens_per_expert` and
 `dropped_per_expert` over the training forwards until read by `take_expert_counts()` or `update_expert_bias()`.
@@ -46,6 +49,19 @@ class SharedExperts(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `out` whose backward also gives `loss` the gradient `scale`."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, scale: float):
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
 class MoE(nn.Module):
     """Token-choice top-k MoE with optional shared experts (see the module docstring)."""
 
@@ -67,6 +83,7 @@ class MoE(nn.Module):
         self.last_losses: dict[str, torch.Tensor] = {}
         self.last_counts: torch.Tensor | None = None     # [E] assignments chosen per expert, last forward
         self.last_dropped: torch.Tensor | None = None    # [E] of them dropped for capacity, last forward
+        self.aux_grad_scale: float | None = None         # set by an engine: attach aux_loss to the backward
         if not self.gate.weight.is_meta:    # on meta: allocate nothing, init after to_empty()
             self.reset_parameters()
 
@@ -89,6 +106,8 @@ class MoE(nn.Module):
         if c.z_loss_coef:
             losses["z"] = router_z_loss(routing.logits)
         self.last_losses = losses
+        if losses and self.aux_grad_scale is not None and torch.is_grad_enabled():
+            out = _AttachLoss.apply(out, self.aux_loss, float(self.aux_grad_scale))
         self.last_counts, self.last_dropped = d.routed.detach(), d.dropped.detach()
         if self.training:
             with torch.no_grad():

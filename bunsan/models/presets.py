@@ -33,6 +33,12 @@ presets: dict[str, LlamaConfig] = {
     # ~4.5M params, byte vocab: the default job, small enough to learn Python source on a CPU.
     "small": LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=6,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024),
+    # ~1.05M params (0.66M active): tiny's attention with 4 experts, top-2, in every block, in transformers'
+    # Mixtral form (softmax, renormalised top-k): a mixture of experts for tests and CPU runs
+    "tiny-moe": LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                            moe={"num_experts": 4, "top_k": 2, "expert_intermediate_size": 128,
+                                 "route_norm": True, "aux_loss_coef": 0.01}),
     "135m": _smollm_135m,
     "125m": copy.deepcopy(_smollm_135m),  # alias: the usual "GPT-2 small"-sized name
     "1b": LlamaConfig(  # meta-llama/Llama-3.2-1B

@@ -106,3 +106,16 @@ def rebuild_over(optimizer: torch.optim.Optimizer, mapping: dict) -> torch.optim
     groups = [{"params": [mapping[p] for p in g["params"]], **group_hyperparameters(g)}
               for g in optimizer.param_groups]
     return rebuild(type(optimizer), groups, {**optimizer.defaults, **carried_keywords(optimizer)})
+
+
+def restricted_to(optimizer: torch.optim.Optimizer | None, params: list) -> torch.optim.Optimizer | None:
+    """The same optimizer class and per-group hyperparameters over the members of `params` only (a group left
+    empty is dropped): expert parallelism steps the experts and the other weights with two of them."""
+    if optimizer is None:
+        return None
+    refuse_stepped(optimizer)
+    keep = {id(p) for p in params}
+    groups = [{"params": [p for p in g["params"] if id(p) in keep], **group_hyperparameters(g)}
+              for g in optimizer.param_groups]
+    return rebuild(type(optimizer), [g for g in groups if g["params"]],
+                   {**optimizer.defaults, **carried_keywords(optimizer)})

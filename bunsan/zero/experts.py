@@ -1,0 +1,135 @@
+"""Expert parallelism under any ZeRO stage: two data-parallel strategies side by side, one per kind of weight.
+
+    dense    every weight but the experts': reduced (and ZeRO-sharded) over the gradient group, as without EP
+    experts  this rank's slice of each MoE block's experts: reduced and sharded over the expert-data-parallel
+             group, the ranks that hold the same slice (DeepSpeed's expert-DP groups, torchtitan's efsdp)
+
+Both see the same loss: an expert's gradient on its rank already sums what every rank of the expert-parallel
+group sent it (the dispatch's all-to-all carries the gradients back), so summing over the expert's replicas
+sums over every rank, the same total the dense weights reach by summing over the gradient group; one
+unscale factor serves both. The gradient norm is the dense norm with the experts' added over the
+expert-parallel group (each rank there holds other experts). The optimizer the user built is split in two of
+its class, with its hyperparameters per group; `optimizer` shows both as one for the learning-rate schedule.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from bunsan.comm.collectives import Comm, Group
+from bunsan.zero.strategy import Strategy
+
+
+class JointOptimizer:
+    """Two optimizers read as one: their param_groups (dense first) and state, for schedules and users."""
+
+    def __init__(self, dense: torch.optim.Optimizer, experts: torch.optim.Optimizer):
+        self.optimizers = (dense, experts)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {**self.optimizers[0].state, **self.optimizers[1].state}
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizers[0].defaults
+
+    def state_dict(self):
+        raise NotImplementedError("the optimizer of an expert-parallel engine is two optimizers (dense weights, "
+                                  "experts); save with engine.save_checkpoint")
+
+
+class ExpertSplit(Strategy):
+    """The dense weights' strategy and the experts' (see the module docstring), driven as one."""
+
+    def __init__(self, dense: Strategy, experts: Strategy, comm: Comm, ep_group: Group):
+        # no Strategy.__init__: the two parts hold the parameters, buffers and optimizers
+        self.dense, self.experts, self.comm, self.ep_group = dense, experts, comm, ep_group
+        self.parts = (dense, experts)
+        self.stage, self.dims, self.zero = dense.stage, dense.dims, dense.zero
+        self.params = dense.params + experts.params
+        self.dtype, self.mixed = dense.dtype, dense.mixed
+        self.optimizer = JointOptimizer(dense.optimizer, experts.optimizer)
+
+    @property
+    def current_unit(self) -> str | None:
+        return self.dense.current_unit or self.experts.current_unit
+
+    @property
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        return self.dense.param_shapes + self.experts.param_shapes
+
+    @property
+    def opt_class(self) -> type:
+        return self.dense.opt_class
+
+    @property
+    def opt_defaults(self) -> dict:
+        return self.dense.opt_defaults
+
+    @contextlib.contextmanager
+    def gathered(self):
+        with self.dense.gathered(), self.experts.gathered():
+            yield
+
+    @contextlib.contextmanager
+    def pipeline_evaluation(self):
+        with self.dense.pipeline_evaluation(), self.experts.pipeline_evaluation():
+            yield
+
+    def begin_backward(self, sync: bool) -> None:
+        for s in self.parts:
+            s.begin_backward(sync)
+
+    def end_backward(self, sync: bool) -> None:
+        for s in self.parts:
+            s.end_backward(sync)
+
+    def begin_schedule(self) -> None:
+        for s in self.parts:
+            s.begin_schedule()
+
+    def after_backward_piece(self) -> None:
+        for s in self.parts:
+            s.after_backward_piece()
+
+    def end_schedule(self) -> None:
+        for s in self.parts:
+            s.end_schedule()
+
+    def unscale(self, inv: float) -> torch.Tensor:
+        dense = self.dense.unscale(inv).double()
+        experts_sq = self.experts.unscale(inv).double().square().reshape(1)
+        self.comm.all_reduce(experts_sq, self.ep_group)     # the other experts, on the other ranks of the group
+        return (dense.square().reshape(1) + experts_sq).sqrt()
+
+    def clip(self, coef: float) -> None:
+        for s in self.parts:
+            s.clip(coef)
+
+    def step(self) -> None:
+        for s in self.parts:
+            s.step()
+
+    def zero_grad(self) -> None:
+        for s in self.parts:
+            s.zero_grad()
+
+    def bytes_by_kind(self) -> dict:
+        dense, experts = self.dense.bytes_by_kind(), self.experts.bytes_by_kind()
+        return {k: dense.get(k, 0) + experts.get(k, 0) for k in dense.keys() | experts.keys()}
+
+    def visit_state(self, fn, create=None) -> None:
+        raise NotImplementedError(
+            "checkpoints of an expert-parallel run (expert_parallel.autoep_size > 1) are not built yet: the "
+            "experts' optimizer states are sharded over their own group; train without expert parallelism to "
+            "save a resumable checkpoint (the final weights are saved either way)")
+
+    def sync_params_from_master(self) -> None:
+        for s in self.parts:
+            s.sync_params_from_master()

@@ -1,0 +1,170 @@
+"""Expert parallelism (bunsan/expert_parallel/, zero/experts.py) against the plain single-process loop: a MoE
+Llama trained with plain SGD, no clipping, fp32, from the same weights on the same data; losses and final
+weights within rtol 1e-5.
+
+The plain loop runs each rank's rows (and each micro-batch) as its own forward, as the ranks do: the auxiliary
+loss and the capacity are functions of the tokens one forward routes, so that is what a data-parallel MoE run
+computes. Its balancing losses enter the gradient through the block's aux_grad_scale, 1 / the number of
+forwards per step: the mean over micro-batches and replicas the engine gives.
+
+Cases kept (each adds what the others do not):
+
+| case                     | ranks | what it proves                                                              |
+|--------------------------|-------|-----------------------------------------------------------------------------|
+| dp2 (no EP)              | 2     | a MoE model under plain DP, the balancing loss through aux_grad_scale       |
+| ep2                      | 2     | tokens to their experts' rank and back; experts' gradients not reduced      |
+| ep2-zero1, ep2-zero2     | 2     | the experts' strategy sharded (over a group of one) beside the dense one    |
+| ep2-dp4                  | 4     | expert-data-parallel reduction (each expert on 2 replicas)                  |
+| ep4-dp4-accum2           | 4     | one expert per rank, 2 micro-batches                                        |
+| ep2-pp2                  | 4     | EP inside pipeline stages, their micro-batches                              |
+| ep2-cp2                  | 2     | EP folded over context-parallel ranks                                       |
+| ep2-idle-expert          | 2     | an expert no token chooses (its weights get a zero gradient, no hang)       |
+| ep2-idle-rank            | 2     | a rank whose experts no token chooses                                       |
+| ep2-capacity             | 2     | capacity dropping (per forward, as the plain loop)                          |
+| ep2-deepseek-v3          | 2     | sigmoid, groups, shared experts, the expert-bias update, z-loss             |
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parity import SGD_LR, batches, compare_losses, compare_states, rank_slice, sgd_no_clip, to_numpy
+
+from bunsan.models.llama import Llama
+from bunsan.models.moe import MoE
+from bunsan.models.presets import get_preset
+
+STEPS, ROWS, SEQ = 3, 8, 16
+MIXTRAL = {"num_experts": 4, "top_k": 2, "expert_intermediate_size": 64, "route_norm": True, "aux_loss_coef": 0.01}
+DEEPSEEK_V3 = {"num_experts": 4, "top_k": 2, "expert_intermediate_size": 32, "score_func": "sigmoid",
+               "n_groups": 2, "topk_groups": 1, "num_shared_experts": 1, "route_scale": 2.5,
+               "expert_bias_update_rate": 0.01, "z_loss_coef": 0.001}
+IDLE_EXPERT = [0.0, 0.0, 0.0, -100.0]         # expert 3 never chosen
+IDLE_RANK = [0.0, 0.0, -100.0, -100.0]        # rank 1's experts (2 and 3) never chosen
+
+
+def moe_model(moe: dict, bias: list | None = None) -> Llama:
+    torch.manual_seed(0)
+    model = Llama(get_preset("tiny").replace(moe=moe, num_hidden_layers=2))
+    if bias is not None:
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, MoE):
+                    m.expert_bias.copy_(torch.tensor(bias))
+    return model
+
+
+def layout(dp=2, ep=2, stage=0, m=1, pp=1, cp=1, moe=None, bias=None):
+    cfg = {"train_micro_batch_size_per_gpu": ROWS // (dp * m), "gradient_accumulation_steps": m,
+           "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000},
+           "pipeline": {"stages": pp}, "context_parallel": {"size": cp},
+           "expert_parallel": {"enabled": ep > 1, "autoep_size": ep}, "train": {"timeout_s": 60}}
+    return dp * pp * cp, sgd_no_clip(cfg), moe or MIXTRAL, bias
+
+
+CASES = {
+    "dp2": layout(ep=1),
+    "ep2": layout(),
+    "ep2-zero1": layout(stage=1),
+    "ep2-zero2": layout(stage=2),
+    "ep2-dp4": layout(dp=4),
+    "ep4-dp4-accum2": layout(dp=4, ep=4, m=2),
+    "ep2-pp2": layout(pp=2, m=2),
+    "ep2-cp2": layout(dp=1, cp=2, moe={**MIXTRAL, "aux_loss_coef": 0.0}),
+    "ep2-idle-expert": layout(bias=IDLE_EXPERT),
+    "ep2-idle-rank": layout(bias=IDLE_RANK),
+    "ep2-capacity": layout(moe={**MIXTRAL, "capacity_factor": 0.75}),
+    "ep2-deepseek-v3": layout(moe=DEEPSEEK_V3),
+}
+
+
+def data() -> list[dict]:
+    return batches(STEPS, ROWS, SEQ)
+
+
+def train(rank: int, world: int, cfg: dict, moe: dict, bias: list | None):
+    """Worker: the MoE Llama under `cfg`, STEPS global batches; (losses, consolidated state, metrics, comm)."""
+    import bunsan
+    engine = bunsan.initialize(moe_model(moe, bias), cfg)
+    losses = [engine.train_batch(rank_slice(b, engine.dp_rank, engine.dp_size)) for b in data()]
+    return losses, to_numpy(engine.consolidated_state_dict()), engine.moe.metrics(), engine.comm_stats()
+
+
+def reference(moe: dict, bias: list | None, forwards: int, grad_scale: float = 1.0):
+    """The plain loop: each step's rows in `forwards` equal pieces (ranks x micro-batches, in row order), each
+    its own forward; mean token loss of the whole batch; SGD; the expert bias moved after the step."""
+    model = moe_model(moe, bias)
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    for b in blocks:
+        b.aux_grad_scale = grad_scale / forwards
+    opt = torch.optim.SGD(model.parameters(), lr=SGD_LR)
+    losses = []
+    for batch in data():
+        n = (batch["labels"] != -100).sum()
+        total = 0.0
+        for piece in range(forwards):
+            mb = rank_slice(batch, piece, forwards)
+            logits = model(mb["input_ids"])
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), mb["labels"].reshape(-1),
+                                   ignore_index=-100, reduction="sum") / n
+            (loss * grad_scale).backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        for b in blocks:
+            if b.config.expert_bias_update_rate:
+                b.update_expert_bias()
+            else:
+                b.take_expert_counts()
+        losses.append(total)
+    return losses, to_numpy(model.state_dict())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_expert_parallel_matches_the_plain_loop(pools, name):
+    world, cfg, moe, bias = CASES[name]
+    forwards = world // (cfg["pipeline"]["stages"] * cfg["context_parallel"]["size"]) \
+        * cfg["gradient_accumulation_steps"]
+    if cfg["context_parallel"]["size"] > 1:
+        forwards = 1      # no balancing loss, dropless: routing is per token, the rows may go in one forward
+    ref = reference(moe, bias, forwards)
+    runs = pools.run(world, train, world, cfg, moe, bias)
+    for r, (losses, state, _, _) in enumerate(runs):
+        problem = compare_losses(losses, ref[0], what=f"{name} rank {r}: ") or \
+            compare_states(state, ref[1], what=f"{name} rank {r}: ")
+        assert problem is None, problem
+    if name == "ep2":     # the comparison tells a uniform gradient-scale error apart
+        doubled = reference(moe, bias, forwards, grad_scale=2.0)
+        assert compare_states(doubled[1], ref[1]) is not None
+
+
+def test_idle_experts_keep_their_weights_and_are_reported(pools):
+    """An expert no token chooses gets no update; the load metric says the busiest expert had twice the
+    mean share (two of four experts take everything)."""
+    world, cfg, moe, bias = CASES["ep2-idle-rank"]
+    runs = pools.run(world, train, world, cfg, moe, bias)
+    init = to_numpy(moe_model(moe, bias).state_dict())
+    state, metrics = runs[0][1], runs[0][2]
+    for layer in range(2):
+        w1 = state[f"layers.{layer}.mlp.experts.w1"]
+        np.testing.assert_array_equal(w1[2:], init[f"layers.{layer}.mlp.experts.w1"][2:])
+        assert not np.array_equal(w1[:2], init[f"layers.{layer}.mlp.experts.w1"][:2])
+        assert metrics[f"moe/layers.{layer}.mlp/load_max_over_mean"] >= 2.0
+        assert metrics[f"moe/layers.{layer}.mlp/dropped_fraction"] == 0.0
+
+
+def test_tokens_cross_ranks_by_all_to_all(pools):
+    """Every MoE block's forward and backward move tokens by uneven all-to-all over the expert group; without
+    EP there is none."""
+    world, cfg, moe, bias = CASES["ep2"]
+    stats = pools.run(world, train, world, cfg, moe, bias)[0][3]["step"]
+    moved = {k: v for k, v in stats.items() if k.startswith("all_to_all_v/")}
+    assert list(moved) == ["all_to_all_v/ep"], stats
+    assert moved["all_to_all_v/ep"]["calls"] == 2 * 2 * 2      # 2 blocks x (there and back) x (fwd and bwd)
+    assert moved["all_to_all_v/ep"]["bytes"] > 0
+    world, cfg, moe, bias = CASES["dp2"]
+    stats = pools.run(world, train, world, cfg, moe, bias)[0][3]["step"]
+    assert not any(k.startswith("all_to_all") for k in stats)
