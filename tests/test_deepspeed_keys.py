@@ -203,7 +203,7 @@ def _refused(cfg: dict) -> str:
 
 
 @pytest.mark.parametrize("cfg, key, meant", [
-    # a disabled section bunsan does not build (enabled missing is DeepSpeed's false)
+    # DeepSpeed's AutoEP section, typed (enabled missing is DeepSpeed's false)
     ({"expert_parallel": {"size": 2}}, "expert_parallel.size", "expert_parallel.autoep_size"),
     ({"expert_parallel": {"enabled": False, "autoep_sise": 2}}, "expert_parallel.autoep_sise",
      "expert_parallel.autoep_size"),
@@ -241,21 +241,34 @@ def test_an_unknown_key_in_a_section_bunsan_refuses_is_said_with_the_refusal():
     lines = _refused({"wandb": {"enabled": True, "projet": "p"}}).splitlines()
     assert "unknown config key 'wandb.projet' (did you mean 'wandb.project'?)" in lines[1]
     assert lines[2].strip().startswith("wandb: ") and TABLE["wandb"].why in lines[2]
-    msg = _refused({"expert_parallel": {"enabled": True, "autoep_size": 2, "top_kk": 2}})
-    assert "unknown config key 'expert_parallel.top_kk' (did you mean 'expert_parallel.top_k'?)" in msg
-    assert TABLE["expert_parallel"].why in msg
+    msg = _refused({"nebula": {"enabled": True, "persistent_storage_pth": "/x"}})
+    assert "unknown config key 'nebula.persistent_storage_pth' (did you mean 'nebula.persistent_storage_path'?)" \
+        in msg
+    assert TABLE["nebula"].why in msg
     msg = _refused({"tensor_parallel": {"partition_config": {"layer_specs": [{"patterns": ["x"]}, {"pattern": "y"}]}}})
     assert "unknown config key 'tensor_parallel.partition_config.layer_specs[1].pattern' (did you mean " \
            "'tensor_parallel.partition_config.layer_specs[1].patterns'?)" in msg
 
 
 def test_every_problem_of_a_config_is_said_at_once():
-    lines = _refused({"expert_parallel": {"size": 2}, "data": {"fields": {"promt": "q"}},
+    lines = _refused({"flops_profiler": {"profile_stp": 2}, "data": {"fields": {"promt": "q"}},
                       "sparse_attention": {"mode": "fixed"}}).splitlines()
     assert lines[0] == "3 problems in the config:"
     assert {line.split("'")[1] for line in lines if "unknown config key" in line} == {"data.fields.promt",
-                                                                                     "expert_parallel.size"}
+                                                                                     "flops_profiler.profile_stp"}
     assert any(line.strip().startswith("sparse_attention: ") for line in lines)
+
+
+def test_autoeps_model_injection_keys_are_refused_when_enabled_and_kept_quiet_when_off():
+    """bunsan's expert parallelism splits its own MoE blocks: AutoEP's name patterns and presets, which would
+    inject it into another model, are refused by name when the section is on; a switched-off section loads."""
+    msg = _refused({"expert_parallel": {"enabled": True, "autoep_size": 2, "preset_model": "mixtral", "top_k": 2}})
+    assert "expert_parallel.preset_model" in msg and "(preset_model, top_k)" in msg and "not built" in msg
+    cfg = Config.load({"expert_parallel": {"enabled": False, "autoep_size": 2, "preset_model": "mixtral"}})
+    assert cfg.expert_parallel.size == 1
+    assert Config.load({"expert_parallel": {"enabled": True, "autoep_size": 4}}).expert_parallel.size == 4
+    msg = _refused({"expert_parallel": {"enabled": True, "autoep_size": 2, "top_kk": 2}})
+    assert "unknown config key 'expert_parallel.top_kk'" in msg
 
 
 def test_a_disabled_section_with_deepspeeds_keys_loads():

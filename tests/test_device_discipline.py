@@ -38,6 +38,7 @@ STEP_MODULES = [
     "context_parallel/shard.py", "zero/schedule_grads.py", "zero/stage3_pipeline.py", "models/packing.py",
     "engine/preference.py", "engine/media.py", "engine/ds_loop.py",
     "models/moe.py", "models/moe_router.py", "models/moe_dispatch.py", "models/moe_experts.py",
+    "expert_parallel/dispatch.py", "expert_parallel/__init__.py", "engine/moe_step.py", "zero/experts.py",
 ]
 
 FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",

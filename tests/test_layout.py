@@ -16,7 +16,7 @@ PACKAGE = ROOT / "bunsan"
 # Lowest first. A package may import a package of a lower layer, never one of its own layer or above.
 LAYERS = [
     {"models", "optim", "comm"},
-    {"config", "zero", "tensor_parallel", "context_parallel", "pipeline", "transforms"},
+    {"config", "zero", "tensor_parallel", "context_parallel", "expert_parallel", "pipeline", "transforms"},
     {"memory"},
     {"estimator"},
     {"planner"},

@@ -14,6 +14,8 @@ TRAIN_FLAGS = {
     "zero": ("zero_optimization.stage", int, "ZeRO stage"),
     "tp": ("tensor_parallel.size", int, "tensor-parallel size (the rest of --nproc is data parallel)"),
     "cp": ("context_parallel.size", int, "context-parallel size: each row's tokens split over this many ranks"),
+    "ep": ("expert_parallel.autoep_size", int, "expert-parallel size: each MoE block's experts split over this "
+                                               "many data-parallel ranks (a MoE preset, e.g. tiny-moe)"),
     "pp": ("pipeline.stages", int, "pipeline stages (micro-batches: --grad-accum, at least the stages)"),
     "schedule": ("pipeline.schedule", str, "pipeline schedule: gpipe, 1f1b or interleaved"),
     "virtual_stages": ("pipeline.virtual_stages", int, "model chunks per pipeline rank (interleaved schedule)"),
@@ -66,6 +68,8 @@ def train_config(args):
     from bunsan.training.loop import MAIN_JOB
     cfg = Config.load(args.config if args.config else MAIN_JOB)
     updates = {TRAIN_FLAGS[k][0]: v for k in TRAIN_FLAGS if (v := getattr(args, k)) is not None}
+    if args.ep is not None:      # DeepSpeed's section has its switch apart from its size
+        updates["expert_parallel.enabled"] = args.ep > 1
     updates.update({key: True for flag, key in TRAIN_SWITCHES.items() if getattr(args, flag)})
     if args.data:
         updates["data.paths"] = args.data

@@ -67,8 +67,7 @@ _AUTOEP_INJECTION = (
 
 
 class ExpertParallel(Section):
-    """Expert parallelism (DeepSpeed's AutoEP section, its keys): each MoE block's experts split over
-    autoep_size ranks folded over the data-parallel ones, tokens sent to them by all-to-all"""
+    """Expert parallelism (DeepSpeed AutoEP's keys): each MoE block's experts split over autoep_size ranks"""
     enabled: bool = Field(False, description="Split the experts of bunsan's MoE blocks over autoep_size ranks")
     autoep_size: Int = Field(1, ge=1, description="Ranks each MoE block's experts are split over; divides the "
                                                   "data x context parallel ranks and the number of experts")
@@ -76,12 +75,13 @@ class ExpertParallel(Section):
     @model_validator(mode="before")
     @classmethod
     def _injection(cls, data):
-        if isinstance(data, dict):
+        if isinstance(data, dict):      # (a switched-off section keeps DeepSpeed's keys, as users' configs do)
             given = [k for k in _AUTOEP_INJECTION if k in data]
-            if given:
+            if given and data.get("enabled") is True:
                 raise Rule((given[0], f"DeepSpeed AutoEP's model injection keys ({', '.join(given)}) are not "
                                       "built: bunsan splits the experts of its own MoE blocks, whose routing the "
                                       "model config's moe section sets; keep only enabled and autoep_size"))
+            data = {k: v for k, v in data.items() if k not in _AUTOEP_INJECTION}
         return data
 
     @property

@@ -170,6 +170,19 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _expert_parallel(self) -> Config:
+        ep = self.expert_parallel.size
+        if ep > 1 and self.checkpoint.dir:
+            raise Rule(("checkpoint.dir", f"checkpoint.dir with expert_parallel.autoep_size {ep}: resumable "
+                                          "checkpoints of sharded experts are not built yet (the final weights "
+                                          "are saved either way); remove checkpoint.dir or set autoep_size 1"))
+        if ep > 1 and self.train.compile:
+            raise Rule(("train.compile", f"train.compile with expert_parallel.autoep_size {ep}: the token "
+                                         "all-to-all reads its sizes on the host, which breaks the compiled "
+                                         "graph; set train.compile to false or autoep_size 1"))
+        return self
+
+    @model_validator(mode="after")
     def _log_ignored(self) -> Config:
         log_ignored(self)  # DeepSpeed keys bunsan has no use for: said once, never silently accepted
         return self

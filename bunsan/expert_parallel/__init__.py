@@ -75,5 +75,5 @@ def consolidate(state: dict[str, torch.Tensor], model: nn.Module, ctx: EPContext
             mine = state[key].contiguous().to(device)      # NCCL gathers device tensors
             full = torch.empty(full_shape, dtype=mine.dtype, device=device)
             ctx.comm.all_gather(full, mine, ctx.group)
-            out[key] = full.cpu()
+            out[key] = full.cpu()     # host: the consolidated state dict lives on the CPU
     return out

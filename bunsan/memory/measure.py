@@ -68,6 +68,19 @@ def _tensor_bytes(tensors) -> int:
     return total
 
 
+def _theory_bytes(dp) -> float:
+    """The ZeRO formulas' model-state bytes of one strategy's trained parameters over its group."""
+    opt_name, defaults, ranks = dp.opt_class.__name__, dp.opt_defaults, dp.group.size
+    psi = sum(dp.layout.numels)   # ZeRO-3 parameters are empty between gathers: count from the layout
+    theory = model_state_bytes(psi, dp.dtype.itemsize, optimizer_state_bytes_per_param(opt_name, defaults),
+                               ranks, dp.stage, grad_shard_bytes=4)
+    if opt_name.lower() == "adafactor":
+        # row and column moments of each matrix, held by the rank(s) with a part of it under ZeRO (~1/N each)
+        theory["optimizer_states"] = adafactor_state_bytes([p.shape for p in dp.params]) / (ranks if dp.stage else 1)
+        theory["total"] = theory["params"] + theory["grads"] + theory["master_weights"] + theory["optimizer_states"]
+    return theory["total"]
+
+
 def measured_memory(engine) -> dict:
     """Bytes this rank holds, by kind and by place (device / host / disk), next to the theory for its layout."""
     dp = engine.strategy   # (the data-parallel strategy)
@@ -82,16 +95,9 @@ def measured_memory(engine) -> dict:
     report["buffers"] = _tensor_bytes(engine.module.buffers())
     report["model_states"] = sum(report[k] for k in ("params", "grads", "master_weights", "optimizer_states"))
     report["device"] = report["model_states"] - report["host"]   # what stays on the compute device
-    opt_name, defaults = dp.opt_class.__name__, dp.opt_defaults
-    psi = sum(dp.layout.numels)   # ZeRO-3 parameters are empty between gathers: count from the layout
-    theory = model_state_bytes(psi, dp.dtype.itemsize, optimizer_state_bytes_per_param(opt_name, defaults),
-                               engine.mesh.grad_group.size, dp.stage, grad_shard_bytes=4)
-    if opt_name.lower() == "adafactor":
-        # row and column moments of each matrix, held by the rank(s) with a part of it under ZeRO (~1/N each)
-        theory["optimizer_states"] = adafactor_state_bytes([p.shape for p in dp.params]) / (
-            engine.mesh.grad_group.size if dp.stage else 1)
-        theory["total"] = theory["params"] + theory["grads"] + theory["master_weights"] + theory["optimizer_states"]
-    report["theory_model_states"] = int(theory["total"] + frozen_bytes / (engine.mesh.grad_group.size if sharded else 1))
+    # expert parallelism: the dense weights' strategy and the experts' (zero/experts.py), each over its group
+    theory = sum(_theory_bytes(part) for part in getattr(dp, "parts", (dp,)))
+    report["theory_model_states"] = int(theory + frozen_bytes / (engine.mesh.grad_group.size if sharded else 1))
     report["peak_rss"] = peak_rss_bytes()
     report["rss"] = current_rss_bytes()
     if engine.device.type == "cuda":      # peaks since the start of the last optimizer step (the engine resets)

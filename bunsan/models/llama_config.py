@@ -155,6 +155,7 @@ class LlamaConfig:
                 raise ValueError(f"{key}=true is not supported: this Llama has no biases")
         if d.get("model_type") == "mixtral":     # a MoE Llama (models/mixtral_form.py)
             d = from_mixtral(d)
+        d = rope_fields(d)
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -164,6 +165,31 @@ class LlamaConfig:
         d.update(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu",
                  attention_bias=False, mlp_bias=False, head_dim=self.head_dim)
         return d if self.moe is None else to_mixtral(d, self.moe_config(), self.moe)
+
+
+def rope_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A config.json dict with transformers 5's `rope_parameters` ({"rope_theta", "rope_type", and the
+    scaling's own fields}) read as the rope_theta and rope_scaling fields earlier versions write; the two
+    forms disagreeing is an error rather than a guess."""
+    params = d.get("rope_parameters")
+    if params is None:
+        return d
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_parameters must be a JSON object, got {params!r}")
+    d = dict(d)
+    theta = params.get("rope_theta")
+    if theta is not None:
+        if d.get("rope_theta") is not None and d["rope_theta"] != theta:
+            raise ValueError(f"rope_theta {d['rope_theta']} and rope_parameters.rope_theta {theta} disagree; "
+                             "keep one of them")
+        d["rope_theta"] = theta
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    if rope_type(scaling) != "default":
+        if d.get("rope_scaling") and rope_type(d["rope_scaling"]) != rope_type(scaling):
+            raise ValueError(f"rope_scaling {d['rope_scaling']} and rope_parameters {params} disagree; keep one "
+                             "of them")
+        d["rope_scaling"] = scaling
+    return d
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int) -> int:

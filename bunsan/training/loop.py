@@ -289,7 +289,7 @@ def log_step(run: Run, meter: Meter, step: int, loss: float, tokens_per_s: float
     engine = run.engine
     record = {"step": step, "loss": loss, "lr": engine.lr, "grad_norm": engine.last_grad_norm,
               "loss_scale": engine.loss_scale, "tokens_per_s": tokens_per_s, "mfu": meter.mfu(tokens_per_s),
-              "comm_bytes": engine.comm_stats()["step_bytes"]}
+              "comm_bytes": engine.comm_stats()["step_bytes"], **engine.moe.metrics()}
     if run.cfg.train.log_memory:
         record["memory"] = gather_memory(engine)
     meter.metrics.log(record)
