@@ -124,13 +124,14 @@ def test_pipeline_engine_refuses_the_micro_batch_loop():
         engine.train_batch(iter([]))
 
 
-def test_moe_is_an_error_when_used_not_when_imported():
+def test_moe_helpers_leave_a_model_without_experts_as_it_is():
+    """(DeepSpeed's MoE layer itself: tests/test_deepspeed_moe.py.)"""
     from bunsan.deepspeed.moe.layer import MoE
-    from bunsan.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from bunsan.deepspeed.moe.utils import has_moe_layers, split_params_into_different_moe_groups_for_optimizer
     params = list(_mlp().parameters())
     assert split_params_into_different_moe_groups_for_optimizer({"params": params}) == [{"params": params}]
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-        MoE(hidden_size=8)
+    assert has_moe_layers(_mlp()) == (False, 0)
+    assert has_moe_layers(MoE(hidden_size=8, expert=torch.nn.Linear(8, 8), num_experts=2)) == (True, 2)
 
 
 def test_fused_adam_is_torch_adamw_or_adam():

@@ -13,11 +13,11 @@ import DeepSpeed from code you do not edit (transformers' Trainer, accelerate, D
     runtime.utils   set_random_seed, see_memory_usage
     runtime.zero.offload_config   OffloadDeviceEnum, OffloadStateTypeEnum
     compression.helper   recursive_getattr / recursive_setattr, convert_conv1d_to_linear
-    moe.utils       parameter-group helpers (no experts: MoE layers are an error)
+    moe             DeepSpeed's MoE layer (layer.MoE) on bunsan's expert parallelism; utils' group helpers
     checkpointing   activation checkpointing
     ops.adam        FusedAdam, DeepSpeedCPUAdam (torch's Adam/AdamW)
 
-What bunsan does not have (MoE layers, kernel injection, sparse attention, the compression library, ...) is
+What bunsan does not have (kernel injection, sparse attention, the compression library, ...) is
 importable and an error where it is used, never at import (absent.py). README's "Coming from DeepSpeed" lists
 what maps to what.
 """

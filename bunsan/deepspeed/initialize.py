@@ -25,6 +25,7 @@ from bunsan.config.files import read_config_file
 from bunsan.config.root import Config
 from bunsan.deepspeed.curriculum import Curriculum, CurriculumLoader
 from bunsan.deepspeed.engine import DeepSpeedEngine, PipelineEngine
+from bunsan.deepspeed.moe.layer import MoE
 from bunsan.deepspeed.pipe import PipelineModule
 from bunsan.deepspeed.schedulers import ClientScheduler, ConfiguredScheduler
 from bunsan.deepspeed.zero import slice_of
@@ -91,6 +92,22 @@ def _pipeline_config(cfg: Config, model: PipelineModule) -> Config:
         raise ValueError(f"PipelineModule(num_stages={model.num_stages}) but the config says pipeline.stages="
                          f"{cfg.pipeline.stages}; drop the config key (the module's count is used)")
     return cfg.override({"pipeline.stages": model.num_stages, "pipeline.partition": model.partition_method})
+
+
+def _expert_parallel_config(cfg: Config, model: nn.Module) -> Config:
+    """DeepSpeed makes the expert-parallel groups its MoE layers ask for (their ep_size); bunsan's mesh folds
+    one size, the layers' (expert_parallel.autoep_size, set here unless the config says another)."""
+    sizes = sorted({m.ep_size for m in model.modules() if isinstance(m, MoE)})
+    if not sizes or sizes == [1]:
+        return cfg
+    if len(sizes) > 1:
+        raise ValueError(f"MoE layers with ep_size {sizes}: bunsan folds one expert-parallel size over the ranks; "
+                         "give every MoE layer the same ep_size")
+    said = cfg.expert_parallel.size
+    if said not in (1, sizes[0]):
+        raise ValueError(f"the MoE layers have ep_size {sizes[0]} but expert_parallel.autoep_size is {said}; "
+                         "remove the expert_parallel section or make the two agree")
+    return cfg.override({"expert_parallel.enabled": True, "expert_parallel.autoep_size": sizes[0]})
 
 
 def _client_optimizer(optimizer, model_parameters, model: nn.Module, cfg: Config):
@@ -167,6 +184,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                          "data_efficiency.enabled false")
     if curriculum:   # it acts here, on the loader; the engine has nothing to do with it
         cfg = cfg.override({"data_efficiency.enabled": False})
+    cfg = _expert_parallel_config(cfg, model)
     client = _client_optimizer(optimizer, model_parameters, model, cfg)
     engine = bunsan.initialize(model, cfg, optimizer=client, loss_fn=model.loss_fn if pipe else None)
     loader = _loader(training_data, collate_fn, engine, cfg, curriculum) if training_data is not None else None

@@ -2,9 +2,14 @@
 to them by all-to-all (dispatch.py). Applied from outside, as tensor parallelism is: the model keeps its plain
 MoE blocks (models/moe.py) and the same parameter names; only the experts' weights hold this rank's slice.
 
-    apply_expert_parallel(model, ctx)   every MoE block's GroupedExperts -> ShardedExperts
+A layer that builds only its own share of the experts itself (DeepSpeed's MoE, bunsan.deepspeed.moe) says so
+with a `bind_expert_parallel(comm, group)` method and an `ep_size`, and marks its expert parameters
+`allreduce = False` (DeepSpeed's mark); it is bound to the group rather than split.
+
+    apply_expert_parallel(model, ctx)   every MoE block's GroupedExperts -> ShardedExperts; layers bound
     expert_parameter_names(model)       the weights reduced over the expert-data-parallel group
-    consolidate(state, model, ctx)      full expert weights (all-gathered along dim 0) under the plain keys
+    consolidate(state, model, ctx)      full expert weights under the plain keys (a bound layer's experts
+                                        numbered globally: rank r's local expert i is r * local + i)
 """
 from __future__ import annotations
 
@@ -37,27 +42,56 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
 
 
+def bound_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, layer) of every layer that holds its own share of the experts (see the module docstring)."""
+    return [(n, m) for n, m in model.named_modules() if callable(getattr(m, "bind_expert_parallel", None))]
+
+
 def apply_expert_parallel(model: nn.Module, ctx: EPContext) -> int:
-    """Split every MoE block's experts over ctx.group; the number of blocks split. A model without bunsan MoE
-    blocks is refused: its experts (a transformers model's own) would be trained whole on every rank."""
-    blocks = moe_blocks(model)
-    if not blocks:
+    """Split every MoE block's experts over ctx.group and bind every layer that splits its own; how many. A
+    model with neither is refused: its experts (a transformers model's own) would be trained whole on every
+    rank."""
+    blocks, layers = moe_blocks(model), bound_layers(model)
+    for name, layer in layers:
+        if layer.ep_size != ctx.size:
+            raise ValueError(f"{name} is a MoE layer of ep_size {layer.ep_size} but expert_parallel.autoep_size "
+                             f"is {ctx.size}; bunsan folds one expert-parallel size: give every layer the same "
+                             "ep_size and set autoep_size to it")
+        layer.bind_expert_parallel(ctx.comm, ctx.group)
+    if not blocks and not layers:
         raise ValueError(f"expert_parallel.autoep_size {ctx.size} but {type(model).__name__} has no bunsan MoE "
                          "blocks (bunsan.models.moe.MoE) to split: expert parallelism acts on bunsan's Llama with "
-                         "model.moe set (e.g. the tiny-moe preset); set expert_parallel.enabled false")
+                         "model.moe set (e.g. the tiny-moe preset) and on deepspeed.moe.layer.MoE layers; set "
+                         "expert_parallel.enabled false")
     for _, block in blocks:
         if block.config.num_experts % ctx.size:
             raise ValueError(f"expert_parallel.autoep_size {ctx.size} does not divide num_experts "
                              f"{block.config.num_experts}: each rank holds a whole number of experts; pick a "
                              f"divisor of {block.config.num_experts}")
         block.experts = ShardedExperts(block.experts, ctx.comm, ctx.group)
-    return len(blocks)
+    return len(blocks) + len(layers)
 
 
 def expert_parameter_names(model: nn.Module) -> set[str]:
-    """Names (model.named_parameters) of the expert weights this rank holds a slice of."""
-    return {f"{n}.{p}" for n, m in model.named_modules() if isinstance(m, ShardedExperts)
-            for p, _ in m.named_parameters(recurse=False)}
+    """Names (model.named_parameters) of the expert weights this rank holds a share of."""
+    sliced = {f"{n}.{p}" for n, m in model.named_modules() if isinstance(m, ShardedExperts)
+              for p, _ in m.named_parameters(recurse=False)}
+    marked = {n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False}
+    return sliced | marked
+
+
+def _global_expert_keys(state: dict, model: nn.Module, ctx: EPContext) -> dict[str, list[str]]:
+    """A bound layer's local expert keys -> the same tensor's key on every rank of the group, in rank order."""
+    out = {}
+    for name, layer in bound_layers(model):
+        local = layer.num_local_experts
+        prefix = f"{name}.deepspeed_moe.experts.deepspeed_experts." if name else \
+            "deepspeed_moe.experts.deepspeed_experts."
+        for key in state:
+            if key.startswith(prefix):
+                i, _, rest = key[len(prefix):].partition(".")
+                out[key] = [f"{prefix}{r * local + int(i)}.{rest}" for r in range(ctx.size)]
+    return out
 
 
 def consolidate(state: dict[str, torch.Tensor], model: nn.Module, ctx: EPContext,
@@ -65,6 +99,12 @@ def consolidate(state: dict[str, torch.Tensor], model: nn.Module, ctx: EPContext
     """Full expert weights from every rank's slice, all-gathered over the expert-parallel group (in expert
     order: rank r holds the r-th run), under the plain model's keys. Collective over ctx.group."""
     out = dict(state)
+    for key, keys in _global_expert_keys(state, model, ctx).items():
+        mine = state[key].contiguous().to(device)
+        every = torch.empty((ctx.size, *mine.shape), dtype=mine.dtype, device=device)
+        ctx.comm.all_gather(every, mine, ctx.group)
+        del out[key]
+        out.update({k: t.cpu() for k, t in zip(keys, every)})     # host: the consolidated state dict lives there
     for name, m in model.named_modules():
         if not isinstance(m, ShardedExperts):
             continue

@@ -1,2 +1,2 @@
-"""`deepspeed.moe`: bunsan has no mixture-of-experts layers. Importing the helpers scripts import anyway works
-(they leave a model without experts as it is); building an MoE layer is an error naming what is missing."""
+"""`deepspeed.moe`: DeepSpeed's mixture-of-experts layer (layer.py: `MoE`, its gate in gating.py) and the
+parameter-group helpers (utils.py), on bunsan's expert parallelism."""
