@@ -163,7 +163,7 @@ def _record_gates(net: nn.Module, moe_cls) -> list[list]:
     def hook(_module, _inputs, output):
         if isinstance(output, tuple) and len(output) == 3:
             l_aux, counts = output[1], output[2]
-            seen.append([float(l_aux) if torch.is_tensor(l_aux) else None,
+            seen.append([float(l_aux.detach()) if torch.is_tensor(l_aux) else None,
                          [int(v) for v in counts.tolist()] if torch.is_tensor(counts) else None])
 
     for m in net.modules():

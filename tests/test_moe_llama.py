@@ -211,3 +211,19 @@ def test_a_transformers_5_llama_keeps_its_rope_parameters(tmp_path, rope):
 def test_rope_theta_said_twice_and_differently_is_refused():
     with pytest.raises(ValueError, match="disagree"):
         LlamaConfig.from_hf({"rope_theta": 10000.0, "rope_parameters": {"rope_theta": 500000.0}})
+
+
+def test_a_transformers_moe_counts_the_experts_a_token_passes_for_mfu():
+    """bunsan train --init-from a transformers MoE: MFU's FLOPs per token count top_k of the routed experts."""
+    import transformers
+    from bunsan.training.hf_model import unrouted_parameters
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=1)
+    model = transformers.MixtralForCausalLM(cfg)
+    experts = 2 * 3 * 4 * 32 * 48          # layers x (gate, up, down) x experts x hidden x width
+    assert unrouted_parameters(model) == experts * 3 // 4
+    dense = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=64, hidden_size=32,
+                                                                   intermediate_size=48, num_hidden_layers=1,
+                                                                   num_attention_heads=4))
+    assert unrouted_parameters(dense) == 0

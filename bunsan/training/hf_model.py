@@ -42,9 +42,11 @@ class HFShape:
     vocab_size: int
     tie_word_embeddings: bool
     attention_dim: int          # the query heads' width (heads x head_dim): the h of attention's 12·L·h·s
+    unrouted: int = 0           # a mixture of experts: the routed experts' parameters one token does not pass
 
-    def num_params(self, include_embedding: bool = True) -> int:
-        return self.total if include_embedding or self.tie_word_embeddings else self.total - self.embedding
+    def num_params(self, include_embedding: bool = True, active: bool = False) -> int:
+        total = self.total - (self.unrouted if active else 0)
+        return total if include_embedding or self.tie_word_embeddings else total - self.embedding
 
     def to_hf(self) -> dict:
         return dict(self.hf_config)
@@ -108,8 +110,23 @@ def load_hf_model(path, cfg, vocab_size: int, multimodal: bool = False) -> tuple
     heads = getattr(config, "num_attention_heads", None)        # (transformers maps GPT-2's n_head to it)
     width = heads * (getattr(config, "head_dim", None) or config.hidden_size // heads) if heads else config.hidden_size
     shape = HFShape(model.config.to_dict(), sum(p.numel() for p in model.parameters()), embedding,
-                    config.num_hidden_layers, config.hidden_size, config.vocab_size, tied, width)
+                    config.num_hidden_layers, config.hidden_size, config.vocab_size, tied, width,
+                    unrouted_parameters(model))
     return model, shape
+
+
+def unrouted_parameters(model: nn.Module) -> int:
+    """Of a transformers mixture of experts (Mixtral, Qwen-MoE, OLMoE, DeepSeek: num_experts_per_tok of
+    num_local_experts / num_experts / n_routed_experts), the routed experts' parameters a token does not pass:
+    (1 - k / E) of those under an `experts` module; 0 for a dense model."""
+    config = model.config
+    k = getattr(config, "num_experts_per_tok", None)
+    experts = next((v for name in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if isinstance(v := getattr(config, name, None), int) and v > 0), None)
+    if not isinstance(k, int) or experts is None or k >= experts:
+        return 0
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in f".{n}")
+    return routed * (experts - k) // experts
 
 
 def use_shift_labels(*batches) -> None:
