@@ -37,7 +37,7 @@ EXPECTED = {
                "offload_states zero3 (DeepSpeed's)"],
     "syncs": ["nccl zero0", "nccl zero1", "nccl zero2", "nccl zero3", "nccl zero3 offload cpu"],
     "shared_gpu": ["gloo dp (zero0)", "gloo zero1", "gloo zero2", "gloo zero3", "gloo tp2", "gloo tp2 sp",
-                   "gloo pp2 gpipe", "gloo pp2 1f1b", "gloo zero3 checkpoint save/load"],
+                   "gloo pp2 gpipe", "gloo pp2 1f1b", "gloo ep2 moe zero2", "gloo zero3 checkpoint save/load"],
     "inference": ["generate --device-map auto (command)", "generate tokens/s", "serve tokens/s"],
     "throughput": ["matmul reference rate", "bunsan eager", "bunsan eager checkpointing", "torch eager (autocast)",
                    "bunsan compiled", "torch compiled (autocast)", "bunsan compiled checkpointing",
@@ -101,8 +101,9 @@ def test_every_shared_gpu_row_checked_tensors_on_both_ranks(report):
         assert len(n["tensors_checked"]) == 2 and min(n["tensors_checked"]) > 0, (name, n["tensors_checked"])
     ckpt = rows[("shared_gpu", "gloo zero3 checkpoint save/load")]["numbers"]
     assert ckpt["resumed_rel_diff"] <= 1e-5 and ckpt["resumed_step"] == len(ckpt["losses"])
-    assert rows[("shared_gpu", "gloo tp2")]["numbers"]["layout"] == {"dp": 1, "tp": 2, "pp": 1}
-    assert rows[("shared_gpu", "gloo pp2 1f1b")]["numbers"]["layout"] == {"dp": 1, "tp": 1, "pp": 2}
+    assert rows[("shared_gpu", "gloo tp2")]["numbers"]["layout"] == {"dp": 1, "tp": 2, "pp": 1, "ep": 1}
+    assert rows[("shared_gpu", "gloo pp2 1f1b")]["numbers"]["layout"] == {"dp": 1, "tp": 1, "pp": 2, "ep": 1}
+    assert rows[("shared_gpu", "gloo ep2 moe zero2")]["numbers"]["layout"] == {"dp": 2, "tp": 1, "pp": 1, "ep": 2}
 
 
 @dry_run

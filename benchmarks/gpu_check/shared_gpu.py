@@ -1,6 +1,7 @@
 """Section 2: two processes on ONE GPU whose collectives go through gloo (`train.backend: gloo`), fp32 with TF32
-off: DP, ZeRO 1-3, TP 2 with and without sequence parallelism, PP 2 (GPipe, 1F1B), and a checkpoint saved and
-loaded into a fresh engine. Each layout's losses must equal a one-process fp32 run on the same GPU of the same
+off: DP, ZeRO 1-3, TP 2 with and without sequence parallelism, PP 2 (GPipe, 1F1B), expert parallelism 2 (the
+preset with a MoE block in every layer: tokens to the other rank's experts by all-to-all, ZeRO-2 beside the
+experts' own strategy), and a checkpoint saved and loaded into a fresh engine. Each layout's losses must equal a one-process fp32 run on the same GPU of the same
 global batch (torch's own loop) within rtol 1e-4.
 
 SGD with momentum and no clipping: Adam divides every gradient by its own magnitude and clipping rescales the
@@ -35,9 +36,19 @@ LAYOUTS = {
     "gloo tp2 sp": {"tensor_parallel": {"size": 2, "sequence_parallel": True}},
     "gloo pp2 gpipe": {"pipeline": {"stages": 2, "schedule": "gpipe"}},
     "gloo pp2 1f1b": {"pipeline": {"stages": 2, "schedule": "1f1b"}},
+    "gloo ep2 moe zero2": {"expert_parallel": {"enabled": True, "autoep_size": 2},
+                           "zero_optimization": {"stage": 2}},
     "gloo zero3 checkpoint save/load": {"zero_optimization": {"stage": 3}},
 }
 CHECKPOINT_ROW = "gloo zero3 checkpoint save/load"
+# rows whose model has a MoE block in every layer: dropless and without a balancing loss, so each token's
+# routing is its own and the whole-batch plain loop is the reference
+MOE = {"num_experts": 4, "top_k": 2, "expert_intermediate_size": 64, "route_norm": True}
+MOE_ROWS = {"gloo ep2 moe zero2"}
+
+
+def model_for(name: str, sz, seed: int = 0):
+    return build_model(sz.preset, seed=seed, **sz.model, **({"moe": MOE} if name in MOE_ROWS else {}))
 
 
 def config(extra: dict, sz) -> dict:
@@ -60,9 +71,9 @@ def _train(rank: int, name: str, sz, ckpt_dir: str | None) -> dict:
     extra = LAYOUTS[name]
     cfg = config(extra, sz)
     data = token_batches(sz.steps, sz.rows, sz.seq)
-    engine = bunsan.initialize(build_model(sz.preset, seed=0, **sz.model), cfg)
+    engine = bunsan.initialize(model_for(name, sz), cfg)
     out = {"device": str(engine.device), "rank": engine.mesh.rank, "dp": engine.dp_size, "tp": engine.tp_size,
-           "pp": engine.pp_size}
+           "pp": engine.pp_size, "ep": engine.mesh.ep}
 
     def step(e, batch):
         try:
@@ -108,8 +119,9 @@ def main(section: Section) -> None:
     if dev.type == "cuda":    # the reference in fp32 on the same GPU, TF32 off as in the ranks
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    reference = reference_losses(build_model(sz.preset, seed=0, **sz.model), data,
-                                 lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM), dev)
+    sgd = lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM)     # noqa: E731
+    reference = reference_losses(build_model(sz.preset, seed=0, **sz.model), data, sgd, dev)
+    moe_reference = reference_losses(model_for(next(iter(MOE_ROWS)), sz), data, sgd, dev)
     state = {"ranks": None}
     tmp = tempfile.mkdtemp(prefix="bunsan-gpu-check-ckpt-")
 
@@ -125,7 +137,7 @@ def main(section: Section) -> None:
             raise
         first = results[0]
         row.numbers.update(world=WORLD, backend=first["backend"], devices=sorted({r["device"] for r in results}),
-                           layout={k: first[k] for k in ("dp", "tp", "pp")}, preset=sz.preset, seq=sz.seq,
+                           layout={k: first[k] for k in ("dp", "tp", "pp", "ep")}, preset=sz.preset, seq=sz.seq,
                            batch=sz.rows, tensors_checked=[r["tensors_checked"] for r in results])
         check(first["backend"] == "gloo", f"the ranks' process group is {first['backend']}, not gloo")
         if dev.type == "cuda":
@@ -135,7 +147,8 @@ def main(section: Section) -> None:
               f"Comm checked {row.numbers['tensors_checked']} tensors: the device check did not run")
         for r in results[1:]:
             check(r["losses"] == first["losses"], f"ranks disagree on the losses: {[x['losses'] for x in results]}")
-        compare_losses(row, first["losses"], reference, RTOL, "1-process fp32 on " + dev.type)
+        compare_losses(row, first["losses"], moe_reference if name in MOE_ROWS else reference, RTOL,
+                       "1-process fp32 on " + dev.type)
         row.headline += f"; tensors checked {row.numbers['tensors_checked']}"
         if name == CHECKPOINT_ROW:
             resumed, continued = first["resumed_loss"], first["losses"][-1]
