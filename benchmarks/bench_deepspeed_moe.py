@@ -1,4 +1,4 @@
-"""DeepSpeed drop-in, mixture of experts: DeepSpeedExamples' CIFAR `--moe` script run with DeepSpeed and with bunsan.deepspeed.
+"""DeepSpeed drop-in, mixture of experts: DeepSpeedExamples' CIFAR `--moe` script under DeepSpeed and bunsan.deepspeed.
 
 `train()` below follows training/cifar/cifar10_deepspeed.py of DeepSpeedExamples run with `--moe` (run_ds_moe.sh,
 run_ds_prmoe.sh), written against the `deepspeed` API only: a small conv net whose head is a list of
@@ -193,10 +193,12 @@ def train(deepspeed, case: str, rank: int, data) -> list[dict]:
         engine.backward(loss)
         lr = engine.get_lr()[0]   # what this step applies; the scheduler moves it after
         engine.step()
+        norm = engine.get_global_grad_norm()   # DeepSpeed: None at ZeRO 0 in fp32 (its clipping keeps none)
         mean = loss.detach().clone().float()
         torch.distributed.all_reduce(mean)
         records.append({"loss": mean.item() / torch.distributed.get_world_size(), "rank_loss": loss.item(),
                         "lr": lr, "global_steps": engine.global_steps,
+                        "grad_norm": None if norm is None else float(norm),
                         "l_aux": [g[0] for g in gates], "exp_counts": [g[1] for g in gates]})
     return records
 
@@ -222,7 +224,7 @@ def curve(ranks: list[dict]) -> dict:
     """Per step: the rank-averaged loss and lr (rank 0's), and every rank's l_aux / expert counts."""
     recs = [list(s) for s in zip(*(r["records"] for r in ranks))]
     return {"loss": [s[0]["loss"] for s in recs], "lr": [s[0]["lr"] for s in recs],
-            "global_steps": [s[0]["global_steps"] for s in recs],
+            "global_steps": [s[0]["global_steps"] for s in recs], "grad_norm": [s[0]["grad_norm"] for s in recs],
             "rank_loss": [[r["rank_loss"] for r in s] for s in recs],
             "l_aux": [[r["l_aux"] for r in s] for s in recs],
             "exp_counts": [[r["exp_counts"] for r in s] for s in recs]}
@@ -318,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [c for c in cases if c not in CASES]:
         p.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     args.sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    if not args.sides or (bad := [s for s in args.sides if s not in SIDES]):
+    if not args.sides or any(s not in SIDES for s in args.sides):
         p.error(f"--sides: choose from {', '.join(SIDES)}")
     if args.steps < 1:
         p.error("--steps must be >= 1")

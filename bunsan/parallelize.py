@@ -252,9 +252,6 @@ def expert_parallel(model: nn.Module, at: Placement) -> EPContext | None:
         raise ValueError(f"expert_parallel.autoep_size {at.mesh.ep} with zero_optimization.stage 3 is not built "
                          "yet (the experts' shards would be gathered over their own group); use stage 0, 1 or 2 "
                          "with expert parallelism, or autoep_size 1 under stage 3")
-    if at.mesh.tp > 1:
-        raise ValueError(f"expert_parallel.autoep_size {at.mesh.ep} with tensor_parallel.size {at.mesh.tp} is not "
-                         "built yet; use one of the two")
     ctx = EPContext(at.comm, at.mesh.ep_group, at.mesh.edp_group)
     apply_expert_parallel(model, ctx)
     return ctx

@@ -22,6 +22,11 @@ Cases kept (each adds what the others do not):
 | ep2-idle-rank            | 2     | a rank whose experts no token chooses                                       |
 | ep2-capacity             | 2     | capacity dropping (per forward, as the plain loop)                          |
 | ep2-deepseek-v3          | 2     | sigmoid, groups, shared experts, the expert-bias update, z-loss             |
+| tp2                      | 2     | every expert's width split; router whole, its gradient summed               |
+| tp2-sp-deepseek-v3       | 2     | the same under SP (sequence gathered in, reduce-scattered out), shared      |
+|                          |       | experts split, the balancing losses' gradient shared over the TP ranks      |
+| ep2-tp2                  | 4     | experts split over EP (dim 0) and TP (their width) at once                  |
+| ep2-tp2-sp-zero1         | 4     | that under SP with the experts' ZeRO-1                                      |
 """
 
 from __future__ import annotations
@@ -57,12 +62,13 @@ def moe_model(moe: dict, bias: list | None = None) -> Llama:
     return model
 
 
-def layout(dp=2, ep=2, stage=0, m=1, pp=1, cp=1, moe=None, bias=None):
+def layout(dp=2, ep=2, stage=0, m=1, pp=1, cp=1, tp=1, sp=False, moe=None, bias=None):
     cfg = {"train_micro_batch_size_per_gpu": ROWS // (dp * m), "gradient_accumulation_steps": m,
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000},
            "pipeline": {"stages": pp}, "context_parallel": {"size": cp},
+           "tensor_parallel": {"size": tp, "sequence_parallel": sp},
            "expert_parallel": {"enabled": ep > 1, "autoep_size": ep}, "train": {"timeout_s": 60}}
-    return dp * pp * cp, sgd_no_clip(cfg), moe or MIXTRAL, bias
+    return dp * pp * cp * tp, sgd_no_clip(cfg), moe or MIXTRAL, bias
 
 
 CASES = {
@@ -78,6 +84,10 @@ CASES = {
     "ep2-idle-rank": layout(bias=IDLE_RANK),
     "ep2-capacity": layout(moe={**MIXTRAL, "capacity_factor": 0.75}),
     "ep2-deepseek-v3": layout(moe=DEEPSEEK_V3),
+    "tp2": layout(dp=1, ep=1, tp=2),
+    "tp2-sp-deepseek-v3": layout(dp=1, ep=1, tp=2, sp=True, moe=DEEPSEEK_V3),
+    "ep2-tp2": layout(tp=2),
+    "ep2-tp2-sp-zero1": layout(tp=2, sp=True, stage=1),
 }
 
 
@@ -126,8 +136,8 @@ def reference(moe: dict, bias: list | None, forwards: int, grad_scale: float = 1
 @pytest.mark.parametrize("name", list(CASES))
 def test_expert_parallel_matches_the_plain_loop(pools, name):
     world, cfg, moe, bias = CASES[name]
-    forwards = world // (cfg["pipeline"]["stages"] * cfg["context_parallel"]["size"]) \
-        * cfg["gradient_accumulation_steps"]
+    forwards = world // (cfg["pipeline"]["stages"] * cfg["context_parallel"]["size"]
+                         * cfg["tensor_parallel"]["size"]) * cfg["gradient_accumulation_steps"]
     if cfg["context_parallel"]["size"] > 1:
         forwards = 1      # no balancing loss, dropless: routing is per token, the rows may go in one forward
     ref = reference(moe, bias, forwards)

@@ -9,6 +9,7 @@ cast), with the optimizer states beside them; engine counters, the loss scaler a
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import socket
 import sys
@@ -23,6 +24,8 @@ from bunsan.checkpoint.assemble import read_local
 from bunsan.checkpoint.pieces import frozen_of, locals_of
 from bunsan.checkpoint.store import CheckpointError
 from bunsan.checkpoint.untrusted import UntrustedError, plain_name
+from bunsan.models.llama_config import LlamaConfig
+from bunsan.models.mixtral_form import mixtral_problems
 from bunsan.optim.lrs import gathered_lrs
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
@@ -213,6 +216,10 @@ def _model_config(engine) -> dict | None:
     """The model's config in Hugging Face's form (bunsan's Llama converts its own; a transformers model's is
     its config.to_dict()), for `bunsan convert --to hf`."""
     cfg = getattr(engine.module, "config", None)
+    if isinstance(cfg, LlamaConfig) and cfg.moe is not None and mixtral_problems(cfg.moe_config()):
+        # a MoE block transformers' Mixtral cannot hold: bunsan's own fields, which LlamaConfig.from_hf reads
+        # back (`bunsan convert --to hf` refuses it, naming the field)
+        return {**dataclasses.asdict(cfg), "model_type": "llama"}
     if hasattr(cfg, "to_hf"):
         return cfg.to_hf()
     if hasattr(cfg, "to_dict") and hasattr(cfg, "model_type"):

@@ -74,6 +74,7 @@ class ShardedExperts(GroupedExperts):
         self.num_experts, self.dim, self.hidden, self.kernel = local, full.dim, full.hidden, full.kernel
         self.total_experts, self.comm, self.group = full.num_experts, comm, group
         self.first = group.rank * local
+        self.tp_split = dict(getattr(full, "tp_split", {}))    # each expert's width cut by tensor parallelism
         self.ep_split = {}
         for name in ("w1", "w3", "w2"):
             w = getattr(full, name)

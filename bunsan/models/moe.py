@@ -84,6 +84,11 @@ class MoE(nn.Module):
         self.last_counts: torch.Tensor | None = None     # [E] assignments chosen per expert, last forward
         self.last_dropped: torch.Tensor | None = None    # [E] of them dropped for capacity, last forward
         self.aux_grad_scale: float | None = None         # set by an engine: attach aux_loss to the backward
+        # Set by tensor parallelism (tensor_parallel/moe.py), which splits every expert's width: this copy's
+        # share of the balancing losses' gradient (each rank computes the same losses), and the sum of the
+        # ranks' partial outputs (None: the output is whole)
+        self.aux_grad_share = 1.0
+        self.reduce_output = None
         if not self.gate.weight.is_meta:    # on meta: allocate nothing, init after to_empty()
             self.reset_parameters()
 
@@ -107,13 +112,14 @@ class MoE(nn.Module):
             losses["z"] = router_z_loss(routing.logits)
         self.last_losses = losses
         if losses and self.aux_grad_scale is not None and torch.is_grad_enabled():
-            out = _AttachLoss.apply(out, self.aux_loss, float(self.aux_grad_scale))
+            out = _AttachLoss.apply(out, self.aux_loss, float(self.aux_grad_scale) * self.aux_grad_share)
         self.last_counts, self.last_dropped = d.routed.detach(), d.dropped.detach()
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert.add_(d.routed)
                 self.dropped_per_expert.add_(d.dropped)
-        return out.view(x.shape)
+        out = out.view(x.shape)
+        return out if self.reduce_output is None else self.reduce_output(out)
 
     @property
     def aux_loss(self) -> torch.Tensor:

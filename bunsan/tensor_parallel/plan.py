@@ -30,6 +30,9 @@ import torch.nn as nn
 
 from bunsan.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead, check_splittable, parallel_input_hook, split_sequence_hook, sum_grad_over_tp)
 from bunsan.tensor_parallel.hf_plan import hf_tp_plan, is_hf_model
+from bunsan.models.llama import Llama
+from bunsan.models.moe import MoE
+from bunsan.tensor_parallel.moe import split_moe_block
 from bunsan.tensor_parallel.ops import TPContext, into_parallel_region
 
 LLAMA_PLAN = {
@@ -62,9 +65,11 @@ def _check_divisible(name: str, what: str, n: int, tp: int, hint: str) -> None:
         raise ValueError(f"tensor_parallel.size {tp} does not divide {name}'s {what} ({n}); {hint}")
 
 
-def check_llama(config, tp: int) -> None:
-    """Heads and sizes of a Llama must split evenly; grouped-query key/value heads too."""
-    sizes = (("num_attention_heads", config.num_attention_heads), ("intermediate_size", config.intermediate_size))
+def check_llama(config, tp: int, dense_mlp: bool = True) -> None:
+    """Heads and sizes of a Llama must split evenly; grouped-query key/value heads too (a MoE block's widths:
+    tensor_parallel/moe.py)."""
+    sizes = (("num_attention_heads", config.num_attention_heads),) + \
+        ((("intermediate_size", config.intermediate_size),) if dense_mlp else ())
     for field, n in sizes:
         _check_divisible("the model", field, n, tp, f"use a tensor-parallel size that divides {n}")
     kv = config.num_key_value_heads
@@ -107,7 +112,11 @@ def _split_lora(name: str, m: nn.Module, style: str, ctx: TPContext) -> None:
 
 STYLES = ("column", "column_gather", "column_qkv", "row", "row_split_input", "parallel_input", "parallel_attention",
           "parallel_output", "vocab_embedding", "vocab_embedding_whole", "sequence_split", "vocab_head", "norm",
-          "grad_allreduce")
+          "grad_allreduce", "moe")
+
+# bunsan's Llama with a MoE block in every layer: the block is split as a whole (tensor_parallel/moe.py)
+MOE_LLAMA_PLAN = {**{k: v for k, v in LLAMA_PLAN.items() if not k.startswith("layers.*.mlp")},
+                  "layers.*.mlp": "moe"}
 
 
 def resolve_plan(model: nn.Module, ctx: TPContext, plan: dict | str | None) -> dict:
@@ -119,7 +128,8 @@ def resolve_plan(model: nn.Module, ctx: TPContext, plan: dict | str | None) -> d
                              "a transformers PreTrainedModel: pass tp_plan={module pattern: style}")
         plan = hf_tp_plan(model, ctx.sequence_parallel, ctx.encoders, ctx.size)
     elif plan is None:
-        plan = LLAMA_PLAN
+        moe = getattr(getattr(model, "config", None), "moe", None)
+        plan = MOE_LLAMA_PLAN if isinstance(model, Llama) and moe is not None else LLAMA_PLAN
     if not isinstance(plan, dict):
         raise TypeError(f"tp_plan must be a dict of module pattern -> style or 'auto', got {plan!r}")
     unknown = sorted({s for s in plan.values()} - set(STYLES))
@@ -129,7 +139,7 @@ def resolve_plan(model: nn.Module, ctx: TPContext, plan: dict | str | None) -> d
     # (a decoder's config; Whisper's maps num_key_value_heads to its encoder's heads, and its layers' heads and
     # widths are checked by the encoder plan)
     if config is not None and hasattr(config, "num_key_value_heads") and hasattr(config, "intermediate_size"):
-        check_llama(config, ctx.size)
+        check_llama(config, ctx.size, dense_mlp="moe" not in plan.values())
     return plan
 
 
@@ -176,6 +186,12 @@ def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | str | N
             _check_divisible(name, "input features", m.in_features, ctx.size, "change tensor_parallel.size")
             _set(model, name, RowParallelLinear(m, ctx, split_input=style == "row_split_input"))
         elif style == "parallel_input":
+            m.register_forward_pre_hook(parallel_input_hook(ctx), with_kwargs=True)
+        elif style == "moe":
+            if not isinstance(m, MoE):
+                raise ValueError(f"tensor-parallel style 'moe' splits bunsan's MoE block; {name} is a "
+                                 f"{type(m).__name__}")
+            split_moe_block(m, name, ctx)
             m.register_forward_pre_hook(parallel_input_hook(ctx), with_kwargs=True)
         elif style == "parallel_attention":
             heads = getattr(m, "num_heads", None)

@@ -155,6 +155,7 @@ def set_up(cfg: Config) -> Run:
         model, mcfg = load_hf_model(cfg.train.init_from, cfg, tokenizer.vocab_size, multimodal)
     else:
         mcfg = run_model_config(cfg, tokenizer.vocab_size)
+        mcfg.to_hf()      # the final weights' form (a MoE block Mixtral cannot hold): refused now, not at the end
         if cfg.pipeline.stages > 1:   # each rank allocates and initialises only its own stages
             with torch.device("meta"):
                 model = Llama(mcfg)
