@@ -148,12 +148,15 @@ def make_data(steps: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (images, labels) micro-batch per step for this rank: the step's 16 images, this rank's 8.
     An image is its label's fixed prototype plus noise (roughly the [-1, 1] range of the script's transform),
     so that the classes are learnable."""
-    g = torch.Generator().manual_seed(DATA_SEED)
-    protos = torch.rand(10, 3, 32, 32, generator=g) * 2 - 1
-    labels = torch.randint(10, (steps * TRAIN_BATCH,), generator=g)
-    images = 0.5 * protos[labels] + 0.5 * (torch.rand(steps * TRAIN_BATCH, 3, 32, 32, generator=g) * 2 - 1)
-    lo = [s * TRAIN_BATCH + rank * MICRO_BATCH for s in range(steps)]
-    return [(images[i:i + MICRO_BATCH].clone(), labels[i:i + MICRO_BATCH].clone()) for i in lo]
+    protos = torch.rand(10, 3, 32, 32, generator=torch.Generator().manual_seed(DATA_SEED)) * 2 - 1
+    out = []
+    for step in range(steps):   # a generator per step: a shorter run's data is a prefix of a longer one's
+        g = torch.Generator().manual_seed(DATA_SEED + 1 + step)
+        labels = torch.randint(10, (TRAIN_BATCH,), generator=g)
+        images = 0.5 * protos[labels] + 0.5 * (torch.rand(TRAIN_BATCH, 3, 32, 32, generator=g) * 2 - 1)
+        mine = slice(rank * MICRO_BATCH, (rank + 1) * MICRO_BATCH)
+        out.append((images[mine].clone(), labels[mine].clone()))
+    return out
 
 
 def _record_gates(net: nn.Module, moe_cls) -> list[list]:

@@ -26,7 +26,7 @@ from bunsan.config.root import Config
 from bunsan.context_parallel import CPContext, apply_context_parallel
 from bunsan.engine.engine import Engine
 from bunsan.engine.precision import model_dtype
-from bunsan.expert_parallel import EPContext, apply_expert_parallel, expert_parameter_names
+from bunsan.expert_parallel import EPContext, apply_expert_parallel, expert_parameter_names, expert_unit_classes
 from bunsan.models.blocks import repeated_blocks
 from bunsan.models.llama import Llama
 from bunsan.optim.optimizers import optimizer_class, rebuild_over, restricted_to
@@ -181,8 +181,8 @@ def materialize(model: nn.Module, at: Placement) -> None:
     tensor parallelism instead materialises each rank's shard only, unit by unit (zero/stage3.py)."""
     if not any(p.is_meta for p in model.parameters()):
         return
-    if at.cfg.zero_optimization.stage == 3 and at.mesh.tp == 1:
-        return
+    if at.cfg.zero_optimization.stage == 3 and at.mesh.tp == 1 and at.mesh.ep == 1:
+        return      # (under TP or EP the whole weights are drawn first, then each rank keeps its slice)
     init = getattr(model, "init_weights", None)
     if init is None:
         raise ValueError(f"{type(model).__name__} was built on the meta device but has no init_weights(); "
@@ -248,10 +248,6 @@ def expert_parallel(model: nn.Module, at: Placement) -> EPContext | None:
     expert-parallel group (a pipeline stage: its own blocks')."""
     if at.mesh.ep == 1:
         return None
-    if at.cfg.zero_optimization.stage == 3:
-        raise ValueError(f"expert_parallel.autoep_size {at.mesh.ep} with zero_optimization.stage 3 is not built "
-                         "yet (the experts' shards would be gathered over their own group); use stage 0, 1 or 2 "
-                         "with expert parallelism, or autoep_size 1 under stage 3")
     ctx = EPContext(at.comm, at.mesh.ep_group, at.mesh.edp_group)
     apply_expert_parallel(model, ctx)
     return ctx
@@ -314,8 +310,12 @@ def expert_split(model: nn.Module, at: Placement, optimizer, trainable: list, di
                          f"trains {len(experts)} expert and {len(dense)} other tensors (frozen experts, or LoRA "
                          "on the attention only?): set expert_parallel.enabled false")
     mesh, cfg = at.mesh, at.cfg
-    parts = [make_strategy(ps, at.comm, group, cfg, at.device, restricted_to(optimizer, ps), model, dims)
-             for ps, group in ((dense, mesh.grad_group), (experts, mesh.edp_group))]
+    # ZeRO-3: the experts' strategy gathers each experts module as a unit of its own, inside the dense
+    # strategy's gather of the block around it
+    expert_cfg = cfg.override({"zero_optimization.stage3_unit_modules": expert_unit_classes(model)}) \
+        if cfg.zero_optimization.stage == 3 else cfg
+    parts = [make_strategy(ps, at.comm, group, c, at.device, restricted_to(optimizer, ps), model, dims)
+             for ps, group, c in ((dense, mesh.grad_group, cfg), (experts, mesh.edp_group, expert_cfg))]
     return ExpertSplit(*parts, at.comm, mesh.ep_group)
 
 

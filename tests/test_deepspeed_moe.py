@@ -16,6 +16,7 @@ DeepSpeed 0.19.8 itself are benchmarks/bench_deepspeed_moe.py's.
 | residual-ep2    | PR-MoE (use_residual): the dense expert and the mixing coefficient           |
 | dropless-ep2    | drop_tokens False: the capacity all-reduced (MAX) over the expert group      |
 | top1-ep2-zero2  | the experts' strategy at ZeRO-2 beside the dense one                          |
+| top2-ep2-zero3  | ZeRO-3: the layer's experts container gathered as a unit of its own          |
 | top2-ep1        | ep_size 1: experts replicated, plain data parallelism                          |
 """
 
@@ -59,6 +60,7 @@ CASES = {
     "residual-ep2": (2, (2, 4), {"k": 1, "use_residual": True}, 0),
     "dropless-ep2": (2, (4,), {"k": 2, "drop_tokens": False}, 0),
     "top1-ep2-zero2": (2, (2,), {"k": 1}, 2),
+    "top2-ep2-zero3": (2, (4,), {"k": 2}, 3),
     "top2-ep1": (1, (4,), {"k": 2}, 0),
 }
 

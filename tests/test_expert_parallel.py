@@ -14,12 +14,16 @@ Cases kept (each adds what the others do not):
 | dp2 (no EP)              | 2     | a MoE model under plain DP, the balancing loss through aux_grad_scale       |
 | ep2                      | 2     | tokens to their experts' rank and back; experts' gradients not reduced      |
 | ep2-zero1, ep2-zero2     | 2     | the experts' strategy sharded (over a group of one) beside the dense one    |
+| ep2-zero3                | 2     | ZeRO-3: each experts module gathered as a unit of its own                   |
 | ep2-dp4                  | 4     | expert-data-parallel reduction (each expert on 2 replicas)                  |
+| ep2-dp4-zero3-accum2     | 4     | the experts' ZeRO-3 shards over their replicas, with accumulation           |
+| ep2-tp2-zero3            | 4     | EP x TP x ZeRO-3                                                            |
 | ep4-dp4-accum2           | 4     | one expert per rank, 2 micro-batches                                        |
 | ep2-pp2                  | 4     | EP inside pipeline stages, their micro-batches                              |
 | ep2-cp2                  | 2     | EP folded over context-parallel ranks                                       |
 | ep2-idle-expert          | 2     | an expert no token chooses (its weights get a zero gradient, no hang)       |
 | ep2-idle-rank            | 2     | a rank whose experts no token chooses                                       |
+| ep2-zero3-idle-rank      | 2     | that under ZeRO-3: the idle rank's experts still gathered, nobody waits     |
 | ep2-capacity             | 2     | capacity dropping (per forward, as the plain loop)                          |
 | ep2-deepseek-v3          | 2     | sigmoid, groups, shared experts, the expert-bias update, z-loss             |
 | tp2                      | 2     | every expert's width split; router whole, its gradient summed               |
@@ -76,12 +80,16 @@ CASES = {
     "ep2": layout(),
     "ep2-zero1": layout(stage=1),
     "ep2-zero2": layout(stage=2),
+    "ep2-zero3": layout(stage=3),
+    "ep2-dp4-zero3-accum2": layout(dp=4, stage=3, m=2),
+    "ep2-tp2-zero3": layout(tp=2, stage=3),
     "ep2-dp4": layout(dp=4),
     "ep4-dp4-accum2": layout(dp=4, ep=4, m=2),
     "ep2-pp2": layout(pp=2, m=2),
     "ep2-cp2": layout(dp=1, cp=2, moe={**MIXTRAL, "aux_loss_coef": 0.0}),
     "ep2-idle-expert": layout(bias=IDLE_EXPERT),
     "ep2-idle-rank": layout(bias=IDLE_RANK),
+    "ep2-zero3-idle-rank": layout(stage=3, bias=IDLE_RANK),
     "ep2-capacity": layout(moe={**MIXTRAL, "capacity_factor": 0.75}),
     "ep2-deepseek-v3": layout(moe=DEEPSEEK_V3),
     "tp2": layout(dp=1, ep=1, tp=2),

@@ -119,11 +119,10 @@ TINY_MOE = {"num_experts": 4, "top_k": 2, "expert_intermediate_size": 32}
 
 
 @pytest.mark.parametrize("cfg, moe, said", [
-    ({**EP2, "zero_optimization": {"stage": 3}}, TINY_MOE, "zero_optimization.stage 3 is not built yet"),
     (EP2, None, "has no bunsan MoE blocks"),
     ({**EP2, "expert_parallel": {"enabled": True, "autoep_size": 2}}, {**TINY_MOE, "num_experts": 3},
      "does not divide num_experts 3"),
-], ids=["zero3", "dense-model", "experts-not-divisible"])
+], ids=["dense-model", "experts-not-divisible"])
 def test_an_expert_parallel_layout_bunsan_cannot_run_is_refused_on_every_rank(pools, cfg, moe, said):
     said_by = pools.run(2, _initialize, cfg, moe)
     assert all(s is not None and said in s for s in said_by), said_by

@@ -23,7 +23,7 @@ from bunsan.expert_parallel.dispatch import ShardedExperts
 from bunsan.models.moe import MoE
 
 __all__ = ["EPContext", "ShardedExperts", "apply_expert_parallel", "consolidate", "expert_parameter_names",
-           "moe_blocks"]
+           "expert_unit_classes", "moe_blocks"]
 
 
 @dataclass
@@ -78,6 +78,14 @@ def expert_parameter_names(model: nn.Module) -> set[str]:
               for p, _ in m.named_parameters(recurse=False)}
     marked = {n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False}
     return sliced | marked
+
+
+def expert_unit_classes(model: nn.Module) -> list[str]:
+    """Class names of the modules that hold (and compute) a rank's experts: what ZeRO-3 gathers as units of
+    the experts' own strategy (a bound layer's experts container, bunsan's ShardedExperts)."""
+    names = {type(m).__name__ for m in model.modules() if isinstance(m, ShardedExperts)}
+    names |= {type(m.deepspeed_moe.experts).__name__ for _, m in bound_layers(model)}
+    return sorted(names)
 
 
 def _global_expert_keys(state: dict, model: nn.Module, ctx: EPContext) -> dict[str, list[str]]:

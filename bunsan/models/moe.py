@@ -14,7 +14,7 @@ are on (0-dim fp32 tensors attached to the router), and `aux_loss` their coeffic
 plain loop adds to its training loss. A training engine instead sets `aux_grad_scale`: the block then
 attaches aux_loss to its output's backward with that gradient (Megatron's MoEAuxLossAutoScaler), so the
 losses train the router from wherever the block sits (a pipeline stage without the loss, a recomputed
-block) and the caller adds nothing. DeepSeek-V3's auxiliary-loss-free balancing instead moves the `expert_bias`
+block) and the caller adds nothing; `last_losses` and `aux_loss` are then detached values, for metrics. DeepSeek-V3's auxiliary-loss-free balancing instead moves the `expert_bias`
 buffer once per optimizer step: the training step calls `update_expert_bias()` after `optimizer.step()`.
 Tokens per expert (and assignments dropped for capacity) accumulate in `tokens_per_expert` and
 `dropped_per_expert` over the training forwards until read by `take_expert_counts()` or `update_expert_bias()`.
@@ -111,8 +111,12 @@ class MoE(nn.Module):
         if c.z_loss_coef:
             losses["z"] = router_z_loss(routing.logits)
         self.last_losses = losses
-        if losses and self.aux_grad_scale is not None and torch.is_grad_enabled():
-            out = _AttachLoss.apply(out, self.aux_loss, float(self.aux_grad_scale) * self.aux_grad_share)
+        if self.aux_grad_scale is not None:
+            if losses and torch.is_grad_enabled():
+                out = _AttachLoss.apply(out, self.aux_loss, float(self.aux_grad_scale) * self.aux_grad_share)
+            # kept for the metrics only: attached, they would hold the step's graph (and through an engine's
+            # hooks in it, the engine) alive after backward
+            self.last_losses = {k: v.detach() for k, v in losses.items()}
         self.last_counts, self.last_dropped = d.routed.detach(), d.dropped.detach()
         if self.training:
             with torch.no_grad():

@@ -55,6 +55,7 @@ class ExpertSplit(Strategy):
         self.params = dense.params + experts.params
         self.dtype, self.mixed = dense.dtype, dense.mixed
         self.optimizer = JointOptimizer(dense.optimizer, experts.optimizer)
+        self.frozen_shards = dense.frozen_shards      # (frozen weights: the dense strategy's, ZeRO-3 shards them)
 
     @property
     def current_unit(self) -> str | None:
@@ -81,6 +82,10 @@ class ExpertSplit(Strategy):
     def pipeline_evaluation(self):
         with self.dense.pipeline_evaluation(), self.experts.pipeline_evaluation():
             yield
+
+    def consolidated_state_dict(self, module) -> dict[str, torch.Tensor]:
+        with self.gathered():       # (ZeRO-3: both parts' units gathered; earlier stages hold their weights)
+            return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
     def begin_backward(self, sync: bool) -> None:
         for s in self.parts:
