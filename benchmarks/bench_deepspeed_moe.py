@@ -22,7 +22,13 @@ the rank on both sides. Per optimizer step we record the loss averaged over the 
 the step applied, and, through a forward hook on every MoE layer (the net ignores them), each layer's l_aux and
 per-rank expert counts. An fp32 case passes when the largest |Δloss|/loss is <= 1e-5 and the lrs agree; the
 routing (expert counts per step) is reported beside it. Exit code 1 when a case fails or a side crashes (a FAILED
-row with the reason).
+row with the reason); `--sides deepspeed` runs one side only (rows "ran (one side)").
+
+What the curves can tell: the config's WarmupLR (0 -> 1e-3 over 1000 steps, log-shaped) applies lr 0 at steps 1
+and 2 and about 3e-4 at step 10; the gradient norm stays near 0.15-0.42, under the clipping threshold 1.0. Over
+10 steps DeepSpeed's curve moves about 1e-3 (relative) from its updates, so 1e-5 catches a missing or wrong
+update, not an lr that is 1% off. DeepSpeed's "Adam" here is its FusedAdam in AdamW mode (the CPU build, JIT-built
+on the first run like its shared-memory comm op: a C++ compiler is needed).
 
     PYTHONPATH=. /tmp/dsvenv/bin/python benchmarks/bench_deepspeed_moe.py                   # every case, 20 steps
     PYTHONPATH=. /tmp/dsvenv/bin/python benchmarks/bench_deepspeed_moe.py --sides deepspeed --steps 10

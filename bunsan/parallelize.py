@@ -316,7 +316,11 @@ def expert_split(model: nn.Module, at: Placement, optimizer, trainable: list, di
         if cfg.zero_optimization.stage == 3 else cfg
     parts = [make_strategy(ps, at.comm, group, c, at.device, restricted_to(optimizer, ps), model, dims)
              for ps, group, c in ((dense, mesh.grad_group, cfg), (experts, mesh.edp_group, expert_cfg))]
-    return ExpertSplit(*parts, at.comm, mesh.ep_group)
+    # which of the user's groups each part's groups come from (a group with no member there is left out)
+    user = optimizer.param_groups if optimizer is not None else [{"params": trainable}]
+    sources = tuple([i for i, g in enumerate(user) if any(id(p) in {id(q) for q in ps} for p in g["params"])]
+                    for ps in (dense, experts))
+    return ExpertSplit(*parts, at.comm, mesh.ep_group, sources, len(user))
 
 
 def other_dims(model: nn.Module, mesh: Mesh, tp, pipe) -> OtherDims:

@@ -32,11 +32,11 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
 
 
 def _refuse_expert_parallel(engine, what: str) -> None:
-    if engine.mesh.ep > 1:
-        raise ValueError(f"cannot {what} a checkpoint under expert parallelism (expert_parallel.autoep_size "
-                         f"{engine.mesh.ep}): resumable checkpoints of sharded experts are not built yet; the "
-                         "final weights are saved as a Hugging Face directory either way (engine."
-                         "consolidated_state_dict); train with autoep_size 1 to save and resume")
+    if engine.mesh.ep > 1 and engine.mesh.tp > 1:
+        raise ValueError(f"cannot {what} a checkpoint under expert parallelism x tensor parallelism "
+                         f"(autoep_size {engine.mesh.ep}, tensor_parallel.size {engine.mesh.tp}): each expert is cut "
+                         "two ways and a checkpoint piece places one cut (not built yet); the final weights are "
+                         "saved either way; save under one of the two")
 
 
 def _barrier(engine) -> None:
@@ -46,14 +46,16 @@ def _barrier(engine) -> None:
 def _rank_state(engine) -> tuple[dict, dict]:
     """(tensors, index) this rank writes."""
     params, writes = locals_of(engine)
-    # the strategy's group: context-parallel ranks hold what their data-parallel peers hold
-    dp, dp_rank = engine.mesh.grad_group.size, engine.mesh.grad_group.rank
+    # the strategy's group: context-parallel ranks hold what their data-parallel peers hold (an expert: the
+    # ranks that hold the same experts)
+    replicas = getattr(engine.strategy, "replicas", lambda i: engine.mesh.grad_group)
     replicated = engine.strategy.stage == 0     # every dp rank holds everything: they take turns by parameter
     tensors, pieces, scalars = {}, [], {}
 
     def take(i, lo, master, state):
         t = params[i]
-        if not writes[i] or replicated and i % dp != dp_rank:
+        group = replicas(i)
+        if not writes[i] or replicated and i % group.size != group.rank:
             return
         hi = lo + master.numel()
         for kind, value in [("master", master)] + sorted(state.items()):

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from bunsan.expert_parallel import global_expert_names
+
 
 @dataclass(frozen=True)
 class Local:
@@ -78,6 +80,12 @@ def _tp_place(module: nn.Module, param: torch.Tensor, local_shape: tuple,
     """(global shape, tp_dim, start, sections) of a parameter of `module` whose local shape is `local_shape`."""
     attr = next((n for n, q in module._parameters.items() if q is param), None)
     split = getattr(module, "tp_split", {}).get(attr)
+    experts = getattr(module, "ep_split", {}).get(attr)    # expert parallelism: a run of whole experts (dim 0)
+    if experts is not None:
+        if split is not None:
+            raise ValueError(f"{attr} of {type(module).__name__} is cut by expert and tensor parallelism at once; "
+                             "a checkpoint piece places one cut: save under one of the two")
+        return tuple(experts), 0, module.first, 1
     if split is None:
         return tuple(local_shape), None, 0, 1
     full_shape, dim = split
@@ -88,7 +96,9 @@ def _tp_place(module: nn.Module, param: torch.Tensor, local_shape: tuple,
 def locals_of(engine) -> tuple[list[Local], list[bool]]:
     """The Local of every parameter the strategy steps (strategy order) and whether this rank writes it."""
     module, pipe, mesh = engine.module, engine.pipe, engine.mesh
-    canonical = pipe.canonical if pipe is not None else {}
+    canonical = dict(pipe.canonical) if pipe is not None else {}
+    if engine.ep is not None:       # a layer holding its own experts numbers them per rank: saved by global index
+        canonical.update({k: v[engine.ep.group.rank] for k, v in global_expert_names(module, engine.ep).items()})
     duplicates = pipe.duplicates if pipe is not None else set()
     names: dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):

@@ -172,10 +172,11 @@ class Config(Section):
     @model_validator(mode="after")
     def _expert_parallel(self) -> Config:
         ep = self.expert_parallel.size
-        if ep > 1 and self.checkpoint.dir:
-            raise Rule(("checkpoint.dir", f"checkpoint.dir with expert_parallel.autoep_size {ep}: resumable "
-                                          "checkpoints of sharded experts are not built yet (the final weights "
-                                          "are saved either way); remove checkpoint.dir or set autoep_size 1"))
+        if ep > 1 and self.checkpoint.dir and self.tensor_parallel.size > 1:
+            raise Rule(("checkpoint.dir", f"checkpoint.dir with expert_parallel.autoep_size {ep} and "
+                                          f"tensor_parallel.size {self.tensor_parallel.size}: checkpoints of "
+                                          "experts cut both ways are not built yet (the final weights are saved "
+                                          "either way); remove checkpoint.dir or use one of the two"))
         if ep > 1 and self.train.compile:
             raise Rule(("train.compile", f"train.compile with expert_parallel.autoep_size {ep}: the token "
                                          "all-to-all reads its sizes on the host, which breaks the compiled "

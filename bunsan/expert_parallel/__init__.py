@@ -23,7 +23,7 @@ from bunsan.expert_parallel.dispatch import ShardedExperts
 from bunsan.models.moe import MoE
 
 __all__ = ["EPContext", "ShardedExperts", "apply_expert_parallel", "consolidate", "expert_parameter_names",
-           "expert_unit_classes", "moe_blocks"]
+           "expert_unit_classes", "global_expert_names", "moe_blocks"]
 
 
 @dataclass
@@ -88,14 +88,16 @@ def expert_unit_classes(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
-def _global_expert_keys(state: dict, model: nn.Module, ctx: EPContext) -> dict[str, list[str]]:
-    """A bound layer's local expert keys -> the same tensor's key on every rank of the group, in rank order."""
+def global_expert_names(model: nn.Module, ctx: EPContext, keys=None) -> dict[str, list[str]]:
+    """A bound layer's local expert keys (of `keys`, default its parameters' names) -> the same tensor's key
+    on every rank of the group, in rank order (rank r's local expert i is expert r * local + i)."""
+    keys = [n for n, _ in model.named_parameters()] if keys is None else keys
     out = {}
     for name, layer in bound_layers(model):
         local = layer.num_local_experts
         prefix = f"{name}.deepspeed_moe.experts.deepspeed_experts." if name else \
             "deepspeed_moe.experts.deepspeed_experts."
-        for key in state:
+        for key in keys:
             if key.startswith(prefix):
                 i, _, rest = key[len(prefix):].partition(".")
                 out[key] = [f"{prefix}{r * local + int(i)}.{rest}" for r in range(ctx.size)]
@@ -107,7 +109,7 @@ def consolidate(state: dict[str, torch.Tensor], model: nn.Module, ctx: EPContext
     """Full expert weights from every rank's slice, all-gathered over the expert-parallel group (in expert
     order: rank r holds the r-th run), under the plain model's keys. Collective over ctx.group."""
     out = dict(state)
-    for key, keys in _global_expert_keys(state, model, ctx).items():
+    for key, keys in global_expert_names(model, ctx, list(state)).items():
         mine = state[key].contiguous().to(device)
         every = torch.empty((ctx.size, *mine.shape), dtype=mine.dtype, device=device)
         ctx.comm.all_gather(every, mine, ctx.group)

@@ -22,10 +22,15 @@ from bunsan.zero.strategy import Strategy
 
 
 class JointOptimizer:
-    """Two optimizers read as one: their param_groups (dense first) and state, for schedules and users."""
+    """Two optimizers read as one: their param_groups (dense first) and state, for schedules and users; for
+    checkpoints, which of the user's groups each param group is part of (`sources`: per part, its groups'
+    indices among the user's, of `user_groups` in all), whatever the expert-parallel size."""
 
-    def __init__(self, dense: torch.optim.Optimizer, experts: torch.optim.Optimizer):
+    def __init__(self, dense, experts, sources: tuple[list[int], list[int]], user_groups: int):
+        from bunsan.optim.lrs import group_sources
         self.optimizers = (dense, experts)
+        self.group_sources = [src[s] for opt, src in zip(self.optimizers, sources) for s in group_sources(opt)]
+        self.groups = [None] * user_groups
 
     @property
     def param_groups(self) -> list[dict]:
@@ -47,14 +52,15 @@ class JointOptimizer:
 class ExpertSplit(Strategy):
     """The dense weights' strategy and the experts' (see the module docstring), driven as one."""
 
-    def __init__(self, dense: Strategy, experts: Strategy, comm: Comm, ep_group: Group):
+    def __init__(self, dense: Strategy, experts: Strategy, comm: Comm, ep_group: Group,
+                 sources: tuple[list[int], list[int]] = ([0], [0]), user_groups: int = 1):
         # no Strategy.__init__: the two parts hold the parameters, buffers and optimizers
         self.dense, self.experts, self.comm, self.ep_group = dense, experts, comm, ep_group
         self.parts = (dense, experts)
         self.stage, self.dims, self.zero = dense.stage, dense.dims, dense.zero
         self.params = dense.params + experts.params
         self.dtype, self.mixed = dense.dtype, dense.mixed
-        self.optimizer = JointOptimizer(dense.optimizer, experts.optimizer)
+        self.optimizer = JointOptimizer(dense.optimizer, experts.optimizer, sources, user_groups)
         self.frozen_shards = dense.frozen_shards      # (frozen weights: the dense strategy's, ZeRO-3 shards them)
 
     @property
@@ -130,10 +136,15 @@ class ExpertSplit(Strategy):
         return {k: dense.get(k, 0) + experts.get(k, 0) for k in dense.keys() | experts.keys()}
 
     def visit_state(self, fn, create=None) -> None:
-        raise NotImplementedError(
-            "checkpoints of an expert-parallel run (expert_parallel.autoep_size > 1) are not built yet: the "
-            "experts' optimizer states are sharded over their own group; train without expert parallelism to "
-            "save a resumable checkpoint (the final weights are saved either way)")
+        """Both parts' pieces, the experts' indices after the dense ones (self.params' order)."""
+        self.dense.visit_state(fn, create)
+        n = len(self.dense.params)
+        self.experts.visit_state(lambda i, lo, master, state: fn(i + n, lo, master, state),
+                                 None if create is None else (lambda i, lo, hi: create(i + n, lo, hi)))
+
+    def replicas(self, index: int) -> Group:
+        """The group whose ranks hold the same copy of parameter `index` (self.params' order)."""
+        return self.dense.group if index < len(self.dense.params) else self.experts.group
 
     def sync_params_from_master(self) -> None:
         for s in self.parts:
