@@ -76,10 +76,15 @@ CASES: dict[str, dict] = {
     # top-2 over 2 ranks with drop_tokens=False (capacity = the largest expert count, MAX over the EP group)
     "moe-ep2-top2-nodrop": dict(num_experts=[4], ep=2, k=2, mlp_type="standard", noise=None, stage=0,
                                 drop_tokens=False),
+    # run_ds_moe.sh's layer with the warm-up cut to 2 steps (lr 1e-3 from step 3): every step moves the
+    # weights, so an update off by 1% shows in the curve (the script's 1000-step warm-up hides it)
+    "moe-ep2-top1-rsample-fastlr": dict(num_experts=[2], ep=2, k=1, mlp_type="standard", noise="RSample",
+                                        stage=0, warmup_steps=2),
 }
 for _c in CASES.values():
     _c.setdefault("min_capacity", 0)      # the script's --min-capacity default (MoE's own default is 4)
     _c.setdefault("drop_tokens", True)
+    _c.setdefault("warmup_steps", 1000)   # get_ds_config's WarmupLR
 
 
 def ds_config(case: str) -> dict:
@@ -91,7 +96,7 @@ def ds_config(case: str) -> dict:
         "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8,
                                                  "weight_decay": 3e-7}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
-                                                     "warmup_num_steps": 1000}},
+                                                     "warmup_num_steps": CASES[case]["warmup_steps"]}},
         "gradient_clipping": 1.0,
         "prescale_gradients": False,
         "bf16": {"enabled": False},

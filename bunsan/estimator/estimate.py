@@ -159,7 +159,8 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
 def _unpriced_activations(shape: ModelShape) -> list[Item]:
     """A model other than bunsan's Llama: its activations are not priced, and the table says so (the peak
     is a floor)."""
-    return [Item("activations", phase="backward", note=f"NOT PRICED: {shape.name} is not bunsan's Llama; the peak "
+    why = "has mixture-of-experts blocks" if shape.unpriced_blocks else "is not bunsan's Llama"
+    return [Item("activations", phase="backward", note=f"NOT PRICED: {shape.name} {why}; the peak "
                  "below leaves them out (measure a step: engine.memory_report())")]
 
 

@@ -163,6 +163,11 @@ class Layout:
     def from_config(cls, cfg, world: int) -> Layout:
         """The layout a bunsan.Config describes on `world` processes."""
         tp, pp, cp = cfg.tensor_parallel.size, cfg.pipeline.stages, cfg.context_parallel.size
+        if cfg.expert_parallel.size > 1:
+            raise ValueError(f"expert_parallel.autoep_size {cfg.expert_parallel.size}: the estimator does not price "
+                             "expert parallelism yet (each rank's share of the experts, the all-to-all); estimate "
+                             "without it for the model states of every expert on each rank, or measure a step "
+                             "(engine.memory_report())")
         if world % (tp * pp * cp):
             raise ValueError(f"{world} GPUs cannot hold tensor_parallel.size {tp} x pipeline.stages {pp} x "
                              f"context_parallel.size {cp}; use a GPU count that is a multiple of {tp * pp * cp}")

@@ -49,12 +49,17 @@ class RankParams:
 
 
 _LORA_PART = re.compile(r"\.(base_layer|lora_A\.[^.]+|lora_B\.[^.]+)$")
+_MOE_SPLIT = re.compile(r"^layers\.\d+\.mlp\.(?:experts\.(w[123])|shared_experts\.(gate_proj|up_proj|down_proj)\.weight)$")
 
 
 def _tp_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, ...]:
     shape = tuple(shape)
     if tp == 1:
         return shape
+    moe = _MOE_SPLIT.search(name)            # a MoE block's experts: split by width (tensor_parallel/moe.py)
+    if moe:
+        dim = {"w1": 1, "w3": 1, "w2": 2, "gate_proj": 0, "up_proj": 0, "down_proj": 1}[moe.group(1) or moe.group(2)]
+        return tuple(n // tp if i == dim else n for i, n in enumerate(shape))
     path = name.rpartition(".")[0]
     lora = _LORA_PART.search(path)          # a peft layer: styled by the layer it wraps
     part = lora.group(1).partition(".")[0] if lora else None

@@ -46,11 +46,12 @@ class ModelShape:
     steps_as_llama: bool = False
     sliding_window: int | None = None
     qk_norm: bool = False             # blocks_as with an RMSNorm on each q and k head (QK_NORM_BLOCKS: Qwen3)
+    unpriced_blocks: str = ""         # bunsan's Llama whose blocks' activations and time are not priced: why
 
     @property
     def priced_as(self) -> LlamaConfig | None:
         """The Llama shape whose activations this model's are (bunsan's Llama, or blocks_as)."""
-        return self.llama or self.blocks_as
+        return None if self.unpriced_blocks else self.llama or self.blocks_as
 
     def timed_as(self, seq_len: int) -> LlamaConfig | None:
         """The Llama shape whose step time the planner prices for rows of `seq_len` tokens: bunsan's Llama, or
@@ -60,13 +61,15 @@ class ModelShape:
         composite one (its encoders' compute depends on the media per sample) and rows longer than a sliding
         window (whose attention computes less than the causal square priced)."""
         if self.llama is not None:
-            return self.llama
+            return None if self.unpriced_blocks else self.llama
         if not self.steps_as_llama or (self.sliding_window is not None and seq_len > self.sliding_window):
             return None
         return self.blocks_as
 
     def untimed_why(self, seq_len: int) -> str:
         """Why timed_as(seq_len) is None, said for `bunsan plan`'s closing line."""
+        if self.unpriced_blocks:
+            return "its mixture-of-experts blocks are not priced yet"
         if self.blocks_as is None:
             return "its blocks are not one of estimator/shape.py's LLAMA_FORM_BLOCKS"
         if self.unpriced_encoders:
@@ -88,7 +91,13 @@ class ModelShape:
 
 def _llama_shape(cfg: LlamaConfig, name: str) -> ModelShape:
     with torch.device("meta"):
+        if cfg.moe is not None:      # model states priced from the module; activations and time not yet
+            return ModelShape(name, Llama(cfg), cfg, caveats=(MOE_UNPRICED,), unpriced_blocks=MOE_UNPRICED)
         return ModelShape(name, Llama(cfg), cfg)
+
+
+MOE_UNPRICED = ("a mixture of experts: its model states are priced (every expert, split by width under TP), "
+                "its activations and step time are NOT PRICED yet")
 
 
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmbt])\s*$", re.IGNORECASE)
