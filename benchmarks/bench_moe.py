@@ -7,7 +7,8 @@ every contender). Each contender runs in fresh spawned processes, one thread per
 
   bunsan-grouped_mm   bunsan's block, experts by torch._grouped_mm (1 process)
   bunsan-loop         bunsan's block, one matmul per expert (1 process)
-  transformers        transformers' MixtralSparseMoeBlock, its default experts implementation (1 process)
+  transformers        transformers' MixtralSparseMoeBlock, its eager experts loop (1 process)
+  transformers-grouped_mm   the same block with experts_implementation "grouped_mm" (1 process)
   bunsan-dp2          2 ranks, every expert on both, gradients all-reduced (bunsan.initialize, ZeRO 0)
   bunsan-ep2          2 ranks, half the experts each, tokens by all-to-all (expert_parallel.autoep_size 2)
   deepspeed-ep2       2 ranks, deepspeed.moe.layer.MoE(k=2, drop_tokens=False, ep_size=2) with a SwiGLU
@@ -40,9 +41,9 @@ from bench_dp import free_port, markdown_section, print_section, spawn_ranks
 from bunsan.memory.measure import peak_rss_bytes
 
 MiB = 2 ** 20
-SINGLE = ("bunsan-grouped_mm", "bunsan-loop", "transformers")
-WORLD = {"bunsan-grouped_mm": 1, "bunsan-loop": 1, "transformers": 1, "bunsan-dp2": 2, "bunsan-ep2": 2,
-         "deepspeed-ep2": 2}
+SINGLE = ("bunsan-grouped_mm", "bunsan-loop", "transformers", "transformers-grouped_mm")
+WORLD = {"bunsan-grouped_mm": 1, "bunsan-loop": 1, "transformers": 1, "transformers-grouped_mm": 1, "bunsan-dp2": 2,
+         "bunsan-ep2": 2, "deepspeed-ep2": 2}
 
 
 def moe_config(a: dict, kernel: str = "auto"):
@@ -65,6 +66,7 @@ def build(contender: str, a: dict) -> torch.nn.Module:
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     cfg = transformers.MixtralConfig(hidden_size=a["hidden"], intermediate_size=a["width"],
                                      num_local_experts=a["experts"], num_experts_per_tok=2)
+    cfg._experts_implementation = "grouped_mm" if contender.endswith("grouped_mm") else "eager"
     return MixtralSparseMoeBlock(cfg)
 
 
@@ -97,7 +99,7 @@ def _run(rank: int, contender: str, a: dict) -> dict:
         opt = torch.optim.SGD(module.parameters(), lr=1e-3)
 
         def step(x):
-            out = module(x.unsqueeze(0)) if contender == "transformers" else module(x)
+            out = module(x.unsqueeze(0)) if contender.startswith("transformers") else module(x)
             out = out[0] if isinstance(out, tuple) else out
             out.float().square().sum().backward()
             opt.step()
