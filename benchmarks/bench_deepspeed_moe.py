@@ -326,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per case")
     p.add_argument("--sides", default=",".join(SIDES), help="comma list of deepspeed, bunsan (default both)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per side of a case before its ranks are killed")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds per side of a case before its ranks are killed")
     p.add_argument("--json", metavar="PATH", help="write every curve and comparison to PATH")
     p.add_argument("--markdown", metavar="PATH", help="append a markdown section with the table to PATH")
     args = p.parse_args(argv)

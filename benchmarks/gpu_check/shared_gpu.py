@@ -1,8 +1,8 @@
 """Section 2: two processes on ONE GPU whose collectives go through gloo (`train.backend: gloo`), fp32 with TF32
 off: DP, ZeRO 1-3, TP 2 with and without sequence parallelism, PP 2 (GPipe, 1F1B), expert parallelism 2 (the
 preset with a MoE block in every layer: tokens to the other rank's experts by all-to-all, ZeRO-2 beside the
-experts' own strategy), and a checkpoint saved and loaded into a fresh engine. Each layout's losses must equal a one-process fp32 run on the same GPU of the same
-global batch (torch's own loop) within rtol 1e-4.
+experts' own strategy), and a checkpoint saved and loaded into a fresh engine. Each layout's losses must
+equal a one-process fp32 run on the same GPU of the same global batch (torch's own loop) within rtol 1e-4.
 
 SGD with momentum and no clipping: Adam divides every gradient by its own magnitude and clipping rescales the
 whole gradient, so both would hide a uniform gradient-scale error (a mean taken over the wrong count of ranks

@@ -9,7 +9,6 @@ cast), with the optimizer states beside them; engine counters, the loss scaler a
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import socket
 import sys
@@ -24,8 +23,7 @@ from bunsan.checkpoint.assemble import read_local
 from bunsan.checkpoint.pieces import frozen_of, locals_of
 from bunsan.checkpoint.store import CheckpointError
 from bunsan.checkpoint.untrusted import UntrustedError, plain_name
-from bunsan.models.llama_config import LlamaConfig
-from bunsan.models.mixtral_form import mixtral_problems
+from bunsan.checkpoint.model_record import model_record
 from bunsan.optim.lrs import gathered_lrs
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
@@ -109,7 +107,7 @@ def save_checkpoint(engine, save_dir, tag: str | float | None = None, client_sta
                 "layout": {"dp": engine.mesh.dp, "tp": engine.mesh.tp, "pp": engine.mesh.pp,
                            "zero": engine.strategy.stage, "dtype": str(engine.dtype).removeprefix("torch.")},
                 "engine": counters, "optimizer": engine.strategy.opt_class.__name__,
-                "model": _model_config(engine), "client_state": client_state or {}}
+                "model": model_record(engine), "client_state": client_state or {}}
         failed = _attempt(lambda: store.commit(root, tag, world, meta, keep_last or engine.cfg.checkpoint.keep_last))
     _all_or_none(engine, failed, root, tag, "committing")
     return root / tag
@@ -212,22 +210,6 @@ def _agreed_tag(engine, tag) -> str:
         warnings.warn(f"rank {engine.mesh.rank}: checkpoint tag {mine!r} differs from rank 0's {agreed!r}; "
                       "saving under rank 0's (pass the same tag on every rank)", stacklevel=3)
     return agreed
-
-
-def _model_config(engine) -> dict | None:
-    """The model's config in Hugging Face's form (bunsan's Llama converts its own; a transformers model's is
-    its config.to_dict()), for `bunsan convert --to hf`."""
-    cfg = getattr(engine.module, "config", None)
-    if isinstance(cfg, LlamaConfig) and cfg.moe is not None and mixtral_problems(cfg.moe_config()):
-        # a MoE block transformers' Mixtral cannot hold: bunsan's own fields, which LlamaConfig.from_hf reads
-        # back (`bunsan convert --to hf` refuses it, naming the field)
-        return {**dataclasses.asdict(cfg), "model_type": "llama"}
-    if hasattr(cfg, "to_hf"):
-        return cfg.to_hf()
-    if hasattr(cfg, "to_dict") and hasattr(cfg, "model_type"):
-        return {**cfg.to_dict(), "architectures": [getattr(engine.module, "architecture", None) or
-                                                   type(engine.module).__name__]}
-    return None
 
 
 def _verified(engine, root: Path, tags: list[str]) -> tuple[str, dict, store.Reader]:

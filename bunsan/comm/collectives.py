@@ -261,11 +261,9 @@ class Comm:
 
     def all_to_all_v(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
                      group: Group) -> None:
-        """Uneven all-to-all along dim 0 (expert parallelism's token dispatch): the first in_splits[0] rows of
-        `inp` go to group rank 0, the next in_splits[1] to rank 1, ...; `out` gets out_splits[j] rows from
-        rank j, in rank order. Every rank's out_splits[j] is rank j's in_splits[this rank]: the caller has
-        exchanged the counts (a size mismatch is gloo's or NCCL's error, a hang is the timeout's). Accounted
-        as the bytes this rank sends to the other ranks."""
+        """Uneven all-to-all along dim 0 (expert parallelism's dispatch): in_splits[j] rows of `inp` to rank j,
+        out_splits[j] rows from rank j into `out`, in rank order; the caller exchanged the counts. Accounted as
+        the bytes this rank sends to the other ranks."""
         self._check("all_to_all_v", group, out, inp)
         if len(in_splits) != group.size or len(out_splits) != group.size:
             raise ValueError(f"all_to_all_v over {group.size} ranks takes {group.size} splits each way, got "

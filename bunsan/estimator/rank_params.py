@@ -49,7 +49,8 @@ class RankParams:
 
 
 _LORA_PART = re.compile(r"\.(base_layer|lora_A\.[^.]+|lora_B\.[^.]+)$")
-_MOE_SPLIT = re.compile(r"^layers\.\d+\.mlp\.(?:experts\.(w[123])|shared_experts\.(gate_proj|up_proj|down_proj)\.weight)$")
+_MOE_SPLIT = re.compile(r"^layers\.\d+\.mlp\.(?:experts\.(w[123])"
+                        r"|shared_experts\.(gate_proj|up_proj|down_proj)\.weight)$")
 
 
 def _tp_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, ...]:

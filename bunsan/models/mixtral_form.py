@@ -39,8 +39,9 @@ def to_mixtral(hf: dict, moe: MoEConfig, fields: dict) -> dict:
         raise ValueError(f"a MoE Llama is written in transformers' Mixtral form, which cannot hold "
                          f"{', '.join(problems)}; train with a Mixtral-form moe config to export it")
     out = {k: v for k, v in hf.items() if k not in ("moe", "mlp_bias")}
-    out.update(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=moe.expert_intermediate_size,
-               num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+    out.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+               intermediate_size=moe.expert_intermediate_size, num_local_experts=moe.num_experts,
+               num_experts_per_tok=moe.top_k,
                router_aux_loss_coef=moe.aux_loss_coef * moe.top_k, output_router_logits=False,
                router_jitter_noise=0.0, sliding_window=None)
     out[BUNSAN_MOE] = dict(fields)

@@ -6,20 +6,21 @@
     y        = SwiGLU experts on the sorted tokens        GroupedExperts (models/moe_experts.py)
     out      = sum_k weight * y  (+ shared experts(x))    combine()
 
-Plain PyTorch and single-process. Later work shards the experts' dimension 0 (expert parallelism) and wraps
-dispatch/combine in an all-to-all; nothing here assumes all experts are local except that `experts` holds them.
+Plain PyTorch and single-process: expert parallelism (bunsan/expert_parallel/) swaps `experts` for this rank's
+share with the all-to-all around it, tensor parallelism (tensor_parallel/moe.py) cuts every expert's width.
 
 Balancing, as configured (MoEConfig): after each forward `last_losses` holds the auxiliary and z losses that
 are on (0-dim fp32 tensors attached to the router), and `aux_loss` their coefficient-weighted sum, which a
 plain loop adds to its training loss. A training engine instead sets `aux_grad_scale`: the block then
 attaches aux_loss to its output's backward with that gradient (Megatron's MoEAuxLossAutoScaler), so the
 losses train the router from wherever the block sits (a pipeline stage without the loss, a recomputed
-block) and the caller adds nothing; `last_losses` and `aux_loss` are then detached values, for metrics. DeepSeek-V3's auxiliary-loss-free balancing instead moves the `expert_bias`
-buffer once per optimizer step: the training step calls `update_expert_bias()` after `optimizer.step()`.
-Tokens per expert (and assignments dropped for capacity) accumulate in `tokens_per_expert` and
-`dropped_per_expert` over the training forwards until read by `take_expert_counts()` or `update_expert_bias()`.
-A forward run again by activation checkpointing counts again: the integration must count one forward per
-micro-batch (these counts only steer the bias and the metrics, never the gradients).
+block) and the caller adds nothing; `last_losses` and `aux_loss` are then detached values, for metrics.
+DeepSeek-V3's auxiliary-loss-free balancing instead moves the `expert_bias` buffer once per optimizer step:
+the training step calls `update_expert_bias()` after `optimizer.step()` (engine/moe_step.py does). Tokens per
+expert (and assignments dropped for capacity) accumulate in `tokens_per_expert` and `dropped_per_expert` over
+the training forwards until read by `take_expert_counts()` or `update_expert_bias()`. A forward run again by
+activation checkpointing counts again: every count doubles alike, so the bias update's signs and the load
+shares the engine reports are unchanged (these counts never steer the gradients).
 """
 from __future__ import annotations
 
