@@ -318,8 +318,8 @@ def expert_split(model: nn.Module, at: Placement, optimizer, trainable: list, di
              for ps, group, c in ((dense, mesh.grad_group, cfg), (experts, mesh.edp_group, expert_cfg))]
     # which of the user's groups each part's groups come from (a group with no member there is left out)
     user = optimizer.param_groups if optimizer is not None else [{"params": trainable}]
-    sources = tuple([i for i, g in enumerate(user) if any(id(p) in {id(q) for q in ps} for p in g["params"])]
-                    for ps in (dense, experts))
+    held = [{id(p) for p in ps} for ps in (dense, experts)]
+    sources = tuple([i for i, g in enumerate(user) if any(id(p) in ids for p in g["params"])] for ids in held)
     return ExpertSplit(*parts, at.comm, mesh.ep_group, sources, len(user))
 
 

@@ -15,6 +15,7 @@ Cases kept (each adds what the others do not):
 | ep2                      | 2     | tokens to their experts' rank and back; experts' gradients not reduced      |
 | ep2-zero1, ep2-zero2     | 2     | the experts' strategy sharded (over a group of one) beside the dense one    |
 | ep2-zero3                | 2     | ZeRO-3: each experts module gathered as a unit of its own                   |
+| ep2-full-recompute       | 2     | blocks recomputed in backward: their all-to-alls run again, alike on ranks  |
 | ep2-dp4                  | 4     | expert-data-parallel reduction (each expert on 2 replicas)                  |
 | ep2-dp4-zero3-accum2     | 4     | the experts' ZeRO-3 shards over their replicas, with accumulation           |
 | ep2-tp2-zero3            | 4     | EP x TP x ZeRO-3                                                            |
@@ -66,8 +67,9 @@ def moe_model(moe: dict, bias: list | None = None) -> Llama:
     return model
 
 
-def layout(dp=2, ep=2, stage=0, m=1, pp=1, cp=1, tp=1, sp=False, moe=None, bias=None):
+def layout(dp=2, ep=2, stage=0, m=1, pp=1, cp=1, tp=1, sp=False, moe=None, bias=None, recompute=None):
     cfg = {"train_micro_batch_size_per_gpu": ROWS // (dp * m), "gradient_accumulation_steps": m,
+           "activation_checkpointing": {"enabled": recompute is not None, "mode": recompute or "full"},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000},
            "pipeline": {"stages": pp}, "context_parallel": {"size": cp},
            "tensor_parallel": {"size": tp, "sequence_parallel": sp},
@@ -81,6 +83,7 @@ CASES = {
     "ep2-zero1": layout(stage=1),
     "ep2-zero2": layout(stage=2),
     "ep2-zero3": layout(stage=3),
+    "ep2-full-recompute": layout(recompute="full"),
     "ep2-dp4-zero3-accum2": layout(dp=4, stage=3, m=2),
     "ep2-tp2-zero3": layout(tp=2, stage=3),
     "ep2-dp4": layout(dp=4),

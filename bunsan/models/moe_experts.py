@@ -51,8 +51,11 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype, d_in: int, d_out
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        # with gradients even when first asked under no_grad or inference_mode: the answer is cached for training
-        with torch.inference_mode(False), torch.enable_grad():
+        # with gradients even when first asked under no_grad or inference_mode: the answer is cached for training;
+        # its own saved tensors kept from any saved-tensor hooks around the forward that asks (activation
+        # checkpointing counts what a block saves, and a recomputed block asks no more)
+        with torch.inference_mode(False), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             # drawn by a CPU generator, the same numbers on any device; copied over once per combination
             g = torch.Generator(device="cpu").manual_seed(0)
             x = torch.randn(3, d_in, generator=g).to(device, dtype).requires_grad_()   # host: probe set-up
