@@ -273,3 +273,59 @@ def test_the_estimator_refuses_expert_parallelism_it_does_not_price():
     from bunsan.estimator import estimate
     with pytest.raises(ValueError, match="does not price expert parallelism"):
         estimate("tiny-moe", Config.load({"expert_parallel": {"enabled": True, "autoep_size": 2}}), gpus=2)
+
+
+# -- a transformers Mixtral directory, trained and served as bunsan's MoE Llama -----------------------------
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    import transformers
+    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("mixtral")
+    transformers.MixtralForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def _load_into(rank: int, folder: str, cfg: dict):
+    from bunsan.models.hf import read_config
+    engine = bunsan.initialize(Llama(read_config(folder)), cfg)
+    engine.load_hf_weights(folder)       # each rank reads its experts (EP) or their width (TP) only
+    return engine.consolidated_state_dict()
+
+
+@pytest.mark.parametrize("cfg", [{**EP2, "zero_optimization": {"stage": 3}},
+                                 {"tensor_parallel": {"size": 2}, "train_micro_batch_size_per_gpu": 2}],
+                         ids=["ep2-zero3", "tp2"])
+def test_a_transformers_mixtral_loads_into_every_rank_of_a_split_moe_llama(pools, mixtral_dir, cfg):
+    from bunsan.training.hf_model import is_other_architecture
+    assert not is_other_architecture(mixtral_dir)       # bunsan train --init-from builds bunsan's Llama
+    want = load_llama(mixtral_dir).state_dict()
+    for state in pools.run(2, _load_into, str(mixtral_dir), cfg):
+        for key, value in want.items():
+            torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_a_moe_llama_served_with_prepacked_linears_gives_transformers_greedy_tokens(mixtral_dir):
+    """The router is not a plain nn.Linear: serving's prepacking leaves it, and the batcher's tokens are
+    transformers' own greedy ones."""
+    import transformers
+    from bunsan.serve.batcher import Batcher, Request
+    from bunsan.serve.cpu_linear import pack_linears, packable
+    from serve_harness import run_until_done
+    model = load_llama(mixtral_dir).eval()
+    if packable(model):
+        pack_linears(model, rows=8)
+    assert all(type(m.mlp.gate).__name__ == "Router" for m in model.layers)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(mixtral_dir).eval()
+    prompts = [[5, 9, 11, 3], [5, 9, 11, 3, 200, 7, 1]]
+    batcher = Batcher(model, slots=2, max_len=64, block_size=4, num_blocks=16)
+    got, finished = [[] for _ in prompts], []
+    for i, p in enumerate(prompts):
+        batcher.submit(Request(p, 12, emit=lambda t, i=i: got[i].append(t.id), finish=finished.append))
+    run_until_done(batcher, finished, len(prompts))
+    for p, tokens in zip(prompts, got):
+        want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(p):].tolist()
+        assert tokens == want

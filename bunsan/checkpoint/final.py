@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 from bunsan.checkpoint.store import CheckpointError, sha256
 from bunsan.models.hf import save_hf_named, save_llama
+from bunsan.models.mixtral_form import from_hub_tensors
 from bunsan.models.llama_config import LlamaConfig
 from bunsan.models.tensor_file import TensorFileError, check_dtypes, checked_header
 from bunsan.models.model_dir import ModelFileError, field, read_json, read_text
@@ -179,7 +180,9 @@ def _read_hf_weights(folder: Path, meta: dict, load: bool = True) -> dict[str, t
             raise CheckpointError(str(e)) from None
         if load:
             state.update(load_file(str(path)))
-    if meta["model"].get("model_type", "llama") != "llama":    # a transformers model's own names stay
+    if meta["model"].get("model_type") == "mixtral":     # bunsan's MoE Llama in Mixtral's hub layout
+        state = from_hub_tensors(state)
+    elif meta["model"].get("model_type", "llama") != "llama":    # a transformers model's own names stay
         return state
     # bunsan's names are transformers' without the leading `model.`; a tied head is the embedding
     state = {k.removeprefix("model."): v for k, v in state.items()}

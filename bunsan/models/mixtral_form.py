@@ -81,6 +81,29 @@ def to_hub_tensors(name: str, t: torch.Tensor) -> dict[str, torch.Tensor] | None
     return None
 
 
+def from_hub_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Mixtral hub state dict (one tensor per expert) under bunsan's MoE Llama names: each layer's experts
+    stacked into its 3-D weights, the router renamed, a zero expert bias per layer (a Mixtral has none);
+    every other tensor kept under its own name. An expert index missing from a layer is an error."""
+    out, experts = {}, {}
+    for key, t in state.items():
+        m = _HUB_EXPERT.match(key)
+        if m:
+            layer, e, w = m.groups()
+            experts.setdefault((layer, w), {})[int(e)] = t
+        elif re.fullmatch(r"model\.layers\.\d+\.block_sparse_moe\.gate\.weight", key):
+            out[key.replace(".block_sparse_moe.", ".mlp.")] = t
+        else:
+            out[key] = t
+    for (layer, w), per in experts.items():
+        if sorted(per) != list(range(len(per))):
+            raise ValueError(f"layer {layer}'s {w} experts are {sorted(per)}: an expert is missing")
+        out[f"model.layers.{layer}.mlp.experts.{w}"] = torch.stack([per[e] for e in range(len(per))])
+        bias = f"model.layers.{layer}.mlp.expert_bias"
+        out.setdefault(bias, torch.zeros(len(per), dtype=torch.float32))
+    return out
+
+
 def hub_name(name: str) -> tuple[str, int | None]:
     """Where bunsan's parameter `name` of a MoE Llama is in a Mixtral hub checkpoint: (key, expert index
     along dim 0, or None for a whole tensor); the experts' key has {e} for the expert."""

@@ -63,6 +63,18 @@ class _AttachLoss(torch.autograd.Function):
         return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
 
 
+class Router(nn.Linear):
+    """The gate: one logit per expert, in fp32 whatever the model dtype (which experts win is decided by small
+    differences). Its own class, called as a module: a pass that swaps plain nn.Linear layers (serving's
+    prepacked GEMMs) leaves it as it is."""
+
+    def __init__(self, dim: int, num_experts: int):
+        super().__init__(dim, num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 class MoE(nn.Module):
     """Token-choice top-k MoE with optional shared experts (see the module docstring)."""
 
@@ -72,7 +84,7 @@ class MoE(nn.Module):
             raise TypeError(f"MoE takes a MoEConfig, got {type(config).__name__}")
         self.config = copy.deepcopy(config)     # own copy: a config shared by the layers stays untouched
         c = self.config
-        self.gate = nn.Linear(c.hidden_size, c.num_experts, bias=False)
+        self.gate = Router(c.hidden_size, c.num_experts)
         self.experts = GroupedExperts(c.num_experts, c.hidden_size, c.expert_intermediate_size, c.expert_kernel)
         self.shared_experts = SharedExperts(c.hidden_size, c.shared_width) if c.shared_width else None
         # Selection-only bias (DeepSeek-V3's e_score_correction_bias): model state, so it is saved
@@ -99,8 +111,7 @@ class MoE(nn.Module):
             raise ValueError(f"MoE input must be a float tensor [..., hidden_size={c.hidden_size}], got "
                              f"{x.dtype} of shape {tuple(x.shape)}")
         flat = x.reshape(-1, c.hidden_size)
-        # fp32 logits whatever the model dtype: which experts win is decided by small differences
-        logits = F.linear(flat.float(), self.gate.weight.float())
+        logits = self.gate(flat)
         routing = route(logits, c, self.expert_bias)
         d = dispatch(routing.experts, routing.weights, c.num_experts, c.capacity(flat.shape[0]), c.drop_policy)
         out = combine(self.experts(flat.index_select(0, d.token_index), d.counts), d)

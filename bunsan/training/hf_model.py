@@ -18,16 +18,25 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from bunsan.models.llama_config import LlamaConfig
 from bunsan.models.model_dir import read_json
 
 __all__ = ["HFShape", "is_other_architecture", "load_hf_model", "use_shift_labels"]
 
 
 def is_other_architecture(path) -> bool:
-    """A Hugging Face directory whose model_type is not llama (which bunsan's own Llama runs); False without a
-    config.json, and one that is not a JSON object is refused naming it (models/model_dir.py)."""
+    """A Hugging Face directory whose model_type is not llama (which bunsan's own Llama runs) nor a Mixtral
+    bunsan's Llama holds (its MoE blocks in Mixtral's form: models/mixtral_form.py, so expert and tensor
+    parallelism split it); False without a config.json, and one that is not a JSON object is refused naming it
+    (models/model_dir.py)."""
     config = Path(path) / "config.json"
     data = read_json(config) if os.path.lexists(config) else {}
+    if data.get("model_type") == "mixtral":
+        try:
+            LlamaConfig.from_hf(data)
+        except (TypeError, ValueError):      # (a sliding window, router noise: transformers' own model runs it)
+            return True
+        return False
     return data.get("model_type", "llama") != "llama" and "model_type" in data
 
 
