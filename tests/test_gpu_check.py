@@ -44,7 +44,7 @@ EXPECTED = {
                    "memory bunsan eager", "memory bunsan eager checkpointing", "memory bunsan compiled",
                    "memory bunsan compiled checkpointing"],
     "kernels": ["gemm by shape", "flash attention by length", "transformers blocks", "compiled recompute memory",
-                "element-wise passes"],
+                "element-wise passes", "moe block grouped_mm"],
 }
 
 
@@ -162,6 +162,8 @@ def test_kernel_rows_carry_the_figures_the_planner_is_fitted_to(report):
             assert passes[f"{op} {mode}"]["forward_passes"] > 0 and passes[f"{op} {mode}"]["train_s"] > 0
     blocks = rows[("kernels", "transformers blocks")]["numbers"]["of_bunsan_llama"]
     assert blocks["bunsan Llama"] == 1.0 and {"transformers Qwen2", "transformers Mistral"} <= set(blocks)
+    moe = rows[("kernels", "moe block grouped_mm")]["numbers"]
+    assert moe["out_rel_diff"] < 5e-2 and set(moe["tokens_per_s"]) == {"grouped_mm", "loop"}
     modes = rows[("kernels", "compiled recompute memory")]["numbers"]["modes"]
     assert set(modes) == {"eager recompute", "compiled recompute", "compile inside the checkpoint"}
     assert all(m["saved_by_hooks"] > 0 for m in modes.values())
