@@ -35,7 +35,7 @@ from .common import REPO, Row, Section, commit, machine
 SECTIONS = [
     ("single", 45, "world size 1 on the GPU, bf16/fp16, ZeRO 0-3, offload, checkpointing, LoRA vs CPU fp32"),
     ("syncs", 30, "host syncs per step under a one-rank NCCL group, ZeRO 0-3 and offload"),
-    ("shared_gpu", 75, "two ranks on one GPU through gloo: DP, ZeRO 1-3, TP, TP+SP, PP, checkpoint"),
+    ("shared_gpu", 75, "two ranks on one GPU through gloo: DP, ZeRO 1-3, TP, TP+SP, PP, EP, checkpoint"),
     ("inference", 50, "bunsan generate --device-map auto and bunsan serve on the GPU in bf16"),
     ("throughput", None, "1B: tokens/s and MFU, eager and compiled, vs torch's loop; memory vs estimate"),
     ("kernels", None, "GEMMs by shape, flash attention by length, element-wise passes; compiled recompute's memory; "
