@@ -329,3 +329,16 @@ def test_a_moe_llama_served_with_prepacked_linears_gives_transformers_greedy_tok
         want = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                            pad_token_id=0)[0, len(p):].tolist()
         assert tokens == want
+
+
+def test_serve_tp2_splits_a_mixtrals_experts_by_width_and_gives_transformers_greedy_tokens(pools, mixtral_dir):
+    import transformers
+    from serve_harness import CEILING_S, tp_serving_job
+    hf = transformers.AutoModelForCausalLM.from_pretrained(mixtral_dir).eval()
+    torch.manual_seed(2)
+    prompts = [torch.randint(3, 250, (n,)).tolist() for n in (4, 9)]
+    argv = ["--checkpoint", mixtral_dir, "--slots", "2", "--context", "64", "--tp", "2", "--timeout", CEILING_S]
+    got = pools.run(2, tp_serving_job, argv, prompts, 10, timeout=CEILING_S)[0]
+    want = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert got == want
