@@ -29,8 +29,10 @@ __all__ = ["split_moe_block", "check_moe"]
 
 def check_moe(block: MoE, name: str, tp: int) -> None:
     c = block.config
-    for what, n in (("expert_intermediate_size", c.expert_intermediate_size), ("shared experts' width",
-                                                                              c.shared_width or tp)):
+    widths = [("expert_intermediate_size", c.expert_intermediate_size)]
+    if c.shared_width:
+        widths.append(("shared experts' width", c.shared_width))
+    for what, n in widths:
         if n % tp:
             raise ValueError(f"tensor_parallel.size {tp} does not divide {name}'s {what} ({n}); use a "
                              f"tensor-parallel size that divides {n}")
