@@ -342,3 +342,14 @@ def test_serve_tp2_splits_a_mixtrals_experts_by_width_and_gives_transformers_gre
     want = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                         pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert got == want
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_experts_width_is_refused():
+    from bunsan.models.moe import MoE as Block
+    from bunsan.models.moe_config import MoEConfig
+    from bunsan.tensor_parallel.moe import check_moe
+    block = Block(MoEConfig(hidden_size=16, num_experts=4, top_k=2, expert_intermediate_size=30,
+                            num_shared_experts=1, shared_intermediate_size=32))
+    with pytest.raises(ValueError, match="does not divide layers.0.mlp's expert_intermediate_size \\(30\\)"):
+        check_moe(block, "layers.0.mlp", 4)
+    check_moe(block, "layers.0.mlp", 2)
