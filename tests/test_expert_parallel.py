@@ -69,7 +69,7 @@ def moe_model(moe: dict, bias: list | None = None) -> Llama:
 
 def layout(dp=2, ep=2, stage=0, m=1, pp=1, cp=1, tp=1, sp=False, moe=None, bias=None, recompute=None):
     cfg = {"train_micro_batch_size_per_gpu": ROWS // (dp * m), "gradient_accumulation_steps": m,
-           "activation_checkpointing": {"enabled": recompute is not None, "mode": recompute or "full"},
+           "activation_checkpointing": {"mode": recompute or "none"},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000},
            "pipeline": {"stages": pp}, "context_parallel": {"size": cp},
            "tensor_parallel": {"size": tp, "sequence_parallel": sp},
