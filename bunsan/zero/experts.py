@@ -93,25 +93,25 @@ class ExpertSplit(Strategy):
         with self.gathered():       # (ZeRO-3: both parts' units gathered; earlier stages hold their weights)
             return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
+    def _both(self, method: str, *args) -> None:
+        """The same call on the dense part, then the experts' (each reduces over its own group)."""
+        for part in self.parts:
+            getattr(part, method)(*args)
+
     def begin_backward(self, sync: bool) -> None:
-        for s in self.parts:
-            s.begin_backward(sync)
+        self._both("begin_backward", sync)
 
     def end_backward(self, sync: bool) -> None:
-        for s in self.parts:
-            s.end_backward(sync)
+        self._both("end_backward", sync)
 
     def begin_schedule(self) -> None:
-        for s in self.parts:
-            s.begin_schedule()
+        self._both("begin_schedule")
 
     def after_backward_piece(self) -> None:
-        for s in self.parts:
-            s.after_backward_piece()
+        self._both("after_backward_piece")
 
     def end_schedule(self) -> None:
-        for s in self.parts:
-            s.end_schedule()
+        self._both("end_schedule")
 
     def unscale(self, inv: float) -> torch.Tensor:
         dense = self.dense.unscale(inv).double()
@@ -120,16 +120,13 @@ class ExpertSplit(Strategy):
         return (dense.square().reshape(1) + experts_sq).sqrt()
 
     def clip(self, coef: float) -> None:
-        for s in self.parts:
-            s.clip(coef)
+        self._both("clip", coef)
 
     def step(self) -> None:
-        for s in self.parts:
-            s.step()
+        self._both("step")
 
     def zero_grad(self) -> None:
-        for s in self.parts:
-            s.zero_grad()
+        self._both("zero_grad")
 
     def bytes_by_kind(self) -> dict:
         dense, experts = self.dense.bytes_by_kind(), self.experts.bytes_by_kind()
