@@ -256,25 +256,6 @@ def test_a_moe_checkpoint_saved_under_tensor_parallelism_loads_on_another_layout
         torch.testing.assert_close(loaded[key], want, rtol=0, atol=0, msg=key)
 
 
-# -- the estimator says what it does not price ------------------------------------------------------------
-def test_the_estimator_prices_a_moe_llamas_model_states_and_says_its_activations_are_not_priced():
-    from bunsan.estimator import estimate
-    cfg = Config.load({"train_micro_batch_size_per_gpu": 2, "data": {"seq_len": 64}})
-    one = estimate("tiny-moe", cfg, gpus=1)
-    rows = {item.name: item for item in one.items}
-    assert "NOT PRICED" in rows["activations"].note and "mixture-of-experts" in rows["activations"].note
-    split = estimate("tiny-moe", Config.load({"train_micro_batch_size_per_gpu": 2, "data": {"seq_len": 64},
-                                              "tensor_parallel": {"size": 2}}), gpus=2)
-    params = {r: i.device for r, i in ((i.name, i) for i in split.items)}["params"]
-    assert params < {i.name: i.device for i in one.items}["params"] * 0.6     # every expert split by width
-
-
-def test_the_estimator_refuses_expert_parallelism_it_does_not_price():
-    from bunsan.estimator import estimate
-    with pytest.raises(ValueError, match="does not price expert parallelism"):
-        estimate("tiny-moe", Config.load({"expert_parallel": {"enabled": True, "autoep_size": 2}}), gpus=2)
-
-
 # -- a transformers Mixtral directory, trained and served as bunsan's MoE Llama -----------------------------
 @pytest.fixture(scope="module")
 def mixtral_dir(tmp_path_factory):

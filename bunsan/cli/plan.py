@@ -191,6 +191,11 @@ def _space(args):
             fields["cp"] = tuple(int(c) for c in args.cp_sizes.split(","))
         except ValueError:
             raise ValueError(f"--cp-sizes {args.cp_sizes!r}: write sizes as 1,2,4,8,16") from None
+    if args.ep_sizes:
+        try:
+            fields["ep"] = tuple(int(e) for e in args.ep_sizes.split(","))
+        except ValueError:
+            raise ValueError(f"--ep-sizes {args.ep_sizes!r}: write sizes as 1,2,4,8") from None
     return Space(**fields)
 
 

@@ -84,8 +84,50 @@ def block_bytes(c: LlamaConfig, m: Micro) -> float:
         attention += d * b * s * heads * c.head_dim
     if m.qk_norm:
         attention += b * s * (heads + c.num_key_value_heads // t) * (d * c.head_dim + 4)
+    if c.moe is not None:       # the MoE block keeps its own input (the router's) and the routed tokens' tensors
+        return 2 * norm_bytes(c, m) + d * b * s * h / m.seq_div + attention + moe_bytes(c, m)
     mlp = 3 * d * b * s * (c.intermediate_size // t)
     return 2 * norm_bytes(c, m) + 2 * d * b * s * h / m.seq_div + attention + mlp
+
+
+def routed_assignments(c: LlamaConfig, m: Micro) -> int:
+    """(token, expert) assignments one MoE block computes for a micro-batch: b·s·k dropless, at most each
+    expert's capacity under a capacity factor (the bound: which assignments are dropped depends on the data).
+    Under expert parallelism a rank computes about as many, its experts' share of every rank's tokens, with
+    balanced routing."""
+    moe = c.moe_config()
+    tokens = m.b * m.s
+    cap = moe.capacity(tokens)
+    return tokens * moe.top_k if cap is None else min(tokens * moe.top_k, moe.num_experts * cap)
+
+
+def moe_bytes(c: LlamaConfig, m: Micro) -> float:
+    """Saved bytes of bunsan's MoE block (models/moe.py) for one micro-batch, its input included. T = b·s tokens
+    (whole under SP: the block's input is gathered), n routed assignments, E experts, f each expert's width
+    and f_s the shared experts' (both over t: tensor parallelism splits every expert's width):
+
+      input       the router's fp32 input 4·Th (in an fp32 run without SP: the normed input itself, d·Th),
+                  and the shared experts' 16-bit input d·Th besides, in 16-bit (E·h·4: the router weight's copy)
+      routing     the scores' softmax or sigmoid 4·TE, the top-k's indices and weights 12·Tk, the
+                  renormalisation's sums 4·T, the dispatch's two indices 16·n; z-loss's logits and log-sum-exps 4·TE + 8·T
+      experts     the tokens gathered by expert, gate and up (saved by the SwiGLU) and their product
+                  (the down projection's input), the outputs, and the outputs weighted (kept by the
+                  scatter back): n·(3hd + 3fd/t + d)
+      shared      gate, up and their product: 3d·T·f_s/t
+    """
+    moe = c.moe_config()
+    d, t, h, e, k = m.d, m.tp, c.hidden_size, moe.num_experts, moe.top_k
+    tokens = m.b * m.s
+    n = routed_assignments(c, m)
+    if d >= 4 and not m.sp:
+        inputs = d * tokens * h
+    else:
+        inputs = 4 * tokens * h + (d * tokens * h if moe.shared_width else 0) + (4 * e * h if d < 4 else 0)
+    routing = 4 * tokens * e + 12 * tokens * k + (4 * tokens if moe.normalizes_routes else 0) + 16 * n \
+        + (4 * tokens * e + 8 * tokens if moe.z_loss_coef else 0) + (4 * e if moe.aux_loss_coef else 0)
+    experts = n * (3 * h * d + 3 * d * moe.expert_intermediate_size // t + d)
+    shared = 3 * d * tokens * moe.shared_width // t
+    return inputs + routing + experts + shared
 
 
 def block_input_bytes(c: LlamaConfig, m: Micro) -> float:

@@ -140,8 +140,7 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
     the trained ones `rp`."""
     on_cpu = device_type == "cpu"
     bucket = int(zero.get("reduce_bucket_size", 10_000_000))
-    st = model_states(rp, layout.shard_ranks, layout.zero, layout.dtype_bytes, layout.optimizer, opt_params, bucket,
-                      layout.offload_optimizer, layout.offload_param, on_cpu=on_cpu)
+    st = _states(rp, layout, opt_params, bucket, on_cpu)
     frozen = base.total if base is not None else 0
     st = with_frozen_base(st, frozen, layout.shard_ranks, layout.zero, layout.dtype_bytes)
     items = (_process_items(layout, runtime, on_cpu)
@@ -156,11 +155,26 @@ def _rank_items(shape: ModelShape, rp: RankParams, rank: int, layout: Layout, de
     return items, st
 
 
+def _states(rp: RankParams, layout: Layout, opt_params: dict, bucket: int, on_cpu: bool) -> dict:
+    """The rank's model states: under expert parallelism the dense parameters' over dp x cp ranks and the
+    experts' share over their own dp x cp / ep (zero/experts.py), added kind by kind."""
+    def states(part: RankParams, ranks: int) -> dict:
+        return model_states(part, ranks, layout.zero, layout.dtype_bytes, layout.optimizer, opt_params, bucket,
+                            layout.offload_optimizer, layout.offload_param, on_cpu=on_cpu)
+    st = states(rp, layout.shard_ranks)
+    if rp.experts is None:
+        return st
+    ex = states(rp.experts, layout.expert_shard_ranks)
+    out = {k: v + ex[k] for k, v in st.items() if k != "on_disk"}
+    out["on_disk"] = {k: st["on_disk"].get(k, 0.0) + ex["on_disk"].get(k, 0.0)
+                      for k in {**st["on_disk"], **ex["on_disk"]}}
+    return out
+
+
 def _unpriced_activations(shape: ModelShape) -> list[Item]:
     """A model other than bunsan's Llama: its activations are not priced, and the table says so (the peak
     is a floor)."""
-    why = "has mixture-of-experts blocks" if shape.unpriced_blocks else "is not bunsan's Llama"
-    return [Item("activations", phase="backward", note=f"NOT PRICED: {shape.name} {why}; the peak "
+    return [Item("activations", phase="backward", note=f"NOT PRICED: {shape.name} is not bunsan's Llama; the peak "
                  "below leaves them out (measure a step: engine.memory_report())")]
 
 
@@ -186,6 +200,9 @@ def _model_state_items(st: dict, rp: RankParams, frozen: int, layout: Layout, on
     """Parameters, gradients, master weights and optimizer states, each where it lives (device, host, NVMe)."""
     words = ZERO_STAGES[layout.zero]
     params = words.params.format(elements=rp.total + frozen, dp=layout.shard_ranks)
+    if rp.experts is not None:
+        params += (f"; and {rp.experts.total:,} of the routed experts' (1/{layout.ep} of them)"
+                   + (f", sharded over {layout.expert_shard_ranks}" if words.gathers else ""))
     if frozen:
         params += f" ({frozen:,} frozen: no gradients or optimizer states; {rp.total:,} trained)"
     notes = {"params": params, "grads": words.grads.format(precision=layout.precision),
@@ -269,24 +286,29 @@ def _backward_buffer_items(shape: ModelShape, rp: RankParams, base: RankParams |
     """Beside the activations in backward: the largest weight's fresh gradient, ZeRO-3's gathered units and
     the gradient buckets being reduced."""
     words, d = ZERO_STAGES[layout.zero], layout.dtype_bytes
+    ex = rp.experts         # (expert parallelism: the experts' share, reduced and sharded over their own group)
     items = []
     if not shape.bare:
-        items.append(Item("weight gradient", device=max(rp.numels, default=0) * d, phase="backward",
-                          note="the largest weight's fresh gradient before it is accumulated"))
+        items.append(Item("weight gradient", device=max(rp.numels + (ex.numels if ex else []), default=0) * d,
+                          phase="backward", note="the largest weight's fresh gradient before it is accumulated"))
     whole_schedule = layout.pp > 1 and layout.pipeline_gather == "schedule"
     if words.gathers:
         gathered = (rp.total + (base.total if base is not None else 0)) * d if whole_schedule else \
             zero3_gathered_bytes(rp, d, base)
+        if ex is not None:      # a block's experts are a unit of their own, gathered with their prefetch
+            gathered += ex.total * d if whole_schedule else 2 * max(ex.units, default=0) * d
         items.append(Item("ZeRO-3 gathered", device=gathered, phase="backward",
                           note="the stage's weights, gathered for the whole schedule" if whole_schedule
                           else "root unit + a block and its prefetch"))
     if layout.pp > 1 and layout.zero >= 2:
-        items.append(Item("schedule gradients", device=rp.total * d, phase="backward",
+        items.append(Item("schedule gradients", device=(rp.total + (ex.total if ex else 0)) * d, phase="backward",
                           note="a pipeline accumulates whole gradients through its schedule and reduces them "
                                "once after it (zero/strategy.py)"))
     if words.buckets is not None:
-        items.append(Item("gradient buckets", device=gradient_bucket_bytes(rp, layout.shard_ranks, layout.zero, d, bucket),
-                          phase="backward", note=words.buckets))
+        buckets = gradient_bucket_bytes(rp, layout.shard_ranks, layout.zero, d, bucket)
+        if ex is not None:
+            buckets += gradient_bucket_bytes(ex, layout.expert_shard_ranks, layout.zero, d, bucket)
+        items.append(Item("gradient buckets", device=buckets, phase="backward", note=words.buckets))
     return items
 
 
@@ -294,6 +316,8 @@ def _step_items(shape: ModelShape, rp: RankParams, st: dict, layout: Layout, zer
                 on_cpu: bool) -> list[Item]:
     """What the optimizer step adds: the NVMe swap-in, ZeRO-1's fp32 gradient shard, per-tensor temporaries."""
     shard = grad_shard_elems(st, rp, layout.shard_ranks, layout.zero)
+    if rp.experts is not None and layout.zero < 2:
+        shard += rp.experts.total / layout.expert_shard_ranks
     items = []
     if layout.offload_optimizer == "nvme":   # read back into host memory (which is the device on a CPU run)
         swapped = nvme_swap_in_bytes(st, shard, int(zero.get("sub_group_size", 10 ** 9)))
@@ -304,7 +328,7 @@ def _step_items(shape: ModelShape, rp: RankParams, st: dict, layout: Layout, zer
         items.append(Item("fp32 gradient shard", device=0.0 if on_host else shard * 4,
                           host=shard * 4 if on_host else 0.0, phase="step", note="from the reduce to the step"))
     if on_cpu and not shape.bare and layout.optimizer.lower() in ("adamw", "adam"):
-        biggest = max(rp.numels, default=0)     # the largest tensor (or piece of the shard) stepped at once
+        biggest = max(rp.numels + (rp.experts.numels if rp.experts else []), default=0)   # the largest tensor (or piece of the shard) stepped at once
         largest = biggest if layout.zero == 0 else min(biggest, shard)
         items.append(Item("optimizer temporaries", device=2 * 4 * largest, phase="step",
                           note="per-tensor AdamW on CPU"))
@@ -329,9 +353,11 @@ def estimate_layout(model, layout: Layout, *, nodes: int = 1, gpu_memory: float 
         CPU_RUNTIME_BYTES if device_type == "cpu" else CUDA_RUNTIME_BYTES)
     bases = None
     if lora is not None and lora.enabled:
+        if layout.ep > 1:
+            raise ValueError(f"LoRA under expert parallelism (ep {layout.ep}) is not priced; estimate with ep 1")
         ranks, bases = lora_rank_params(shape, lora, layout.tp, layout.pp, layout.virtual_stages, partition)
     else:
-        ranks = ranks or rank_params(shape, layout.tp, layout.pp, layout.virtual_stages, partition)
+        ranks = ranks or rank_params(shape, layout.tp, layout.pp, layout.virtual_stages, partition, ep=layout.ep)
         if shape.n_frozen:      # (a frozen encoder) held as weights beside the trained ones, like LoRA's base
             bases = rank_params(shape, layout.tp, layout.pp, layout.virtual_stages, partition, trainable=False)
     priced = [_rank_items(shape, rp, r, layout, device_type, runtime, zero or {}, optimizer_params or {},

@@ -40,9 +40,12 @@ class Layout:
     cp: int = 1                       # context parallel: each row's tokens split over cp ranks
     loss_fn: bool = False             # a user's loss_fn: under tp > 1 it gets the whole logits, gathered
     padding_mask: bool = False        # batches carry a padding attention_mask (a transformers model's blocks)
+    # expert parallelism: a MoE model's experts split over ep of the dp x cp ranks (folded over them, as the
+    # engine's mesh does: comm/mesh.py), their gradients reduced and ZeRO-sharded over the dp x cp / ep others
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "micro_batch", "grad_accum", "seq_len", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "grad_accum", "seq_len", "virtual_stages"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"Layout.{name} must be a positive int, got {v!r}")
@@ -56,6 +59,10 @@ class Layout:
         if self.pipeline_gather not in ("micro_batch", "schedule"):
             raise ValueError(f"Layout.pipeline_gather must be micro_batch or schedule, got {self.pipeline_gather!r}")
         self._check_recompute()
+        if self.shard_ranks % self.ep:
+            raise ValueError(f"Layout.ep {self.ep} does not divide dp {self.dp} x cp {self.cp} = {self.shard_ranks}: "
+                             "expert parallelism folds over the data- and context-parallel ranks; use an ep that "
+                             f"divides {self.shard_ranks}")
         if self.cp > 1 and self.seq_len % (2 * self.cp):
             raise ValueError(f"Layout.seq_len {self.seq_len} is not divisible by 2 x cp = {2 * self.cp}: context "
                              "parallelism cuts each row into 2 x cp equal chunks; use a multiple of it")
@@ -84,6 +91,11 @@ class Layout:
         return self.dp * self.cp
 
     @property
+    def expert_shard_ranks(self) -> int:
+        """The ranks an expert's gradients are reduced and its ZeRO shards spread over: dp x cp / ep."""
+        return self.shard_ranks // self.ep
+
+    @property
     def rank_tokens(self) -> int:
         """Tokens of each row one rank holds."""
         return self.seq_len // self.cp
@@ -103,7 +115,7 @@ class Layout:
     def describe(self) -> str:
         """One short line: dp2 tp4 pp2(1f1b) zero1 mb1x8 bf16 ckpt."""
         parts = [f"dp{self.dp}"] + ([f"cp{self.cp}"] if self.cp > 1 else []) + \
-            [f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")]
+            [f"tp{self.tp}" + ("+sp" if self.sequence_parallel else "")] + ([f"ep{self.ep}"] if self.ep > 1 else [])
         if self.pp > 1:
             sched = self.schedule + (f"/v{self.virtual_stages}" if self.virtual_stages > 1 else "")
             parts.append(f"pp{self.pp}({sched})")
@@ -141,6 +153,8 @@ class Layout:
         cfg["zero_optimization"] = zero
         cfg["activation_checkpointing"] = self._recompute_section(cfg.get("activation_checkpointing", {}))
         cfg["tensor_parallel"] = {"size": self.tp, "sequence_parallel": self.sequence_parallel}
+        if self.ep > 1 or "expert_parallel" in cfg:
+            cfg["expert_parallel"] = {**cfg.get("expert_parallel", {}), "enabled": self.ep > 1, "autoep_size": self.ep}
         if self.cp > 1 or "context_parallel" in cfg:
             cfg["context_parallel"] = {"size": self.cp}
         cfg["pipeline"] = {**cfg.get("pipeline", {}), "stages": self.pp, "schedule": self.schedule,
@@ -163,11 +177,6 @@ class Layout:
     def from_config(cls, cfg, world: int) -> Layout:
         """The layout a bunsan.Config describes on `world` processes."""
         tp, pp, cp = cfg.tensor_parallel.size, cfg.pipeline.stages, cfg.context_parallel.size
-        if cfg.expert_parallel.size > 1:
-            raise ValueError(f"expert_parallel.autoep_size {cfg.expert_parallel.size}: the estimator does not price "
-                             "expert parallelism yet (each rank's share of the experts, the all-to-all); estimate "
-                             "without it for the model states of every expert on each rank, or measure a step "
-                             "(engine.memory_report())")
         if world % (tp * pp * cp):
             raise ValueError(f"{world} GPUs cannot hold tensor_parallel.size {tp} x pipeline.stages {pp} x "
                              f"context_parallel.size {cp}; use a GPU count that is a multiple of {tp * pp * cp}")
@@ -175,7 +184,7 @@ class Layout:
         bs = cfg.batch_sizes(dp)
         z, ac = cfg.zero_optimization, cfg.activation_checkpointing
         precision = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
-        return cls(dp=dp, tp=tp, pp=pp, cp=cp, zero=z.stage, micro_batch=bs.micro_batch, grad_accum=bs.grad_accum,
+        return cls(dp=dp, tp=tp, pp=pp, cp=cp, ep=cfg.expert_parallel.size, zero=z.stage, micro_batch=bs.micro_batch, grad_accum=bs.grad_accum,
                    seq_len=cfg.data.seq_len, precision=precision, optimizer=cfg.optimizer.type,
                    checkpointing=ac.recompute_mode, recompute_ops=ac.recompute_ops, offload_blocks=ac.offloaded,
                    sequence_parallel=cfg.tensor_parallel.sequence_parallel, schedule=cfg.pipeline.schedule,

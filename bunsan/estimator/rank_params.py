@@ -32,6 +32,9 @@ class RankParams:
     has_embedding: bool
     has_head: bool
     tied_copies: int                  # elements held here that another pipeline rank also holds
+    # under expert parallelism: the routed experts' share this rank holds (their own ZeRO group: estimate.py),
+    # kept out of the fields above; None without it (the experts are parameters like any other)
+    experts: RankParams | None = None
 
     @functools.cached_property
     def numels(self) -> list[int]:
@@ -49,6 +52,7 @@ class RankParams:
 
 
 _LORA_PART = re.compile(r"\.(base_layer|lora_A\.[^.]+|lora_B\.[^.]+)$")
+_EXPERTS = re.compile(r"^layers\.\d+\.mlp\.experts\.w[123]$")      # [E, ...]: split over ep by expert
 _MOE_SPLIT = re.compile(r"^layers\.\d+\.mlp\.(?:experts\.(w[123])"
                         r"|shared_experts\.(gate_proj|up_proj|down_proj)\.weight)$")
 
@@ -79,8 +83,17 @@ def _tp_shape(name: str, shape: torch.Size, tp: int) -> tuple[int, ...]:
 
 
 def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
-                partition_method: str = "uniform", trainable: bool = True) -> list[RankParams]:
-    """One RankParams per pipeline rank: of the parameters that train (or, `trainable=False`, of the frozen)."""
+                partition_method: str = "uniform", trainable: bool = True, ep: int = 1) -> list[RankParams]:
+    """One RankParams per pipeline rank: of the parameters that train (or, `trainable=False`, of the frozen).
+    `ep` > 1: a MoE Llama's routed experts split over ep ranks, in each RankParams' `experts`."""
+    if ep > 1:
+        moe = shape.llama.moe_config() if shape.llama is not None else None
+        if moe is None:
+            raise ValueError(f"expert parallelism (ep {ep}) splits the experts of bunsan's MoE blocks; "
+                             f"{shape.name} has none: use ep 1")
+        if moe.num_experts % ep:
+            raise ValueError(f"ep {ep} does not divide the {moe.num_experts} experts of {shape.name}'s MoE blocks; "
+                             f"use an ep that divides {moe.num_experts}")
     model = held = shape.module
     if tp > 1:
         if shape.priced_as is not None:     # (the activations are priced per rank's heads: they must split)
@@ -129,6 +142,7 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
     out = []
     for r in range(len(paths)):
         shapes, root, tied = [], 0, 0
+        expert_shapes, expert_units = [], {}
         # every unit this rank holds, in order, whatever trains in it: the trained and the frozen RankParams'
         # units line up, unit by unit, as ZeRO-3 gathers a unit's frozen weights with its trained ones
         blocks = {b: 0 for b in dict.fromkeys(block_of(n) for names in names_of.values() for n in names
@@ -138,7 +152,13 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
             here = [n for n in names if holds(r, n)]
             if not here or p.requires_grad != trainable:
                 continue
-            shapes.append(_tp_shape(here[0], p.shape, tp) if shape.llama is not None else tuple(p.shape))
+            cut = _tp_shape(here[0], p.shape, tp) if shape.llama is not None else tuple(p.shape)
+            if ep > 1 and _EXPERTS.match(here[0]):      # (ZeRO-3 gathers each block's experts as a unit)
+                expert_shapes.append((cut[0] // ep,) + cut[1:])
+                unit = block_of(here[0])
+                expert_units[unit] = expert_units.get(unit, 0) + math.prod(expert_shapes[-1])
+                continue
+            shapes.append(cut)
             n = math.prod(shapes[-1])
             if len(frozenset().union(*map(holders, names))) > 1:
                 tied += n
@@ -151,7 +171,9 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
         has_emb = shape.priced_as is not None and (pp == 1 or "embed_tokens" in ends)
         has_head = shape.priced_as is not None and (pp == 1 or "lm_head" in ends)
         priced = sum(b.startswith(decoder) for b in blocks)
-        out.append(RankParams(shapes, list(blocks.values()), root, priced, has_emb, has_head, tied))
+        experts = RankParams(expert_shapes, list(expert_units.values()), 0, priced, has_emb, has_head, 0) \
+            if ep > 1 else None
+        out.append(RankParams(shapes, list(blocks.values()), root, priced, has_emb, has_head, tied, experts))
     return out
 
 

@@ -67,6 +67,9 @@ def kept_per_block(c: LlamaConfig, m: Micro, mode: str, ops=SELECTIVE_OPS) -> fl
     if mode == "full":
         return block_input_bytes(c, m)
     if mode == "selective":
+        if c.moe is not None:
+            raise ValueError("selective recompute of a MoE block is not priced (what transforms/selective.py keeps "
+                             "of its routed experts is not counted); price recompute none or full")
         return sum(selective_kept(c, m, ops).values())
     raise ValueError(f"recompute mode {mode!r} is not one of none, full, selective")
 

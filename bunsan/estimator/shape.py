@@ -46,12 +46,11 @@ class ModelShape:
     steps_as_llama: bool = False
     sliding_window: int | None = None
     qk_norm: bool = False             # blocks_as with an RMSNorm on each q and k head (QK_NORM_BLOCKS: Qwen3)
-    unpriced_blocks: str = ""         # bunsan's Llama whose blocks' activations and time are not priced: why
 
     @property
     def priced_as(self) -> LlamaConfig | None:
         """The Llama shape whose activations this model's are (bunsan's Llama, or blocks_as)."""
-        return None if self.unpriced_blocks else self.llama or self.blocks_as
+        return self.llama or self.blocks_as
 
     def timed_as(self, seq_len: int) -> LlamaConfig | None:
         """The Llama shape whose step time the planner prices for rows of `seq_len` tokens: bunsan's Llama, or
@@ -61,15 +60,13 @@ class ModelShape:
         composite one (its encoders' compute depends on the media per sample) and rows longer than a sliding
         window (whose attention computes less than the causal square priced)."""
         if self.llama is not None:
-            return None if self.unpriced_blocks else self.llama
+            return self.llama
         if not self.steps_as_llama or (self.sliding_window is not None and seq_len > self.sliding_window):
             return None
         return self.blocks_as
 
     def untimed_why(self, seq_len: int) -> str:
         """Why timed_as(seq_len) is None, said for `bunsan plan`'s closing line."""
-        if self.unpriced_blocks:
-            return "its mixture-of-experts blocks are not priced yet"
         if self.blocks_as is None:
             return "its blocks are not one of estimator/shape.py's LLAMA_FORM_BLOCKS"
         if self.unpriced_encoders:
@@ -91,13 +88,11 @@ class ModelShape:
 
 def _llama_shape(cfg: LlamaConfig, name: str) -> ModelShape:
     with torch.device("meta"):
-        if cfg.moe is not None:      # model states priced from the module; activations and time not yet
-            return ModelShape(name, Llama(cfg), cfg, caveats=(MOE_UNPRICED,), unpriced_blocks=MOE_UNPRICED)
-        return ModelShape(name, Llama(cfg), cfg)
+        return ModelShape(name, Llama(cfg), cfg, caveats=(MOE_BALANCED,) if cfg.moe is not None else ())
 
 
-MOE_UNPRICED = ("a mixture of experts: its model states are priced (every expert, split by width under TP), "
-                "its activations and step time are NOT PRICED yet")
+# what a MoE block computes, keeps and sends depends on where the router sends the tokens: priced at the even split
+MOE_BALANCED = "a mixture of experts priced with balanced routing (the busiest expert's rank computes and sends more)"
 
 
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmbt])\s*$", re.IGNORECASE)
@@ -179,12 +174,23 @@ def load_shape(model, overrides: dict | None = None) -> ModelShape:
                                 "directory, its config.json, or a preset name")
     if os.path.lexists(path):
         d = read_json(path, role=ROLES["config.json"])      # (whatever its name: a model's config)
+        if d.get("model_type") == "mixtral" and not overrides and (cfg := _as_bunsan_moe(d)) is not None:
+            return _llama_shape(cfg, path.parent.name or path.stem)
         if d.get("model_type", "llama") != "llama" or "text_config" in d:     # priced from its own modules
             return _transformers_shape(d, path, overrides)
         return _llama_shape(LlamaConfig.from_hf(d).replace(**(overrides or {})), path.parent.name or path.stem)
     from bunsan.models.presets import build_config
     return _llama_shape(build_config(str(model), **(overrides or {})) if overrides else get_preset(str(model)),
                         str(model))
+
+
+def _as_bunsan_moe(d: dict) -> LlamaConfig | None:
+    """A Mixtral config as the bunsan Llama with MoE blocks that `bunsan train --init-from` trains it as
+    (training/hf_model.py), or None where transformers' own model runs it (a sliding window, router noise)."""
+    try:
+        return LlamaConfig.from_hf(d)
+    except (TypeError, ValueError):
+        return None
 
 
 # transformers' auto classes when the config names no class it has, the most complete model first: where a

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from bunsan.estimator.hardware import Interconnect
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,9 @@ class Topology:
 
 def collective(kind: str, nbytes: float, size: int, stride: int, topo: Topology) -> float:
     """Seconds for one `kind` collective over `nbytes` (the whole buffer: an all-gather's output, a
-    reduce-scatter's input) among `size` ranks `stride` apart."""
+    reduce-scatter's input, an all-to-all's send buffer) among `size` ranks `stride` apart. An all-to-all
+    (NCCL: a send and a receive to each peer) moves the (n-1)/n of the buffer bound for other ranks, one
+    latency step per peer, at the group's slowest link (balanced: every rank sends as much as it receives)."""
     if kind not in KINDS:
         raise ValueError(f"unknown collective {kind!r}; the cost model prices {', '.join(KINDS)}")
     if size <= 1 or nbytes <= 0:

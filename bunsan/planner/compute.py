@@ -93,16 +93,20 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
 
     qkv = mm(tokens, h, (heads + 2 * kv) * d // t)
     o_proj = mm(tokens, heads * d // t, h)
-    mlp = mm(tokens, h, 2 * inter // t) + mm(tokens, inter // t, h)
+    if model.moe is None:
+        mlp, act, dispatch = mm(tokens, h, 2 * inter // t) + mm(tokens, inter // t, h), tokens * inter / t, 0.0
+    else:
+        mlp, act, dispatch = _moe_mlp(model, layout, tokens, mm)
     core = _attention_core(b, s, keys or s, heads // t, kv // t or 1, d, gpu, p, nb,
                            flash_efficiency(gpu, efficiency, chunk or s, keys or s, attention)
                            if attention in FLASH_KERNELS else efficiency, attention)
     hidden_tokens = tokens / (t if layout.sequence_parallel else 1)
     if compiled:
-        passes = K.HIDDEN_PASSES * hidden_tokens * h + K.MLP_ACT_PASSES * tokens * inter / t
+        passes = K.HIDDEN_PASSES * hidden_tokens * h + K.MLP_ACT_PASSES * act
     else:       # (rotary runs on the rank's q and k heads, split by tp whatever sequence parallelism does)
         passes = (K.EAGER_HIDDEN_PASSES * hidden_tokens * h + K.EAGER_ROPE_PASSES * tokens * (heads + kv) * d / t
-                  + K.EAGER_MLP_ACT_PASSES * tokens * inter / t)
+                  + K.EAGER_MLP_ACT_PASSES * act)
+    passes += dispatch
     elementwise = streamed(passes * nb, gpu)
     forward = qkv + o_proj + mlp + core + elementwise
     # GEMMs and the attention kernel: two of their forward backward; eager element-wise ops: as counted
@@ -110,6 +114,33 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
         (K.BACKWARD_FACTOR if compiled else K.EAGER_BACKWARD_FACTOR) * elementwise
     return BlockTime(forward=forward, backward=backward, attention_forward=core,
                      o_proj_forward=o_proj)
+
+
+def routed_rows(model: LlamaConfig, tokens: int) -> int:
+    """(token, expert) assignments a MoE block computes for `tokens` tokens: tokens x top_k dropless, at most
+    every expert's capacity under a capacity factor (with expert parallelism about as many per rank: its
+    experts' share of the group's tokens, routing balanced)."""
+    moe = model.moe_config()
+    cap = moe.capacity(tokens)
+    return tokens * moe.top_k if cap is None else min(tokens * moe.top_k, moe.num_experts * cap)
+
+
+def _moe_mlp(model: LlamaConfig, layout: Layout, tokens: int, mm) -> tuple[float, float, float]:
+    """(GEMM seconds, SwiGLU elements, dispatch element passes) of bunsan's MoE block on one micro-batch: the
+    router over every token (whole under tensor parallelism), each of the rank's num_experts / ep experts on
+    its balanced share of the routed rows (a grouped GEMM priced as that many GEMMs of its rows, at the dense
+    GEMM efficiency: scripts/gpu-check's "moe block grouped_mm" row measures the kernel), the shared experts
+    on every token; experts' widths split over tp. Under sequence parallelism the block routes the gathered
+    sequence: `tokens` is whole."""
+    moe, t, h = model.moe_config(), layout.tp, model.hidden_size
+    n = routed_rows(model, tokens)
+    local = moe.num_experts // layout.ep
+    rows = max(1, round(n / local))
+    f, fs = moe.expert_intermediate_size // t, moe.shared_width // t
+    seconds = mm(tokens, h, moe.num_experts) + mm(rows, h, 2 * f, local) + mm(rows, f, h, local)
+    if fs:
+        seconds += mm(tokens, h, 2 * fs) + mm(tokens, fs, h)
+    return seconds, n * f + tokens * fs, K.MOE_DISPATCH_PASSES * n * h
 
 
 def check_kernel(attention: str, gpu: GPU) -> None:

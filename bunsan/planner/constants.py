@@ -31,6 +31,10 @@ EAGER_HIDDEN_PASSES = 42
 EAGER_ROPE_PASSES = 10
 # Eager SwiGLU (models/saving.py swiglu): silu(gate) 1+1, times up 2+1. (Kernel launches are not priced.)
 EAGER_MLP_ACT_PASSES = 5
+# A MoE block's dispatch (models/moe_dispatch.py), per routed assignment x hidden, eager or compiled (indexing ops
+# stay kernels of their own): the gather by expert 1+1, the weighting 1+1, the scatter back 1+1, the sum over
+# the top-k 1 (its output is 1/k as large): counted from the code.
+MOE_DISPATCH_PASSES = 7
 # A materialised attention (no flash kernel: Megatron-LM 2021, BLOOM 2022): the scores written by QK^T, read
 # and written by scale + mask + softmax (fused), read and written by dropout with its mask, read by the
 # product with V: about 6 passes over micro-batch x heads/tp x seq^2.
@@ -78,6 +82,8 @@ SOURCES = (
     ("MLP_ACT_PASSES", MLP_ACT_PASSES, "counted: SwiGLU reads gate and up, writes one"),
     ("EAGER_HIDDEN_PASSES / ROPE / MLP_ACT", f"{EAGER_HIDDEN_PASSES} / {EAGER_ROPE_PASSES} / {EAGER_MLP_ACT_PASSES}",
      "counted from bunsan's eager block, op by op (models/saving.py, models/llama.py); without --compile"),
+    ("MOE_DISPATCH_PASSES", MOE_DISPATCH_PASSES, "counted from bunsan's MoE dispatch (models/moe_dispatch.py): "
+     "gather, weighting, scatter back, sum over the top-k"),
     ("SCORE_PASSES", SCORE_PASSES, "counted from Megatron-LM's unfused-attention path (only when "
      "attention='materialized')"),
     ("FLASH_BY_CHUNK", "0.50 at 512 .. 1 at 16k", "FlashAttention-2 (arXiv:2307.08691) Figs. 4 and 7: causal "

@@ -1,7 +1,7 @@
 """Seconds per optimizer step for a layout: an analytic model the planner ranks layouts with.
 
     total = compute + recompute + tp_comm + dp_comm (exposed) + pp_comm + bubble + offload + optimizer
-            + cp_comm
+            + cp_comm + ep_comm
 
 Compute is priced per GEMM of the block (planner/compute.py: a roofline of FLOPs at a GEMM efficiency and
 bytes at the HBM bandwidth, plus the element-wise rest), on the pipeline stage with the most blocks (and
@@ -21,6 +21,9 @@ size. What overlaps and what does not:
     context parallel  per layer and micro-batch the K/V all-gather (forward, again under recompute) and the
                       reduce-scatter of their gradients, on the critical path; cp ranks are data parallel
                       for gradients (ZeRO over dp x cp)
+    expert parallel   a MoE block's dispatch and combine all-to-alls, forward and backward (again under full
+                      recompute), on the critical path; the experts' gradients reduce over their own dp x cp /
+                      ep ranks, beside the dense parameters' over dp x cp
 
 That is bunsan's engine. `overlap` prices another framework's overlaps (OVERLAPS; Megatron-Core's flags), each
 hidden up to the compute it runs beside, one block's share at least exposed.
@@ -49,6 +52,7 @@ from bunsan.planner import constants as K
 from bunsan.planner.collectives import Topology, collective, p2p
 from bunsan.planner.compute import BlockTime, block_time, head_time, optimizer_time
 from bunsan.planner.assumptions import step_notes
+from bunsan.planner.experts import ep_comm, routed_expert_params
 from bunsan.planner.context import cp_chunk, cp_comm, cp_kv_bytes, cp_note  # noqa: F401  (cp_kv_bytes: the API)
 
 EFFICIENCY = K.GEMM_EFFICIENCY   # the default GEMM efficiency (`efficiency=` overrides it)
@@ -67,7 +71,8 @@ NVME_READ_BYTES_PER_S = hardware.NVME_READ_BYTES_PER_S
 NVME_WRITE_BYTES_PER_S = hardware.NVME_WRITE_BYTES_PER_S
 CPU_ADAM_PARAMS_PER_S = hardware.CPU_ADAM_PARAMS_PER_S
 
-COMPONENTS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "offload", "optimizer", "cp_comm")
+COMPONENTS = ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "offload", "optimizer", "cp_comm",
+              "ep_comm")
 
 
 @dataclass(frozen=True)
@@ -89,6 +94,7 @@ class StepTime:
     peak_flops: float        # per GPU, dense, for the layout's precision
     assumptions: tuple = ()
     cp_comm: float = 0.0     # context parallel: the K/V all-gathers and their gradients' reduce-scatters
+    ep_comm: float = 0.0     # expert parallel: the MoE blocks' dispatch and combine all-to-alls
 
     @property
     def total(self) -> float:
@@ -130,12 +136,15 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
     eff = K.GEMM_EFFICIENCY if efficiency is None else efficiency
     peak = _validate(model, layout, gpu, gpus_per_node, eff)
     topo = Topology(gpus_per_node, intra, inter)
-    n_flops, n_all = model.num_params(include_embedding=False), model.num_params()
+    # (a MoE model's FLOPs are its active parameters': the top_k experts a token passes)
+    n_flops, n_all = model.num_params(include_embedding=False, active=True), model.num_params()
     flops_per_token = 6 * n_flops + 12 * model.num_hidden_layers * model.attention_dim * layout.seq_len
     tokens, m = layout.global_batch * layout.seq_len, layout.grad_accum
     # Under context parallelism a rank computes its seq_len/cp tokens of each row, their queries attending
     # to the whole row's keys (the balanced causal split gives every rank the same share of the square)
-    local = dataclasses.replace(layout, seq_len=layout.rank_tokens, cp=1) if layout.cp > 1 else layout
+    # to the rank's GEMMs its context-parallel peers are data-parallel ones (dp x cp kept: ep folds over them)
+    local = dataclasses.replace(layout, seq_len=layout.rank_tokens, cp=1, dp=layout.shard_ranks) \
+        if layout.cp > 1 else layout
     blk = block_time(model, local, gpu, eff, attention, keys=layout.seq_len, chunk=cp_chunk(layout),
                      compiled=compiled)
     blocks = stage_blocks(model, layout)
@@ -145,16 +154,29 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
     tp_comm = _tp_comm(model, local, topo, blocks)
     if "tp" in overlap:
         tp_comm = _hidden(tp_comm, compute + recompute, m * blocks)
-    psi = n_all / (layout.tp * layout.pp)          # parameters this rank holds (before ZeRO sharding)
-    dp_total, dp_exposed = _dp_comm(layout, psi, topo, blk, blocks, recompute / max(1, m * blocks), overlap)
+    # parameters this rank holds before ZeRO sharding: the dense ones, and the routed experts' 1/ep share,
+    # whose gradients reduce over dp x cp / ep ranks
+    experts = routed_expert_params(model)
+    psi = (n_all - experts) / (layout.tp * layout.pp)
+    psi_experts = experts / (layout.tp * layout.pp * layout.ep)
+    per_block = recompute / max(1, m * blocks)
+    dp_total, dp_exposed = _dp_comm(layout, psi, topo, blk, blocks, per_block, overlap)
+    if psi_experts:
+        ex_total, ex_exposed = _dp_comm(layout, psi_experts, topo, blk, blocks, per_block, overlap,
+                                        group=layout.expert_shard_ranks, stride=layout.tp * layout.ep)
+        dp_total, dp_exposed = dp_total + ex_total, dp_exposed + ex_exposed
     bubble = _bubble(layout, compute + recompute + tp_comm)
-    shard = psi / layout.shard_ranks if layout.zero else psi
+    # (a ZeRO shard: the dense 1/(dp cp) and the experts' 1/(dp cp / ep) of a 1/ep share, which add up to psi
+    # + psi_experts x ep over dp x cp)
+    shard = (psi + psi_experts * layout.ep) / layout.shard_ranks if layout.zero else psi + psi_experts
     optimizer = 0.0 if layout.offload_optimizer != "none" else optimizer_time(shard, gpu)
     return StepTime(compute=compute, recompute=recompute, tp_comm=tp_comm, dp_comm=dp_exposed,
                     pp_comm=_pp_comm(model, layout, topo), bubble=bubble,
-                    offload=_offload(layout, psi) + _activation_offload(model, layout, qk_norm), optimizer=optimizer,
+                    offload=_offload(layout, psi + psi_experts * layout.ep) + _activation_offload(model, layout, qk_norm),
+                    optimizer=optimizer,
                     dp_comm_total=dp_total, tokens_per_step=tokens, flops_per_token=flops_per_token,
                     gpus=layout.gpus, peak_flops=peak, cp_comm=cp_comm(model, layout, topo, blocks),
+                    ep_comm=ep_comm(model, local, topo, blocks),
                     assumptions=step_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled,
                                                overlap)
                     + cp_note(layout, topo, attention, gpu)
@@ -215,16 +237,17 @@ def _tp_comm(model: LlamaConfig, layout: Layout, topo: Topology, blocks: int) ->
 
 
 def _dp_comm(layout: Layout, psi: float, topo: Topology, blk: BlockTime, blocks: int, recompute: float,
-             overlap: tuple = ()):
+             overlap: tuple = (), group: int | None = None, stride: int | None = None):
     """(all traffic, exposed) seconds of the data-parallel group (dp x cp ranks, tp apart: context-parallel
-    ranks are data parallel for gradients); `overlap`: step_time's."""
-    d, m = layout.shard_ranks, layout.grad_accum
+    ranks are data parallel for gradients), or of `group` ranks `stride` apart (the experts' dp x cp / ep);
+    `overlap`: step_time's."""
+    d, m = group or layout.shard_ranks, layout.grad_accum
     if d == 1:
         return 0.0, 0.0
     size = psi * layout.dtype_bytes
 
     def coll(kind: str, nbytes: float) -> float:
-        return collective(kind, nbytes, d, layout.tp, topo)
+        return collective(kind, nbytes, d, stride or layout.tp, topo)
 
     backward = blocks * (blk.backward + recompute)       # one micro-step's backward on this rank
     if layout.pp > 1:
@@ -338,6 +361,11 @@ def _validate(model: LlamaConfig, layout: Layout, gpu: GPU, gpus_per_node: int, 
                          f"not a whole "
                          f"number of {gpus_per_node}-GPU nodes; use a multiple of {gpus_per_node} GPUs "
                          f"or pass the GPUs used per node as gpus_per_node")
+    moe = model.moe_config()
+    if layout.ep > 1 and (moe is None or moe.num_experts % layout.ep):
+        raise ValueError(f"ep {layout.ep}: expert parallelism splits a MoE model's experts, " + (
+            "and this model has none; use ep 1" if moe is None else
+            f"and {moe.num_experts} experts do not split over it; use an ep that divides {moe.num_experts}"))
     if layout.tp > 1:
         check_llama(model, layout.tp)
         if layout.sequence_parallel and layout.seq_len % layout.tp:

@@ -154,27 +154,27 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
     batch = global_batch or max(gpus, 8)
     per_node = gpus // nodes
     intra, inter = _links(spec, interconnect_name, inter_node, device_type)
-    ranks = functools.lru_cache(maxsize=None)(lambda tp, pp, v: rank_params(shape, tp, pp, v))
+    ranks = functools.lru_cache(maxsize=None)(lambda tp, pp, v, ep=1: rank_params(shape, tp, pp, v, ep=ep))
 
     def host_ok(e: Estimate) -> bool:
         return host_memory is None or e.host_per_node <= host_memory
 
     fits, considered, too_big, smallest, rejected = [], 0, 0, None, Rejected()
     candidates = itertools.chain.from_iterable(layouts(shape, gpus, per_node, seq, batch, p, optimizer, space,
-                                                       rejected) for p in precisions)
+                                                       rejected, compiled) for p in precisions)
     for lay in candidates:
         considered += 1
         if progress is not None and considered % PROGRESS_EVERY == 0:
             progress(considered, len(fits))
         est = estimate_layout(shape, lay, nodes=nodes, gpu_memory=memory, device_type=device_type,
-                              ranks=ranks(lay.tp, lay.pp, lay.virtual_stages))
+                              ranks=ranks(lay.tp, lay.pp, lay.virtual_stages, lay.ep))
         # compiled recompute has its own measured error (on CUDA)
         lay_rule = rule.for_run(compiled and device_type != "cpu", lay.checkpointing)
         if not lay_rule.fits(est.peak, memory) and device_type != "cpu" and space.activation_offload:
             # offload the activations of the blocks that do not fit
             lay, est = _offload_what_does_not_fit(shape, lay, est, lay_rule, lambda offloaded: estimate_layout(
                 shape, offloaded, nodes=nodes, gpu_memory=memory, device_type=device_type,
-                ranks=ranks(lay.tp, lay.pp, lay.virtual_stages)))
+                ranks=ranks(lay.tp, lay.pp, lay.virtual_stages, lay.ep)))
         cand = Candidate(lay, est, risk=lay_rule.risk(est.peak, memory))
         if host_ok(est) and (smallest is None or est.peak < smallest.peak):
             smallest = cand
@@ -334,7 +334,7 @@ def _what_would_fit(shape, gpus, nodes, memory, rule: MemoryRule, seq, batch, pr
 
     def priced(lay: Layout, nodes: int) -> Estimate:
         return estimate_layout(shape, lay, nodes=nodes, gpu_memory=memory, device_type=device_type,
-                               ranks=ranks(lay.tp, lay.pp, lay.virtual_stages))
+                               ranks=ranks(lay.tp, lay.pp, lay.virtual_stages, lay.ep))
 
     out = []
     if smallest is None and host_memory is not None:

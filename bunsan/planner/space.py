@@ -39,6 +39,7 @@ class Space:
     pipeline_gather: tuple = ("micro_batch", "schedule")   # ZeRO-3 under pipeline stages
     micro_batches: tuple = (1, 2, 4, 8, 16, 32)
     cp: tuple | None = None     # context-parallel sizes tried (where they split seq_len); None: cp_sizes' own
+    ep: tuple | None = None     # expert-parallel sizes tried (a MoE model's); None: every one ep_sizes allows
     # a layout that does not fit tries sending the fewest blocks' activations to host memory that make it fit
     activation_offload: bool = True
 
@@ -51,6 +52,10 @@ class Space:
             raise ValueError(f"Space.activation_offload {self.activation_offload!r} must be True or False")
         if self.cp is not None and not isinstance(self.cp, tuple):
             raise ValueError(f"Space.cp {self.cp!r} must be a tuple of context-parallel sizes, e.g. (1, 2, 4)")
+        if self.ep is not None and (not isinstance(self.ep, tuple) or not self.ep or any(
+                isinstance(e, bool) or not isinstance(e, int) or e < 1 for e in self.ep)):
+            raise ValueError(f"Space.ep {self.ep!r} must be a non-empty tuple of positive ints (expert-parallel "
+                             "sizes), e.g. (1, 2, 4, 8)")
         bad_cp = [c for c in self.cp or () if isinstance(c, bool) or not isinstance(c, int) or c < 1]
         if bad_cp or self.cp == ():
             raise ValueError(f"Space.cp {self.cp!r} must be a non-empty tuple of positive ints (context-parallel "
@@ -192,11 +197,38 @@ def cp_sizes(shape: ModelShape, gpus: int, tp: int, seq_len: int, space: Space,
     return out
 
 
+def ep_sizes(shape: ModelShape, folded: int, space: Space, compiled: bool = False,
+             rejected: Rejected | None = None) -> list[int]:
+    """Expert-parallel sizes for a MoE Llama over `folded` = dp x cp ranks: the space's (else every one) that
+    divide both the folded ranks and the experts; 1 for a dense model. The engine refuses expert parallelism
+    under train.compile, so a compiled search keeps ep 1."""
+    moe = shape.llama.moe_config() if shape.llama is not None else None
+    if moe is None:
+        return [1]
+    out = []
+    for e in space.ep or _divisors(min(folded, moe.num_experts)):
+        if folded % e or moe.num_experts % e:
+            why = f"ep {e} does not divide " + (f"the {folded} dp x cp ranks it folds over" if folded % e
+                                                else f"the {moe.num_experts} experts")
+        elif e > 1 and compiled:
+            why = f"ep {e} under train.compile, which the engine refuses with expert parallelism"
+        else:
+            out.append(e)
+            continue
+        if rejected is not None:
+            rejected.add("ep", (folded, e), why)
+    return out
+
+
 def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int,
-            precision: str, optimizer: str = "AdamW", space: Space | None = None, rejected: Rejected | None = None):
+            precision: str, optimizer: str = "AdamW", space: Space | None = None, rejected: Rejected | None = None,
+            compiled: bool = False):
     """Every layout worth pricing in `space` (bunsan can run each one); what is ruled out is counted in
-    `rejected` by the rule that ruled it out (rejected.py)."""
+    `rejected` by the rule that ruled it out (rejected.py). `compiled`: the run sets train.compile."""
     space = space or Space()
+    moe = shape.llama is not None and shape.llama.moe is not None
+    # (selective recompute of a MoE block is not priced: estimator/recompute.py)
+    recompute = tuple(r for r in space.recompute if not (moe and r == "selective")) or space.recompute
     no = rejected if rejected is not None else Rejected()
     unsearched_pp = not_searched(shape).get("pp")
     layers = shape.llama.num_hidden_layers if shape.llama else 1 if unsearched_pp else pipeline_blocks(shape.module)
@@ -231,7 +263,8 @@ def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, glob
                 if not schedules:
                     no.add("schedule", (tp, cp, pp, mb), f"schedules {space.schedules} with {accum} micro-batches "
                                                          f"over {mesh}")
-                for (sched, v), ckpt, zero, sp in itertools.product(schedules, space.recompute, space.zero, sps):
+                eps = ep_sizes(shape, dp * cp, space, compiled, no)
+                for (sched, v), ckpt, zero, sp, ep in itertools.product(schedules, recompute, space.zero, sps, eps):
                     gathers = space.pipeline_gather if zero == 3 and pp > 1 else ("micro_batch",)
                     offloads = _offloads(zero, dp * cp, space)
                     if not offloads:
@@ -241,4 +274,4 @@ def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, glob
                                      seq_len=seq_len, precision=precision, optimizer=optimizer,
                                      checkpointing=ckpt, sequence_parallel=sp, schedule=sched,
                                      virtual_stages=v, offload_optimizer=off_opt, offload_param=off_par,
-                                     pipeline_gather=gather)
+                                     pipeline_gather=gather, ep=ep)

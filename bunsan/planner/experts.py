@@ -1,0 +1,34 @@
+"""A MoE model's expert-parallel terms of the step (cost.step_time): which parameters are the routed experts,
+and the all-to-alls that carry each block's routed rows to their experts and back.
+
+bunsan's engine folds the ep group inside the dp x cp ranks (comm/mesh.py), tp apart like the gradients'
+group; its dispatch is synchronous (expert_parallel/dispatch.py): every all-to-all is on the critical path.
+"""
+
+from __future__ import annotations
+
+from bunsan.estimator.layout import Layout
+from bunsan.models.llama import LlamaConfig
+from bunsan.planner.collectives import Topology, collective
+from bunsan.planner.compute import routed_rows
+
+
+def routed_expert_params(model: LlamaConfig) -> int:
+    """Elements of a MoE model's routed experts (every block's), 0 for a dense model."""
+    moe = model.moe_config()
+    if moe is None:
+        return 0
+    return model.num_hidden_layers * moe.num_experts * 3 * model.hidden_size * moe.expert_intermediate_size
+
+
+def ep_comm(model: LlamaConfig, layout: Layout, topo: Topology, blocks: int) -> float:
+    """The MoE blocks' all-to-alls over the ep ranks (tp apart, folded inside dp x cp): per block and
+    micro-batch the routed rows out and the outputs back in forward, their gradients in backward, and the
+    forward's two again under full recompute; each moves the rank's routed rows x hidden (whole under tensor
+    parallelism: every tensor-parallel rank dispatches the rows its width computes)."""
+    if model.moe is None or layout.ep == 1:
+        return 0.0
+    rows = routed_rows(model, layout.micro_batch * layout.seq_len)
+    per_block = 4 + (2 if layout.checkpointing == "full" else 0)
+    one = collective("all_to_all", rows * model.hidden_size * layout.dtype_bytes, layout.ep, layout.tp, topo)
+    return layout.grad_accum * blocks * per_block * one
