@@ -75,8 +75,8 @@ def add_parsers(sub) -> None:
                    help="leave out sending blocks' activations to host memory (tried where a layout does not fit)")
     p.add_argument("--cp-sizes", help="context-parallel sizes to search, e.g. 1,2,4,8,16 (default: powers of two to 8, "
                         "and past 8 while each rank keeps 8192 of a row's tokens)")
-    p.add_argument("--ep-sizes", help="expert-parallel sizes to search for a MoE model, e.g. 1,2,4,8 (default: every one "
-                        "dividing both the dp x cp ranks and the experts)")
+    p.add_argument("--ep-sizes", help="expert-parallel sizes to search for a MoE model, e.g. 1,2,4,8 (default: "
+                        "every one dividing both the dp x cp ranks and the experts)")
     p.add_argument("--constants", action="store_true", help="also print the cost model's constants and sources")
     p.add_argument("--precision", choices=("bf16", "fp16", "fp32"),
                    help="search this precision only (default: every one the GPU runs, fp32 included)")

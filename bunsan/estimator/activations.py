@@ -109,7 +109,8 @@ def moe_bytes(c: LlamaConfig, m: Micro) -> float:
       input       the router's fp32 input 4·Th (in an fp32 run without SP: the normed input itself, d·Th),
                   and the shared experts' 16-bit input d·Th besides, in 16-bit (E·h·4: the router weight's copy)
       routing     the scores' softmax or sigmoid 4·TE, the top-k's indices and weights 12·Tk, the
-                  renormalisation's sums 4·T, the dispatch's two indices 16·n; z-loss's logits and log-sum-exps 4·TE + 8·T
+                  renormalisation's sums 4·T, the dispatch's two indices 16·n; z-loss's logits and
+                  log-sum-exps 4·TE + 8·T
       experts     the tokens gathered by expert, gate and up (saved by the SwiGLU) and their product
                   (the down projection's input), the outputs, and the outputs weighted (kept by the
                   scatter back): n·(3hd + 3fd/t + d)

@@ -328,7 +328,8 @@ def _step_items(shape: ModelShape, rp: RankParams, st: dict, layout: Layout, zer
         items.append(Item("fp32 gradient shard", device=0.0 if on_host else shard * 4,
                           host=shard * 4 if on_host else 0.0, phase="step", note="from the reduce to the step"))
     if on_cpu and not shape.bare and layout.optimizer.lower() in ("adamw", "adam"):
-        biggest = max(rp.numels + (rp.experts.numels if rp.experts else []), default=0)   # the largest tensor (or piece of the shard) stepped at once
+        # the largest tensor (or piece of the shard) stepped at once
+        biggest = max(rp.numels + (rp.experts.numels if rp.experts else []), default=0)
         largest = biggest if layout.zero == 0 else min(biggest, shard)
         items.append(Item("optimizer temporaries", device=2 * 4 * largest, phase="step",
                           note="per-tensor AdamW on CPU"))

@@ -184,7 +184,8 @@ class Layout:
         bs = cfg.batch_sizes(dp)
         z, ac = cfg.zero_optimization, cfg.activation_checkpointing
         precision = "fp16" if cfg.fp16.enabled else "bf16" if cfg.bf16.enabled else "fp32"
-        return cls(dp=dp, tp=tp, pp=pp, cp=cp, ep=cfg.expert_parallel.size, zero=z.stage, micro_batch=bs.micro_batch, grad_accum=bs.grad_accum,
+        return cls(dp=dp, tp=tp, pp=pp, cp=cp, ep=cfg.expert_parallel.size, zero=z.stage,
+                   micro_batch=bs.micro_batch, grad_accum=bs.grad_accum,
                    seq_len=cfg.data.seq_len, precision=precision, optimizer=cfg.optimizer.type,
                    checkpointing=ac.recompute_mode, recompute_ops=ac.recompute_ops, offload_blocks=ac.offloaded,
                    sequence_parallel=cfg.tensor_parallel.sequence_parallel, schedule=cfg.pipeline.schedule,

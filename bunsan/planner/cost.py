@@ -166,13 +166,13 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
                                         group=layout.expert_shard_ranks, stride=layout.tp * layout.ep)
         dp_total, dp_exposed = dp_total + ex_total, dp_exposed + ex_exposed
     bubble = _bubble(layout, compute + recompute + tp_comm)
-    # (a ZeRO shard: the dense 1/(dp cp) and the experts' 1/(dp cp / ep) of a 1/ep share, which add up to psi
-    # + psi_experts x ep over dp x cp)
-    shard = (psi + psi_experts * layout.ep) / layout.shard_ranks if layout.zero else psi + psi_experts
+    # a ZeRO shard: the dense 1/(dp cp) and the experts' 1/(dp cp / ep) of a 1/ep share, `sharded` over dp x cp
+    sharded = psi + psi_experts * layout.ep
+    shard = sharded / layout.shard_ranks if layout.zero else psi + psi_experts
     optimizer = 0.0 if layout.offload_optimizer != "none" else optimizer_time(shard, gpu)
     return StepTime(compute=compute, recompute=recompute, tp_comm=tp_comm, dp_comm=dp_exposed,
                     pp_comm=_pp_comm(model, layout, topo), bubble=bubble,
-                    offload=_offload(layout, psi + psi_experts * layout.ep) + _activation_offload(model, layout, qk_norm),
+                    offload=_offload(layout, sharded) + _activation_offload(model, layout, qk_norm),
                     optimizer=optimizer,
                     dp_comm_total=dp_total, tokens_per_step=tokens, flops_per_token=flops_per_token,
                     gpus=layout.gpus, peak_flops=peak, cp_comm=cp_comm(model, layout, topo, blocks),
