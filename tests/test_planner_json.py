@@ -98,7 +98,8 @@ def test_plan_text_and_json_agree_row_by_row_and_line_by_line(capsys):
         f"(ranked last), {data['too_big']} too big; {data['shown']} shown",
         f"step {best['total']:.4g} s: {best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}",
         *[f"  {name:<10} {best[name]:10.4g} s" for name in
-          ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "offload", "optimizer", "cp_comm")],
+          ("compute", "recompute", "tp_comm", "dp_comm", "pp_comm", "bubble", "offload", "optimizer", "cp_comm",
+               "ep_comm")],
         f"  (data-parallel traffic {best['dp_comm_total']:.4g} s before overlap)",
         "assumptions:",
         *[f"  - {a}" for a in best["assumptions"]],
