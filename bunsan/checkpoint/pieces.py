@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from bunsan.expert_parallel import global_expert_names
+from bunsan.tensor_parallel.plan import tp_sections_of
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def _tp_place(module: nn.Module, param: torch.Tensor, local_shape: tuple,
     if split is None:
         return tuple(local_shape), None, 0, 1
     full_shape, dim = split
-    sections = getattr(module, "tp_sections", 1)
+    sections = tp_sections_of(module, attr)
     return tuple(full_shape), dim, tp_rank * local_shape[dim] // sections, sections
 
 

@@ -130,6 +130,9 @@ class Objective:
     lm: the engine's token-summed LM loss (`lm_loss_sum(logits, targets)`), divided by the global token count
     `div`; else the user's `loss_fn` (a mean), divided by the micro-batch count. `keywords`: the model takes
     the batch as keywords (Hugging Face); `shift`: its labels are unshifted. `scale` is fp16's loss scale.
+    `aux_coef`: a transformers MoE model's router_aux_loss_coef when it sets output_router_logits: each
+    micro-batch adds coef x its forward's aux_loss, weighted by its share of the step's tokens (so one forward of
+    the whole batch gives what transformers' own loss does: the LM mean + coef x aux).
     `post_scale` is what the reduced gradients are multiplied by before the step: data-parallel reduction
     sums, so a mean over micro-batch means needs 1/dp, while a global token mean is complete.
     """
@@ -143,6 +146,7 @@ class Objective:
     div: torch.Tensor | float = 1.0
     scale: float = 1.0
     post_scale: float = 1.0
+    aux_coef: float = 0.0
 
     def forward(self, module, mb):
         """The model's output on micro-batch `mb`."""
@@ -168,8 +172,18 @@ class Objective:
         logits = output.logits if hasattr(output, "logits") else output
         return self.lm_loss_sum(logits, self.targets(mb))
 
+    def _aux_sum(self, output, mb) -> torch.Tensor:
+        aux = getattr(output, "aux_loss", None)
+        if aux is None:
+            raise ValueError("the model sets output_router_logits (its router's auxiliary loss is part of its loss) but "
+                             "this forward returned no aux_loss (under pipeline stages the last stage gives logits "
+                             "only): set config.output_router_logits to False, or train without pipeline stages")
+        return self.aux_coef * aux * (self.targets(mb) != -100).sum()
+
     def __call__(self, output, mb) -> tuple[torch.Tensor, torch.Tensor]:
         reported = self._lm_sum(output, mb) if self.lm else self.loss_fn(output, target(mb))
+        if self.lm and self.aux_coef:
+            reported = reported + self._aux_sum(output, mb)
         loss = reported / self.div
         return (loss * self.scale if self.scale != 1.0 else loss), reported
 
@@ -220,5 +234,8 @@ def make_objective(batch, loss_fn, lm_loss_sum, module) -> Objective:
     if not lm and loss_fn is None:
         raise ValueError("pass loss_fn to bunsan.initialize for batches that are not language-model dicts")
     keywords = accepted is not None
+    config = getattr(module, "config", None)
+    aux = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0) \
+        if keywords and getattr(config, "output_router_logits", False) else 0.0
     return Objective(lm, lm_loss_sum, loss_fn, keywords=keywords, shift=keywords and "labels" in batch,
-                     use_cache=keywords and "use_cache" in accepted)
+                     use_cache=keywords and "use_cache" in accepted, aux_coef=aux)

@@ -10,6 +10,7 @@ vocabulary-parallel: logits are never gathered). A style bunsan does not impleme
 
 from __future__ import annotations
 
+import fnmatch
 import warnings
 
 import torch.nn as nn
@@ -18,7 +19,7 @@ import torch.nn as nn
 HF_STYLES = {"colwise": "column", "colwise_rep": "column_gather", "colwise_gather_output": "column_gather",
              "rowwise": "row", "rowwise_rep": "row_split_input", "rowwise_split_input": "row_split_input",
              "embedding_rowwise": "vocab_embedding", "sequence_parallel": "norm",
-             "replicated_with_grad_allreduce": "grad_allreduce"}
+             "replicated_with_grad_allreduce": "grad_allreduce", "moe_tp_experts": "moe_experts"}
 HEAD_STYLES = ("colwise_gather_output", "colwise_rep")   # a head whose logits HF gathers: bunsan's vocab_head
 # bunsan's plans for encoder towers transformers ships none for, by encoder layer class (paths under the layer):
 # Megatron's split of a ViT block (q/k/v and fc1 by columns, out_proj and fc2 by rows), each rank running its share
@@ -76,6 +77,7 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool, encoders: str = "split
                          "empty); pass tp_plan={module pattern: style} with bunsan's styles (column, row, "
                          "parallel_input, vocab_embedding, vocab_head, norm)")
     prefix = f"{model.base_model_prefix}." if getattr(model, model.base_model_prefix, None) is not model else ""
+    base_plan = _experts_folded(base_plan, sequence_parallel, model)
     if base_plan:
         plan = {f"{prefix}{path}": _translated(path, style, False) for path, style in base_plan.items()}
         plan |= {path: _translated(path, style, True) for path, style in head_plan.items()}
@@ -87,6 +89,10 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool, encoders: str = "split
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         heads = {n for n, m in model.named_modules() if m is head and head is not None}
         plan = {path: _translated(path, style, path in heads) for path, style in built.items()}
+    # the model's own plan covers its config's variants (Qwen2-MoE's dense MLP entries when every layer is sparse):
+    # an entry naming no module of this model has nothing to split
+    names = [name for name, _ in model.named_modules() if name]
+    plan = {p: s for p, s in plan.items() if any(fnmatch.fnmatchcase(name, p) for name in names)}
     for path, style in list(plan.items()):
         if style in ("column", "column_gather"):   # the module that calls q/k/v (gate/up) gets the block's input
             plan.setdefault(path.rpartition(".")[0], "parallel_input")
@@ -109,6 +115,32 @@ def hf_tp_plan(model: nn.Module, sequence_parallel: bool, encoders: str = "split
                 plan[name] = "vocab_embedding_whole"
         plan |= _sequence_parallel_extras(model, prefix)
     return plan
+
+
+def _experts_folded(plan: dict, sequence_parallel: bool, model: nn.Module) -> dict:
+    """`plan` with a packed experts module's parameter entries ("...experts.gate_up_proj": "packed_colwise",
+    "...experts.down_proj": "rowwise") left to its "moe_tp_experts" entry, which splits them (hf_moe.py), after
+    checking each has the style that split means."""
+    from bunsan.tensor_parallel.hf_moe import EXPERT_PARAM_STYLES
+    experts = [path for path, style in plan.items() if style == "moe_tp_experts"]
+    if not experts:
+        return plan
+    if sequence_parallel:
+        raise ValueError(f"tensor_parallel.sequence_parallel with {type(model).__name__}'s MoE blocks: bunsan "
+                         "splits their experts without cutting the sequence; set sequence_parallel to false")
+    if getattr(model.config, "router_jitter_noise", 0) or getattr(model.config, "jitter_noise", 0):
+        raise ValueError(f"{type(model).__name__} has router jitter noise on: each tensor-parallel rank would draw "
+                         "its own and route the tokens differently; set the config's router_jitter_noise to 0")
+    out = {}
+    for path, style in plan.items():
+        owner, _, attr = path.rpartition(".")
+        if owner in experts:
+            if EXPERT_PARAM_STYLES.get(attr) != style:
+                raise ValueError(f"the model's tensor-parallel plan gives {path!r} the style {style!r}; bunsan "
+                                 f"splits {owner}'s parameters as {EXPERT_PARAM_STYLES} only")
+            continue
+        out[path] = style
+    return out
 
 
 def encoder_plan(model: nn.Module, size: int) -> dict[str, str]:

@@ -33,6 +33,7 @@ from bunsan.tensor_parallel.hf_plan import hf_tp_plan, is_hf_model
 from bunsan.models.llama import Llama
 from bunsan.models.moe import MoE
 from bunsan.tensor_parallel.moe import split_moe_block
+from bunsan.tensor_parallel.hf_moe import split_hf_experts
 from bunsan.tensor_parallel.ops import TPContext, into_parallel_region
 
 LLAMA_PLAN = {
@@ -112,7 +113,7 @@ def _split_lora(name: str, m: nn.Module, style: str, ctx: TPContext) -> None:
 
 STYLES = ("column", "column_gather", "column_qkv", "row", "row_split_input", "parallel_input", "parallel_attention",
           "parallel_output", "vocab_embedding", "vocab_embedding_whole", "sequence_split", "vocab_head", "norm",
-          "grad_allreduce", "moe")
+          "grad_allreduce", "moe", "moe_experts")
 
 # bunsan's Llama with a MoE block in every layer: the block is split as a whole (tensor_parallel/moe.py)
 MOE_LLAMA_PLAN = {**{k: v for k, v in LLAMA_PLAN.items() if not k.startswith("layers.*.mlp")},
@@ -186,7 +187,11 @@ def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | str | N
             _check_divisible(name, "input features", m.in_features, ctx.size, "change tensor_parallel.size")
             _set(model, name, RowParallelLinear(m, ctx, split_input=style == "row_split_input"))
         elif style == "parallel_input":
+            if _holds_split_experts(name, matched):     # (their own hooks take the input in: tensor_parallel/hf_moe.py)
+                continue
             m.register_forward_pre_hook(parallel_input_hook(ctx), with_kwargs=True)
+        elif style == "moe_experts":
+            split_hf_experts(m, name, ctx)
         elif style == "moe":
             if not isinstance(m, MoE):
                 raise ValueError(f"tensor-parallel style 'moe' splits bunsan's MoE block; {name} is a "
@@ -214,6 +219,18 @@ def apply_tensor_parallel(model: nn.Module, ctx: TPContext, plan: dict | str | N
     return head
 
 
+def _holds_split_experts(name: str, matched: list) -> bool:
+    """Whether the module `name` holds a transformers experts module split as "moe_experts" (a MoE block, which
+    a dense layer's plan entry also names as its MLP)."""
+    return any(style == "moe_experts" and other.startswith(name + ".") for other, _, style in matched)
+
+
+def tp_sections_of(module: nn.Module, pname: str) -> int:
+    """How many sections a split parameter packs along its split dim (each rank holds its rows of every one)."""
+    sections = getattr(module, "tp_sections", 1)
+    return sections.get(pname, 1) if isinstance(sections, dict) else sections
+
+
 def replicated_parameter_names(model: nn.Module) -> set[str]:
     """Parameters no style split (norms, biases of row layers, LoRA factors left whole): every TP rank holds
     the same values, so the gradient norm counts them on one rank only."""
@@ -234,7 +251,7 @@ def consolidate(state: dict[str, torch.Tensor], model: nn.Module, ctx: TPContext
             moved = state[key].movedim(dim, 0).contiguous().to(device)   # NCCL gathers device tensors
             full = torch.empty((moved.shape[0] * ctx.size, *moved.shape[1:]), dtype=moved.dtype, device=device)
             ctx.comm.all_gather(full, moved, ctx.group)
-            sections = getattr(m, "tp_sections", 1)
+            sections = tp_sections_of(m, pname)
             if sections > 1:     # [rank, section, rows] -> [section, rank, rows]: each section's rows in order
                 rest = moved.shape[1:]
                 full = full.view(ctx.size, sections, -1, *rest).transpose(0, 1).reshape(-1, *rest)

@@ -1,0 +1,139 @@
+"""transformers' own MoE models, unchanged, under bunsan's tensor parallelism by their own plans ("moe_tp_experts"
+with "packed_colwise" and "rowwise" experts: tensor_parallel/hf_moe.py) against the plain single-process loop:
+SGD without clipping, fp32, rtol 1e-5, with each model's router auxiliary loss in the loss where it has one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bunsan
+from parity import check_runs
+
+transformers = pytest.importorskip("transformers")
+
+ROWS, SEQ, VOCAB, STEPS, LR = 4, 12, 64, 3, 0.5
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=64)
+# family -> (config class, model class, its MoE fields): each kept case says what it adds
+FAMILIES = {
+    # routed experts only, softmax top-2 renormalised, Switch auxiliary loss
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                     router_aux_loss_coef=0.02)),
+    # a shared expert with its sigmoid gate beside the routed ones, top-k not renormalised
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=24,
+                       num_experts=4, num_experts_per_tok=2, output_router_logits=True)),
+    # q/k norms, a dense MLP layer (mlp_only_layers) beside a MoE one: the dense one is split as a dense MLP
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=48, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                       mlp_only_layers=[0], norm_topk_prob=True, output_router_logits=True, head_dim=8)),
+    # attention split by columns with gathered outputs (OLMoE's own plan), q/k norms over the whole width
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              dict(intermediate_size=24, num_experts=4, num_experts_per_tok=2, output_router_logits=True)),
+    # sigmoid scores with a selection bias, groups, shared experts, a dense first layer; MLA attention whole
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
+                         n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+                         kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                         routed_scaling_factor=2.5)),
+}
+
+
+def tiny(family: str):
+    config_cls, model_cls, moe = FAMILIES[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **moe))
+    gate = model.model.layers[-1].mlp.gate
+    if hasattr(gate, "e_score_correction_bias"):    # a bias that picks experts, as a trained model has
+        gate.e_score_correction_bias.copy_(torch.linspace(-0.5, 0.5, gate.e_score_correction_bias.numel()))
+    return model
+
+
+def data() -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    return [{"input_ids": (ids := torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)), "labels": ids}
+            for _ in range(STEPS)]
+
+
+def reference(family: str, batches: list[dict], dp: int = 1):
+    """The plain loop; `dp` > 1: the auxiliary loss as bunsan's data-parallel ranks add it, the mean of each
+    rank's rows' (the balancing loss of a batch is not the mean of its halves')."""
+    model = tiny(family)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    coef = getattr(model.config, "router_aux_loss_coef", 0.0)
+    losses = []
+    for b in batches:
+        if dp == 1:
+            loss = model(**b).loss          # (with the auxiliary loss where the model adds it)
+        else:
+            per = ROWS // dp
+            parts = [model(**{k: v[r * per:(r + 1) * per] for k, v in b.items()}).aux_loss for r in range(dp)]
+            loss = model(**b, output_router_logits=False).loss + coef * torch.stack(parts).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _train_tp(rank, family, cfg, batches):
+    engine = bunsan.initialize(tiny(family), cfg)
+    dp, dp_rank = engine.mesh.dp, engine.mesh.dp_rank
+    per = ROWS // dp
+    losses = [engine.train_batch({k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in b.items()})
+              for b in batches]
+    split = sorted({type(m).__name__ for m in engine.module.modules() if hasattr(m, "tp_split")})
+    return losses, engine.consolidated_state_dict(), split
+
+
+def _cfg(zero: int = 0) -> dict:
+    return {"train_batch_size": ROWS, "steps_per_print": 100, "optimizer": {"type": "SGD", "params": {"lr": LR}},
+            "zero_optimization": {"stage": zero}, "tensor_parallel": {"size": 2}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_transformers_moe_under_tp2_matches_the_plain_loop(pools, family):
+    batches = data()
+    results = pools.run(2, _train_tp, family, _cfg(), batches)
+    ref_losses, ref_state = reference(family, batches)
+    check_runs([(r[0], r[1], None) for r in results], ref_losses, ref_state)
+    assert any(name.endswith(("Experts", "NaiveMoe")) for name in results[0][2]), results[0][2]
+
+
+def test_tp2_on_zero3(pools):
+    """The split experts under ZeRO-3's gathered units."""
+    batches = data()
+    results = pools.run(2, _train_tp, "mixtral", _cfg(3), batches)
+    check_runs([(r[0], r[1], None) for r in results], *reference("mixtral", batches))
+
+
+@pytest.mark.parametrize("world, tp", [(2, 1), (4, 2)], ids=["dp2", "tp2_x_dp2"])
+def test_the_auxiliary_loss_under_data_parallelism_is_each_ranks_rows(pools, world, tp):
+    batches = data()
+    results = pools.run(world, _train_tp, "mixtral", {**_cfg(1), "tensor_parallel": {"size": tp}}, batches)
+    check_runs([(r[0], r[1], None) for r in results], *reference("mixtral", batches, dp=world // tp))
+
+
+def test_a_router_with_jitter_noise_is_refused_under_tp():
+    from bunsan.comm.collectives import Comm
+    from bunsan.comm.work import Group
+    from bunsan.tensor_parallel import TPContext, apply_tensor_parallel
+    model = tiny("mixtral")
+    model.config.router_jitter_noise = 0.1
+    with pytest.raises(ValueError, match="router jitter noise"):
+        apply_tensor_parallel(model, TPContext(Comm(), Group("tp", None, 2, 0, (0, 1))))
+
+
+def _train_pp(rank, family, cfg, batches):
+    engine = bunsan.initialize(tiny(family), cfg)
+    return [engine.train_batch(b) for b in batches]
+
+
+def test_pipeline_stages_refuse_a_router_loss_they_cannot_carry(pools):
+    """The last stage's output is logits only: a model that counts its router's loss is refused, not trained
+    without it."""
+    cfg = {**_cfg(0), "tensor_parallel": {"size": 1}, "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2}
+    with pytest.raises(AssertionError, match="returned no aux_loss"):
+        pools.run(2, _train_pp, "mixtral", cfg, data())
