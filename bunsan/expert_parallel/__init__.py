@@ -2,6 +2,9 @@
 to them by all-to-all (dispatch.py). Applied from outside, as tensor parallelism is: the model keeps its plain
 MoE blocks (models/moe.py) and the same parameter names; only the experts' weights hold this rank's slice.
 
+A transformers MoE model's packed experts (its config's ep_plan: "ep_dispatch_experts") keep their share the same
+way, their own forward dispatched by hooks (hf_experts.py).
+
 A layer that builds only its own share of the experts itself (DeepSpeed's MoE, bunsan.deepspeed.moe) says so
 with a `bind_expert_parallel(comm, group)` method and an `ep_size`, and marks its expert parameters
 `allreduce = False` (DeepSpeed's mark); it is bound to the group rather than split.
@@ -20,6 +23,7 @@ from torch import nn
 
 from bunsan.comm.collectives import Comm, Group
 from bunsan.expert_parallel.dispatch import ShardedExperts
+from bunsan.expert_parallel.hf_experts import hf_expert_modules, shard_hf_experts
 from bunsan.models.moe import MoE
 
 __all__ = ["EPContext", "ShardedExperts", "apply_expert_parallel", "consolidate", "expert_parameter_names",
@@ -51,30 +55,32 @@ def apply_expert_parallel(model: nn.Module, ctx: EPContext) -> int:
     """Split every MoE block's experts over ctx.group and bind every layer that splits its own; how many. A
     model with neither is refused: its experts (a transformers model's own) would be trained whole on every
     rank."""
-    blocks, layers = moe_blocks(model), bound_layers(model)
+    blocks, layers, packed = moe_blocks(model), bound_layers(model), hf_expert_modules(model)
     for name, layer in layers:
         if layer.ep_size != ctx.size:
             raise ValueError(f"{name} is a MoE layer of ep_size {layer.ep_size} but expert_parallel.autoep_size "
                              f"is {ctx.size}; bunsan folds one expert-parallel size: give every layer the same "
                              "ep_size and set autoep_size to it")
         layer.bind_expert_parallel(ctx.comm, ctx.group)
-    if not blocks and not layers:
+    if not blocks and not layers and not packed:
         raise ValueError(f"expert_parallel.autoep_size {ctx.size} but {type(model).__name__} has no bunsan MoE "
                          "blocks (bunsan.models.moe.MoE) to split: expert parallelism acts on bunsan's Llama with "
-                         "model.moe set (e.g. the tiny-moe preset) and on deepspeed.moe.layer.MoE layers; set "
-                         "expert_parallel.enabled false")
+                         "model.moe set (e.g. the tiny-moe preset), on deepspeed.moe.layer.MoE layers and on a "
+                         "transformers MoE model's experts (its config's ep_plan); set expert_parallel.enabled false")
+    for name, experts in packed:
+        shard_hf_experts(experts, name, ctx.comm, ctx.group)
     for _, block in blocks:
         if block.config.num_experts % ctx.size:
             raise ValueError(f"expert_parallel.autoep_size {ctx.size} does not divide num_experts "
                              f"{block.config.num_experts}: each rank holds a whole number of experts; pick a "
                              f"divisor of {block.config.num_experts}")
         block.experts = ShardedExperts(block.experts, ctx.comm, ctx.group)
-    return len(blocks) + len(layers)
+    return len(blocks) + len(layers) + len(packed)
 
 
 def expert_parameter_names(model: nn.Module) -> set[str]:
     """Names (model.named_parameters) of the expert weights this rank holds a share of."""
-    sliced = {f"{n}.{p}" for n, m in model.named_modules() if isinstance(m, ShardedExperts)
+    sliced = {f"{n}.{p}" for n, m in model.named_modules() if getattr(m, "ep_split", None)
               for p, _ in m.named_parameters(recurse=False)}
     marked = {n for n, p in model.named_parameters() if getattr(p, "allreduce", True) is False}
     return sliced | marked
@@ -82,8 +88,9 @@ def expert_parameter_names(model: nn.Module) -> set[str]:
 
 def expert_unit_classes(model: nn.Module) -> list[str]:
     """Class names of the modules that hold (and compute) a rank's experts: what ZeRO-3 gathers as units of
-    the experts' own strategy (a bound layer's experts container, bunsan's ShardedExperts)."""
-    names = {type(m).__name__ for m in model.modules() if isinstance(m, ShardedExperts)}
+    the experts' own strategy (a bound layer's experts container, bunsan's ShardedExperts, a transformers
+    model's packed experts)."""
+    names = {type(m).__name__ for m in model.modules() if getattr(m, "ep_split", None)}
     names |= {type(m.deepspeed_moe.experts).__name__ for _, m in bound_layers(model)}
     return sorted(names)
 
@@ -116,9 +123,7 @@ def consolidate(state: dict[str, torch.Tensor], model: nn.Module, ctx: EPContext
         del out[key]
         out.update({k: t.cpu() for k, t in zip(keys, every)})     # host: the consolidated state dict lives there
     for name, m in model.named_modules():
-        if not isinstance(m, ShardedExperts):
-            continue
-        for pname, full_shape in m.ep_split.items():
+        for pname, full_shape in (getattr(m, "ep_split", None) or {}).items():
             key = f"{name}.{pname}"
             if key not in state:
                 continue

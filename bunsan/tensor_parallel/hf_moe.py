@@ -21,7 +21,7 @@ from torch import nn
 from bunsan.tensor_parallel.layers import split_rows
 from bunsan.tensor_parallel.ops import CopyToTP, TPContext, sum_over_tp
 
-__all__ = ["split_hf_experts", "EXPERT_PARAM_STYLES"]
+__all__ = ["split_hf_experts", "experts_call_arguments", "EXPERT_PARAM_STYLES"]
 
 # the experts' parameters and the style transformers' plans give each (checked, then split here)
 EXPERT_PARAM_STYLES = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
@@ -58,7 +58,7 @@ def split_hf_experts(experts: nn.Module, name: str, ctx: TPContext) -> None:
         experts.intermediate_dim = width // ctx.size
 
     def enter(module, args, kwargs):
-        hidden, index, weights = _arguments(name, args, kwargs)
+        hidden, index, weights = experts_call_arguments(name, args, kwargs)
         hidden = CopyToTP.apply(ctx, hidden, None) if hidden.requires_grad else hidden
         weights = CopyToTP.apply(ctx, weights, None) if weights.requires_grad else weights
         return (hidden, index, weights), {}
@@ -67,11 +67,13 @@ def split_hf_experts(experts: nn.Module, name: str, ctx: TPContext) -> None:
     experts.register_forward_hook(lambda module, args, out: sum_over_tp(ctx, out))
 
 
-def _arguments(name: str, args: tuple, kwargs: dict) -> tuple:
+def experts_call_arguments(name: str, args: tuple, kwargs: dict) -> tuple:
+    """(hidden_states, top_k_index, top_k_weights) of a call to transformers' packed experts `name`, however
+    passed; any other call is an error (a hook that rewrites it would get it wrong)."""
     names = ("hidden_states", "top_k_index", "top_k_weights")
     given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
     missing = [n for n in names if n not in given]
     if missing or len(args) + len(kwargs) != 3:
         raise ValueError(f"{name} was called with {len(args)} positional and {sorted(kwargs)} keyword arguments; "
-                         "bunsan's split of packed experts takes (hidden_states, top_k_index, top_k_weights)")
+                         "bunsan splits packed experts called as (hidden_states, top_k_index, top_k_weights)")
     return tuple(given[n] for n in names)
