@@ -46,6 +46,9 @@ def _config(kind: str):
             "gemma2": lambda: transformers.Gemma2Config(**SMALL, head_dim=16, sliding_window=8, **IDS),
             "gemma3": lambda: transformers.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=8, **IDS),
             "phi3": lambda: transformers.Phi3Config(**SMALL, **IDS),
+            # packed experts, split by width under TP (tensor_parallel/hf_moe.py)
+            "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=16, moe_intermediate_size=32,
+                                                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
             "gpt2": lambda: transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128,
                                                     bos_token_id=0, eos_token_id=0)}[kind]()
 
@@ -69,7 +72,7 @@ def _serve_in_process(model, prompts: list[list[int]], n: int, slots: int) -> li
     return got
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "gpt2"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "gpt2", "qwen3_moe"])
 def test_the_batcher_gives_transformers_greedy_tokens(kind):
     from bunsan.serve.transformers_model import TransformersLM
     torch.manual_seed(0)
@@ -169,10 +172,11 @@ def test_serve_a_transformers_directory(qwen2_dir, spread):
         server.close()
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gemma3", "phi3"])
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "gemma3", "phi3", "qwen3_moe"])
 def test_serve_tp2_splits_each_family_by_its_own_plan(pools, hf_dirs, kind):
-    """Qwen2, Qwen3's q/k norms, Gemma 3's sliding layers and Phi-3's fused qkv_proj, which its plan gathers
-    (`colwise_gather_output`: every rank keeps every key/value head in its cache), over two ranks."""
+    """Qwen2, Qwen3's q/k norms, Gemma 3's sliding layers, Phi-3's fused qkv_proj, which its plan gathers
+    (`colwise_gather_output`: every rank keeps every key/value head in its cache), and Qwen3-MoE's packed experts
+    (every expert's width split), over two ranks."""
     folder = hf_dirs(kind)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     torch.manual_seed(2)
