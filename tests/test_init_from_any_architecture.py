@@ -34,6 +34,9 @@ def _config(kind: str):
                                              eos_token_id=2)
     if kind == "phi3":
         return transformers.Phi3Config(**small, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**small, head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                           num_experts_per_tok=2, norm_topk_prob=True)
     return transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128, bos_token_id=0,
                                    eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # (dropout: no parity)
 
@@ -48,7 +51,7 @@ def corpus(tmp_path_factory):
 @pytest.mark.parametrize("kind,layout", [("qwen2", ["--zero", "1"]), ("gpt2", ["--zero", "3"]),
                                          ("qwen3", ["--zero", "2"]), ("mistral", ["--tp", "2"]),
                                          ("gemma2", ["--zero", "0"]), ("gemma3", ["--zero", "1"]),
-                                         ("phi3", ["--zero", "3"])])
+                                         ("phi3", ["--zero", "3"]), ("qwen3_moe", ["--ep", "2"])])
 def test_train_from_a_transformers_directory_and_generate_from_the_result(pools, tmp_path, corpus, kind, layout):
     from bunsan.config.root import Config
     from bunsan.training.data import TokenBatches
