@@ -169,3 +169,39 @@ def test_ep2_with_zero(pools, zero):
     batches = data()
     results = pools.run(2, _train_ep, "qwen3_moe", _ep_cfg(zero), batches)
     check_runs([(r[0], r[1], None) for r in results], *reference("qwen3_moe", batches, dp=2))
+
+
+def _rows(engine, b: dict) -> dict:
+    per = ROWS // engine.mesh.dp
+    return {k: v[engine.mesh.dp_rank * per:(engine.mesh.dp_rank + 1) * per] for k, v in b.items()}
+
+
+def _save(rank, cfg, path):
+    engine = bunsan.initialize(tiny("qwen3_moe"), cfg)
+    batches = data()
+    for b in batches[:-1]:
+        engine.train_batch(_rows(engine, b))
+    engine.save_checkpoint(path)
+    return engine.train_batch(_rows(engine, batches[-1])), engine.consolidated_state_dict()
+
+
+def _resume(rank, cfg, path):
+    model = tiny("qwen3_moe")
+    with torch.no_grad():
+        for p in model.parameters():        # other weights: the checkpoint must replace every one
+            p.add_(0.5)
+    engine = bunsan.initialize(model, cfg)
+    engine.load_checkpoint(path)
+    return engine.train_batch(_rows(engine, data()[-1])), engine.consolidated_state_dict()
+
+
+@pytest.mark.parametrize("save_ep, load_ep", [(2, 1), (1, 2)], ids=["ep2->ep1", "ep1->ep2"])
+def test_a_checkpoint_of_packed_experts_resumes_at_another_expert_parallel_size(pools, tmp_path, save_ep, load_ep):
+    def cfg(ep: int) -> dict:
+        return {**_ep_cfg(1), "expert_parallel": {"enabled": ep > 1, "autoep_size": ep}}
+    path = str(tmp_path / "ckpt")
+    want_loss, want_state = pools.run(2, _save, cfg(save_ep), path)[0]
+    for loss, state in pools.run(2, _resume, cfg(load_ep), path):
+        assert loss == pytest.approx(want_loss, rel=1e-6)
+        for key, want in want_state.items():
+            torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6, msg=key)
