@@ -41,10 +41,10 @@ FAMILIES = {
 }
 
 
-def tiny(family: str):
+def tiny(family: str, **changes):
     config_cls, model_cls, moe = FAMILIES[family]
     torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **moe))
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **(moe | changes)))
     gate = model.model.layers[-1].mlp.gate
     if hasattr(gate, "e_score_correction_bias"):    # a bias that picks experts, as a trained model has
         gate.e_score_correction_bias.copy_(torch.linspace(-0.5, 0.5, gate.e_score_correction_bias.numel()))
@@ -57,10 +57,10 @@ def data() -> list[dict]:
             for _ in range(STEPS)]
 
 
-def reference(family: str, batches: list[dict], dp: int = 1):
+def reference(family: str, batches: list[dict], dp: int = 1, **changes):
     """The plain loop; `dp` > 1: the auxiliary loss as bunsan's data-parallel ranks add it, the mean of each
     rank's rows' (the balancing loss of a batch is not the mean of its halves')."""
-    model = tiny(family)
+    model = tiny(family, **changes)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     coef = getattr(model.config, "router_aux_loss_coef", 0.0)
     losses = []
@@ -140,8 +140,8 @@ def test_pipeline_stages_refuse_a_router_loss_they_cannot_carry(pools):
 
 
 # -- expert parallelism by the model's ep_plan (expert_parallel/hf_experts.py) --------------------------------
-def _train_ep(rank, family, cfg, batches):
-    engine = bunsan.initialize(tiny(family), cfg)
+def _train_ep(rank, family, cfg, batches, changes=None):
+    engine = bunsan.initialize(tiny(family, **(changes or {})), cfg)
     dp, dp_rank = engine.mesh.dp, engine.mesh.dp_rank
     per = ROWS // dp
     losses = [engine.train_batch({k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in b.items()})
@@ -205,3 +205,24 @@ def test_a_checkpoint_of_packed_experts_resumes_at_another_expert_parallel_size(
         assert loss == pytest.approx(want_loss, rel=1e-6)
         for key, want in want_state.items():
             torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_ep2_x_tp2_on_four_ranks(pools, family):
+    """Each expert cut both ways: over the expert group by expert, over the tensor group by width."""
+    batches = data()
+    cfg = {**_ep_cfg(1), "tensor_parallel": {"size": 2}}
+    results = pools.run(4, _train_ep, family, cfg, batches)
+    check_runs([(r[0], r[1], None) for r in results], *reference(family, batches, dp=2))
+    for held in (r[2] for r in results):          # 2 of the 4 experts, at half their width
+        assert held and all(shape[:2] == (2, 24) for shape in held.values()), held
+
+
+def test_ep2_x_pp2_on_four_ranks(pools):
+    """Each stage's experts split over its expert group, the micro-batches through the stages (a model that
+    leaves its router's loss out: the last stage's output carries logits only)."""
+    batches = data()
+    cfg = {**_ep_cfg(1), "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2}
+    changes = {"output_router_logits": False, "mlp_only_layers": []}
+    results = pools.run(4, _train_ep, "qwen3_moe", cfg, batches, changes)
+    check_runs([(r[0], r[1], None) for r in results], *reference("qwen3_moe", batches, **changes))

@@ -12,7 +12,8 @@ hooks around it dispatch its call (hidden_states [T, h], top_k_index [T, k], top
     hook       the outputs back by all-to-all, weighted by the routing weights, summed per token
 
 so the routing weights' gradient and the rows' gradient come back through the same all-to-alls. A rank (or an
-expert) that receives no rows still takes part in every collective.
+expert) that receives no rows still takes part in every collective. With tensor parallelism each rank slices the
+experts its width share was cut to (checkpoints refuse the two cuts at once, as for bunsan's blocks).
 """
 from __future__ import annotations
 
@@ -36,16 +37,16 @@ def hf_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     patterns = [p for p, style in plan.items() if style == "ep_dispatch_experts"]
     if not patterns:
         return []
-    prefix = f"{model.base_model_prefix}." if getattr(model, model.base_model_prefix, None) is not model else ""
-    return [(n, m) for n, m in model.named_modules()
-            if any(fnmatch.fnmatchcase(n, prefix + p) for p in patterns)]
+    base = getattr(model, "base_model_prefix", None)
+    if base is not None:        # the plan's paths are under the base model
+        patterns = [f"{base}.{p}" if getattr(model, base, None) is not model else p for p in patterns]
+    else:                       # a pipeline stage of the model: its modules keep the whole model's names
+        patterns = [f"*.{p}" for p in patterns] + patterns
+    return [(n, m) for n, m in model.named_modules() if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
 def shard_hf_experts(experts: nn.Module, name: str, comm: Comm, group: Group) -> None:
     """Keep this rank's E/ep experts of `experts` and dispatch its calls over `group` (module docstring)."""
-    if getattr(experts, "tp_split", None):
-        raise ValueError(f"{name}: expert and tensor parallelism at once on a transformers MoE model is not "
-                         "built; use one of the two (tensor parallelism splits every expert's width)")
     extra = sorted(n for n, _ in experts.named_parameters(recurse=False) if n not in WEIGHTS)
     if extra or not all(isinstance(getattr(experts, w, None), nn.Parameter) for w in WEIGHTS):
         raise ValueError(f"{name} ({type(experts).__name__}) is not packed experts of gate_up_proj and down_proj "
@@ -89,6 +90,9 @@ def shard_hf_experts(experts: nn.Module, name: str, comm: Comm, group: Group) ->
         weighted = returned * weights.to(returned.dtype).unsqueeze(-1)
         return returned.new_zeros((tokens, returned.shape[1])).index_add(0, token, weighted)
 
-    experts.register_forward_pre_hook(dispatch, with_kwargs=True)
+    # Under tensor parallelism too (tensor_parallel/hf_moe.py, applied before), the dispatch runs first and the
+    # combine last: the tensor-parallel hooks then see the received rows (their gradient summed over the group)
+    # and the partial outputs of them (summed), and the routing weights apply after that sum, whole
+    experts.register_forward_pre_hook(dispatch, with_kwargs=True, prepend=True)
     experts.register_forward_hook(combine)
 
