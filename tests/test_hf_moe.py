@@ -41,13 +41,16 @@ FAMILIES = {
 }
 
 
-def tiny(family: str, **changes):
+def tiny(family: str, starved: tuple = (), **changes):
+    """The family's tiny model; `starved`: experts DeepSeek-V3's selection bias keeps every token from."""
     config_cls, model_cls, moe = FAMILIES[family]
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**COMMON, **(moe | changes)))
     gate = model.model.layers[-1].mlp.gate
     if hasattr(gate, "e_score_correction_bias"):    # a bias that picks experts, as a trained model has
-        gate.e_score_correction_bias.copy_(torch.linspace(-0.5, 0.5, gate.e_score_correction_bias.numel()))
+        bias = torch.linspace(-0.5, 0.5, gate.e_score_correction_bias.numel())
+        bias[list(starved)] = -100.0
+        gate.e_score_correction_bias.copy_(bias)
     return model
 
 
@@ -226,3 +229,16 @@ def test_ep2_x_pp2_on_four_ranks(pools):
     changes = {"output_router_logits": False, "mlp_only_layers": []}
     results = pools.run(4, _train_ep, "qwen3_moe", cfg, batches, changes)
     check_runs([(r[0], r[1], None) for r in results], *reference("qwen3_moe", batches, **changes))
+
+
+def test_ep2_with_a_rank_whose_experts_no_token_chooses(pools):
+    """DeepSeek-V3's selection bias keeps every token from experts 2 and 3, rank 1's: it still takes part in every
+    all-to-all (nothing waits), and its experts' weights stay as they were."""
+    batches = data()
+    changes = {"starved": (2, 3)}
+    results = pools.run(2, _train_ep, "deepseek_v3", _ep_cfg(3), batches, changes)
+    ref_losses, ref_state = reference("deepseek_v3", batches, dp=2, **changes)
+    check_runs([(r[0], r[1], None) for r in results], ref_losses, ref_state)
+    start = tiny("deepseek_v3", **changes).state_dict()
+    key = "model.layers.1.mlp.experts.gate_up_proj"
+    assert torch.equal(ref_state[key][2:], start[key][2:]) and not torch.equal(ref_state[key][:2], start[key][:2])
