@@ -67,13 +67,14 @@ def moe_model(moe: dict, bias: list | None = None) -> Llama:
     return model
 
 
-def layout(dp=2, ep=2, stage=0, m=1, pp=1, cp=1, tp=1, sp=False, moe=None, bias=None, recompute=None):
+def layout(dp=2, ep=2, stage=0, m=1, pp=1, cp=1, tp=1, sp=False, moe=None, bias=None, recompute=None,
+           compile=False):
     cfg = {"train_micro_batch_size_per_gpu": ROWS // (dp * m), "gradient_accumulation_steps": m,
            "activation_checkpointing": {"mode": recompute or "none"},
            "zero_optimization": {"stage": stage, "reduce_bucket_size": 50_000},
            "pipeline": {"stages": pp}, "context_parallel": {"size": cp},
            "tensor_parallel": {"size": tp, "sequence_parallel": sp},
-           "expert_parallel": {"enabled": ep > 1, "autoep_size": ep}, "train": {"timeout_s": 60}}
+           "expert_parallel": {"enabled": ep > 1, "autoep_size": ep}, "train": {"timeout_s": 60, "compile": compile}}
     return dp * pp * cp * tp, sgd_no_clip(cfg), moe or MIXTRAL, bias
 
 
@@ -189,3 +190,18 @@ def test_tokens_cross_ranks_by_all_to_all(pools):
     world, cfg, moe, bias = CASES["dp2"]
     stats = pools.run(world, train, world, cfg, moe, bias)[0][3]["step"]
     assert not any(k.startswith("all_to_all") for k in stats)
+
+
+def test_compiled_blocks_with_the_experts_eager_train_as_uncompiled_ones_do(pools):
+    """train.compile: each block compiled, its experts (and under EP their all-to-all) run eagerly inside it. Inductor
+    fuses the rest its own way, so the compiled runs are held to each other (DP 2 and EP 2: the same compiled
+    graphs) and to the plain loop's first loss at inductor's tolerance."""
+    runs = {}
+    for name, ep in (("dp2", 1), ("ep2", 2)):
+        world, cfg, moe, bias = layout(ep=ep, compile=True)
+        runs[name] = pools.run(world, train, world, cfg, moe, bias)[0]
+    ref = reference(MIXTRAL, None, 2)
+    assert runs["dp2"][0][0] == pytest.approx(ref[0][0], rel=1e-4)
+    problem = compare_losses(runs["ep2"][0], runs["dp2"][0], what="ep2 vs dp2 compiled: ") or \
+        compare_states(runs["ep2"][1], runs["dp2"][1], what="ep2 vs dp2 compiled: ")
+    assert problem is None, problem

@@ -98,7 +98,6 @@ def test_a_meta_built_moe_llama_draws_what_a_seeded_one_does():
 @pytest.mark.parametrize("cfg, said", [
     ({"expert_parallel": {"enabled": True, "autoep_size": 2}, "tensor_parallel": {"size": 2},
       "checkpoint": {"dir": "ckpt"}}, "checkpoint.dir"),
-    ({"expert_parallel": {"enabled": True, "autoep_size": 2}, "train": {"compile": True}}, "train.compile"),
 ])
 def test_what_expert_parallelism_does_not_build_is_a_config_error(cfg, said):
     with pytest.raises(ConfigError) as info:

@@ -177,10 +177,6 @@ class Config(Section):
                                           f"tensor_parallel.size {self.tensor_parallel.size}: checkpoints of "
                                           "experts cut both ways are not built yet (the final weights are saved "
                                           "either way); remove checkpoint.dir or use one of the two"))
-        if ep > 1 and self.train.compile:
-            raise Rule(("train.compile", f"train.compile with expert_parallel.autoep_size {ep}: the token "
-                                         "all-to-all reads its sizes on the host, which breaks the compiled "
-                                         "graph; set train.compile to false or autoep_size 1"))
         return self
 
     @model_validator(mode="after")

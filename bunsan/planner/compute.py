@@ -101,8 +101,9 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
                            flash_efficiency(gpu, efficiency, chunk or s, keys or s, attention)
                            if attention in FLASH_KERNELS else efficiency, attention)
     hidden_tokens = tokens / (t if layout.sequence_parallel else 1)
-    if compiled:
-        passes = K.HIDDEN_PASSES * hidden_tokens * h + K.MLP_ACT_PASSES * act
+    if compiled:        # (a MoE block's experts run eagerly inside the compiled block: transforms/compile.py)
+        passes = K.HIDDEN_PASSES * hidden_tokens * h + \
+            (K.MLP_ACT_PASSES if model.moe is None else K.EAGER_MLP_ACT_PASSES) * act
     else:       # (rotary runs on the rank's q and k heads, split by tp whatever sequence parallelism does)
         passes = (K.EAGER_HIDDEN_PASSES * hidden_tokens * h + K.EAGER_ROPE_PASSES * tokens * (heads + kv) * d / t
                   + K.EAGER_MLP_ACT_PASSES * act)

@@ -29,8 +29,7 @@ RULES = {
     "pp_accum": ("micro-batch sizes", "a pipeline needs at least as many micro-batches as stages"),
     "schedule": ("micro-batch sizes", "a pipeline schedule searched must run the micro-batches"),
     "sp": ("meshes", "sequence parallelism needs tp > 1 dividing each rank's tokens"),
-    "ep": ("expert-parallel sizes", "ep must divide the dp x cp ranks it folds over and the experts, and the engine "
-                                    "runs it without train.compile"),
+    "ep": ("expert-parallel sizes", "ep must divide the dp x cp ranks it folds over and the experts"),
     "offload": ("ZeRO stages", "on one data-parallel rank a ZeRO stage is searched only to offload"),
     "memory": ("layouts", "the peak must be within GPU memory (margin.py)"),
     "host_memory": ("layouts", "offloaded states must fit the host memory per node (--host-memory)"),

@@ -161,7 +161,7 @@ def plan(model, gpus: int, gpu_memory: float | None = None, *, gpu: str | GPU = 
 
     fits, considered, too_big, smallest, rejected = [], 0, 0, None, Rejected()
     candidates = itertools.chain.from_iterable(layouts(shape, gpus, per_node, seq, batch, p, optimizer, space,
-                                                       rejected, compiled) for p in precisions)
+                                                       rejected) for p in precisions)
     for lay in candidates:
         considered += 1
         if progress is not None and considered % PROGRESS_EVERY == 0:

@@ -197,11 +197,9 @@ def cp_sizes(shape: ModelShape, gpus: int, tp: int, seq_len: int, space: Space,
     return out
 
 
-def ep_sizes(shape: ModelShape, folded: int, space: Space, compiled: bool = False,
-             rejected: Rejected | None = None) -> list[int]:
+def ep_sizes(shape: ModelShape, folded: int, space: Space, rejected: Rejected | None = None) -> list[int]:
     """Expert-parallel sizes for a MoE Llama over `folded` = dp x cp ranks: the space's (else every one) that
-    divide both the folded ranks and the experts; 1 for a dense model. The engine refuses expert parallelism
-    under train.compile, so a compiled search keeps ep 1."""
+    divide both the folded ranks and the experts; 1 for a dense model."""
     moe = shape.llama.moe_config() if shape.llama is not None else None
     if moe is None:
         return [1]
@@ -210,8 +208,6 @@ def ep_sizes(shape: ModelShape, folded: int, space: Space, compiled: bool = Fals
         if folded % e or moe.num_experts % e:
             why = f"ep {e} does not divide " + (f"the {folded} dp x cp ranks it folds over" if folded % e
                                                 else f"the {moe.num_experts} experts")
-        elif e > 1 and compiled:
-            why = f"ep {e} under train.compile, which the engine refuses with expert parallelism"
         else:
             out.append(e)
             continue
@@ -221,10 +217,9 @@ def ep_sizes(shape: ModelShape, folded: int, space: Space, compiled: bool = Fals
 
 
 def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, global_batch: int,
-            precision: str, optimizer: str = "AdamW", space: Space | None = None, rejected: Rejected | None = None,
-            compiled: bool = False):
+            precision: str, optimizer: str = "AdamW", space: Space | None = None, rejected: Rejected | None = None):
     """Every layout worth pricing in `space` (bunsan can run each one); what is ruled out is counted in
-    `rejected` by the rule that ruled it out (rejected.py). `compiled`: the run sets train.compile."""
+    `rejected` by the rule that ruled it out (rejected.py)."""
     space = space or Space()
     moe = shape.llama is not None and shape.llama.moe is not None
     # (selective recompute of a MoE block is not priced: estimator/recompute.py)
@@ -263,7 +258,7 @@ def layouts(shape: ModelShape, gpus: int, gpus_per_node: int, seq_len: int, glob
                 if not schedules:
                     no.add("schedule", (tp, cp, pp, mb), f"schedules {space.schedules} with {accum} micro-batches "
                                                          f"over {mesh}")
-                eps = ep_sizes(shape, dp * cp, space, compiled, no)
+                eps = ep_sizes(shape, dp * cp, space, no)
                 for (sched, v), ckpt, zero, sp, ep in itertools.product(schedules, recompute, space.zero, sps, eps):
                     gathers = space.pipeline_gather if zero == 3 and pp > 1 else ("micro_batch",)
                     offloads = _offloads(zero, dp * cp, space)
