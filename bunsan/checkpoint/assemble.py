@@ -61,8 +61,9 @@ def _target_tensor(reader: Reader, t: Local, kind: str, pieces: list[dict]) -> t
     local = torch.zeros(t.local_shape, dtype=dtype)
     sources = list(_rebuild(pieces, reader, dtype).values())
     # a fused projection split by sections on either side: both placed in the view with sections as a dimension
-    sections = max([t.sections] + [src.sections for src, _ in sources])
-    place = (lambda x: x.viewed(sections)) if sections > 1 else (lambda x: x)
+    sectioned = [x for x in [t] + [src for src, _ in sources] if x.sections > 1]
+    sections, dim = (sectioned[0].sections, sectioned[0].tp_dim) if sectioned else (1, None)
+    place = (lambda x: x.viewed(sections, dim)) if sections > 1 else (lambda x: x)
     try:
         target, sources = place(t), [(place(src), flat) for src, flat in sources]
     except ValueError as e:

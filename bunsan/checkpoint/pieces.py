@@ -7,9 +7,10 @@ along `tp_dim` starting at global index `start` (vocabulary slices are padded at
 local tensor, flattened, it steps the elements [lo, hi): ZeRO's fragments, or all of it.
 
 A piece records exactly that: name, kind, global shape, local shape, tp_dim, start, [lo, hi). A fused
-projection's slice (layers.split_sections) records its `sections` too: the global tensor is that many equal
-blocks along tp_dim, and the local tensor holds rows [start, start + rows) of each; `viewed` places it as a
-plain slice of the global tensor viewed with the blocks as a dimension of their own.
+projection's slice (layers.split_sections; a transformers MoE's gate and up packed along dim 1) records its
+`sections` too: the global tensor is that many equal blocks along tp_dim, and the local tensor holds rows
+[start, start + rows) of each; `viewed` places it as a plain slice of the global tensor viewed with the blocks as
+a dimension of their own.
 Writers are chosen so every element is written once: data-parallel replicas (stage 0) write from
 dp rank 0, tensor-parallel replicas (norms) from tp rank 0, a weight tied across pipeline stages
 from the stage that owns it.
@@ -44,22 +45,22 @@ class Local:
         k = self.sections
         return max(0, min(self.local_shape[self.tp_dim] // k, self.global_shape[self.tp_dim] // k - self.start))
 
-    def viewed(self, sections: int) -> Local:
-        """The same elements with the global tensor's dim 0 (a fused projection's rows) as [sections, rows /
-        sections]: a whole tensor stays whole, a sectioned slice becomes a plain slice along dim 1."""
+    def viewed(self, sections: int, dim: int) -> Local:
+        """The same elements with the global tensor's `dim` (a fused projection's rows) as [sections, rows /
+        sections]: a whole tensor stays whole, a sectioned slice becomes a plain slice along dim + 1."""
         def split(shape):
-            return (sections, shape[0] // sections, *shape[1:])
+            return (*shape[:dim], sections, shape[dim] // sections, *shape[dim + 1:])
         if self.tp_dim is None:
             return Local(self.name, split(self.global_shape), split(self.local_shape))
-        if self.sections != sections or self.tp_dim != 0:
+        if self.sections != sections or self.tp_dim != dim:
             raise ValueError(f"{self.name}: a slice along dim {self.tp_dim} in {self.sections} section(s) has no "
-                             f"view as {sections} sections")
-        return Local(self.name, split(self.global_shape), split(self.local_shape), 1, self.start)
+                             f"view as {sections} sections along dim {dim}")
+        return Local(self.name, split(self.global_shape), split(self.local_shape), dim + 1, self.start)
 
     def region(self) -> list[tuple[int, int]]:
         """Global [lo, hi) per dimension of the local tensor's real part (a sectioned slice: of its view)."""
         if self.sections > 1:
-            return self.viewed(self.sections).region()
+            return self.viewed(self.sections, self.tp_dim).region()
         out = [(0, n) for n in self.global_shape]
         if self.tp_dim is not None:
             out[self.tp_dim] = (self.start, self.start + self.valid)

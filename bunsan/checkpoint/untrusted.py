@@ -149,10 +149,10 @@ def _check_piece(p, files: dict, path: Path) -> None:
     if dim is not None and not (_count(dim) and dim < len(shape)):
         raise UntrustedError(f"{path}: piece {name!r} has tp_dim {str(dim)[:20]!r}, not a dimension of its shape")
     sections = p.get("sections", 1)
-    if sections != 1 and not (_count(sections) and sections > 1 and dim == 0 and shape[0] % sections == 0
-                              and local[0] % sections == 0):
+    if sections != 1 and not (_count(sections) and sections > 1 and dim is not None
+                              and shape[dim] % sections == 0 and local[dim] % sections == 0):
         raise UntrustedError(f"{path}: piece {name!r} has sections {str(sections)[:20]!r}, not a count > 1 of "
-                             "equal blocks of rows of a tensor split along dim 0; the checkpoint is damaged")
+                             "equal blocks along the dimension it is split on; the checkpoint is damaged")
     if not isinstance(p.get("key"), str) or not isinstance(p.get("kind"), str):
         raise UntrustedError(f"{path}: piece {name!r} has no key or kind; the checkpoint is damaged")
     if "opaque" in p and (p["kind"] in ("master", "frozen") or not isinstance(p["opaque"], list)
@@ -205,8 +205,10 @@ def _placements_tile(keys: list[tuple], shape: tuple, what: str) -> None:
         raise UntrustedError(f"{what}: pieces split along different dimensions; the checkpoint is damaged")
     dim, sections = dims.pop()
     if sections > 1:          # a fused projection's slices: each of its blocks of rows tiled alike (pieces.py)
-        shape = (shape[0] // sections, *shape[1:])
-        keys = [((local[0] // sections, *local[1:]), d, start, 1) for local, d, start, _ in keys]
+        def block(s):
+            return (*s[:dim], s[dim] // sections, *s[dim + 1:])
+        shape = block(shape)
+        keys = [(block(local), d, start, 1) for local, d, start, _ in keys]
     if dim is None:
         if len(keys) != 1 or keys[0][0] != shape:
             raise UntrustedError(f"{what}: whole-tensor pieces of shape {[list(k[0]) for k in keys]} for a tensor "
