@@ -146,12 +146,22 @@ def test_overlapping_pieces_are_refused(saved, capfd):
 
 @pytest.mark.parametrize("sections", [0, 2.5, "3", 7])
 def test_a_piece_with_sections_that_do_not_divide_its_rows_is_refused(saved, capfd, sections):
-    """`sections` (a fused projection's blocks of rows, pieces.py) must be a count > 1 dividing the rows of a
-    tensor split along dim 0: a whole tensor given sections, or a count that is not one, is damage."""
+    """`sections` (a fused projection's blocks of rows, pieces.py) must be a count > 1 dividing the rows of the
+    dim a tensor is split along: a whole tensor given sections, or a count that is not one, is damage."""
     d, _, _ = saved
     _rewrite(d, "global_step2", lambda m: m["pieces"][0].update(sections=sections))
     assert _load(d)[0] == "global_step1"
     assert "has sections" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("first", [-1, 1.5, 10 ** 9])
+def test_a_piece_with_a_run_of_experts_it_cannot_hold_is_refused(saved, capfd, first):
+    """`expert_start` (expert x tensor parallelism: the run of experts along dim 0, pieces.py) on a piece that is
+    not cut along another dim, or past its tensor's experts, is damage."""
+    d, _, _ = saved
+    _rewrite(d, "global_step2", lambda m: m["pieces"][0].update(expert_start=first))
+    assert _load(d)[0] == "global_step1"
+    assert "has expert_start" in capfd.readouterr().err
 
 
 def test_a_piece_named_like_a_path_is_refused(saved, capfd):

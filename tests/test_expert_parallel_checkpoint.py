@@ -1,5 +1,6 @@
 """Checkpoints under expert parallelism: resumed exactly on the same layout, and read by another expert-parallel
-size (EP 2 -> 1 -> 2, under ZeRO 1 and 3, and through pipeline stages); DeepSpeed's MoE layers' experts are
+size (EP 2 -> 1 -> 2, under ZeRO 1 and 3, through pipeline stages, and with tensor parallelism cutting every
+expert's width too); DeepSpeed's MoE layers' experts are
 saved by global index, so a model built with another ep_size reads them.
 
 Each case trains STEPS - 1 steps, saves, takes the last step; a fresh engine of the loading layout, built from
@@ -49,6 +50,9 @@ CASES = {   # name: (saving layout, loading layout)
     "ep1-zero2 -> ep2-zero3": (layout(ep=1, stage=2), layout(stage=3)),
     "ep2-zero3 -> ep2-zero0": (layout(stage=3), layout()),
     "ep2-pp2 -> ep1-pp2": (layout(pp=2, m=2), layout(ep=1, pp=2, m=2)),
+    # each expert cut both ways: its run of experts (dim 0) and its width (tensor parallelism)
+    "ep2-tp2-zero1 -> ep1": (layout(tp=2, stage=1), layout(ep=1)),
+    "ep1-tp2 -> ep2-tp2-zero3": (layout(ep=1, tp=2), layout(tp=2, stage=3)),
 }
 
 

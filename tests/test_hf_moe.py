@@ -260,3 +260,14 @@ def test_a_checkpoint_of_width_split_experts_resumes_at_another_tensor_parallel_
         assert loss == pytest.approx(want_loss, rel=1e-6)
         for key, want in want_state.items():
             torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_checkpoint_of_experts_cut_both_ways_resumes_on_data_parallel_ranks(pools, tmp_path):
+    """EP 2 x TP 2 (each rank a run of experts at half their width) saved, read back on DP 2."""
+    path = str(tmp_path / "ckpt")
+    both = {**_ep_cfg(1), "tensor_parallel": {"size": 2}}
+    want_loss, want_state = pools.run(4, _save, both, path)[0]
+    for loss, state in pools.run(2, _resume, {**_ep_cfg(1), "expert_parallel": {"enabled": False}}, path):
+        assert loss == pytest.approx(want_loss, rel=1e-6)
+        for key, want in want_state.items():
+            torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6, msg=key)

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import bunsan
-from bunsan.config.errors import ConfigError
 from bunsan.config.root import Config
 from bunsan.models.hf import load_llama, read_config, save_llama
 from bunsan.models.llama import Llama, LlamaConfig
@@ -94,17 +93,6 @@ def test_a_meta_built_moe_llama_draws_what_a_seeded_one_does():
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
-# -- refused before any work -------------------------------------------------------------------------------
-@pytest.mark.parametrize("cfg, said", [
-    ({"expert_parallel": {"enabled": True, "autoep_size": 2}, "tensor_parallel": {"size": 2},
-      "checkpoint": {"dir": "ckpt"}}, "checkpoint.dir"),
-])
-def test_what_expert_parallelism_does_not_build_is_a_config_error(cfg, said):
-    with pytest.raises(ConfigError) as info:
-        Config.load(cfg)
-    assert said in str(info.value) and "autoep_size" in str(info.value)
-
-
 def _initialize(rank: int, cfg: dict, moe: dict | None):
     config = get_preset("tiny").replace(num_hidden_layers=2, moe=moe)
     try:
@@ -140,23 +128,6 @@ def test_an_expert_parallel_size_that_does_not_divide_the_data_parallel_ranks_is
     cfg = {"expert_parallel": {"enabled": True, "autoep_size": 4}, "train_micro_batch_size_per_gpu": 2}
     said = pools.run(2, _initialize_world, cfg)
     assert all("expert parallel size 4 does not divide the 2 data-parallel ranks" in s for s in said), said
-
-
-def _save_under_ep_tp(rank: int, path: str):
-    cfg = {**EP2, "tensor_parallel": {"size": 2}, "train_micro_batch_size_per_gpu": 1}
-    engine = bunsan.initialize(Llama(get_preset("tiny").replace(num_hidden_layers=2, moe=TINY_MOE)), cfg)
-    try:
-        engine.save_checkpoint(path)
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def test_a_checkpoint_under_expert_and_tensor_parallelism_is_refused_not_half_written(pools, tmp_path):
-    """(Checkpoints under EP alone: tests/test_expert_parallel_checkpoint.py.)"""
-    said = pools.run(4, _save_under_ep_tp, str(tmp_path / "ckpt"))
-    assert all("not built yet" in s for s in said), said
-    assert not (tmp_path / "ckpt").exists()
 
 
 # -- the command -------------------------------------------------------------------------------------------

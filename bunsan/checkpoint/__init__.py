@@ -29,14 +29,6 @@ from bunsan.optim.lrs import gathered_lrs
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint"]
 
 
-def _refuse_expert_parallel(engine, what: str) -> None:
-    if engine.mesh.ep > 1 and engine.mesh.tp > 1:
-        raise ValueError(f"cannot {what} a checkpoint under expert parallelism x tensor parallelism "
-                         f"(autoep_size {engine.mesh.ep}, tensor_parallel.size {engine.mesh.tp}): each expert is cut "
-                         "two ways and a checkpoint piece places one cut (not built yet); the final weights are "
-                         "saved either way; save under one of the two")
-
-
 def _barrier(engine) -> None:
     engine.comm.all_reduce_scalars([0.0], engine.mesh.world)
 
@@ -86,7 +78,6 @@ def _rank_state(engine) -> tuple[dict, dict]:
 def save_checkpoint(engine, save_dir, tag: str | float | None = None, client_state: dict | None = None,
                     keep_last: int | None = None) -> Path:
     """Every rank calls it. Returns the checkpoint directory (ROOT/tag)."""
-    _refuse_expert_parallel(engine, "save")
     root = Path(save_dir)
     tag = _agreed_tag(engine, store.tag_for(engine.global_step) if tag is None else tag)
     if tag == "latest":
@@ -271,7 +262,6 @@ def _reader_for(engine, root: Path, tag: str, meta: dict) -> store.Reader:
 def load_checkpoint(engine, load_dir, tag: str | None = None, load_optimizer_states: bool = True):
     """Every rank calls it. Returns (checkpoint path, client_state), as DeepSpeed does. A damaged checkpoint
     is refused (naming the file) and the previous complete one loaded instead."""
-    _refuse_expert_parallel(engine, "load")
     root = Path(load_dir)
     tags = store.candidates(root, tag)
     if not tags:
@@ -368,7 +358,7 @@ class _StateLoader:
 def _same_place(p: dict, t) -> bool:
     """The piece was cut from a local tensor placed as t's (same tensor-parallel slice)."""
     return tuple(p["local_shape"]) == t.local_shape and p["start"] == t.start and p["tp_dim"] == t.tp_dim \
-        and p.get("sections", 1) == t.sections
+        and p.get("sections", 1) == t.sections and p.get("expert_start") == t.expert_start
 
 
 def _load_state(reader, t, kind, lo, hi, state, piece: dict) -> None:

@@ -20,7 +20,7 @@ from bunsan.checkpoint.store import CheckpointError, Reader
 
 def _same_place(p: dict, t: Local) -> bool:
     return tuple(p["local_shape"]) == t.local_shape and p["tp_dim"] == t.tp_dim and p["start"] == t.start \
-        and p.get("sections", 1) == t.sections
+        and p.get("sections", 1) == t.sections and p.get("expert_start") == t.expert_start
 
 
 def _check_shape(pieces: list[dict], t: Local, kind: str) -> None:
@@ -45,7 +45,7 @@ def _rebuild(pieces: list[dict], reader: Reader, dtype: torch.dtype) -> dict[tup
     """Every source local tensor, whole, keyed by its placement."""
     out: dict[tuple, tuple[Local, torch.Tensor]] = {}
     for p in pieces:
-        key = (tuple(p["local_shape"]), p["tp_dim"], p["start"], p.get("sections", 1))
+        key = (tuple(p["local_shape"]), p["tp_dim"], p["start"], p.get("sections", 1), p.get("expert_start"))
         if key not in out:
             src = Local(p["name"], tuple(p["shape"]), *key)
             out[key] = (src, torch.zeros(math.prod(key[0]), dtype=dtype))

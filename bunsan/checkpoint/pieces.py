@@ -10,7 +10,8 @@ A piece records exactly that: name, kind, global shape, local shape, tp_dim, sta
 projection's slice (layers.split_sections; a transformers MoE's gate and up packed along dim 1) records its
 `sections` too: the global tensor is that many equal blocks along tp_dim, and the local tensor holds rows
 [start, start + rows) of each; `viewed` places it as a plain slice of the global tensor viewed with the blocks as
-a dimension of their own.
+a dimension of their own. Under expert and tensor parallelism at once an expert weight is cut twice: its run of
+whole experts along dim 0 from `expert_start`, and its tensor-parallel slice along tp_dim (>= 1).
 Writers are chosen so every element is written once: data-parallel replicas (stage 0) write from
 dp rank 0, tensor-parallel replicas (norms) from tp rank 0, a weight tied across pipeline stages
 from the stage that owns it.
@@ -36,6 +37,7 @@ class Local:
     tp_dim: int | None = None
     start: int = 0
     sections: int = 1
+    expert_start: int | None = None     # expert x tensor parallelism: the first expert (dim 0) held here
 
     @property
     def valid(self) -> int:
@@ -52,10 +54,11 @@ class Local:
             return (*shape[:dim], sections, shape[dim] // sections, *shape[dim + 1:])
         if self.tp_dim is None:
             return Local(self.name, split(self.global_shape), split(self.local_shape))
-        if self.sections != sections or self.tp_dim != dim:
+        if self.sections != sections or self.tp_dim != dim or (dim == 0 and self.expert_start is not None):
             raise ValueError(f"{self.name}: a slice along dim {self.tp_dim} in {self.sections} section(s) has no "
                              f"view as {sections} sections along dim {dim}")
-        return Local(self.name, split(self.global_shape), split(self.local_shape), dim + 1, self.start)
+        return Local(self.name, split(self.global_shape), split(self.local_shape), dim + 1, self.start,
+                     expert_start=self.expert_start)
 
     def region(self) -> list[tuple[int, int]]:
         """Global [lo, hi) per dimension of the local tensor's real part (a sectioned slice: of its view)."""
@@ -64,35 +67,37 @@ class Local:
         out = [(0, n) for n in self.global_shape]
         if self.tp_dim is not None:
             out[self.tp_dim] = (self.start, self.start + self.valid)
+        if self.expert_start is not None:
+            out[0] = (self.expert_start, self.expert_start + self.local_shape[0])
         return out
 
     def to_json(self) -> dict:
         return {"name": self.name, "shape": list(self.global_shape), "local_shape": list(self.local_shape),
                 "tp_dim": self.tp_dim, "start": self.start, **({"sections": self.sections} if self.sections > 1
-                                                                else {})}
+                                                                else {}),
+                **({"expert_start": self.expert_start} if self.expert_start is not None else {})}
 
     @classmethod
     def from_json(cls, d: dict) -> Local:
         return cls(d["name"], tuple(d["shape"]), tuple(d["local_shape"]), d["tp_dim"], d["start"],
-                   d.get("sections", 1))
+                   d.get("sections", 1), d.get("expert_start"))
 
 
 def _tp_place(module: nn.Module, param: torch.Tensor, local_shape: tuple,
-              tp_rank: int) -> tuple[tuple[int, ...], int | None, int, int]:
-    """(global shape, tp_dim, start, sections) of a parameter of `module` whose local shape is `local_shape`."""
+              tp_rank: int) -> tuple[tuple[int, ...], int | None, int, int, int | None]:
+    """(global shape, tp_dim, start, sections, expert_start) of a parameter of `module` whose local shape is
+    `local_shape`."""
     attr = next((n for n, q in module._parameters.items() if q is param), None)
     split = getattr(module, "tp_split", {}).get(attr)
     experts = getattr(module, "ep_split", {}).get(attr)    # expert parallelism: a run of whole experts (dim 0)
-    if experts is not None:
-        if split is not None:
-            raise ValueError(f"{attr} of {type(module).__name__} is cut by expert and tensor parallelism at once; "
-                             "a checkpoint piece places one cut: save under one of the two")
-        return tuple(experts), 0, module.first, 1
+    if experts is not None and split is None:
+        return tuple(experts), 0, module.first, 1, None
     if split is None:
-        return tuple(local_shape), None, 0, 1
-    full_shape, dim = split
+        return tuple(local_shape), None, 0, 1, None
+    full_shape, dim = split           # (tensor parallelism cut first: its full shape has every expert)
     sections = tp_sections_of(module, attr)
-    return tuple(full_shape), dim, tp_rank * local_shape[dim] // sections, sections
+    expert_start = module.first if experts is not None else None
+    return tuple(full_shape), dim, tp_rank * local_shape[dim] // sections, sections, expert_start
 
 
 def locals_of(engine) -> tuple[list[Local], list[bool]]:
@@ -111,8 +116,8 @@ def locals_of(engine) -> tuple[list[Local], list[bool]]:
         name = names[id(p)]
         owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
         local_shape = tuple(shapes[i])
-        shape, dim, start, sections = _tp_place(owner, p, local_shape, mesh.tp_rank)
-        out.append(Local(canonical.get(name, name), shape, local_shape, dim, start, sections))
+        shape, dim, start, sections, expert_start = _tp_place(owner, p, local_shape, mesh.tp_rank)
+        out.append(Local(canonical.get(name, name), shape, local_shape, dim, start, sections, expert_start))
         replicated_tp = dim is None and mesh.tp > 1
         writes.append(name not in duplicates and not (replicated_tp and mesh.tp_rank != 0))
     return out, writes
@@ -131,8 +136,8 @@ def frozen_of(engine) -> list[tuple[Local, int, torch.Tensor, bool]]:
 
     def local(name, p, shape):
         owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
-        full, dim, start, sections = _tp_place(owner, p, shape, mesh.tp_rank)
-        return Local(canonical.get(name, name), full, shape, dim, start, sections)
+        full, dim, start, sections, expert_start = _tp_place(owner, p, shape, mesh.tp_rank)
+        return Local(canonical.get(name, name), full, shape, dim, start, sections, expert_start)
 
     if sharded is not None:
         for i, lo, part in sharded.fragments():

@@ -153,6 +153,10 @@ def _check_piece(p, files: dict, path: Path) -> None:
                               and shape[dim] % sections == 0 and local[dim] % sections == 0):
         raise UntrustedError(f"{path}: piece {name!r} has sections {str(sections)[:20]!r}, not a count > 1 of "
                              "equal blocks along the dimension it is split on; the checkpoint is damaged")
+    first = p.get("expert_start")
+    if first is not None and not (_count(first) and dim is not None and dim >= 1 and first + local[0] <= shape[0]):
+        raise UntrustedError(f"{path}: piece {name!r} has expert_start {str(first)[:20]!r}, not a run of experts "
+                             "within its dim 0 beside a tensor-parallel cut along another; the checkpoint is damaged")
     if not isinstance(p.get("key"), str) or not isinstance(p.get("kind"), str):
         raise UntrustedError(f"{path}: piece {name!r} has no key or kind; the checkpoint is damaged")
     if "opaque" in p and (p["kind"] in ("master", "frozen") or not isinstance(p["opaque"], list)
@@ -179,11 +183,35 @@ def check_pieces(by_key: dict, where: Path) -> None:
                                  "the checkpoint is damaged")
         placements: dict[tuple, list[tuple[int, int]]] = {}
         for p in pieces:
-            key = (tuple(p["local_shape"]), p.get("tp_dim"), p.get("start", 0), p.get("sections", 1))
+            key = (tuple(p["local_shape"]), p.get("tp_dim"), p.get("start", 0), p.get("sections", 1),
+                   p.get("expert_start"))
             placements.setdefault(key, []).append((p["lo"], p["hi"]))
         for (local_shape, *_), ranges in placements.items():
             _tiles(sorted(ranges), math.prod(local_shape), f"{where}: {kind} of {name!r}")
-        _placements_tile(list(placements), shapes.pop(), f"{where}: {kind} of {name!r}")
+        _expert_runs_tile(list(placements), shapes.pop(), f"{where}: {kind} of {name!r}")
+
+
+def _expert_runs_tile(keys: list[tuple], shape: tuple, what: str) -> None:
+    """The placements tile the tensor: each run of experts (expert x tensor parallelism) tiled along its
+    tensor-parallel dim, and the runs along dim 0; else the tensor-parallel slices alone."""
+    runs: dict = {}
+    for *key, first in keys:
+        runs.setdefault(first, []).append(tuple(key))
+    if None in runs and len(runs) > 1:
+        raise UntrustedError(f"{what}: pieces with and without a run of experts; the checkpoint is damaged")
+    if None in runs:
+        _placements_tile(runs[None], shape, what)
+        return
+    end = 0
+    for first in sorted(runs):
+        rows = {k[0][0] for k in runs[first]}
+        if first != end or len(rows) != 1:
+            raise UntrustedError(f"{what}: runs of experts do not follow each other along dim 0; the checkpoint "
+                                 "is damaged")
+        end = first + rows.pop()
+        _placements_tile(runs[first], (end - first, *shape[1:]), what)
+    if end != shape[0]:
+        raise UntrustedError(f"{what}: runs of experts cover {end} of {shape[0]}; refusing it")
 
 
 def _tiles(ranges: list[tuple[int, int]], total: int, what: str) -> None:

@@ -170,16 +170,6 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _expert_parallel(self) -> Config:
-        ep = self.expert_parallel.size
-        if ep > 1 and self.checkpoint.dir and self.tensor_parallel.size > 1:
-            raise Rule(("checkpoint.dir", f"checkpoint.dir with expert_parallel.autoep_size {ep} and "
-                                          f"tensor_parallel.size {self.tensor_parallel.size}: checkpoints of "
-                                          "experts cut both ways are not built yet (the final weights are saved "
-                                          "either way); remove checkpoint.dir or use one of the two"))
-        return self
-
-    @model_validator(mode="after")
     def _log_ignored(self) -> Config:
         log_ignored(self)  # DeepSpeed keys bunsan has no use for: said once, never silently accepted
         return self
