@@ -10,6 +10,7 @@ any of them (parameter names and state-dict keys stay those of the plain model).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 
@@ -26,7 +27,8 @@ from bunsan.config.root import Config
 from bunsan.context_parallel import CPContext, apply_context_parallel
 from bunsan.engine.engine import Engine
 from bunsan.engine.precision import model_dtype
-from bunsan.expert_parallel import EPContext, apply_expert_parallel, expert_parameter_names, expert_unit_classes
+from bunsan.expert_parallel import (EPContext, apply_expert_parallel, check_has_experts, expert_parameter_names,
+                                    expert_unit_classes)
 from bunsan.models.blocks import repeated_blocks
 from bunsan.models.llama import Llama
 from bunsan.optim.optimizers import optimizer_class, rebuild_over, restricted_to
@@ -75,6 +77,8 @@ def initialize(model: nn.Module | None = None, config=None, optimizer: torch.opt
     user_groups = optimizer_groups_by_name(optimizer, model, at.cfg)
     tp_plan = whole_model_plan(model, at, tp_plan)
     check_context_parallel(model, at)
+    if at.mesh.ep > 1:
+        check_has_experts(model, at.mesh.ep)
     model, pipe = cut_pipeline(model, at)
     add_lora(model, at.cfg)
     materialize(model, at)
@@ -245,12 +249,12 @@ def context_parallel(model: nn.Module, at: Placement) -> CPContext | None:
 
 def expert_parallel(model: nn.Module, at: Placement) -> EPContext | None:
     """Each MoE block keeps its share of the experts and reaches the rest by all-to-all over the mesh's
-    expert-parallel group (a pipeline stage: its own blocks')."""
+    expert-parallel group (a pipeline stage: its own blocks'; a stage of dense layers only has none to split, and
+    trains as data parallelism)."""
     if at.mesh.ep == 1:
         return None
     ctx = EPContext(at.comm, at.mesh.ep_group, at.mesh.edp_group)
-    apply_expert_parallel(model, ctx)
-    return ctx
+    return ctx if apply_expert_parallel(model, ctx) else None
 
 
 def recompute(model: nn.Module, cfg: Config, pipe) -> None:
@@ -314,13 +318,15 @@ def expert_split(model: nn.Module, at: Placement, optimizer, trainable: list, di
     # strategy's gather of the block around it
     expert_cfg = cfg.override({"zero_optimization.stage3_unit_modules": expert_unit_classes(model)}) \
         if cfg.zero_optimization.stage == 3 else cfg
-    parts = [make_strategy(ps, at.comm, group, c, at.device, restricted_to(optimizer, ps), model, dims)
+    # (each part's norm without the pipeline's sum, which the split adds once: zero/experts.py)
+    within = dataclasses.replace(dims, pp_group=None)
+    parts = [make_strategy(ps, at.comm, group, c, at.device, restricted_to(optimizer, ps), model, within)
              for ps, group, c in ((dense, mesh.grad_group, cfg), (experts, mesh.edp_group, expert_cfg))]
     # which of the user's groups each part's groups come from (a group with no member there is left out)
     user = optimizer.param_groups if optimizer is not None else [{"params": trainable}]
     held = [{id(p) for p in ps} for ps in (dense, experts)]
     sources = tuple([i for i, g in enumerate(user) if any(id(p) in ids for p in g["params"])] for ids in held)
-    return ExpertSplit(*parts, at.comm, mesh.ep_group, sources, len(user))
+    return ExpertSplit(*parts, at.comm, mesh.ep_group, sources, len(user), dims.pp_group)
 
 
 def other_dims(model: nn.Module, mesh: Mesh, tp, pipe) -> OtherDims:

@@ -167,11 +167,32 @@ def test_a_transformers_moe_under_ep2_matches_the_plain_loop(pools, family):
         assert held and all(shape[0] == 2 for shape in held.values()), held
 
 
-@pytest.mark.parametrize("zero", [1, 3])
-def test_ep2_with_zero(pools, zero):
+# the layouts beside EP 2 alone: (family, world, config changes, model changes), each case saying what it adds
+NO_AUX = {"output_router_logits": False}      # (a pipeline's last stage returns logits only)
+EP_LAYOUTS = {
+    "qwen3_moe ep2 zero1": ("qwen3_moe", 2, {"zero_optimization": {"stage": 1}}, {}),
+    # ZeRO-3 gathers each block's experts as a unit of the experts' own strategy
+    "mixtral ep2 zero3": ("mixtral", 2, {"zero_optimization": {"stage": 3}}, {}),
+    "qwen3_moe ep2 zero3": ("qwen3_moe", 2, {"zero_optimization": {"stage": 3}}, {}),
+    # each expert cut both ways (the dispatch outside the tensor-parallel hooks)
+    "mixtral ep2 tp2": ("mixtral", 4, {"tensor_parallel": {"size": 2}}, {}),
+    "qwen3_moe ep2 tp2": ("qwen3_moe", 4, {"tensor_parallel": {"size": 2}}, {}),
+    "deepseek_v3 ep2 tp2": ("deepseek_v3", 4, {"tensor_parallel": {"size": 2}}, {}),
+    # a stage's experts found by the plan's paths under the stage's names
+    "qwen3_moe ep2 pp2": ("qwen3_moe", 4, {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2},
+                          {**NO_AUX, "mlp_only_layers": []}),
+    # the first stage holds the dense layer only: no experts to split there
+    "deepseek_v3 ep2 pp2": ("deepseek_v3", 4, {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2}, {}),
+}
+
+
+@pytest.mark.parametrize("name", EP_LAYOUTS)
+def test_a_transformers_moe_on_expert_parallel_layouts_matches_the_plain_loop(pools, name):
+    family, world, changes, model_changes = EP_LAYOUTS[name]
     batches = data()
-    results = pools.run(2, _train_ep, "qwen3_moe", _ep_cfg(zero), batches)
-    check_runs([(r[0], r[1], None) for r in results], *reference("qwen3_moe", batches, dp=2))
+    results = pools.run(world, _train_ep, family, {**_ep_cfg(1), **changes}, batches, model_changes)
+    dp = world // changes.get("tensor_parallel", {}).get("size", 1) // changes.get("pipeline", {}).get("stages", 1)
+    check_runs([(r[0], r[1], None) for r in results], *reference(family, batches, dp=dp, **model_changes))
 
 
 def _rows(engine, b: dict) -> dict:
@@ -212,27 +233,6 @@ def test_a_checkpoint_of_packed_experts_resumes_at_another_expert_parallel_size(
         assert loss == pytest.approx(want_loss, rel=1e-6)
         for key, want in want_state.items():
             torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6, msg=key)
-
-
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
-def test_ep2_x_tp2_on_four_ranks(pools, family):
-    """Each expert cut both ways: over the expert group by expert, over the tensor group by width."""
-    batches = data()
-    cfg = {**_ep_cfg(1), "tensor_parallel": {"size": 2}}
-    results = pools.run(4, _train_ep, family, cfg, batches)
-    check_runs([(r[0], r[1], None) for r in results], *reference(family, batches, dp=2))
-    for held in (r[2] for r in results):          # 2 of the 4 experts, at half their width
-        assert held and all(shape[:2] == (2, 24) for shape in held.values()), held
-
-
-def test_ep2_x_pp2_on_four_ranks(pools):
-    """Each stage's experts split over its expert group, the micro-batches through the stages (a model that
-    leaves its router's loss out: the last stage's output carries logits only)."""
-    batches = data()
-    cfg = {**_ep_cfg(1), "pipeline": {"stages": 2}, "gradient_accumulation_steps": 2}
-    changes = {"output_router_logits": False, "mlp_only_layers": []}
-    results = pools.run(4, _train_ep, "qwen3_moe", cfg, batches, changes)
-    check_runs([(r[0], r[1], None) for r in results], *reference("qwen3_moe", batches, **changes))
 
 
 def test_ep2_with_a_rank_whose_experts_no_token_chooses(pools):

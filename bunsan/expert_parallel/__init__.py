@@ -26,7 +26,8 @@ from bunsan.expert_parallel.dispatch import ShardedExperts
 from bunsan.expert_parallel.hf_experts import hf_expert_modules, shard_hf_experts
 from bunsan.models.moe import MoE
 
-__all__ = ["EPContext", "ShardedExperts", "apply_expert_parallel", "consolidate", "expert_parameter_names",
+__all__ = ["EPContext", "ShardedExperts", "apply_expert_parallel", "check_has_experts", "consolidate",
+           "expert_parameter_names",
            "expert_unit_classes", "global_expert_names", "moe_blocks"]
 
 
@@ -51,10 +52,19 @@ def bound_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if callable(getattr(m, "bind_expert_parallel", None))]
 
 
+def check_has_experts(model: nn.Module, ep: int) -> None:
+    """A model without experts bunsan can split is refused (under EP its experts would train whole on every
+    rank); checked on the whole model before a pipeline cuts it (a stage may hold none)."""
+    if not (moe_blocks(model) or bound_layers(model) or hf_expert_modules(model)):
+        raise ValueError(f"expert_parallel.autoep_size {ep} but {type(model).__name__} has no bunsan MoE "
+                         "blocks (bunsan.models.moe.MoE) to split: expert parallelism acts on bunsan's Llama with "
+                         "model.moe set (e.g. the tiny-moe preset), on deepspeed.moe.layer.MoE layers and on a "
+                         "transformers MoE model's experts (its config's ep_plan); set expert_parallel.enabled false")
+
+
 def apply_expert_parallel(model: nn.Module, ctx: EPContext) -> int:
-    """Split every MoE block's experts over ctx.group and bind every layer that splits its own; how many. A
-    model with neither is refused: its experts (a transformers model's own) would be trained whole on every
-    rank."""
+    """Split every MoE block's experts over ctx.group and bind every layer that splits its own; how many (a
+    pipeline stage of dense layers only: none)."""
     blocks, layers, packed = moe_blocks(model), bound_layers(model), hf_expert_modules(model)
     for name, layer in layers:
         if layer.ep_size != ctx.size:
@@ -62,11 +72,6 @@ def apply_expert_parallel(model: nn.Module, ctx: EPContext) -> int:
                              f"is {ctx.size}; bunsan folds one expert-parallel size: give every layer the same "
                              "ep_size and set autoep_size to it")
         layer.bind_expert_parallel(ctx.comm, ctx.group)
-    if not blocks and not layers and not packed:
-        raise ValueError(f"expert_parallel.autoep_size {ctx.size} but {type(model).__name__} has no bunsan MoE "
-                         "blocks (bunsan.models.moe.MoE) to split: expert parallelism acts on bunsan's Llama with "
-                         "model.moe set (e.g. the tiny-moe preset), on deepspeed.moe.layer.MoE layers and on a "
-                         "transformers MoE model's experts (its config's ep_plan); set expert_parallel.enabled false")
     for name, experts in packed:
         shard_hf_experts(experts, name, ctx.comm, ctx.group)
     for _, block in blocks:

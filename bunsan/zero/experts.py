@@ -8,7 +8,9 @@ Both see the same loss: an expert's gradient on its rank already sums what every
 group sent it (the dispatch's all-to-all carries the gradients back), so summing over the expert's replicas
 sums over every rank, the same total the dense weights reach by summing over the gradient group; one
 unscale factor serves both. The gradient norm is the dense norm with the experts' added over the
-expert-parallel group (each rank there holds other experts). The optimizer the user built is split in two of
+expert-parallel group (each rank there holds other experts), then summed over the pipeline stages once, here: a
+stage of dense layers only (no experts, no split) sums its norm over the stages once too, so every stage takes
+part in the same collectives. The optimizer the user built is split in two of
 its class, with its hyperparameters per group; `optimizer` shows both as one for the learning-rate schedule.
 """
 from __future__ import annotations
@@ -53,10 +55,12 @@ class ExpertSplit(Strategy):
     """The dense weights' strategy and the experts' (see the module docstring), driven as one."""
 
     def __init__(self, dense: Strategy, experts: Strategy, comm: Comm, ep_group: Group,
-                 sources: tuple[list[int], list[int]] = ([0], [0]), user_groups: int = 1):
+                 sources: tuple[list[int], list[int]] = ([0], [0]), user_groups: int = 1,
+                 pp_group: Group | None = None):
+        """`dense` and `experts` sum their norms over every group but the pipeline's, `pp_group`, summed here."""
         # no Strategy.__init__: the two parts hold the parameters, buffers and optimizers
         self.dense, self.experts, self.comm, self.ep_group = dense, experts, comm, ep_group
-        self.parts = (dense, experts)
+        self.parts, self.pp_group = (dense, experts), pp_group
         self.stage, self.dims, self.zero = dense.stage, dense.dims, dense.zero
         self.params = dense.params + experts.params
         self.dtype, self.mixed = dense.dtype, dense.mixed
@@ -117,7 +121,10 @@ class ExpertSplit(Strategy):
         dense = self.dense.unscale(inv).double()
         experts_sq = self.experts.unscale(inv).double().square().reshape(1)
         self.comm.all_reduce(experts_sq, self.ep_group)     # the other experts, on the other ranks of the group
-        return (dense.square().reshape(1) + experts_sq).sqrt()
+        total = dense.square().reshape(1) + experts_sq
+        if self.pp_group is not None and self.pp_group.size > 1:
+            self.comm.all_reduce(total, self.pp_group)
+        return total.sqrt()
 
     def clip(self, coef: float) -> None:
         self._both("clip", coef)
