@@ -107,7 +107,7 @@ def test_a_layout_whose_ep_does_not_fold_over_dp_x_cp_is_refused_naming_both():
         Layout(dp=2, ep=4)
     with pytest.raises(ValueError, match="ep 3 does not divide the 4 experts"):
         estimate_layout("tiny-moe", Layout(dp=3, ep=3, seq_len=64))
-    with pytest.raises(ValueError, match="has none: use ep 1"):
+    with pytest.raises(ValueError, match="is not one: estimate it with ep 1"):
         estimate_layout("tiny", Layout(dp=2, ep=2, seq_len=64))
 
 

@@ -89,8 +89,9 @@ def rank_params(shape: ModelShape, tp: int = 1, pp: int = 1, virtual_stages: int
     if ep > 1:
         moe = shape.llama.moe_config() if shape.llama is not None else None
         if moe is None:
-            raise ValueError(f"expert parallelism (ep {ep}) splits the experts of bunsan's MoE blocks; "
-                             f"{shape.name} has none: use ep 1")
+            raise ValueError(f"the estimator prices expert parallelism (ep {ep}) for bunsan's MoE Llama (a preset, "
+                             f"a LlamaConfig with moe, a Mixtral config.json); {shape.name} is not one: estimate "
+                             "it with ep 1 (every expert on each rank) or measure a step (engine.memory_report())")
         if moe.num_experts % ep:
             raise ValueError(f"ep {ep} does not divide the {moe.num_experts} experts of {shape.name}'s MoE blocks; "
                              f"use an ep that divides {moe.num_experts}")
