@@ -253,7 +253,7 @@ def expert_parallel(model: nn.Module, at: Placement) -> EPContext | None:
     trains as data parallelism)."""
     if at.mesh.ep == 1:
         return None
-    ctx = EPContext(at.comm, at.mesh.ep_group, at.mesh.edp_group)
+    ctx = EPContext(at.comm, at.mesh.ep_group, at.mesh.edp_group, at.mesh.tp_group if at.mesh.tp > 1 else None)
     return ctx if apply_expert_parallel(model, ctx) else None
 
 

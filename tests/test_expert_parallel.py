@@ -192,6 +192,21 @@ def test_tokens_cross_ranks_by_all_to_all(pools):
     assert not any(k.startswith("all_to_all") for k in stats)
 
 
+def test_under_tensor_parallelism_each_rank_dispatches_its_slice_of_the_rows(pools):
+    """EP 2 x TP 2 routes the rows EP 2 alone does (the same data-parallel ranks) but each tensor-parallel rank
+    sends its half of them over the expert group: the all-to-alls carry half the bytes per rank (a row or two
+    apart: each expert's run is cut in near halves), and the tensor-parallel group gathers and scatters the rest."""
+    def moved(name):
+        world, cfg, moe, bias = CASES[name]
+        runs = pools.run(world, train, world, cfg, moe, bias)
+        return [r[3]["step"] for r in runs]
+    alone, both = moved("ep2"), moved("ep2-tp2")
+    per_rank = sum(s["all_to_all_v/ep"]["bytes"] for s in alone) / len(alone)
+    sliced = sum(s["all_to_all_v/ep"]["bytes"] for s in both) / len(both)
+    assert sliced == pytest.approx(per_rank / 2, rel=0.1), (sliced, per_rank)
+    assert all(s["all_gather/tp"]["bytes"] > 0 and s["reduce_scatter/tp"]["bytes"] > 0 for s in both)
+
+
 def test_compiled_blocks_with_the_experts_eager_train_as_uncompiled_ones_do(pools):
     """train.compile: each block compiled, its experts (and under EP their all-to-all) run eagerly inside it. Inductor
     fuses the rest its own way, so the compiled runs are held to each other (DP 2 and EP 2: the same compiled

@@ -175,3 +175,12 @@ def test_bunsan_plan_proposes_expert_parallel_layouts_for_a_mixtral_and_prices_t
             "--precision", "bf16", "--ep-sizes", "1"]
     main(only)
     assert all(r["layout"]["ep"] == 1 for r in json.loads(capsys.readouterr().out)["ranked"])
+
+
+# -- a published MoE run (tests/published_moe.py) -------------------------------------------------------------
+@pytest.mark.parametrize("gpus", [8, 16, 32, 64, 128, 256, 512, 1024, 2048])
+def test_nvidias_grok1_steps_on_h100_are_priced_within_15_percent(gpus):
+    import published_moe as pm
+    _, step, measured = pm.priced(gpus)
+    assert abs(step.total / measured - 1) <= 0.15, f"{gpus} GPUs: priced {step.total:.2f} s, measured {measured} s"
+    assert step.ep_comm > 0

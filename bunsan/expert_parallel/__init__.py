@@ -36,6 +36,7 @@ class EPContext:
     comm: Comm
     group: Group          # the ranks that split the experts (Mesh.ep_group)
     edp_group: Group      # the replicas of this rank's experts (Mesh.edp_group)
+    tp_group: Group | None = None     # each expert's width also cut over it (tensor parallelism)
 
     @property
     def size(self) -> int:
@@ -79,7 +80,7 @@ def apply_expert_parallel(model: nn.Module, ctx: EPContext) -> int:
             raise ValueError(f"expert_parallel.autoep_size {ctx.size} does not divide num_experts "
                              f"{block.config.num_experts}: each rank holds a whole number of experts; pick a "
                              f"divisor of {block.config.num_experts}")
-        block.experts = ShardedExperts(block.experts, ctx.comm, ctx.group)
+        block.experts = ShardedExperts(block.experts, ctx.comm, ctx.group, ctx.tp_group)
     return len(blocks) + len(layers) + len(packed)
 
 

@@ -11,6 +11,8 @@ already are the per-rank send sizes. A forward through `ShardedExperts`:
     experts                        GroupedExperts' kernel on my E/ep experts
     ungroup, all-to-all back       the outputs return to the rank and place each token came from
 
+Under tensor parallelism too each tensor-parallel rank dispatches only its slice of the rows (sliced.py).
+
 Dropless by default: every routed assignment is computed, whatever the imbalance; a capacity factor caps what
 the block keeps before any of this. A rank (or an expert) that receives no rows still takes part in every
 all-to-all, forward and backward, so no rank waits on another. The uneven splits are read on the host once
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 from bunsan.comm.collectives import Comm, Group
+from bunsan.expert_parallel.sliced import chunk_of_runs, gather_rows, scatter_rows
 from bunsan.models.moe_experts import GroupedExperts
 
 
@@ -63,7 +66,7 @@ class ShardedExperts(GroupedExperts):
     tokens every rank of `group` routes to them. `ep_split` records each weight's full shape for the
     checkpoints and the consolidated state dict (gathered along dim 0 over the group)."""
 
-    def __init__(self, full: GroupedExperts, comm: Comm, group: Group):
+    def __init__(self, full: GroupedExperts, comm: Comm, group: Group, tp_group: Group | None = None):
         nn.Module.__init__(self)
         ep = group.size
         if full.num_experts % ep:
@@ -73,6 +76,8 @@ class ShardedExperts(GroupedExperts):
         local = full.num_experts // ep
         self.num_experts, self.dim, self.hidden, self.kernel = local, full.dim, full.hidden, full.kernel
         self.total_experts, self.comm, self.group = full.num_experts, comm, group
+        # each expert's width also cut over a tensor-parallel group: dispatch each rank's slice of the rows (sliced.py)
+        self.tp_group = tp_group if tp_group is not None and tp_group.size > 1 else None
         self.first = group.rank * local
         self.tp_split = dict(getattr(full, "tp_split", {}))    # each expert's width cut by tensor parallelism
         self.ep_split = {}
@@ -87,6 +92,8 @@ class ShardedExperts(GroupedExperts):
         if counts.shape != (self.total_experts,):
             raise ValueError(f"counts must have one entry per expert ({self.total_experts},), got "
                              f"{tuple(counts.shape)}")
+        if self.tp_group is not None:
+            return self._sliced(x, counts)
         ep, local = self.group.size, self.num_experts
         send_counts = counts.view(ep, local).contiguous()
         recv_counts = torch.empty_like(send_counts)
@@ -99,6 +106,28 @@ class ShardedExperts(GroupedExperts):
         y = super().forward(received.index_select(0, index), recv_counts.sum(0))
         back = torch.empty_like(index).scatter_(0, index, torch.arange(rows, device=index.device))
         return AllToAllV.apply(y.index_select(0, back), send, recv, self.comm, self.group)
+
+    def _sliced(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """forward's expert x tensor parallelism: this tensor-parallel rank's slice of the rows dispatched, the
+        group's received rows computed together (sliced.py); the whole outputs at the slice's rows, zero at the
+        rest (the block sums its output over the tensor-parallel group)."""
+        ep, local, tp = self.group.size, self.num_experts, self.tp_group
+        rows_index, mine = chunk_of_runs(counts, tp.size, tp.rank)
+        send_counts = mine.view(ep, local).contiguous()
+        recv_counts = torch.empty_like(send_counts)
+        self.comm.all_to_all(recv_counts, send_counts, self.group)
+        group_counts = torch.empty((tp.size * ep, local), dtype=recv_counts.dtype, device=recv_counts.device)
+        self.comm.all_gather(group_counts, recv_counts, tp)            # what every tp rank received, by source
+        sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1), group_counts.view(tp.size, -1).sum(1)]).tolist()
+        send, recv, gathered = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]   # host: the collectives' sizes
+        received = AllToAllV.apply(x.index_select(0, rows_index), recv, send, self.comm, self.group)
+        together = gather_rows(received, gathered, self.comm, tp)
+        index = regroup_index(group_counts, together.shape[0])
+        y = super().forward(together.index_select(0, index), group_counts.sum(0))
+        back = torch.empty_like(index).scatter_(0, index, torch.arange(index.numel(), device=index.device))
+        whole = scatter_rows(y.index_select(0, back), gathered, self.comm, tp)    # my received rows, summed
+        returned = AllToAllV.apply(whole, send, recv, self.comm, self.group)
+        return x.new_zeros((x.shape[0], returned.shape[1])).index_copy(0, rows_index, returned)
 
     def extra_repr(self) -> str:
         return (f"experts {self.first}..{self.first + self.num_experts - 1} of {self.total_experts} over "
