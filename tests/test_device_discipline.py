@@ -39,6 +39,7 @@ STEP_MODULES = [
     "engine/preference.py", "engine/media.py", "engine/ds_loop.py",
     "models/moe.py", "models/moe_router.py", "models/moe_dispatch.py", "models/moe_experts.py",
     "expert_parallel/dispatch.py", "expert_parallel/__init__.py", "engine/moe_step.py", "zero/experts.py",
+    "expert_parallel/sliced.py", "expert_parallel/hf_experts.py", "tensor_parallel/hf_moe.py",
 ]
 
 FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",

@@ -175,9 +175,10 @@ class Objective:
     def _aux_sum(self, output, mb) -> torch.Tensor:
         aux = getattr(output, "aux_loss", None)
         if aux is None:
-            raise ValueError("the model sets output_router_logits (its router's auxiliary loss is part of its loss) but "
-                             "this forward returned no aux_loss (under pipeline stages the last stage gives logits "
-                             "only): set config.output_router_logits to False, or train without pipeline stages")
+            raise ValueError("the model sets output_router_logits (its router's auxiliary loss is part of its "
+                             "loss) but this forward returned no aux_loss (under pipeline stages the last stage gives "
+                             "logits only): set config.output_router_logits to False, or train without pipeline "
+                             "stages")
         return self.aux_coef * aux * (self.targets(mb) != -100).sum()
 
     def __call__(self, output, mb) -> tuple[torch.Tensor, torch.Tensor]:

@@ -118,8 +118,9 @@ class ShardedExperts(GroupedExperts):
         self.comm.all_to_all(recv_counts, send_counts, self.group)
         group_counts = torch.empty((tp.size * ep, local), dtype=recv_counts.dtype, device=recv_counts.device)
         self.comm.all_gather(group_counts, recv_counts, tp)            # what every tp rank received, by source
-        sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1), group_counts.view(tp.size, -1).sum(1)]).tolist()
-        send, recv, gathered = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]   # host: the collectives' sizes
+        counted = torch.cat([send_counts.sum(1), recv_counts.sum(1), group_counts.view(tp.size, -1).sum(1)])
+        sizes = counted.tolist()        # host: the collectives' sizes
+        send, recv, gathered = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]
         received = AllToAllV.apply(x.index_select(0, rows_index), recv, send, self.comm, self.group)
         together = gather_rows(received, gathered, self.comm, tp)
         index = regroup_index(group_counts, together.shape[0])

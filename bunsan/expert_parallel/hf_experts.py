@@ -24,7 +24,7 @@ from torch import nn
 
 from bunsan.comm.collectives import Comm, Group
 from bunsan.expert_parallel.dispatch import AllToAllV
-from bunsan.tensor_parallel.hf_moe import experts_call_arguments
+from bunsan.models.packed_experts import experts_call_arguments
 
 __all__ = ["hf_expert_modules", "shard_hf_experts"]
 
@@ -64,7 +64,7 @@ def shard_hf_experts(experts: nn.Module, name: str, comm: Comm, group: Group) ->
         mine = full.detach()[experts.first:experts.first + local]
         setattr(experts, w, nn.Parameter(mine if mine.is_meta else mine.clone(), requires_grad=full.requires_grad))
     experts.num_experts = local
-    calls: list[dict] = []      # the dispatch of the call in flight, from the pre-hook to the hook
+    calls: list[tuple] = []     # the dispatch of the call in flight, from the pre-hook to the hook
 
     def dispatch(module, args, kwargs):
         hidden, index, weights = experts_call_arguments(name, args, kwargs)

@@ -47,7 +47,7 @@ def _padded(parts: list[torch.Tensor], rows: int) -> torch.Tensor:
 
 
 def _gather(x: torch.Tensor, sizes: list[int], comm: Comm, group: Group) -> torch.Tensor:
-    rows = max(sizes)
+    rows = max(max(sizes), 1)       # (a group none of whose ranks received a row still gathers, and waits for no one)
     full = x.new_empty((len(sizes) * rows, *x.shape[1:]))
     comm.all_gather(full, _padded([x], rows), group)
     return torch.cat([full[i * rows:i * rows + n] for i, n in enumerate(sizes)])
@@ -65,7 +65,7 @@ class _GatherRows(torch.autograd.Function):
 
 
 def _scatter(x: torch.Tensor, sizes: list[int], comm: Comm, group: Group) -> torch.Tensor:
-    rows = max(sizes)
+    rows = max(max(sizes), 1)
     out = x.new_empty((rows, *x.shape[1:]))
     comm.reduce_scatter(out, _padded(list(x.split(sizes)), rows), group)
     return out[:sizes[group.rank]]

@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from bunsan.models.packed_experts import experts_call_arguments
 from bunsan.tensor_parallel.layers import split_rows
 from bunsan.tensor_parallel.ops import CopyToTP, TPContext, sum_over_tp
 
-__all__ = ["split_hf_experts", "experts_call_arguments", "EXPERT_PARAM_STYLES"]
+__all__ = ["split_hf_experts", "EXPERT_PARAM_STYLES"]
 
 # the experts' parameters and the style transformers' plans give each (checked, then split here)
 EXPERT_PARAM_STYLES = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
@@ -65,15 +66,3 @@ def split_hf_experts(experts: nn.Module, name: str, ctx: TPContext) -> None:
 
     experts.register_forward_pre_hook(enter, with_kwargs=True)
     experts.register_forward_hook(lambda module, args, out: sum_over_tp(ctx, out))
-
-
-def experts_call_arguments(name: str, args: tuple, kwargs: dict) -> tuple:
-    """(hidden_states, top_k_index, top_k_weights) of a call to transformers' packed experts `name`, however
-    passed; any other call is an error (a hook that rewrites it would get it wrong)."""
-    names = ("hidden_states", "top_k_index", "top_k_weights")
-    given = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
-    missing = [n for n in names if n not in given]
-    if missing or len(args) + len(kwargs) != 3:
-        raise ValueError(f"{name} was called with {len(args)} positional and {sorted(kwargs)} keyword arguments; "
-                         "bunsan splits packed experts called as (hidden_states, top_k_index, top_k_weights)")
-    return tuple(given[n] for n in names)
