@@ -181,6 +181,7 @@ EP_LAYOUTS = {
     # a stage's experts found by the plan's paths under the stage's names
     "qwen3_moe ep2 pp2": ("qwen3_moe", 4, {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2},
                           {**NO_AUX, "mlp_only_layers": []}),
+    "mixtral ep2 pp2": ("mixtral", 4, {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2}, NO_AUX),
     # the first stage holds the dense layer only: no experts to split there
     "deepseek_v3 ep2 pp2": ("deepseek_v3", 4, {"pipeline": {"stages": 2}, "gradient_accumulation_steps": 2}, {}),
 }
