@@ -90,13 +90,12 @@ def block_bytes(c: LlamaConfig, m: Micro) -> float:
     return 2 * norm_bytes(c, m) + 2 * d * b * s * h / m.seq_div + attention + mlp
 
 
-def routed_assignments(c: LlamaConfig, m: Micro) -> int:
-    """(token, expert) assignments one MoE block computes for a micro-batch: b·s·k dropless, at most each
-    expert's capacity under a capacity factor (the bound: which assignments are dropped depends on the data).
-    Under expert parallelism a rank computes about as many, its experts' share of every rank's tokens, with
-    balanced routing."""
+def routed_rows(c: LlamaConfig, tokens: int) -> int:
+    """(token, expert) assignments one MoE block computes for `tokens` tokens: tokens x top_k dropless, at most
+    each expert's capacity under a capacity factor (the bound: which assignments are dropped depends on the
+    data). Under expert parallelism a rank computes about as many, its experts' share of every rank's tokens,
+    with balanced routing."""
     moe = c.moe_config()
-    tokens = m.b * m.s
     cap = moe.capacity(tokens)
     return tokens * moe.top_k if cap is None else min(tokens * moe.top_k, moe.num_experts * cap)
 
@@ -119,7 +118,7 @@ def moe_bytes(c: LlamaConfig, m: Micro) -> float:
     moe = c.moe_config()
     d, t, h, e, k = m.d, m.tp, c.hidden_size, moe.num_experts, moe.top_k
     tokens = m.b * m.s
-    n = routed_assignments(c, m)
+    n = routed_rows(c, tokens)
     if d >= 4 and not m.sp:
         inputs = d * tokens * h
     else:

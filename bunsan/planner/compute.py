@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bunsan.estimator.activations import routed_rows
 from bunsan.estimator.hardware import GPU
 from bunsan.estimator.layout import Layout
 from bunsan.models.llama import LlamaConfig
@@ -115,15 +116,6 @@ def block_time(model: LlamaConfig, layout: Layout, gpu: GPU, efficiency: float,
         (K.BACKWARD_FACTOR if compiled else K.EAGER_BACKWARD_FACTOR) * elementwise
     return BlockTime(forward=forward, backward=backward, attention_forward=core,
                      o_proj_forward=o_proj)
-
-
-def routed_rows(model: LlamaConfig, tokens: int) -> int:
-    """(token, expert) assignments a MoE block computes for `tokens` tokens: tokens x top_k dropless, at most
-    every expert's capacity under a capacity factor (with expert parallelism about as many per rank: its
-    experts' share of the group's tokens, routing balanced)."""
-    moe = model.moe_config()
-    cap = moe.capacity(tokens)
-    return tokens * moe.top_k if cap is None else min(tokens * moe.top_k, moe.num_experts * cap)
 
 
 def _moe_mlp(model: LlamaConfig, layout: Layout, tokens: int, mm) -> tuple[float, float, float]:

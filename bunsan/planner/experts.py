@@ -9,10 +9,10 @@ gathers what its ranks received and scatters the summed outputs back (expert_par
 
 from __future__ import annotations
 
+from bunsan.estimator.activations import routed_rows
 from bunsan.estimator.layout import Layout
 from bunsan.models.llama import LlamaConfig
 from bunsan.planner.collectives import Topology, collective
-from bunsan.planner.compute import routed_rows
 
 
 def routed_expert_params(model: LlamaConfig) -> int:
