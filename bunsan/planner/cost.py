@@ -140,9 +140,8 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
     n_flops, n_all = model.num_params(include_embedding=False, active=True), model.num_params()
     flops_per_token = 6 * n_flops + 12 * model.num_hidden_layers * model.attention_dim * layout.seq_len
     tokens, m = layout.global_batch * layout.seq_len, layout.grad_accum
-    # Under context parallelism a rank computes its seq_len/cp tokens of each row, their queries attending
-    # to the whole row's keys (the balanced causal split gives every rank the same share of the square)
-    # to the rank's GEMMs its context-parallel peers are data-parallel ones (dp x cp kept: ep folds over them)
+    # Under context parallelism a rank computes its seq_len/cp tokens of each row against the whole row's keys (the
+    # balanced causal split); to its GEMMs its cp peers are data-parallel ones (dp x cp kept: ep folds over them)
     local = dataclasses.replace(layout, seq_len=layout.rank_tokens, cp=1, dp=layout.shard_ranks) \
         if layout.cp > 1 else layout
     blk = block_time(model, local, gpu, eff, attention, keys=layout.seq_len, chunk=cp_chunk(layout),
@@ -173,10 +172,9 @@ def step_time(model: LlamaConfig, layout: Layout, gpu: GPU, intra: Interconnect,
     return StepTime(compute=compute, recompute=recompute, tp_comm=tp_comm, dp_comm=dp_exposed,
                     pp_comm=_pp_comm(model, layout, topo), bubble=bubble,
                     offload=_offload(layout, sharded) + _activation_offload(model, layout, qk_norm),
-                    optimizer=optimizer,
-                    dp_comm_total=dp_total, tokens_per_step=tokens, flops_per_token=flops_per_token,
-                    gpus=layout.gpus, peak_flops=peak, cp_comm=cp_comm(model, layout, topo, blocks),
-                    ep_comm=ep_comm(model, local, topo, blocks),
+                    optimizer=optimizer, dp_comm_total=dp_total, tokens_per_step=tokens,
+                    flops_per_token=flops_per_token, gpus=layout.gpus, peak_flops=peak,
+                    cp_comm=cp_comm(model, layout, topo, blocks), ep_comm=ep_comm(model, local, topo, blocks),
                     assumptions=step_notes(model, layout, gpu, topo, eff, attention, n_flops, flops_per_token, compiled,
                                                overlap)
                     + cp_note(layout, topo, attention, gpu)
