@@ -81,14 +81,19 @@ def reference(family: str, batches: list[dict], dp: int = 1, **changes):
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _train_tp(rank, family, cfg, batches):
-    engine = bunsan.initialize(tiny(family), cfg)
-    dp, dp_rank = engine.mesh.dp, engine.mesh.dp_rank
-    per = ROWS // dp
-    losses = [engine.train_batch({k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in b.items()})
-              for b in batches]
+def _train(rank, family, cfg, batches, changes=None):
+    """Worker: `family`'s tiny model (with `changes`) under `cfg`; (losses, consolidated state, what this rank
+    holds: the split modules' classes and every experts' gate_up_proj shape)."""
+    engine = bunsan.initialize(tiny(family, **(changes or {})), cfg)
+    losses = [engine.train_batch(_rows(engine, b)) for b in batches]
     split = sorted({type(m).__name__ for m in engine.module.modules() if hasattr(m, "tp_split")})
-    return losses, engine.consolidated_state_dict(), split
+    held = {n: tuple(p.shape) for n, p in engine.module.named_parameters() if n.endswith("experts.gate_up_proj")}
+    return losses, engine.consolidated_state_dict(), {"split": split, "held": held}
+
+
+def _rows(engine, b: dict) -> dict:
+    per = ROWS // engine.mesh.dp
+    return {k: v[engine.mesh.dp_rank * per:(engine.mesh.dp_rank + 1) * per] for k, v in b.items()}
 
 
 def _cfg(zero: int = 0) -> dict:
@@ -99,23 +104,23 @@ def _cfg(zero: int = 0) -> dict:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_transformers_moe_under_tp2_matches_the_plain_loop(pools, family):
     batches = data()
-    results = pools.run(2, _train_tp, family, _cfg(), batches)
+    results = pools.run(2, _train, family, _cfg(), batches)
     ref_losses, ref_state = reference(family, batches)
     check_runs([(r[0], r[1], None) for r in results], ref_losses, ref_state)
-    assert any(name.endswith(("Experts", "NaiveMoe")) for name in results[0][2]), results[0][2]
+    assert any(name.endswith(("Experts", "NaiveMoe")) for name in results[0][2]["split"]), results[0][2]
 
 
 def test_tp2_on_zero3(pools):
     """The split experts under ZeRO-3's gathered units."""
     batches = data()
-    results = pools.run(2, _train_tp, "mixtral", _cfg(3), batches)
+    results = pools.run(2, _train, "mixtral", _cfg(3), batches)
     check_runs([(r[0], r[1], None) for r in results], *reference("mixtral", batches))
 
 
 @pytest.mark.parametrize("world, tp", [(2, 1), (4, 2)], ids=["dp2", "tp2_x_dp2"])
 def test_the_auxiliary_loss_under_data_parallelism_is_each_ranks_rows(pools, world, tp):
     batches = data()
-    results = pools.run(world, _train_tp, "mixtral", {**_cfg(1), "tensor_parallel": {"size": tp}}, batches)
+    results = pools.run(world, _train, "mixtral", {**_cfg(1), "tensor_parallel": {"size": tp}}, batches)
     check_runs([(r[0], r[1], None) for r in results], *reference("mixtral", batches, dp=world // tp))
 
 
@@ -143,16 +148,6 @@ def test_pipeline_stages_refuse_a_router_loss_they_cannot_carry(pools):
 
 
 # -- expert parallelism by the model's ep_plan (expert_parallel/hf_experts.py) --------------------------------
-def _train_ep(rank, family, cfg, batches, changes=None):
-    engine = bunsan.initialize(tiny(family, **(changes or {})), cfg)
-    dp, dp_rank = engine.mesh.dp, engine.mesh.dp_rank
-    per = ROWS // dp
-    losses = [engine.train_batch({k: v[dp_rank * per:(dp_rank + 1) * per] for k, v in b.items()})
-              for b in batches]
-    held = {n: tuple(p.shape) for n, p in engine.module.named_parameters() if n.endswith("experts.gate_up_proj")}
-    return losses, engine.consolidated_state_dict(), held
-
-
 def _ep_cfg(zero: int = 0) -> dict:
     return {"train_batch_size": ROWS, "steps_per_print": 100, "optimizer": {"type": "SGD", "params": {"lr": LR}},
             "zero_optimization": {"stage": zero}, "expert_parallel": {"enabled": True, "autoep_size": 2}}
@@ -161,9 +156,9 @@ def _ep_cfg(zero: int = 0) -> dict:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_transformers_moe_under_ep2_matches_the_plain_loop(pools, family):
     batches = data()
-    results = pools.run(2, _train_ep, family, _ep_cfg(), batches)
+    results = pools.run(2, _train, family, _ep_cfg(), batches)
     check_runs([(r[0], r[1], None) for r in results], *reference(family, batches, dp=2))
-    for held in (r[2] for r in results):          # each rank holds 2 of the 4 experts
+    for held in (r[2]["held"] for r in results):          # each rank holds 2 of the 4 experts
         assert held and all(shape[0] == 2 for shape in held.values()), held
 
 
@@ -191,14 +186,10 @@ EP_LAYOUTS = {
 def test_a_transformers_moe_on_expert_parallel_layouts_matches_the_plain_loop(pools, name):
     family, world, changes, model_changes = EP_LAYOUTS[name]
     batches = data()
-    results = pools.run(world, _train_ep, family, {**_ep_cfg(1), **changes}, batches, model_changes)
+    results = pools.run(world, _train, family, {**_ep_cfg(1), **changes}, batches, model_changes)
     dp = world // changes.get("tensor_parallel", {}).get("size", 1) // changes.get("pipeline", {}).get("stages", 1)
     check_runs([(r[0], r[1], None) for r in results], *reference(family, batches, dp=dp, **model_changes))
 
-
-def _rows(engine, b: dict) -> dict:
-    per = ROWS // engine.mesh.dp
-    return {k: v[engine.mesh.dp_rank * per:(engine.mesh.dp_rank + 1) * per] for k, v in b.items()}
 
 
 # (the router's loss left out: a layout with another data-parallel size balances over other rows)
@@ -224,24 +215,12 @@ def _resume(rank, cfg, path):
     return engine.train_batch(_rows(engine, data()[-1])), engine.consolidated_state_dict()
 
 
-@pytest.mark.parametrize("save_ep, load_ep", [(2, 1), (1, 2)], ids=["ep2->ep1", "ep1->ep2"])
-def test_a_checkpoint_of_packed_experts_resumes_at_another_expert_parallel_size(pools, tmp_path, save_ep, load_ep):
-    def cfg(ep: int) -> dict:
-        return {**_ep_cfg(1), "expert_parallel": {"enabled": ep > 1, "autoep_size": ep}}
-    path = str(tmp_path / "ckpt")
-    want_loss, want_state = pools.run(2, _save, cfg(save_ep), path)[0]
-    for loss, state in pools.run(2, _resume, cfg(load_ep), path):
-        assert loss == pytest.approx(want_loss, rel=1e-6)
-        for key, want in want_state.items():
-            torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6, msg=key)
-
-
 def test_ep2_with_a_rank_whose_experts_no_token_chooses(pools):
     """DeepSeek-V3's selection bias keeps every token from experts 2 and 3, rank 1's: it still takes part in every
     all-to-all (nothing waits), and its experts' weights stay as they were."""
     batches = data()
     changes = {"starved": (2, 3)}
-    results = pools.run(2, _train_ep, "deepseek_v3", _ep_cfg(3), batches, changes)
+    results = pools.run(2, _train, "deepseek_v3", _ep_cfg(3), batches, changes)
     ref_losses, ref_state = reference("deepseek_v3", batches, dp=2, **changes)
     check_runs([(r[0], r[1], None) for r in results], ref_losses, ref_state)
     start = tiny("deepseek_v3", **changes).state_dict()
@@ -249,26 +228,29 @@ def test_ep2_with_a_rank_whose_experts_no_token_chooses(pools):
     assert torch.equal(ref_state[key][2:], start[key][2:]) and not torch.equal(ref_state[key][:2], start[key][:2])
 
 
-@pytest.mark.parametrize("save_tp, load_tp", [(2, 1), (1, 2)], ids=["tp2->dp2", "dp2->tp2"])
-def test_a_checkpoint_of_width_split_experts_resumes_at_another_tensor_parallel_size(pools, tmp_path, save_tp,
-                                                                                      load_tp):
-    """gate_up_proj's gate and up rows, each cut over the ranks (two sections along dim 1), read back whole."""
-    def cfg(tp: int) -> dict:
-        return {**_cfg(1), "tensor_parallel": {"size": tp}}
-    path = str(tmp_path / "ckpt")
-    want_loss, want_state = pools.run(2, _save, cfg(save_tp), path)[0]
-    for loss, state in pools.run(2, _resume, cfg(load_tp), path):
-        assert loss == pytest.approx(want_loss, rel=1e-6)
-        for key, want in want_state.items():
-            torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6, msg=key)
+def _layout(ep: int, tp: int) -> dict:
+    return {**_ep_cfg(1), "expert_parallel": {"enabled": ep > 1, "autoep_size": ep}, "tensor_parallel": {"size": tp}}
 
 
-def test_a_checkpoint_of_experts_cut_both_ways_resumes_on_data_parallel_ranks(pools, tmp_path):
-    """EP 2 x TP 2 (each rank a run of experts at half their width) saved, read back on DP 2."""
+# saved on (ranks, EP, TP) -> loaded on (ranks, EP, TP); each case says what it adds
+RESHARDS = {
+    # each rank's run of experts saved in global coordinates
+    "ep2 -> ep1": ((2, 2, 1), (2, 1, 1)),
+    "ep1 -> ep2": ((2, 1, 1), (2, 2, 1)),
+    # gate_up_proj's gate and up rows, each cut over the ranks: two sections along dim 1
+    "tp2 -> dp2": ((2, 1, 2), (2, 1, 1)),
+    "dp2 -> tp2": ((2, 1, 1), (2, 1, 2)),
+    # each rank a run of experts at half their width: both cuts in one piece
+    "ep2 x tp2 -> dp2": ((4, 2, 2), (2, 1, 1)),
+}
+
+
+@pytest.mark.parametrize("name", RESHARDS)
+def test_a_checkpoint_of_packed_experts_resumes_on_another_layout(pools, tmp_path, name):
+    (save_world, *saved), (load_world, *loaded) = RESHARDS[name]
     path = str(tmp_path / "ckpt")
-    both = {**_ep_cfg(1), "tensor_parallel": {"size": 2}}
-    want_loss, want_state = pools.run(4, _save, both, path)[0]
-    for loss, state in pools.run(2, _resume, {**_ep_cfg(1), "expert_parallel": {"enabled": False}}, path):
+    want_loss, want_state = pools.run(save_world, _save, _layout(*saved), path)[0]
+    for loss, state in pools.run(load_world, _resume, _layout(*loaded), path):
         assert loss == pytest.approx(want_loss, rel=1e-6)
         for key, want in want_state.items():
             torch.testing.assert_close(state[key], want, rtol=1e-5, atol=1e-6, msg=key)
